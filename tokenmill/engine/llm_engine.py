@@ -1,0 +1,71 @@
+"""LLMEngine: tokenizer + engine core + output processor in one process (the Python API's engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core import EngineCore, set_threads
+from tokenmill.engine.output_processor import OutputProcessor, RequestOutput, child_request_id
+from tokenmill.loader import load_model
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sample `index` of an n > 1 request: n=1, and its own seed if seeded."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded = load_model(config.model, config.dtype, config.device,
+                            max_positions=config.scheduler.max_model_len)
+        set_threads(loaded.device)
+        self.model_config = loaded.config
+        self.model_name = loaded.source.name
+        self.tokenizer = load_tokenizer(loaded.source)
+        self.core = EngineCore(config, loaded, self.tokenizer.eos_token_ids)
+        self.processor = OutputProcessor(self.tokenizer)
+        logger.info("KV cache capacity: %d tokens", self.core.capacity_tokens)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a prompt (text or token ids). Raises ValueError if it can never be served."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        child_ids = self.processor.add_request(request_id, text, token_ids, params, arrival)
+        try:
+            for i, cid in enumerate(child_ids):
+                self.core.add_request(cid, token_ids, child_params(params, i), arrival, priority)
+        except ValueError:
+            self.core.abort_requests(child_ids)
+            self.processor.abort(request_id)
+            raise
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.processor.abort(request_id)
+        if state is not None:
+            n = len(state.outputs)
+            self.core.abort_requests([child_request_id(request_id, i, n) for i in range(n)])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, to_abort = self.processor.process(self.core.step())
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs

@@ -1,0 +1,173 @@
+"""Output processor: turns the core's token ids into text and vLLM-style request outputs.
+
+It runs next to the tokenizer (in the front-end process when serving): incremental
+detokenization, stop strings (the core is told to abort a request that hit one), `n > 1`
+fan-out, and per-request timing metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.engine.core import EngineCoreOutput, Logprob
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` samples of a request. `text`/`token_ids` are cumulative; the `delta_*`
+    fields hold what this step added (what a stream should send now)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic-clock timestamps of one request (first sample's view for n > 1)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+
+class _Sample:
+    """Per-sample state: the detokenizer and the output being built."""
+
+    def __init__(self, parent: _RequestState, index: int, tokenizer: Tokenizer) -> None:
+        self.parent = parent
+        p = parent.params
+        self.output = CompletionOutput(index, logprobs=[] if p.logprobs is not None else None)
+        self.detok = IncrementalDetokenizer(tokenizer, parent.prompt_token_ids, p.skip_special_tokens,
+                                            p.stop, p.include_stop_str_in_output)
+
+
+class _RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.samples: list[_Sample] = []
+        self.metrics = RequestMetrics(arrival_time)
+        self.num_cached_tokens = 0
+
+    def snapshot(self) -> RequestOutput:
+        outputs = [s.output for s in self.samples]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.metrics,
+                             self.num_cached_tokens, all(o.finished for o in outputs))
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.samples: dict[str, _Sample] = {}  # core (child) request id -> sample
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> list[str]:
+        """Track a request; returns the core request ids of its `n` samples."""
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, arrival_time)
+        self.requests[request_id] = state
+        child_ids = []
+        for i in range(params.n):
+            sample = _Sample(state, i, self.tokenizer)
+            state.samples.append(sample)
+            cid = child_request_id(request_id, i, params.n)
+            self.samples[cid] = sample
+            child_ids.append(cid)
+        return child_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Forget a request (aborted by the user); returns its last state marked 'abort'."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for i in range(state.params.n):
+            self.samples.pop(child_request_id(request_id, i, state.params.n), None)
+        for s in state.samples:
+            if s.output.finish_reason is None:
+                s.output.finish_reason = "abort"
+        return state.snapshot()
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step of core outputs. Returns the updated request outputs and the core
+        request ids to abort because they hit a stop string."""
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for state in self.requests.values():
+            for s in state.samples:
+                s.output.delta_text, s.output.delta_token_ids = "", []
+                s.output.delta_logprobs = None
+        for co in core_outputs:
+            sample = self.samples.get(co.request_id)
+            if sample is None:
+                continue
+            state = sample.parent
+            out = sample.output
+            finish = co.finish_reason
+            stop_reason: str | int | None = None
+            text_ids = co.new_token_ids
+            if finish == "stop":
+                # the last token was EOS or a stop token: keep its id, but not its text
+                stop_reason = co.new_token_ids[-1] if co.new_token_ids[-1] in state.params.stop_token_ids else None
+                text_ids = co.new_token_ids[:-1]
+            sample.detok.add_tokens(text_ids)
+            if finish is None and sample.detok.stop_str is not None:
+                finish, stop_reason = "stop", sample.detok.stop_str
+                to_abort.append(co.request_id)
+            out.token_ids.extend(co.new_token_ids)
+            out.delta_token_ids = co.new_token_ids
+            if co.new_logprobs is not None and out.logprobs is not None:
+                out.logprobs.extend(co.new_logprobs)
+                out.delta_logprobs = co.new_logprobs
+            out.delta_text = sample.detok.stream_delta(finished=finish is not None)
+            out.text = sample.detok.output_text
+            m = state.metrics
+            if out.index == 0:
+                m.first_scheduled_time = co.first_scheduled_time
+                m.first_token_time = m.first_token_time or co.timestamp
+                m.token_times.append(co.timestamp)
+            state.num_cached_tokens = co.num_cached_tokens
+            if finish is not None:
+                out.finish_reason, out.stop_reason = finish, stop_reason
+                self.samples.pop(co.request_id, None)
+            touched[state.request_id] = state
+        results = []
+        for rid, state in touched.items():
+            result = state.snapshot()
+            if result.finished:
+                state.metrics.finished_time = state.metrics.token_times[-1] if state.metrics.token_times else None
+                del self.requests[rid]
+            results.append(result)
+        return results, to_abort

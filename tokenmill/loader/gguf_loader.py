@@ -1,0 +1,140 @@
+"""Read a GGUF file: model config from its metadata, tensors renamed to HF names and dequantized
+one at a time (the packed bytes stay available on `GGUFWeight` for quantized layers later)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from tokenmill.config import ModelConfig
+
+# GGUF general.architecture -> HF architectures name
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+_DEQUANTIZABLE = {
+    GGMLQuantizationType[t] for t in (
+        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    )
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+@dataclass
+class GGUFWeight:
+    """One tensor as stored in the file: `qtype` and the packed `raw` bytes, plus how to undo
+    llama.cpp's q/k row permutation. `dequantize()` gives the float tensor in HF layout."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    raw: np.ndarray
+    unpermute_heads: int | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        values = np.asarray(dequantize(self.raw, self.qtype), dtype=np.float32)
+        if self.unpermute_heads:
+            values = _unpermute(values, self.unpermute_heads)
+        if not values.flags.writeable or not values.flags.c_contiguous:  # F32 tensors are views of the mmap
+            values = values.copy()
+        return torch.from_numpy(values)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp stores Q/K rows interleaved for its RoPE; put them back in HF's rotate-half order."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.reader = GGUFReader(str(path))
+        except Exception as e:  # the gguf package raises several types on damaged files
+            raise ValueError(f"cannot read GGUF file {path}: {e}") from None
+        self.config = self._read_config()
+
+    def _field(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _read_config(self) -> ModelConfig:
+        arch = self._field("general.architecture")
+        if arch not in _ARCHITECTURES:
+            raise ValueError(
+                f"{self.path.name}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
+            )
+        p = lambda key, default=None: self._field(f"{arch}.{key}", default)  # noqa: E731
+        heads = p("attention.head_count")
+        hidden = p("embedding_length")
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = p("vocab_size") or (len(tokens.data) if tokens else None)
+        names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in names:
+            raise ValueError(f"{self.path.name}: GGUF rope frequency factors (rope_freqs) are not supported yet")
+        scaling = None
+        if p("rope.scaling.type") == "linear":
+            scaling = {"rope_type": "linear", "factor": p("rope.scaling.factor")}
+        return ModelConfig(
+            architecture=_ARCHITECTURES[arch],
+            vocab_size=int(vocab),
+            hidden_size=int(hidden),
+            intermediate_size=int(p("feed_forward_length")),
+            num_hidden_layers=int(p("block_count")),
+            num_attention_heads=int(heads),
+            num_key_value_heads=int(p("attention.head_count_kv", heads)),
+            head_dim=int(p("attention.key_length", hidden // heads)),
+            rms_norm_eps=float(p("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(p("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(p("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            qkv_bias="blk.0.attn_q.bias" in names,
+        )
+
+    def weights(self) -> Iterator[tuple[str, GGUFWeight]]:
+        """Tensors under HF names, lazily: nothing is dequantized until asked."""
+        permute = self._field("general.architecture") in ("llama", "mistral")
+        c = self.config
+        for t in self.reader.tensors:
+            if t.tensor_type not in _DEQUANTIZABLE:
+                raise ValueError(
+                    f"{self.path.name}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
+                    f"(supported: {', '.join(sorted(q.name for q in _DEQUANTIZABLE))})"
+                )
+            name, heads = _GLOBAL_NAMES.get(t.name), None
+            if name is None:
+                m = _LAYER_RE.match(t.name)
+                if not m or m.group(2) not in _LAYER_NAMES:
+                    raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for a Llama-family model")
+                layer, part, kind = m.groups()
+                name = f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+                if permute and part == "attn_q":
+                    heads = c.num_attention_heads
+                elif permute and part == "attn_k":
+                    heads = c.num_key_value_heads
+            yield name, GGUFWeight(t.name, t.tensor_type, t.data, heads)

@@ -1,0 +1,109 @@
+"""Per-request sampling parameters (mirrors vLLM's ``SamplingParams``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Temperatures below this are treated as greedy decoding (same threshold as vLLM).
+_GREEDY_EPS = 1e-5
+# Most top-N logprobs a request may ask for per generated token.
+MAX_LOGPROBS = 20
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request and when to stop it.
+
+    ``top_k`` of 0 or -1 disables top-k; ``logprobs=N`` returns the top-N logprobs per
+    generated token (plus the sampled one; 0 means only the sampled token's);
+    ``ignore_eos`` keeps generating past EOS (it does not stop EOS being sampled).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(field: str, what: str) -> None:
+            raise ValueError(f"{field} {what}, got {getattr(self, field)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "must be an int >= 1")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be an int >= 0 (or -1 to disable)")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            if not _is_num(value) or not -2 <= value <= 2:
+                bad(field, "must be in [-2, 2]")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "must be an int or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an int >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "must be a list of ints >= 0")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            bad("logprobs", f"must be an int in [0, {MAX_LOGPROBS}] or None")
+        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, "must be a bool")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature ~ 0)."""
+        return self.temperature < _GREEDY_EPS
