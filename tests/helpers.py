@@ -1,0 +1,87 @@
+"""Shared test helpers: tiny random-weight HF models saved to disk, and reference comparisons."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.loader import load_model
+from tokenmill.sampling_params import SamplingParams
+
+_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=1024, initializer_range=0.05)
+
+# name -> (config class, extra config fields)
+TINY_MODELS = {
+    "llama-mha": (transformers.LlamaConfig, dict(num_key_value_heads=4)),
+    "llama-gqa-untied": (transformers.LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-mqa-tied": (transformers.LlamaConfig, dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "llama3-rope-head-dim": (transformers.LlamaConfig, dict(
+        num_key_value_heads=2, head_dim=32,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama-linear-rope": (transformers.LlamaConfig, dict(
+        num_key_value_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "qwen2-bias": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
+}
+
+
+def make_tiny_model(name: str, directory) -> transformers.PreTrainedModel:
+    """Build a random-weight model from a transformers config, save it to `directory`, return it."""
+    cls, extra = TINY_MODELS[name]
+    torch.manual_seed(0)
+    config = cls(**_BASE, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def make_core(model: str, num_blocks: int = 512, block_size: int = 16, max_num_batched_tokens: int = 512,
+              max_num_seqs: int = 64, eos_token_ids=(), max_model_len: int | None = None,
+              loaded=None) -> EngineCore:
+    config = EngineConfig(
+        model=model, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len),
+    )
+    return EngineCore(config, loaded or load_model(model), set(eos_token_ids))
+
+
+def run_core(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+             on_step=None) -> dict[str, list[int]]:
+    """Run prompts to completion through the engine core; returns generated ids by request id."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    out: dict[str, list[int]] = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        core.add_request(str(i), p, sp)
+        out[str(i)] = []
+    while core.has_unfinished():
+        for o in core.step():
+            out[o.request_id].extend(o.new_token_ids)
+        if on_step:
+            on_step(core)
+    return out
+
+
+def greedy_reference(hf_model, prompt: list[int], max_new_tokens: int):
+    """transformers' greedy continuation and the logits it chose from at each step."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        res = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                                output_scores=True, return_dict_in_generate=True, min_new_tokens=max_new_tokens,
+                                pad_token_id=0, eos_token_id=None)
+    return res.sequences[0, len(prompt):].tolist(), [s[0] for s in res.scores]
+
+
+def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor], tie: float = 1e-5) -> None:
+    """Token-exact, except that comparison stops at a step where the reference's top-2 logits tie."""
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            top2 = ref_logits[step].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap <= tie, f"greedy diverged at step {step}: ours {a}, reference {b}, top-2 gap {gap:.2e}"
+            return
+    assert len(ours) == len(ref)

@@ -1,0 +1,184 @@
+"""Model loading and the forward pass, checked against HF transformers in float32."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import TINY_MODELS, assert_same_greedy, greedy_reference, make_core, make_tiny_model, run_core
+from tokenmill.attention.backend import SequenceSlice
+from tokenmill.config import CacheConfig
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.loader import load_model
+from tokenmill.sampling_params import SamplingParams
+
+PROMPT_LENGTHS = [1, 2, 7, 16, 17, 64, 150, 300]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
+def tiny(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_model(request.param, directory)
+    return request.param, str(directory), hf
+
+
+def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence prefilled from an empty cache."""
+    blocks = list(range(-(-len(ids) // runner.block_size)))
+    meta = runner.backend.build_metadata([SequenceSlice(0, len(ids), blocks)], runner.block_size, runner.device)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta)
+        return runner.model.compute_logits(hidden).float()
+
+
+def test_prefill_logits_match_transformers(tiny):
+    name, directory, hf = tiny
+    runner = ModelRunner(load_model(directory, dtype="float32"), CacheConfig(num_blocks=32))
+    for ids in prompts(hf.config.vocab_size):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        ours = all_logits(runner, ids)
+        scale = max(1.0, ref.abs().max().item())
+        assert (ours - ref).abs().max().item() <= 1e-4 * scale, f"{name}: prompt of {len(ids)} tokens"
+
+
+def test_greedy_matches_transformers_in_one_flat_batch(tiny):
+    """All prompts run together through the engine (one flat batch per step) and each greedy
+    continuation equals transformers' own greedy generate."""
+    name, directory, hf = tiny
+    batch = prompts(hf.config.vocab_size, seed=1)
+    ours = run_core(make_core(directory), batch, GREEDY)
+    for i, ids in enumerate(batch):
+        ref, ref_logits = greedy_reference(hf, ids, 32)
+        assert_same_greedy(ours[str(i)], ref, ref_logits)
+
+
+def test_config_fields_are_read(tiny):
+    name, directory, hf = tiny
+    c = load_model(directory).config
+    assert c.num_key_value_heads == hf.config.num_key_value_heads
+    assert c.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    assert c.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
+    assert c.qkv_bias == (name == "qwen2-bias")
+
+
+# --- the default model: SmolLM2-135M-Instruct GGUF (Q4_1) against transformers' own GGUF loader ---
+
+@pytest.fixture(scope="module")
+def smollm_reference(default_model):
+    from transformers import AutoModelForCausalLM
+
+    src = default_model.source
+    return AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
+                                                dtype=torch.float32).eval()
+
+
+def test_smollm2_gguf_matches_transformers(default_model, default_tokenizer, smollm_reference):
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+             "1, 2, 3, 4,", "Les fleurs du jardin sont", "Q: What is 7 times 8?\nA:", "The quick brown fox",
+             "In machine learning, a transformer is"]
+    batch = [default_tokenizer.encode(t) for t in texts]
+    runner = ModelRunner(default_model, CacheConfig(num_blocks=16))
+    for ids in batch[:3]:
+        with torch.no_grad():
+            ref = smollm_reference(torch.tensor([ids])).logits[0]
+        ours = all_logits(runner, ids)
+        assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+    del runner
+    ours = run_core(make_core("smollm2-135m-instruct", num_blocks=64, loaded=default_model), batch, GREEDY)
+    for i, ids in enumerate(batch):
+        ref, ref_logits = greedy_reference(smollm_reference, ids, 32)
+        assert_same_greedy(ours[str(i)], ref, ref_logits)
+
+
+# --- clear errors ---
+
+def test_unknown_architecture_names_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model(str(tmp_path))
+
+
+def test_missing_model_path():
+    with pytest.raises(FileNotFoundError, match="neither a known alias"):
+        load_model("/nonexistent/model")
+
+
+def test_missing_weights_and_corrupt_files(tmp_path):
+    make_tiny_model("llama-gqa-untied", tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(str(tmp_path))
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load_model(str(tmp_path))
+
+
+def test_checkpoint_missing_a_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model("llama-gqa-untied", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="missing 1 tensors.*layers.1.mlp.gate_up_proj"):
+        load_model(str(tmp_path))
+
+
+def _write_gguf(path, tensor_type, raw: np.ndarray):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(4)
+    w.add_vocab_size(16)
+    w.add_tensor("token_embd.weight", raw, raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_gguf_tensor_type(tmp_path):
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType.IQ2_XXS
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.zeros((16, 256 // block * size), dtype=np.uint8)
+    _write_gguf(tmp_path / "m.gguf", qtype, raw)
+    with pytest.raises(ValueError, match="IQ2_XXS.*not supported"):
+        load_model(str(tmp_path / "m.gguf"))
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(ValueError, match="cannot read GGUF file"):
+        load_model(str(bad))
+
+
+def test_device_and_dtype_errors(tmp_path):
+    make_tiny_model("llama-mha", tmp_path)
+    with pytest.raises(ValueError, match="dtype must be"):
+        load_model(str(tmp_path), dtype="float64")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            load_model(str(tmp_path), device="cuda")
