@@ -17,7 +17,7 @@ from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, StepSequence
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampler import Sampler, SamplingMetadata
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 
@@ -69,6 +69,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (stats, tests)
 
     @property
     def capacity_tokens(self) -> int:
@@ -117,7 +118,7 @@ class EngineCore:
                            self.scheduler.num_preemptions)
 
     def step(self) -> list[EngineCoreOutput]:
-        sched = self.scheduler.schedule()
+        sched = self.last_schedule = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         # single-token sequences first: the attention backend batches them together

@@ -1,0 +1,100 @@
+"""The offline Python API on the default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="smollm2-135m-instruct", num_kv_blocks=256)
+
+
+def pool_whole(llm) -> bool:
+    core = llm.engine.core
+    return core.kv.num_free_blocks == core.kv.num_blocks and not llm.engine.processor.requests
+
+
+def test_generate_returns_vllm_style_outputs(llm):
+    prompts = ["The capital of France is", "def add(a, b):"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    tok = llm.get_tokenizer()
+    for out, prompt in zip(outs, prompts):
+        assert out.prompt_token_ids == tok.encode(prompt)
+        sample = out.outputs[0]
+        assert out.finished and sample.finish_reason in ("stop", "length")
+        assert sample.text == tok.decode(sample.token_ids)
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert len(m.token_times) == len(sample.token_ids)
+    assert "Paris" in outs[0].outputs[0].text
+    assert pool_whole(llm)
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    assert "<|im_start|>assistant" in llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
+
+
+def test_stop_string_across_tokens_is_trimmed(llm):
+    base = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    text = base.outputs[0].text
+    assert " 7," in text
+    cut = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=24, stop=[" 7,"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == text[: text.index(" 7,")] and cut.finish_reason == "stop" and cut.stop_reason == " 7,"
+    kept = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=24, stop=[" 7,"],
+                                                      include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.outputs[0].text == text[: text.index(" 7,") + 3]
+    assert pool_whole(llm)
+
+
+def test_n_samples_logprobs_and_per_prompt_params(llm):
+    outs = llm.generate(
+        ["Once upon a time", "The best way to learn is"],
+        [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+         SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    assert len(outs[0].outputs) == 3 and [o.index for o in outs[0].outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in outs[0].outputs}) > 1
+    sample = outs[1].outputs[0]
+    assert len(sample.logprobs) == 5
+    for token, entry in zip(sample.token_ids, sample.logprobs):
+        assert token in entry and entry[token].rank == 1  # greedy picks the top token
+        assert len(entry) == 3
+        assert all(lp.logprob <= 0 for lp in entry.values())
+        assert math.isclose(max(lp.logprob for lp in entry.values()), entry[token].logprob)
+    again = llm.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
+                                                            ignore_eos=True), use_tqdm=False)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in outs[0].outputs]
+    assert pool_whole(llm)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("top_k", -5), ("min_p", 2.0), ("max_tokens", 0), ("n", 0),
+    ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 100), ("stop", [""]),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_over_long_prompt_is_rejected_and_nothing_leaks(llm):
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate(["hello"] * 2 + ["word " * 9000], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert pool_whole(llm)
+    assert llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_multibyte_text_streams_cleanly(llm):
+    outs = llm.generate("Translate to Japanese: good morning ->", SamplingParams(temperature=0, max_tokens=20),
+                        use_tqdm=False)
+    assert "\ufffd" not in outs[0].outputs[0].text
