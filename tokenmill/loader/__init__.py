@@ -26,7 +26,6 @@ class LoadedModel:
     source: ModelSource
     dtype: torch.dtype
     device: torch.device
-    generation_config: dict
 
 
 def open_checkpoint(source: ModelSource) -> GGUFCheckpoint | HFCheckpoint:
@@ -53,7 +52,6 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str
             (name, w.dequantize() if hasattr(w, "dequantize") else w) for name, w in ckpt.weights()
         )
     net.eval()
-    gen_config = ckpt.generation_config() if isinstance(ckpt, HFCheckpoint) else {}
     logger.info("loaded %s (%s, %s) in %.1fs", source.name, config.architecture, torch_dtype,
                 time.perf_counter() - start)
-    return LoadedModel(net, config, source, torch_dtype, dev, gen_config)
+    return LoadedModel(net, config, source, torch_dtype, dev)

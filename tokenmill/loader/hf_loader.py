@@ -53,12 +53,3 @@ class HFCheckpoint:
                         yield name, f.get_tensor(name)
             except SafetensorError as e:
                 raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
-
-    def generation_config(self) -> dict:
-        path = self.directory / "generation_config.json"
-        if not path.is_file():
-            return {}
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None

@@ -21,8 +21,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -71,18 +72,14 @@ class RotaryEmbedding(nn.Module):
             self.cos_sin = torch.stack((emb.cos(), emb.sin())).to(like.device, like.dtype)
         return self.cos_sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KVH, D], positions: [T]."""
-        table = self._table(q)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x: [T, heads, D] (queries and keys stacked along heads) at `positions`: [T]."""
+        table = self._table(x)
         cos = table[0].index_select(0, positions).unsqueeze(1)
         sin = table[1].index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
 
 
 class SwiGLU(nn.Module):

@@ -1,0 +1,78 @@
+"""Single-stream decode speed: tokenmill vs transformers.generate on the same weights, same run.
+
+    .venv/bin/python benchmarks/bench_decode.py [--model smollm2-135m-instruct] [--tokens 128] [--dtypes float32,bfloat16]
+
+Prints tokens/s (median of --repeats runs) for each dtype and the ratio tokenmill / transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def tokenmill_decode(llm, prompt_ids: list[int], n: int) -> float:
+    from tokenmill import SamplingParams
+
+    out = llm.generate({"prompt_token_ids": prompt_ids},
+                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+    times = out.metrics.token_times
+    return (len(times) - 1) / (times[-1] - times[0])  # decode rate, first token (prefill) excluded
+
+
+def hf_decode(model, prompt_ids: list[int], n: int) -> float:
+    ids = torch.tensor([prompt_ids])
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        total = time.perf_counter() - start
+    return (n - 1) / (total - prefill)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens to generate per run")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill import LLM
+    from tokenmill.loader.source import resolve_model
+
+    src = resolve_model(args.model)
+    print(f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, prompt {args.prompt_len}")
+    print(f"{'dtype':<10} {'tokenmill tok/s':>16} {'transformers tok/s':>19} {'ratio':>7}")
+    for dtype in args.dtypes.split(","):
+        llm = LLM(model=args.model, dtype=dtype, num_kv_blocks=64)
+        torch.set_num_threads(args.threads)
+        prompt = list(range(100, 100 + args.prompt_len))
+        if src.kind == "gguf":
+            hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
+                                                      dtype=getattr(torch, dtype)).eval()
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=getattr(torch, dtype)).eval()
+        tokenmill_decode(llm, prompt, 8)  # warm-up
+        ours = statistics.median(tokenmill_decode(llm, prompt, args.tokens) for _ in range(args.repeats))
+        theirs = statistics.median(hf_decode(hf, prompt, args.tokens) for _ in range(args.repeats))
+        print(f"{dtype:<10} {ours:>16.1f} {theirs:>19.1f} {ours / theirs:>6.2f}x", flush=True)
+        del llm, hf
+
+
+if __name__ == "__main__":
+    main()
