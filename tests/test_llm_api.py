@@ -98,3 +98,24 @@ def test_multibyte_text_streams_cleanly(llm):
     outs = llm.generate("Translate to Japanese: good morning ->", SamplingParams(temperature=0, max_tokens=20),
                         use_tqdm=False)
     assert "\ufffd" not in outs[0].outputs[0].text
+
+
+def test_multi_turn_chat_hits_the_prefix_cache(llm):
+    """Each turn re-sends the whole history; from turn 3 on > 90% of the prompt is cached. (With
+    16-token blocks the uncached part is the new user turn plus up to one partial block, so the
+    rate depends on conversation length; this one has a typical ~150-token system prompt.)"""
+    system = ("You are a helpful assistant for a pet shop. Answer briefly and kindly. The shop sells food, toys "
+              "and accessories for cats, dogs, birds and fish. Opening hours are nine to six on weekdays and "
+              "ten to four on Saturdays; the shop is closed on Sundays. Deliveries within the city are free "
+              "for orders above thirty euros. If a customer asks about animal health, recommend seeing a "
+              "veterinarian. Never invent prices; say that prices are on the website instead.")
+    messages = [{"role": "system", "content": system}]
+    questions = ["What is a cat?", "And a dog?", "Which one is bigger?", "Name a bird.", "Thanks, bye."]
+    for turn, q in enumerate(questions, start=1):
+        messages.append({"role": "user", "content": q})
+        out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+        messages.append({"role": "assistant", "content": out.outputs[0].text})
+        hit_rate = out.num_cached_tokens / len(out.prompt_token_ids)
+        if turn >= 3:
+            assert hit_rate > 0.9, f"turn {turn}: {out.num_cached_tokens}/{len(out.prompt_token_ids)} cached"
+    assert pool_whole(llm)

@@ -125,6 +125,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gib: float = 1.0
     num_blocks: int | None = None  # overrides kv_cache_memory_gib when set
+    enable_prefix_caching: bool = True
+    prefix_cache_hash: str = "builtin"  # or "sha256"
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -133,6 +135,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory_gib}")
+        if self.prefix_cache_hash not in ("builtin", "sha256"):
+            raise ValueError(f"prefix_cache_hash must be 'builtin' or 'sha256', got {self.prefix_cache_hash!r}")
 
 
 @dataclass
@@ -142,8 +146,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # defaults to the model's context length
+    policy: str = "fcfs"  # or "priority": lower `priority` values run first
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_cache_manager import HASH_FUNCTIONS, KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, StepSequence
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampler import Sampler, SamplingMetadata
@@ -50,8 +50,8 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int
-    step_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found
 
 
 class RequestRejected(ValueError):
@@ -65,7 +65,8 @@ class EngineCore:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
         self.runner = ModelRunner(loaded, config.cache)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                 HASH_FUNCTIONS[config.cache.prefix_cache_hash])
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -76,7 +77,7 @@ class EngineCore:
         return self.kv.num_blocks * self.kv.block_size
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
         """Queue a request, or raise RequestRejected if it could never be served."""
         if request_id in self.requests:
             raise RequestRejected(f"request_id {request_id!r} is already in use")
@@ -100,7 +101,7 @@ class EngineCore:
                 f"KV cache ({self.capacity_tokens} tokens); raise --kv-cache-memory or lower max_tokens"
             )
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, priority,
-                          self.runner.device)
+                          self.runner.device, cache_salt)
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -115,7 +116,10 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, self.kv.prefix_queries, self.kv.prefix_hits)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
 
     def step(self) -> list[EngineCoreOutput]:
         sched = self.last_schedule = self.scheduler.schedule()
@@ -133,6 +137,7 @@ class EngineCore:
         sampling = [s.request for s in items if s.completes_prompt]
         for s in items:
             s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.request)
         if not sampling:
             return []
 

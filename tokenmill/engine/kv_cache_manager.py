@@ -1,22 +1,47 @@
-"""KV cache manager: a pool of fixed-size blocks, per-request block tables and reference counts.
+"""KV cache manager: a pool of fixed-size blocks, per-request block tables, reference counts, and
+the automatic prefix cache.
 
 The pool is created once; blocks never move. Free blocks wait in a doubly linked queue (O(1) pop
-from the front, append at the back, removal from the middle) so that a later prefix cache can keep
-freed blocks' content and evict the least recently freed first.
+from the front, append at the back, removal from the middle). A full block's key chains its parent
+block's key with its token ids (and the request's cache salt for the first block), so a key names
+the whole prefix up to that block. Freed blocks keep their content and key while they sit in the
+free queue; a new request whose prefix matches takes them back, and allocation evicts the least
+recently freed first. On a hit the stored token ids are compared too, so even a hash collision can
+never hand one prompt another prompt's KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+import pickle
+from collections.abc import Callable, Hashable, Iterable
+
 from tokenmill.engine.request import Request
+
+BlockKey = Hashable
+HashFn = Callable[[object], BlockKey]
+
+
+def builtin_hash(value: object) -> int:
+    """Fast in-process hash (keys never leave the engine process)."""
+    return hash(value)
+
+
+def sha256_hash(value: object) -> bytes:
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {"builtin": builtin_hash, "sha256": sha256_hash}
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "key", "token_ids", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None  # content key of a full block (set by the prefix cache)
+        self.key: BlockKey | None = None  # prefix key of a full, cached block
+        self.token_ids: tuple[int, ...] | None = None  # its tokens, compared on every hit
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -53,36 +78,59 @@ class FreeBlockQueue:
 
 
 class BlockPool:
+    """All blocks, the free queue and the key -> cached block map."""
+
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockKey, KVBlock] = {}
 
     @property
     def num_free(self) -> int:
         return self.free_queue.num_free
 
     def allocate(self, n: int) -> list[KVBlock]:
+        """Take n blocks from the front of the free queue, evicting their cached content."""
         blocks = [self.free_queue.popleft() for _ in range(n)]
         for block in blocks:
+            self.uncache(block)
             block.ref_count = 1
-            block.block_hash = None
         return blocks
 
-    def release(self, blocks: list[KVBlock]) -> None:
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks a new request reuses (out of the free queue if idle)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero go to the back of the free queue."""
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
 
+    def uncache(self, block: KVBlock) -> None:
+        if block.key is not None and self.cached.get(block.key) is block:
+            del self.cached[block.key]
+        block.key = block.token_ids = None
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: HashFn = builtin_hash) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_ids: dict[str, list[int]] = {}  # the same tables as plain ints, for the runner
+        self.req_keys: dict[str, list[BlockKey]] = {}  # prefix keys of the request's full blocks so far
+        self.num_cached_blocks: dict[str, int] = {}  # how many of its blocks are registered in the cache
+        self.prefix_queries = 0  # prompt tokens looked up (counters for /metrics)
+        self.prefix_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,38 +138,102 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of the pool in use, 0..1."""
+        """Fraction of the pool held by requests, 0..1 (cached but idle blocks count as free)."""
         return 1.0 - self.pool.num_free / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Blocks already holding a prefix of the request's tokens, and how many tokens they cover.
-        Prefix caching hooks in here; without it nothing is ever reused."""
-        return [], 0
+    def _block_keys(self, request: Request) -> list[BlockKey]:
+        """Prefix keys of every full block of the request's tokens, computed incrementally."""
+        keys = self.req_keys.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(keys), request.num_tokens // bs):
+            parent = keys[-1] if keys else request.cache_salt
+            keys.append(self.hash_fn((parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))))
+        return keys
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
-        """Grow the request's block table to hold `num_new_tokens` more tokens (plus lookahead slots
-        for speculative decoding). Returns False, changing nothing, when the pool is too small."""
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of cached blocks holding a prefix of the request's tokens, and how many
+        tokens they cover. The last token is always recomputed, to produce logits."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        hits: list[KVBlock] = []
+        for i, key in enumerate(self._block_keys(request)[: (request.num_tokens - 1) // bs]):
+            block = self.pool.cached.get(key)
+            if block is None or block.token_ids != tuple(request.token_slice(i * bs, (i + 1) * bs)):
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a new request's prefix-cache lookup (once, when it is admitted)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += request.num_prompt_tokens
+            self.prefix_hits += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (),
+                       num_lookahead_tokens: int = 0) -> bool:
+        """Give the request room for `num_new_tokens` more tokens (plus lookahead slots for
+        speculative decoding), first adopting `computed_blocks` from the prefix cache. Returns False,
+        changing nothing, when the pool is too small."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
         ids = self.req_block_ids.setdefault(request.request_id, [])
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        need = self.blocks_needed(total) - len(blocks)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free:
+        need = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
+        idle_hits = sum(1 for b in computed_blocks if b.ref_count == 0)  # reusing them takes them off the free queue
+        if need + idle_hits > self.pool.num_free:
             return False
-        new = self.pool.allocate(need)
-        blocks.extend(new)
-        ids.extend(b.block_id for b in new)
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            ids.extend(b.block_id for b in computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(blocks)
+        if need > 0:
+            new = self.pool.allocate(need)
+            blocks.extend(new)
+            ids.extend(b.block_id for b in new)
         return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that became full of computed tokens this step."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        start = self.num_cached_blocks.get(rid, 0)
+        end = request.num_computed_tokens // self.block_size
+        if end <= start:
+            return
+        keys = self._block_keys(request)
+        blocks = self.req_blocks[rid]
+        bs = self.block_size
+        for i in range(start, end):
+            block = blocks[i]
+            if block.key is None and keys[i] not in self.pool.cached:
+                block.key = keys[i]
+                block.token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
+                self.pool.cached[block.key] = block
+        self.num_cached_blocks[rid] = end
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_block_ids[request_id]
 
     def free(self, request: Request) -> None:
-        """Return a request's blocks, last block first, so the tail of a sequence is reused first."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.req_block_ids.pop(request.request_id, None)
+        """Return a request's blocks, last block first, so a sequence's tail is evicted before its
+        (more shareable) head."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, [])
+        self.req_block_ids.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        if request.status.finished:
+            self.req_keys.pop(rid, None)
         self.pool.release(reversed(blocks))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached content (blocks in use stay with their requests). Returns how many
+        blocks were dropped from the cache."""
+        dropped = len(self.pool.cached)
+        for block in list(self.pool.cached.values()):
+            self.pool.uncache(block)
+        return dropped

@@ -38,7 +38,7 @@ class RequestTimes:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], arrival_time: float | None = None, priority: int = 0,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -46,6 +46,7 @@ class Request:
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.stop_token_ids = set(params.stop_token_ids)
         self.priority = priority
+        self.cache_salt = cache_salt  # prefix-cache namespace: only requests with the same salt share blocks
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission

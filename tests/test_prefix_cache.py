@@ -1,0 +1,161 @@
+"""Automatic prefix caching, cache salts, hash collisions and priority scheduling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers import make_core, make_tiny_model, run_core
+from tokenmill.loader import load_model
+from tokenmill.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("prefix-model")
+    make_tiny_model("llama-gqa-untied", directory)
+    return str(directory), load_model(str(directory))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def one(core, rid: str, prompt: list[int], params=GREEDY, **kwargs):
+    """Run one request to the end; returns (generated ids, cached prompt tokens)."""
+    core.add_request(rid, prompt, params, **kwargs)
+    ids, cached = [], None
+    while core.has_unfinished():
+        for o in core.step():
+            ids += o.new_token_ids
+            cached = o.num_cached_tokens
+    return ids, cached
+
+
+def pool_whole(core) -> bool:
+    return core.kv.num_free_blocks == core.kv.num_blocks and not core.kv.req_blocks
+
+
+@pytest.mark.parametrize("length", [15, 16, 17, 100, 160])
+def test_repeat_prompt_hits_whole_blocks_and_matches_uncached(tiny, length):
+    directory, loaded = tiny
+    prompt = tokens(length, seed=length)
+    reference, _ = one(make_core(directory, loaded=loaded, prefix_caching=False), "r", prompt)
+    core = make_core(directory, loaded=loaded)
+    first, cached_first = one(core, "a", prompt)
+    second, cached_second = one(core, "b", prompt)
+    assert cached_first == 0
+    assert cached_second == (length - 1) // 16 * 16  # whole blocks, last token always recomputed
+    assert first == second == reference
+    assert core.kv.prefix_queries == 2 * length and core.kv.prefix_hits == cached_second
+    assert pool_whole(core)
+
+
+def test_partial_prefix_hits_exactly_the_shared_blocks(tiny):
+    directory, loaded = tiny
+    shared = tokens(50, seed=1)  # 3 full blocks + 2 tokens
+    a, b = shared + tokens(30, seed=2), shared + tokens(30, seed=3)
+    core = make_core(directory, loaded=loaded)
+    one(core, "a", a)
+    out_b, cached = one(core, "b", b)
+    assert cached == 48
+    reference, _ = one(make_core(directory, loaded=loaded, prefix_caching=False), "r", b)
+    assert out_b == reference
+
+
+def test_generated_tokens_are_cached_too(tiny):
+    """A follow-up that re-sends prompt + answer (multi-turn) hits the answer's blocks as well."""
+    directory, loaded = tiny
+    prompt = tokens(40, seed=4)
+    core = make_core(directory, loaded=loaded)
+    answer, _ = one(core, "a", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    follow_up = prompt + answer + tokens(5, seed=5)
+    _, cached = one(core, "b", follow_up)
+    assert cached == (40 + 30 - 1) // 16 * 16  # everything the first request computed in full blocks
+
+
+def test_eviction_under_a_tiny_pool_keeps_outputs_correct(tiny):
+    directory, loaded = tiny
+    prompts = [tokens(60, seed=10 + i // 6) + tokens(10, seed=100 + i) for i in range(24)]
+    reference = run_core(make_core(directory, loaded=loaded, prefix_caching=False), prompts, GREEDY)
+    core = make_core(directory, num_blocks=14, loaded=loaded)  # fits ~2 requests: constant eviction
+    out = run_core(core, prompts, GREEDY)
+    assert out == reference
+    assert core.kv.prefix_hits > 0 and pool_whole(core)
+
+
+def test_cache_salt_isolates_tenants(tiny):
+    directory, loaded = tiny
+    prompt = tokens(64, seed=6)
+    core = make_core(directory, loaded=loaded)
+    out_a, _ = one(core, "a", prompt, cache_salt="tenant-a")
+    out_b, cached_b = one(core, "b", prompt, cache_salt="tenant-b")
+    out_none, cached_none = one(core, "c", prompt)
+    out_a2, cached_a2 = one(core, "d", prompt, cache_salt="tenant-a")
+    assert cached_b == 0 and cached_none == 0 and cached_a2 == 48
+    assert out_a == out_b == out_none == out_a2
+
+
+def test_hash_collisions_never_serve_wrong_kv(tiny):
+    directory, loaded = tiny
+    core = make_core(directory, loaded=loaded)
+    core.kv.hash_fn = lambda value: 42  # every block of every prompt collides
+    prompts = [tokens(80, seed=20 + i) for i in range(4)]
+    reference = run_core(make_core(directory, loaded=loaded, prefix_caching=False), prompts, GREEDY)
+    outs = {str(i): one(core, str(i), p)[0] for i, p in enumerate(prompts)}
+    assert outs == reference
+    assert core.kv.prefix_hits == 0  # the token comparison rejected every colliding block
+    again, cached = one(core, "again", prompts[0])
+    assert again == reference["0"]
+
+
+def test_sha256_hash_option(tiny):
+    from tokenmill.engine.kv_cache_manager import sha256_hash
+
+    directory, loaded = tiny
+    core = make_core(directory, loaded=loaded)
+    core.kv.hash_fn = sha256_hash
+    prompt = tokens(40, seed=7)
+    first, _ = one(core, "a", prompt)
+    second, cached = one(core, "b", prompt)
+    assert cached == 32 and first == second
+
+
+def test_reset_prefix_cache(tiny):
+    directory, loaded = tiny
+    core = make_core(directory, loaded=loaded)
+    prompt = tokens(40, seed=8)
+    one(core, "a", prompt)
+    assert core.reset_prefix_cache() > 0
+    _, cached = one(core, "b", prompt)
+    assert cached == 0 and pool_whole(core)
+
+
+def test_priority_policy_orders_admission_and_preemption(tiny):
+    directory, loaded = tiny
+    core = make_core(directory, loaded=loaded, policy="priority", max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    order = []
+    for i, prio in enumerate([5, 3, 9, 0, 3, 1]):
+        core.add_request(f"p{prio}-{i}", tokens(20, seed=i), params, priority=prio)
+    while core.has_unfinished():
+        for o in core.step():
+            if o.finish_reason:
+                order.append(o.request_id)
+    assert order == ["p0-3", "p1-5", "p3-1", "p3-4", "p5-0", "p9-2"]  # priority, then arrival
+
+    # under KV pressure the lowest-priority running request is the one preempted
+    core = make_core(directory, loaded=loaded, policy="priority", num_blocks=10)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    core.add_request("low", tokens(40, seed=30), long, priority=9)
+    core.add_request("high", tokens(40, seed=31), long, priority=0)
+    preempted = []
+    while core.has_unfinished():
+        core.step()
+        preempted += [r.request_id for r in core.last_schedule.preempted]
+    assert preempted and set(preempted) == {"low"}
+    assert pool_whole(core)
