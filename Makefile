@@ -17,7 +17,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 run: $(STAMP)
-	$(VENV)/bin/tokenmill generate --chat --prompt "In two sentences, what is a KV cache in an LLM server?"
+	$(VENV)/bin/tokenmill serve --host 127.0.0.1 --port 8000
 
 clean:
 	rm -rf $(VENV) build *.egg-info

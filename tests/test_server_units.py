@@ -1,0 +1,229 @@
+"""Server pieces that need no model: request validation and error shapes, context checks, the
+engine-core loop's message handling, per-step output snapshots, and the metrics."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+
+import pytest
+
+from tokenmill.engine.core import EngineCoreOutput, EngineStats, Logprob, RequestRejected
+from tokenmill.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server import core_process
+from tokenmill.server.engine_client import _copy_step
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from tokenmill.server.serving import ServingContext
+
+# ---- protocol -----------------------------------------------------------------------------------------
+
+
+def parse_error(model, raw: bytes) -> APIError:
+    with pytest.raises(APIError) as e:
+        req = parse_body(model, raw)
+        req.sampling_params()
+    return e.value
+
+
+@pytest.mark.parametrize("raw,param,words", [
+    (b"{not json", None, "not valid JSON"),
+    (b"   ", None, "empty"),
+    (b'"a string"', None, "JSON object"),
+    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", "max_tokens must be"),
+    (b'{"prompt": "x", "max_tokens": 1.5}', "max_tokens", "integer"),
+    (b'{"prompt": "x", "temperature": "1"}', "temperature", "number"),
+    (b'{"prompt": "x", "echo": 1}', "echo", "boolean"),
+    (b'{"prompt": "x", "stop": 3}', "stop", "string or a list of strings"),
+    (b'{"prompt": "x", "stop": [""]}', "stop", "non-empty"),
+    (b'{"prompt": "x", "seed": 100000000000000000000000}', "seed", "64 bits"),
+    (b'{"prompt": "x", "logit_bias": {"5": 1.0}}', "logit_bias", "not supported"),
+    (b'{"prompt": "x", "best_of": 3}', "best_of", "not supported"),
+    (b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage", "boolean"),
+    (b'{"prompt": {"a": 1}}', "prompt", "token-id lists"),
+    (b'{"max_tokens": 3}', "prompt", "required"),
+])
+def test_completion_request_errors_name_the_field(raw, param, words):
+    e = parse_error(CompletionRequest, raw)
+    assert e.status == 400 and e.param == param and words in e.message, e.to_dict()
+    assert set(e.to_dict()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("raw,param,words", [
+    (b'{"messages": "hi"}', "messages", "array"),
+    (b'{"messages": [{"role": "user"}], "max_completion_tokens": 0}', "max_completion_tokens",
+     "max_completion_tokens must be"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages[0].content", "content"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}', "top_logprobs",
+     "top_logprobs must be"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 1}', "top_logprobs", "requires logprobs"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', "tools", "not supported"),
+])
+def test_chat_request_errors_name_the_field(raw, param, words):
+    e = parse_error(ChatCompletionRequest, raw)
+    assert e.status == 400 and e.param == param and words in e.message, e.to_dict()
+
+
+def test_requests_map_to_sampling_params():
+    req = parse_body(CompletionRequest, b'{"prompt": [1, 2], "n": 2, "temperature": 0, "top_k": -1, "seed": 3, '
+                                        b'"stop": "x", "logprobs": 2, "user": "u", "unknown_field": 1}')
+    p = req.sampling_params()
+    assert (p.n, p.temperature, p.top_k, p.seed, p.stop, p.logprobs, p.max_tokens) == (2, 0.0, 0, 3, ["x"], 2, 16)
+    chat = parse_body(ChatCompletionRequest, b'{"messages": [{"role": "developer", "content": [{"type": "text", '
+                                              b'"text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5, '
+                                              b'"max_completion_tokens": 7, "logprobs": true}')
+    p = chat.sampling_params()
+    assert p.max_tokens == 7 and p.logprobs == 0
+    assert chat.chat_messages() == [{"role": "system", "content": "ab"}]
+    assert parse_body(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}]}') \
+        .sampling_params().max_tokens is None
+
+
+def _ctx(max_model_len=100, capacity=80) -> ServingContext:
+    return ServingContext(client=None, tokenizer=None, model_names=["m", "alias"], max_model_len=max_model_len,
+                          capacity_tokens=capacity, vocab_size=1000)
+
+
+def test_context_checks():
+    ctx = _ctx()
+    assert ctx.check_model(None) == "m" and ctx.check_model("alias") == "alias"
+    with pytest.raises(APIError) as e:
+        ctx.check_model("other")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    assert ctx.fit_to_context(30, SamplingParams(max_tokens=None), "prompt").max_tokens == 50  # KV-limited
+    assert ctx.fit_to_context(30, SamplingParams(max_tokens=50), "prompt").max_tokens == 50
+    for n, max_tokens, param in [(0, 5, "prompt"), (80, None, "prompt"), (30, 51, "max_tokens")]:
+        with pytest.raises(APIError) as e:
+            ctx.fit_to_context(n, SamplingParams(max_tokens=max_tokens), "prompt")
+        assert e.value.param == param and e.value.status == 400
+    with pytest.raises(APIError) as e:
+        ctx.check_token_ids([1, 1000], "prompt")
+    assert "vocabulary" in e.value.message
+
+
+# ---- engine-core loop ---------------------------------------------------------------------------------
+
+class FakeKV:
+    num_free_blocks, num_blocks = 10, 10
+
+
+@dataclass
+class FakeCore:
+    """Enough of EngineCore for the process loop: one step finishes every request."""
+
+    kv: FakeKV = field(default_factory=FakeKV)
+    pending: list = field(default_factory=list)
+    aborted: list = field(default_factory=list)
+
+    def add_request(self, rid, prompt_ids, params, arrival, priority, cache_salt=None):
+        if rid == "too-long":
+            raise RequestRejected("prompt too long")
+        if rid == "broken":
+            raise RuntimeError("boom")
+        self.pending.append(rid)
+
+    def abort_requests(self, ids):
+        self.aborted += ids
+        self.pending = [r for r in self.pending if r not in ids]
+
+    def has_unfinished(self):
+        return bool(self.pending)
+
+    def step(self):
+        outs = [EngineCoreOutput(r, [7], 1.0, "length") for r in self.pending]
+        self.pending = []
+        return outs
+
+    def stats(self):
+        return EngineStats(len(self.pending), 0, 0.0, 0, prefix_cache_queries=5, prefix_cache_hits=2)
+
+
+def test_core_loop_handles_adds_rejections_aborts_and_shutdown():
+    inputs, outputs = queue.Queue(), queue.Queue()
+    params = SamplingParams()
+    for rid in ("a", "too-long", "broken", "b"):
+        inputs.put(("add", rid, [1, 2], params, 0.0, 0, None))
+    inputs.put(("abort", ["b"]))
+    core = FakeCore()
+    inputs.put(("shutdown",))
+    core_process._loop(core, inputs, outputs)
+    messages = []
+    while not outputs.empty():
+        messages.append(outputs.get())
+    rejected = {m[1]: m[2] for m in messages if m[0] == "rejected"}
+    assert rejected == {"too-long": "prompt too long", "broken": "RuntimeError: boom"}
+    # shutdown came in the same drain as the adds: the loop stops before stepping
+    assert not [m for m in messages if m[0] == "step"]
+    assert core.aborted == ["broken", "b"]
+
+
+def test_core_loop_steps_and_reports_stats():
+    inputs, outputs = queue.Queue(), queue.Queue()
+    core = FakeCore()
+    inputs.put(("add", "a", [1], SamplingParams(), 0.0, 0, "salt"))
+    real_drain = core_process._drain
+    calls = []
+
+    def drain(q, block):  # after the first step, ask the loop to stop
+        calls.append(block)
+        return real_drain(q, False) if len(calls) == 1 else [("shutdown",)]
+
+    core_process._drain, saved = drain, core_process._drain
+    try:
+        core_process._loop(core, inputs, outputs)
+    finally:
+        core_process._drain = saved
+    kind, outs, stats = outputs.get()
+    assert kind == "step" and [o.request_id for o in outs] == ["a"]
+    assert stats["num_received"] == 1 and stats["prefix_cache_queries"] == 5 and stats["prefix_cache_hits"] == 2
+    assert stats["num_blocks"] == 10
+
+
+# ---- output snapshots and metrics ---------------------------------------------------------------------
+
+def _result(finished: bool, deltas: list[int], times: list[float]) -> RequestOutput:
+    out = CompletionOutput(0, text="ab", token_ids=[1, 2], delta_text="b", delta_token_ids=deltas,
+                           finish_reason="length" if finished else None,
+                           delta_logprobs=[{2: Logprob(-0.5, 1)}])
+    metrics = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, token_times=times,
+                             finished_time=times[-1] if finished else None)
+    return RequestOutput("r", None, [5, 6, 7], [out], metrics, num_cached_tokens=2, finished=finished)
+
+
+def test_copy_step_snapshots_deltas_and_reports_finish_once():
+    reported: set[int] = set()
+    result = _result(True, [2], [11.0, 12.0])
+    snap = _copy_step(result, reported)
+    result.outputs[0].delta_token_ids.append(99)  # the processor reuses its objects
+    assert snap.deltas[0].token_ids == [2] and snap.deltas[0].finish_reason == "length" and snap.finished
+    result.outputs[0].delta_token_ids, result.outputs[0].delta_text = [], ""
+    assert _copy_step(result, reported).deltas == []
+
+
+def test_metrics_observe_engine_timestamps():
+    m = ServerMetrics("m", log_requests=False)
+    m.on_outputs([_result(False, [1], [11.0])])
+    m.on_outputs([_result(True, [2, 3], [11.0, 11.5, 12.0])])
+    m.on_stats({"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.25, "num_preemptions": 2,
+                "num_free_blocks": 3, "num_blocks": 4, "prefix_cache_queries": 3, "prefix_cache_hits": 1})
+    m.on_stats({"num_preemptions": 3, "prefix_cache_queries": 6, "prefix_cache_hits": 2})
+
+    def value(name, **labels):
+        return m.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert value("tokenmill:time_to_first_token_seconds_sum") == pytest.approx(1.0)
+    assert value("tokenmill:e2e_request_latency_seconds_sum") == pytest.approx(2.0)
+    assert value("tokenmill:request_queue_time_seconds_sum") == pytest.approx(0.5)
+    assert value("tokenmill:request_prefill_time_seconds_sum") == pytest.approx(0.5)
+    assert value("tokenmill:request_decode_time_seconds_sum") == pytest.approx(1.0)
+    assert value("tokenmill:time_per_output_token_seconds_sum") == pytest.approx(0.5)
+    assert value("tokenmill:inter_token_latency_seconds_count") == 2
+    assert value("tokenmill:prompt_tokens_total") == 3
+    assert value("tokenmill:generation_tokens_total") == 3
+    assert value("tokenmill:num_preemptions_total") == 3
+    assert value("tokenmill:prefix_cache_queries_total") == 6 and value("tokenmill:prefix_cache_hits_total") == 2
+    assert value("tokenmill:request_success_total", finished_reason="length") == 1
+    assert value("tokenmill:kv_cache_usage_perc") == 0  # the last snapshot had no usage
+    other = ServerMetrics("m")  # a private registry per app: no duplicate-metric errors
+    assert other.registry is not m.registry

@@ -1,0 +1,135 @@
+"""Helpers for the server tests: start `tokenmill serve` as a real subprocess on a free port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+STARTUP_TIMEOUT = 300  # seconds; a loaded 2-core machine can be slow to import torch and load weights
+
+
+def model_available() -> bool:
+    from tokenmill.loader.source import resolve_model
+
+    try:
+        resolve_model(MODEL)
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m tokenmill.server.cli serve ...` with its output in a log file."""
+
+    def __init__(self, log_dir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--model", MODEL, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.log_path = Path(log_dir) / f"server-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env.pop("TOKENMILL_API_KEY", None)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.server.cli", "serve", *self.args],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} during startup:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        pytest.fail(f"server not ready after {STARTUP_TIMEOUT}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def core_pid(self) -> int:
+        """The engine-core child (multiprocessing also starts a small resource-tracker child)."""
+        cores = [c for c in psutil.Process(self.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(cores) == 1, f"expected one engine-core child process, got {cores}"
+        return cores[0].pid
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
+        """Signal the server and wait for it; kill it (and its children) if it hangs."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            children = []
+            try:
+                children = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                for p in [psutil.Process(self.proc.pid), *children]:
+                    try:
+                        p.kill()
+                    except psutil.NoSuchProcess:
+                        pass
+                self.proc.wait(10)
+                pytest.fail(f"server did not exit within {timeout}s of signal {sig}:\n{self.log()}")
+        return self.proc.returncode
+
+
+def wait_gone(pid: int, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid):
+            return True
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def metric_values(url: str, headers: dict | None = None) -> dict[str, float]:
+    """Every sample on /metrics as {'name{label="v",...}': value} (labels sorted, model_name dropped)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            key = s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+            values[key] = s.value
+    return values
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE response, in order."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            events.append(line[len("data: "):])
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events

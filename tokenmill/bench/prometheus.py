@@ -1,0 +1,123 @@
+"""Read a server's `/metrics` (Prometheus text format): prefix-cache counters and KV-cache usage.
+
+tokenmill's names are tried first, then vLLM's (current, then older spellings).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import httpx
+
+PREFIX_QUERIES = ("tokenmill:prefix_cache_queries_total", "vllm:prefix_cache_queries_total",
+                  "vllm:gpu_prefix_cache_queries_total")
+PREFIX_HITS = ("tokenmill:prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
+               "vllm:gpu_prefix_cache_hits_total")
+KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict
+    value: float
+
+
+def _float(text: str) -> float:
+    special = {"+inf": math.inf, "inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+    return special[text.lower()] if text.lower() in special else float(text)
+
+
+def _labels(text: str) -> dict:
+    body = text[1:-1]
+    labels, pos = {}, 0
+    while pos < len(body):
+        m = _LABEL.match(body, pos)
+        if not m:
+            raise ValueError(f"bad labels {text!r}")
+        labels[m.group(1)] = re.sub(r'\\[\\"n]', lambda e: _ESCAPES[e.group(0)], m.group(2))
+        pos = m.end()
+    return labels
+
+
+def parse_prometheus(text: str) -> list[Sample]:
+    """Every sample in a Prometheus text exposition (comments and blank lines skipped)."""
+    samples = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            raise ValueError(f"line {lineno} is not a Prometheus sample: {line!r}")
+        try:
+            samples.append(Sample(m.group(1), _labels(m.group(2)) if m.group(2) else {}, _float(m.group(3))))
+        except ValueError as e:
+            raise ValueError(f"line {lineno}: {e}") from e
+    return samples
+
+
+def metric_value(samples: list[Sample], names: tuple[str, ...], model: str | None = None) -> float | None:
+    """The first of `names` present, summed over its label sets (only those of `model` when they carry a
+    model_name label matching it); None if none is exposed."""
+    for name in names:
+        matching = [s for s in samples if s.name == name]
+        if not matching:
+            continue
+        if model is not None and any(s.labels.get("model_name") == model for s in matching):
+            matching = [s for s in matching if s.labels.get("model_name") == model]
+        return sum(s.value for s in matching)
+    return None
+
+
+def cache_stats(samples: list[Sample], model: str | None = None) -> dict:
+    return {
+        "prefix_cache_queries": metric_value(samples, PREFIX_QUERIES, model),
+        "prefix_cache_hits": metric_value(samples, PREFIX_HITS, model),
+        "kv_cache_usage": metric_value(samples, KV_USAGE, model),
+    }
+
+
+def metrics_url(base_url: str) -> str:
+    """/metrics at the server root (base URLs may end in /v1)."""
+    root = base_url.rstrip("/")
+    return (root[:-3] if root.endswith("/v1") else root) + "/metrics"
+
+
+def scrape(url: str, timeout: float = 5.0) -> list[Sample] | None:
+    """The samples at `url`, or None if the server has no readable /metrics."""
+    try:
+        response = httpx.get(url, timeout=timeout)
+        if response.status_code != 200:
+            return None
+        return parse_prometheus(response.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def cache_delta(before: dict | None, after: dict | None, kv_samples: list[float] = ()) -> dict:
+    """Prefix-cache queries/hits during the run, the hit rate, and KV-cache usage before/after/peak
+    (a fraction of the cache; None where the server does not expose it)."""
+    before, after = before or {}, after or {}
+
+    def delta(key: str) -> float | None:
+        a, b = after.get(key), before.get(key)
+        return None if a is None or b is None else a - b
+
+    queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
+    peak = [v for v in [*kv_samples, before.get("kv_cache_usage"), after.get("kv_cache_usage")] if v is not None]
+    return {
+        "exposed": bool(before) and any(v is not None for v in before.values()),
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries and hits is not None else None,
+        "kv_cache_usage_before": before.get("kv_cache_usage"),
+        "kv_cache_usage_after": after.get("kv_cache_usage"),
+        "kv_cache_usage_max": max(peak) if peak else None,
+    }

@@ -1,0 +1,152 @@
+"""The `tokenmill` command: info, generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from tokenmill.loader.source import DEFAULT_MODEL
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"model to load: an alias ({DEFAULT_MODEL}), a .gguf file, or an HF checkpoint "
+                             "directory with config.json and *.safetensors (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto",
+                        help="compute dtype: auto (float32 on CPU, bfloat16/float16 on CUDA), float32, bfloat16, "
+                             "float16 (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default: %(default)s)")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that size the engine; shared by `generate`, `serve` and `bench offline`."""
+    add_model_args(parser)
+    parser.add_argument("--seed", type=int, default=0, help="global random seed (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=64,
+                        help="most sequences in one engine step (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="token budget of one engine step; long prompts are prefilled in chunks of at most "
+                             "this many tokens (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output in tokens (default: the model's context length)")
+    parser.add_argument("--kv-cache-memory", type=float, default=1.0,
+                        help="memory for the paged KV cache in GiB (default: %(default)s)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="exact number of KV cache blocks (overrides --kv-cache-memory)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: %(default)s)")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
+                          num_blocks=args.num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len),
+    )
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    from tokenmill.config import resolve_device, resolve_dtype
+    from tokenmill.loader import open_checkpoint
+    from tokenmill.loader.source import resolve_model
+
+    source = resolve_model(args.model)
+    ckpt = open_checkpoint(source)
+    c = ckpt.config
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device), c.torch_dtype)
+    embed = c.vocab_size * c.hidden_size
+    attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
+        + c.num_attention_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    params = embed * (1 if c.tie_word_embeddings else 2) + c.num_hidden_layers * (attn + mlp + 2 * c.hidden_size)
+    kv_bytes = c.kv_bytes_per_token // 4 * (2 if dtype.is_floating_point and dtype.itemsize == 2 else 4)
+    rows = [
+        ("model", source.name), ("file", str(source.path)), ("format", source.kind),
+        ("architecture", c.architecture), ("parameters", f"{params / 1e6:.1f}M"), ("dtype", str(dtype)),
+        ("layers", c.num_hidden_layers), ("hidden size", c.hidden_size), ("heads", c.num_attention_heads),
+        ("kv heads", c.num_key_value_heads), ("head dim", c.head_dim), ("vocab", c.vocab_size),
+        ("context length", c.max_position_embeddings), ("rope theta", c.rope_theta),
+        ("rope scaling", c.rope_scaling or "none"), ("tied embeddings", c.tie_word_embeddings),
+        ("KV bytes per token", f"{kv_bytes} ({dtype})"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    tok = engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
+        else tok.encode(args.prompt)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    start = time.perf_counter()
+    engine.add_request("cli", prompt, params)
+    n_out = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sample = out.outputs[0]
+            n_out = len(sample.token_ids)
+            sys.stdout.write(sample.delta_text)
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    print(f"\n[{len(prompt)} prompt tokens, {n_out} generated in {elapsed:.2f}s, {n_out / elapsed:.1f} tok/s]",
+          file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="show a model's architecture, size and KV cache cost",
+                          description="Show a model's architecture, size and KV cache cost without loading weights.")
+    add_model_args(info)
+    info.set_defaults(func=cmd_info)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal",
+                         description="Generate a completion for one prompt and stream it to the terminal.")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed for this request's sampling")
+    gen.set_defaults(func=cmd_generate)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub) -> None:
+    """`serve` and `bench` live in their own packages."""
+    from tokenmill.bench.cli import add_bench_parser
+    from tokenmill.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

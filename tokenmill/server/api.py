@@ -1,0 +1,191 @@
+"""The FastAPI app: routes, API-key check, body limits, and OpenAI-style errors for everything.
+
+No route lets an exception reach the client as a stack trace: `APIError`s carry their status,
+HTTP errors (404 route, 405 method) are reshaped, anything else is logged and answered with a
+plain 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import tokenmill
+from tokenmill.server.engine_client import EngineClient
+from tokenmill.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from tokenmill.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    parse_body,
+)
+from tokenmill.server.serving import ServingContext
+from tokenmill.server.serving_chat import chat_prompt_ids, create_chat_completion
+from tokenmill.server.serving_completions import create_completion
+
+logger = logging.getLogger("tokenmill.server")
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 2**20
+    log_interval: float = 10.0  # seconds between throughput lines; 0 disables
+
+
+def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[str],
+              settings: ServerSettings) -> FastAPI:
+    info = client.info
+    ctx = ServingContext(client, client.tokenizer, list(model_names), info["max_model_len"],
+                         info["capacity_tokens"], info["vocab_size"])
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client.attach(asyncio.get_running_loop())
+        ticker = asyncio.create_task(_log_periodically(metrics, settings.log_interval))
+        try:
+            yield
+        finally:
+            ticker.cancel()
+            client.begin_shutdown()
+            await asyncio.to_thread(client.stop_process)
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+
+    # ---- errors ------------------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(APIError(e.status_code, message, kind).to_dict(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(bad_request(f"invalid request: {e.errors()[0].get('msg')}").to_dict(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        body = APIError(500, "internal server error (see the server log)", "internal_server_error").to_dict()
+        return JSONResponse(body, status_code=500)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def check_api_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.api_key.encode())
+        if not ok:
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           "authentication_error", None, "invalid_api_key")
+
+    async def read_body(request: Request) -> bytes:
+        limit = settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                           "invalid_request_error", None, "request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
+                               None, "request_too_large")
+        return bytes(body)
+
+    # ---- routes ----------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.shutting_down:
+            raise APIError(503, "the server is shutting down", "service_unavailable", None, "shutting_down")
+        if not client.healthy:
+            raise APIError(503, client.dead_reason or "the engine core process is not running",
+                           "service_unavailable", None, "engine_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": tokenmill.__version__})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_api_key(request)
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
+                 "root": info.get("model_path"), "parent": None, "max_model_len": ctx.context_limit}
+                for name in ctx.model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        check_api_key(request)
+        req = parse_body(CompletionRequest, await read_body(request))
+        return await create_completion(ctx, req, request, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        check_api_key(request)
+        req = parse_body(ChatCompletionRequest, await read_body(request))
+        return await create_chat_completion(ctx, req, request, arrival)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = parse_body(TokenizeRequest, await read_body(request))
+        ctx.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+            ids = chat_prompt_ids(ctx, messages, req.add_generation_prompt)
+        else:
+            ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": ctx.context_limit, "tokens": ids,
+                             "token_strs": [ctx.token_text(t) for t in ids]})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = parse_body(DetokenizeRequest, await read_body(request))
+        ctx.check_model(req.model)
+        ctx.check_token_ids(req.tokens, "tokens")
+        return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+
+    return app
+
+
+async def _log_periodically(metrics: ServerMetrics, interval: float) -> None:
+    if interval <= 0:
+        return
+    while True:
+        await asyncio.sleep(interval)
+        metrics.log_throughput()

@@ -1,0 +1,237 @@
+"""`tokenmill serve`: the OpenAI-compatible HTTP server.
+
+`add_serve_parser(subparsers)` registers the subcommand (its `func` default is `run_server`);
+`python -m tokenmill.server.cli serve ...` runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+import uvicorn
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+
+logger = logging.getLogger("tokenmill.server")
+
+_DEFAULT_MAX_BODY = 8 * 2**20
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). The engine core runs in "
+                    "its own process; the HTTP front end tokenizes, detokenizes and streams.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cache, sched = CacheConfig(), SchedulerConfig()
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="smollm2-135m-instruct",
+                   help="model alias, path to a .gguf file, or a Hugging Face checkpoint directory (never downloaded)")
+    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="name(s) clients pass as 'model'; the first is used in responses (default: the model's name)")
+    m.add_argument("--dtype", default="auto",
+                   help="compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, "
+                        "bfloat16 or float16")
+    m.add_argument("--device", default="cpu", help="torch device to run on: cpu, cuda or cuda:N")
+    m.add_argument("--seed", type=int, default=0, help="global random seed of the engine (per-request 'seed' "
+                                                         "overrides it for that request)")
+    m.add_argument("--max-model-len", type=int, default=sched.max_model_len,
+                   help="longest sequence (prompt + completion) in tokens (default: the model's context length)")
+    c = p.add_argument_group("KV cache and scheduling")
+    c.add_argument("--kv-cache-memory", type=float, default=cache.kv_cache_memory_gib, metavar="GIB",
+                   help="memory for the paged KV cache in GiB (sets the number of blocks)")
+    c.add_argument("--num-kv-blocks", type=int, default=cache.num_blocks,
+                   help="exact number of KV cache blocks (overrides --kv-cache-memory)")
+    c.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV cache block")
+    c.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,
+                   help="most sequences running in one batch")
+    c.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
+                   help="token budget of one engine step (prompt chunks + decode tokens)")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=cache.enable_prefix_caching,
+                   help="reuse the KV blocks of identical prompt prefixes across requests")
+    c.add_argument("--prefix-cache-hash", choices=["builtin", "sha256"], default=cache.prefix_cache_hash,
+                   help="hash for prefix-cache block keys (sha256: collision-resistant, slower)")
+    c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.policy,
+                   help="order of waiting requests: arrival, or the request's 'priority' field (lower first)")
+    c.add_argument("--max-queue", type=int, default=None,
+                   help="most requests waiting for a batch slot; further requests get HTTP 429 (default: no limit)")
+    s = p.add_argument_group("HTTP")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (use 0.0.0.0 to listen on all interfaces)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $TOKENMILL_API_KEY; "
+                        "unset means no authentication)")
+    s.add_argument("--max-body-bytes", type=int, default=_DEFAULT_MAX_BODY,
+                   help="largest accepted request body; larger ones get HTTP 413")
+    lg = p.add_argument_group("logging")
+    lg.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="level of tokenmill's own log lines")
+    lg.add_argument("--log-interval", type=float, default=10.0,
+                    help="seconds between throughput / KV-usage log lines (0 disables them)")
+    lg.add_argument("--disable-log-requests", action="store_true",
+                    help="do not log a line per finished request")
+    lg.add_argument("--uvicorn-log-level", default="warning",
+                    choices=["critical", "error", "warning", "info", "debug", "trace"],
+                    help="log level of the uvicorn HTTP server (info also logs every HTTP access)")
+    p.set_defaults(func=run_server)
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port fails in a second, not after the load."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _on_sigterm_during_startup(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Start the engine core, then serve until SIGTERM/SIGINT. Returns 0 after a clean shutdown;
+    raises SystemExit with a non-zero status (after printing why) if the server cannot start."""
+    code = _run(args)
+    if code:
+        raise SystemExit(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tokenmill").setLevel(getattr(logging, args.log_level.upper()))
+
+    # imported here, not at the top: they pull in torch, and `tokenmill --help` should stay fast
+    from tokenmill.config import EngineConfig
+    from tokenmill.server.api import ServerSettings, build_app
+    from tokenmill.server.engine_client import EngineClient, EngineStartupError
+    from tokenmill.server.metrics import ServerMetrics
+
+    try:
+        config = EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+            cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
+                              num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                              prefix_cache_hash=args.prefix_cache_hash),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      max_model_len=args.max_model_len, policy=args.scheduling_policy),
+        )
+        if args.max_queue is not None and args.max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+        if args.max_body_bytes <= 0:
+            raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+    except ValueError as e:
+        print(f"tokenmill serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"tokenmill serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm_during_startup)
+    client = EngineClient(config, max_queue=args.max_queue)
+    try:
+        print(f"tokenmill: loading {args.model} ...", flush=True)
+        try:
+            info = client.start()
+        except (EngineStartupError, FileNotFoundError, ValueError) as e:
+            print(f"tokenmill serve: error: could not start the engine: {e}", file=sys.stderr)
+            return 1
+        names = args.served_model_name or [info["model_name"]]
+        metrics = ServerMetrics(names[0], log_requests=not args.disable_log_requests)
+        client.metrics = metrics
+        settings = ServerSettings(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
+                                  log_interval=args.log_interval)
+        app = build_app(client, metrics, names, settings)
+        uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on")
+        server = _Server(uv_config, client, lambda: _print_ready(args, info, names, start, client))
+        signal.signal(signal.SIGTERM, previous)
+        server.run(sockets=[sock])
+    finally:
+        client.stop_process()
+        sock.close()
+    if not server.started:
+        print("tokenmill serve: error: the HTTP server failed to start (see the log above)", file=sys.stderr)
+        return 1
+    print("tokenmill: server stopped", flush=True)
+    return 0
+
+
+def _print_ready(args, info: dict, names: list[str], start: float, client) -> None:
+    gib = info["kv_cache_bytes"] / 2**30
+    limit = min(info["max_model_len"], info["capacity_tokens"])
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"tokenmill: model {info['model_name']} ({info['architecture']}, {info['dtype']} on {info['device']}), "
+          f"served as {', '.join(names)}; loaded in {info['load_seconds']:.1f} s", flush=True)
+    print(f"tokenmill: KV cache {info['num_blocks']} blocks x {info['block_size']} tokens = "
+          f"{info['capacity_tokens']} tokens ({gib:.3f} GiB), prefix caching "
+          f"{'on' if args.enable_prefix_caching else 'off'}; max model len {info['max_model_len']}"
+          + (f" (requests limited to {limit} tokens by the KV cache)" if limit < info["max_model_len"] else ""),
+          flush=True)
+    auth = " (API key required on /v1)" if args.api_key else ""
+    print(f"tokenmill: ready in {time.monotonic() - start:.1f} s at http://{host}:{args.port}/v1{auth}; "
+          f"engine core pid {client.core_pid}", flush=True)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: announce readiness, fail in-flight requests on SIGTERM/SIGINT (so
+    draining is quick), and exit normally afterwards instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, client, on_ready) -> None:
+        super().__init__(config)
+        self.client = client
+        self.on_ready = on_ready
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.on_ready()
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()  # drained and stopped cleanly: exit 0, not by the signal
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._begin_shutdown, sig)
+
+    def _begin_shutdown(self, sig: int) -> None:
+        logger.info("received %s: failing in-flight requests and shutting down", signal.Signals(sig).name)
+        self.client.begin_shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)  # run_server: 0, or SystemExit on failure
+
+
+if __name__ == "__main__":
+    sys.exit(main())

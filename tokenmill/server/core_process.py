@@ -1,0 +1,176 @@
+"""The engine-core process: loads the model, runs `EngineCore.step()` in a loop, and talks to the
+HTTP front end through two multiprocessing queues (the role of vLLM's EngineCoreProc).
+
+Messages in (front end -> core):
+    ("init", eos_token_ids)                    first, from the front end's tokenizer (loaded meanwhile)
+    ("add", request_id, prompt_token_ids, SamplingParams, arrival_time, priority, cache_salt)
+    ("abort", [request_id, ...])
+    ("shutdown",)
+Messages out (core -> front end):
+    ("ready", info_dict)                       once the model is loaded
+    ("error", message)                         loading failed; the process then exits
+    ("step", [EngineCoreOutput, ...], stats)   after every step that ran
+    ("stats", stats)                           after adds/aborts that changed the queues
+    ("rejected", request_id, message)          EngineCore refused an add (never crashes the loop)
+    ("fatal", message)                         the step loop raised; the process then exits
+
+Only token ids cross the boundary: tokenization and detokenization stay in the front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import time
+import traceback
+
+from tokenmill.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# How often (seconds) an idle or busy core checks that the front end still exists.
+_PARENT_CHECK_INTERVAL = 1.0
+
+
+def stats_snapshot(core, num_received: int) -> dict:
+    """A small picklable view of the core's queues and KV pool for /metrics and the logs: every
+    numeric field of `EngineStats` (running, waiting, KV usage, preemptions, prefix-cache counters)
+    plus the pool's block counts."""
+    s = core.stats()
+    fields = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(vars(s))
+    fields.update(fields.pop("extra", None) or {})
+    snap = {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    snap["num_free_blocks"] = core.kv.num_free_blocks
+    snap["num_blocks"] = core.kv.num_blocks
+    snap["num_received"] = num_received  # add messages handled so far (lets the front end size the queue)
+    return snap
+
+
+def _ready_info(core, loaded, load_seconds: float) -> dict:
+    cfg = loaded.config
+    return {
+        "model_name": loaded.source.name,
+        "model_path": str(loaded.source.path),
+        "architecture": cfg.architecture,
+        "dtype": str(loaded.dtype).replace("torch.", ""),
+        "device": str(loaded.device),
+        "vocab_size": cfg.vocab_size,
+        "max_model_len": core.max_model_len,
+        "num_blocks": core.kv.num_blocks,
+        "block_size": core.kv.block_size,
+        "capacity_tokens": core.capacity_tokens,
+        "kv_cache_bytes": core.runner.kv_cache.numel() * core.runner.kv_cache.element_size(),
+        "load_seconds": load_seconds,
+        "pid": os.getpid(),
+    }
+
+
+def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
+    """Process entry point (spawn context). Never raises: failures become messages."""
+    # Ctrl-C reaches the whole process group; the front end decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [core] %(message)s")
+    try:
+        from tokenmill.engine.core import EngineCore, set_threads
+        from tokenmill.loader import load_model
+
+        start = time.monotonic()
+        loaded = load_model(config.model, config.dtype, config.device, max_positions=config.scheduler.max_model_len)
+        set_threads(loaded.device)
+        if config.seed is not None:
+            import torch
+
+            torch.manual_seed(config.seed)
+        eos_token_ids = _wait_for_init(inputs)  # the front end loads the tokenizer while we load weights
+        if eos_token_ids is None:
+            return
+        core = EngineCore(config, loaded, set(eos_token_ids))
+        outputs.put(("ready", _ready_info(core, loaded, time.monotonic() - start)))
+    except BaseException as e:  # noqa: BLE001 - report every load failure, then exit
+        outputs.put(("error", f"{type(e).__name__}: {e}"))
+        _flush(outputs)
+        return
+    try:
+        _loop(core, inputs, outputs)
+    except BaseException as e:  # noqa: BLE001
+        outputs.put(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    _flush(outputs)
+
+
+def _wait_for_init(inputs) -> list[int] | None:
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            msg = inputs.get(timeout=_PARENT_CHECK_INTERVAL)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None
+            continue
+        return list(msg[1]) if msg[0] == "init" else None
+
+
+def _flush(outputs) -> None:
+    outputs.close()
+    outputs.join_thread()
+
+
+def _loop(core, inputs, outputs) -> None:
+    from tokenmill.engine.core import RequestRejected
+
+    parent = multiprocessing.parent_process()
+    num_received = 0
+    last_parent_check = time.monotonic()
+    while True:
+        busy = core.has_unfinished()
+        messages = _drain(inputs, block=not busy)
+        changed = False
+        for msg in messages:
+            kind = msg[0]
+            if kind == "shutdown":
+                return
+            if kind == "add":
+                _, rid, prompt_ids, params, arrival, priority, cache_salt = msg
+                num_received += 1
+                changed = True
+                try:
+                    if cache_salt is None:
+                        core.add_request(rid, prompt_ids, params, arrival, priority)
+                    else:
+                        core.add_request(rid, prompt_ids, params, arrival, priority, cache_salt=cache_salt)
+                except RequestRejected as e:
+                    outputs.put(("rejected", rid, str(e)))
+                except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
+                    core.abort_requests([rid])
+                    outputs.put(("rejected", rid, f"{type(e).__name__}: {e}"))
+            elif kind == "abort":
+                core.abort_requests(msg[1])
+                changed = True
+        now = time.monotonic()
+        if now - last_parent_check >= _PARENT_CHECK_INTERVAL:
+            last_parent_check = now
+            if parent is not None and not parent.is_alive():
+                return  # the front end is gone: do not linger as an orphan
+        if core.has_unfinished():
+            step_outputs = core.step()
+            outputs.put(("step", step_outputs, stats_snapshot(core, num_received)))
+        elif changed:
+            outputs.put(("stats", stats_snapshot(core, num_received)))
+
+
+def _drain(inputs, block: bool) -> list:
+    """Every message waiting now; when idle, wait (a bounded time) for the first one."""
+    messages = []
+    if block:
+        try:
+            messages.append(inputs.get(timeout=_PARENT_CHECK_INTERVAL))
+        except queue.Empty:
+            return messages
+    while True:
+        try:
+            messages.append(inputs.get_nowait())
+        except queue.Empty:
+            return messages

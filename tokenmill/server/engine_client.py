@@ -1,0 +1,359 @@
+"""The front end's handle on the engine-core process (the role of vLLM's AsyncLLM + core client).
+
+`EngineClient.start()` spawns the core process and loads the tokenizer while the core loads the
+weights. Once the event loop runs, `attach()` starts a reader thread that hands each core message
+to the loop; there the `OutputProcessor` detokenizes, applies stop strings (asking the core to
+abort a request that hit one) and fans `n > 1` children back into one request, and each request's
+`RequestStream` (an asyncio queue) receives a `StreamOutput` per step. Leaving a stream early
+aborts its request in the core. If the core process dies, every in-flight stream fails with
+`EngineDeadError` and `healthy` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core import Logprob, RequestRejected
+from tokenmill.engine.llm_engine import child_params
+from tokenmill.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput, child_request_id
+from tokenmill.loader.source import resolve_model
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.core_process import run_engine_core
+from tokenmill.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The core process is gone (crashed, killed, or the server is shutting down)."""
+
+
+class EngineStartupError(RuntimeError):
+    """The core process could not load the model."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than --max-queue allows."""
+
+
+@dataclass
+class SampleDelta:
+    """What one step added to one of a request's `n` samples (copied: safe to keep)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+@dataclass
+class StreamOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    deltas: list[SampleDelta]  # only the samples that changed this step
+    finished: bool
+    outputs: list[CompletionOutput]  # cumulative per sample; final once `finished`
+
+
+def _copy_step(result: RequestOutput, reported: set[int]) -> StreamOutput:
+    """Snapshot a RequestOutput's per-step deltas (the processor reuses its objects next step)."""
+    deltas = []
+    for o in result.outputs:
+        newly_finished = o.finish_reason is not None and o.index not in reported
+        if o.delta_token_ids or o.delta_text or newly_finished:
+            deltas.append(SampleDelta(o.index, o.delta_text, list(o.delta_token_ids),
+                                      list(o.delta_logprobs) if o.delta_logprobs is not None else None,
+                                      o.finish_reason, o.stop_reason))
+            if newly_finished:
+                reported.add(o.index)
+    return StreamOutput(result.request_id, result.prompt_token_ids, result.num_cached_tokens, deltas,
+                        result.finished, result.outputs)
+
+
+class RequestStream:
+    """One request's outputs, step by step. Use as `async with stream: async for out in stream:`;
+    leaving the block before the request finished aborts it (client gone, error, cancellation)."""
+
+    def __init__(self, client: EngineClient, request_id: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.queue: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self.reported: set[int] = set()  # samples whose finish was already delivered
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.client.abort(self.request_id)
+        self.client._streams.pop(self.request_id, None)
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, max_queue: int | None = None, metrics=None) -> None:
+        self.config = config
+        self.max_queue = max_queue
+        self.metrics = metrics  # has on_outputs(list[RequestOutput]), on_abort(RequestOutput), on_stats(dict)
+        self.tokenizer: Tokenizer | None = None
+        self.info: dict = {}
+        self.stats: dict = {}
+        self._proc = None
+        self._inputs = self._outputs = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._processor: OutputProcessor | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._children: dict[str, list[str]] = {}  # request id -> core (child) request ids
+        self._parent: dict[str, str] = {}  # core request id -> request id
+        self._num_sent = 0  # add messages sent to the core
+        self.dead_reason: str | None = None
+        self.shutting_down = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> dict:
+        """Spawn the core, load the tokenizer meanwhile, and wait until the model is loaded.
+        Returns the core's ready info (KV capacity, max_model_len, ...)."""
+        ctx = multiprocessing.get_context("spawn")
+        self._inputs, self._outputs = ctx.Queue(), ctx.Queue()
+        self._proc = ctx.Process(target=run_engine_core, args=(self.config, self._inputs, self._outputs),
+                                 name="tokenmill-engine-core", daemon=True)
+        self._proc.start()
+        try:
+            self.tokenizer = load_tokenizer(resolve_model(self.config.model))
+            self._inputs.put(("init", sorted(self.tokenizer.eos_token_ids)))
+            self.info = self._wait_ready()
+        except BaseException:
+            self.stop_process(timeout=1, warn=False)  # nothing to save in a core that is still loading
+            raise
+        self._processor = OutputProcessor(self.tokenizer)
+        return self.info
+
+    def _wait_ready(self) -> dict:
+        while True:
+            try:
+                msg = self._outputs.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    raise EngineStartupError(
+                        f"the engine core process exited (code {self._proc.exitcode}) while loading the model"
+                    ) from None
+                continue
+            if msg[0] == "ready":
+                return msg[1]
+            if msg[0] == "error":
+                raise EngineStartupError(msg[1])
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start delivering core messages to `loop` (call from the running loop)."""
+        self._loop = loop
+        self._reader = threading.Thread(target=self._read_outputs, name="tokenmill-core-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_reason is None and self._proc is not None and self._proc.is_alive()
+
+    def begin_shutdown(self) -> None:
+        """Stop taking requests and fail the in-flight ones (called on SIGTERM/SIGINT)."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        for rid in list(self._streams):
+            self.abort(rid)
+        self._fail_all("the server is shutting down")
+
+    def stop_process(self, timeout: float = 10.0, warn: bool = True) -> None:
+        """Ask the core to exit; terminate, then kill it if it does not. Idempotent."""
+        self._stopping.set()
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.is_alive():
+            try:
+                self._inputs.put(("shutdown",))
+            except (OSError, ValueError):
+                pass
+            proc.join(timeout)
+        if proc.is_alive():
+            if warn:
+                logger.warning("engine core did not exit in %.0fs; terminating it", timeout)
+            proc.terminate()
+            proc.join(3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(3)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(2)
+        for q in (self._inputs, self._outputs):
+            q.cancel_join_thread()
+            q.close()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def waiting_estimate(self) -> int:
+        """Core requests waiting for a slot: the last reported count plus adds it has not seen yet."""
+        return self.stats.get("num_waiting", 0) + self._num_sent - self.stats.get("num_received", 0)
+
+    def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float | None = None, priority: int = 0,
+                 cache_salt: str | None = None) -> RequestStream:
+        """Submit a request; iterate the returned stream for its outputs."""
+        if self.shutting_down:
+            raise EngineDeadError("the server is shutting down")
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "the engine core process is not running")
+        if self.max_queue is not None and self.waiting_estimate() >= self.max_queue:
+            raise QueueFullError(f"the server's waiting queue is full ({self.max_queue} requests); retry later")
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        child_ids = self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival)
+        self._children[request_id] = child_ids
+        for i, cid in enumerate(child_ids):
+            self._parent[cid] = request_id
+            self._inputs.put(("add", cid, prompt_token_ids, child_params(params, i), arrival, priority, cache_salt))
+            self._num_sent += 1
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its blocks return to the pool after the core's next drain)."""
+        result = self._processor.abort(request_id) if self._processor is not None else None
+        child_ids = self._forget(request_id)
+        if result is not None:
+            if child_ids and self.healthy:
+                self._inputs.put(("abort", child_ids))
+            if self.metrics is not None:
+                self.metrics.on_abort(result)
+
+    def _forget(self, request_id: str) -> list[str]:
+        child_ids = self._children.pop(request_id, [])
+        for cid in child_ids:
+            self._parent.pop(cid, None)
+        return child_ids
+
+    # ---- core messages --------------------------------------------------------------------------
+
+    def _read_outputs(self) -> None:
+        """Reader thread: forward core messages to the event loop; notice the core dying."""
+        while not self._stopping.is_set():
+            try:
+                msg = self._outputs.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                if not self._proc.is_alive() and not self._stopping.is_set():
+                    reason = f"the engine core process exited unexpectedly (exit code {self._proc.exitcode})"
+                    self._call_soon(self._on_dead, reason)
+                    return
+                continue
+            except (EOFError, OSError, ValueError):
+                if not self._stopping.is_set():
+                    self._call_soon(self._on_dead, "lost the connection to the engine core process")
+                return
+            self._call_soon(self._on_message, msg)
+
+    def _call_soon(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        try:
+            if kind == "step":
+                self._on_step(msg[1])
+                self._on_stats(msg[2])
+            elif kind == "stats":
+                self._on_stats(msg[1])
+            elif kind == "rejected":
+                self._on_rejected(msg[1], msg[2])
+            elif kind == "fatal":
+                logger.error("engine core failed:\n%s", msg[1])
+                self._on_dead("the engine core failed; see the server log")
+        except Exception:  # a bug here must not kill the reader; fail loudly in the log
+            logger.exception("error handling engine core message %r", kind)
+
+    def _on_step(self, core_outputs: list) -> None:
+        results, to_abort = self._processor.process(core_outputs)
+        if to_abort:
+            self._inputs.put(("abort", to_abort))  # stop strings found here: free their blocks now
+        if self.metrics is not None and results:
+            self.metrics.on_outputs(results)
+        for result in results:
+            stream = self._streams.get(result.request_id)
+            if result.finished:
+                self._forget(result.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(_copy_step(result, stream.reported))
+
+    def _on_stats(self, stats: dict) -> None:
+        self.stats = stats
+        if self.metrics is not None:
+            self.metrics.on_stats(stats)
+
+    def _on_rejected(self, core_request_id: str, message: str) -> None:
+        request_id = self._parent.get(core_request_id)
+        if request_id is None:
+            return
+        stream = self._streams.get(request_id)
+        self._processor.abort(request_id)
+        others = [c for c in self._forget(request_id) if c != core_request_id]
+        if others:
+            self._inputs.put(("abort", others))
+        if stream is not None:
+            stream.queue.put_nowait(RequestRejected(message))
+
+    def _on_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            if not self.shutting_down:
+                logger.error("%s; failing all requests", reason)
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(EngineDeadError(reason))
+        for rid in list(self._children):
+            self._forget(rid)
+        if self._processor is not None:
+            self._processor = OutputProcessor(self.tokenizer)
+
+
+__all__ = ["EngineClient", "EngineDeadError", "EngineStartupError", "QueueFullError", "RequestRejected",
+           "RequestStream", "SampleDelta", "StreamOutput", "child_request_id"]

@@ -1,0 +1,159 @@
+"""Prometheus metrics (named like vLLM's, `tokenmill:` prefix) and the server's stats log lines.
+
+Everything is observed in the front end from the engine's own monotonic timestamps (the core
+stamps first-scheduled and every token with `time.monotonic()`; the front end stamps arrival with
+the same system-wide clock). Each app gets a private `CollectorRegistry`, so several servers (or
+tests) in one process never collide.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
+
+from tokenmill.engine.output_processor import RequestOutput
+
+logger = logging.getLogger("tokenmill.server")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                      0.75, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+                    600.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, log_requests: bool = True) -> None:
+        self.registry = CollectorRegistry()
+        self.log_requests = log_requests
+        r, labels, name = self.registry, ["model_name"], model_name
+
+        def hist(metric: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"tokenmill:{metric}", doc, labels, registry=r, buckets=buckets).labels(name)
+
+        def gauge(metric: str, doc: str) -> Gauge:
+            return Gauge(f"tokenmill:{metric}", doc, labels, registry=r).labels(name)
+
+        def counter(metric: str, doc: str) -> Counter:
+            return Counter(f"tokenmill:{metric}", doc, labels, registry=r).labels(name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
+                        _TOKEN_GAP_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Mean decode time per output token of a request.",
+                         _TOKEN_GAP_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.",
+                                 _REQUEST_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "First token to last token.", _REQUEST_BUCKETS)
+        self.running = gauge("num_requests_running", "Requests in the engine's running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).")
+        self.free_blocks = gauge("num_free_kv_blocks", "KV cache blocks in the free pool.")
+        self.total_blocks = gauge("num_kv_blocks", "KV cache blocks in the pool.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (of those looked up).")
+        self.success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        self._started: set[str] = set()  # requests whose prompt tokens were counted
+        self._last_stats: dict = {}
+        self._window_start = time.monotonic()
+        self._window_prompt = self._window_gen = 0
+        self.stats: dict = {}
+
+    # ---- engine events (called on the event loop by the EngineClient) ---------------------------
+
+    def on_outputs(self, results: list[RequestOutput]) -> None:
+        for r in results:
+            new = sum(len(o.delta_token_ids) for o in r.outputs)
+            self.generation_tokens.inc(new)
+            self._window_gen += new
+            if r.request_id not in self._started and new:
+                self._started.add(r.request_id)
+                n_prompt = len(r.prompt_token_ids)
+                self.prompt_tokens.inc(n_prompt)
+                self._window_prompt += n_prompt
+            if r.finished:
+                self._started.discard(r.request_id)
+                self._observe_finished(r)
+
+    def on_abort(self, r: RequestOutput) -> None:
+        self._started.discard(r.request_id)
+        self.success.labels(self._model_name, "abort").inc()
+        if self.log_requests:
+            logger.info("request %s aborted after %d output tokens", r.request_id,
+                        sum(len(o.token_ids) for o in r.outputs))
+
+    def on_stats(self, s: dict) -> None:
+        self.stats = s
+        self.running.set(s.get("num_running", 0))
+        self.waiting.set(s.get("num_waiting", 0))
+        self.kv_usage.set(s.get("kv_cache_usage", 0.0))
+        self.free_blocks.set(s.get("num_free_blocks", 0))
+        self.total_blocks.set(s.get("num_blocks", 0))
+        self._inc_delta(self.preemptions, s, "num_preemptions")
+        self._inc_delta(self.prefix_queries, s, "prefix_cache_queries")  # cumulative in the core
+        self._inc_delta(self.prefix_hits, s, "prefix_cache_hits")
+        self._last_stats = s
+
+    def _inc_delta(self, counter: Counter, s: dict, key: str) -> None:
+        delta = s.get(key, 0) - self._last_stats.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+
+    def _observe_finished(self, r: RequestOutput) -> None:
+        m = r.metrics
+        reasons = [o.finish_reason or "abort" for o in r.outputs]
+        for reason in reasons:
+            self.success.labels(self._model_name, reason).inc()
+        times = m.token_times
+        if not times or m.first_token_time is None:
+            return
+        ttft = m.first_token_time - m.arrival_time
+        e2e = (m.finished_time or times[-1]) - m.arrival_time
+        self.ttft.observe(max(ttft, 0.0))
+        self.e2e.observe(max(e2e, 0.0))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+            self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+        self.decode_time.observe(max(times[-1] - m.first_token_time, 0.0))
+        for a, b in zip(times, times[1:]):
+            self.itl.observe(b - a)
+        tpot = (e2e - ttft) / (len(times) - 1) if len(times) > 1 else None
+        if tpot is not None:
+            self.tpot.observe(max(tpot, 0.0))
+        if self.log_requests:
+            n_out = sum(len(o.token_ids) for o in r.outputs)
+            tpot_text = f"{tpot * 1000:.1f} ms" if tpot is not None else "-"
+            logger.info("request %s finished: %d prompt + %d output tokens, TTFT %.3f s, TPOT %s, reason %s",
+                        r.request_id, len(r.prompt_token_ids), n_out, ttft, tpot_text, ",".join(reasons))
+
+    # ---- output ---------------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def log_throughput(self, force: bool = False) -> None:
+        """The periodic line: throughput since the last call, queue sizes and KV usage."""
+        now = time.monotonic()
+        elapsed = max(now - self._window_start, 1e-9)
+        s = self.stats
+        active = self._window_prompt or self._window_gen or s.get("num_running") or s.get("num_waiting")
+        if active or force:
+            queries = s.get("prefix_cache_queries", 0)
+            hit_rate = 100 * s.get("prefix_cache_hits", 0) / queries if queries else 0.0
+            logger.info("throughput: prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d | "
+                        "KV cache %.1f%% used (%d/%d blocks free) | prefix cache hit rate %.1f%% | preemptions %d",
+                        self._window_prompt / elapsed, self._window_gen / elapsed, s.get("num_running", 0),
+                        s.get("num_waiting", 0), 100 * s.get("kv_cache_usage", 0.0), s.get("num_free_blocks", 0),
+                        s.get("num_blocks", 0), hit_rate, s.get("num_preemptions", 0))
+        self._window_start, self._window_prompt, self._window_gen = now, 0, 0

@@ -1,0 +1,143 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of either) -> completions, streamed or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokenmill.server.engine_client import EngineDeadError, RequestRejected, RequestStream, StreamOutput
+from tokenmill.server.protocol import CompletionRequest, bad_request
+from tokenmill.server.serving import ServingContext, engine_error, merge_logprobs, usage
+from tokenmill.server.streaming import (
+    ClientDisconnected,
+    SSEResponse,
+    gather_or_cancel,
+    merge_streams,
+    run_until_disconnect,
+    sse,
+)
+
+
+def prompt_inputs(ctx: ServingContext, prompt) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt. Token-id prompts get their decoded text (for echo)."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append((p, ctx.tokenizer.encode(p)))
+        else:
+            ctx.check_token_ids(p, "prompt")
+            out.append((ctx.tokenizer.decode(p, skip_special_tokens=False), list(p)))
+    return out
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request,
+                            arrival: float) -> Response:
+    model = ctx.check_model(req.model)
+    params = req.sampling_params()
+    prompts = prompt_inputs(ctx, req.prompt)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    items = []
+    for i, (text, ids) in enumerate(prompts):
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        items.append((rid, text, ids, ctx.fit_to_context(len(ids), params, "prompt")))
+    created = int(time.time())
+    streams = ctx.submit_all(items, arrival, req.priority, req.cache_salt)
+    if req.stream:
+        events = _stream(ctx, req, request_id, model, created, prompts, streams)
+        return SSEResponse(events, on_close=lambda: [s.close() for s in streams])
+    try:
+        finals = await run_until_disconnect(request, gather_or_cancel(*(_last(s) for s in streams)))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except (EngineDeadError, RequestRejected) as e:
+        raise engine_error(e) from None
+    finally:
+        for s in streams:
+            s.close()
+    return JSONResponse(_response(ctx, req, request_id, model, created, prompts, finals))
+
+
+async def _last(stream: RequestStream) -> StreamOutput:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str, created: int,
+              prompts: list[tuple[str, list[int]]], finals: list[StreamOutput]) -> dict:
+    choices = []
+    completion_tokens = cached = 0
+    for p, (final, (text, ids)) in enumerate(zip(finals, prompts)):
+        cached += final.num_cached_tokens
+        for o in final.outputs:
+            completion_tokens += len(o.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                offset = 0
+                if req.echo:
+                    logprobs, offset = ctx.prompt_logprobs_placeholder(ids, 0)
+                generated, _ = ctx.completion_logprobs(o.token_ids, o.logprobs or [], offset)
+                logprobs = merge_logprobs(logprobs, generated)
+            choices.append({"index": p * req.n + o.index, "text": (text if req.echo else "") + o.text,
+                            "logprobs": logprobs, "finish_reason": o.finish_reason})
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": None, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached)}
+
+
+async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str, created: int,
+                  prompts: list[tuple[str, list[int]]], streams: list[RequestStream]):
+    base = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": None}
+    include_usage = req.include_usage
+
+    def chunk(index: int, text: str, logprobs, finish_reason) -> str:
+        body = dict(base, choices=[{"index": index, "text": text, "logprobs": logprobs,
+                                    "finish_reason": finish_reason}])
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    offsets: dict[int, int] = {}
+    completion_tokens = 0
+    cached = [0] * len(prompts)
+    try:
+        if req.echo:
+            for p, (text, ids) in enumerate(prompts):
+                for j in range(req.n):
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs, offsets[p * req.n + j] = ctx.prompt_logprobs_placeholder(ids, 0)
+                    yield chunk(p * req.n + j, text, logprobs, None)
+        async for p, out in merge_streams(streams):
+            cached[p] = out.num_cached_tokens
+            for d in out.deltas:
+                index = p * req.n + d.index
+                completion_tokens += len(d.token_ids)
+                logprobs = None
+                if req.logprobs is not None and d.logprobs:
+                    logprobs, offsets[index] = ctx.completion_logprobs(d.token_ids, d.logprobs, offsets.get(index, 0))
+                if d.text or logprobs is not None or d.finish_reason is not None:
+                    yield chunk(index, d.text, logprobs, d.finish_reason)
+        if include_usage:
+            prompt_tokens = sum(len(ids) for _, ids in prompts)
+            yield sse(dict(base, choices=[], usage=usage(prompt_tokens, completion_tokens, sum(cached))))
+    except (EngineDeadError, RequestRejected) as e:
+        yield sse(engine_error(e).to_dict())
+    finally:
+        for s in streams:
+            s.close()
+    yield "data: [DONE]\n\n"
