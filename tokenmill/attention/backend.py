@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention import cpu_kernels
+
 
 @dataclass
 class SequenceSlice:
@@ -46,7 +48,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_context_lens: torch.Tensor | None  # [num_decodes] long, cached + the new token
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool (gather path)
     prefills: list[PrefillMetadata]
 
 
@@ -66,9 +69,11 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Paged attention with torch ops (SDPA) only: runs on CPU and CUDA."""
+    """Paged attention with torch ops (SDPA) only: runs on CPU and CUDA. Decode gathers each
+    sequence's blocks into a padded batch and runs one masked SDPA."""
 
     name = "torch-sdpa"
+    needs_decode_mask = True
 
     def build_metadata(self, seqs: list[SequenceSlice], block_size: int, device: torch.device) -> AttentionMetadata:
         num_new = np.fromiter((s.num_new for s in seqs), dtype=np.int64, count=len(seqs))
@@ -88,13 +93,15 @@ class TorchAttentionBackend(AttentionBackend):
         slots = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
         slot_mapping = torch.from_numpy(slots).to(device)
 
-        decode_tables = decode_mask = None
+        decode_tables = decode_lens = decode_mask = None
         if num_decodes:
             ctx = num_cached[:num_decodes] + 1
             nb = int((ctx.max() + block_size - 1) // block_size)
             decode_tables = torch.from_numpy(np.ascontiguousarray(tables[:num_decodes, :nb])).to(device)
-            mask = np.arange(nb * block_size)[None, :] < ctx[:, None]
-            decode_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
+            decode_lens = torch.from_numpy(ctx).to(device)
+            if self.needs_decode_mask:
+                mask = np.arange(nb * block_size)[None, :] < ctx[:, None]
+                decode_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
 
         prefills = []
         for i in range(num_decodes, len(seqs)):
@@ -106,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
                 keys = torch.arange(c + n, device=device)
                 mask = keys[None, :] <= (c + torch.arange(n, device=device))[:, None]
             prefills.append(PrefillMetadata(start, start + n, c, table, mask))
-        return AttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_mask, prefills)
+        return AttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_lens, decode_mask, prefills)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -117,11 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         d = meta.num_decodes
         if d:
-            keys = _gather(k_cache, meta.decode_block_tables)  # [D, KVH, L, hd]
-            values = _gather(v_cache, meta.decode_block_tables)
-            out[:d] = F.scaled_dot_product_attention(
-                q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-            ).squeeze(2)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
         for p in meta.prefills:
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             if p.block_table is None:
@@ -137,13 +140,36 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+    def _decode(self, q, k_cache, v_cache, meta, scale):
+        keys = _gather(k_cache, meta.decode_block_tables)  # [D, KVH, L, hd]
+        values = _gather(v_cache, meta.decode_block_tables)
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        ).squeeze(2)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """CPU float32: decode reads K/V straight from the blocks with a compiled kernel (no gather
+    copy, no padding); prompt chunks use the torch path."""
+
+    name = "cpu-paged"
+    needs_decode_mask = False
+
+    def _decode(self, q, k_cache, v_cache, meta, scale):
+        return cpu_kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                                  meta.decode_context_lens, scale)
+
+
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, KVH, hd] cache + [B, nb] tables -> [B, KVH, nb * bs, hd]."""
-    blocks = cache[block_tables]  # [B, nb, bs, KVH, hd]
-    b, nb, bs, kvh, hd = blocks.shape
-    return blocks.view(b, nb * bs, kvh, hd).transpose(1, 2)
+    b, nb = block_tables.shape
+    blocks = cache.index_select(0, block_tables.reshape(-1))  # whole blocks: row copies, not per element
+    return blocks.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """The backend for a device. Only the torch backend exists today; GPU kernels plug in here."""
+def get_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend for a device and KV dtype: the compiled paged kernel on CPU float32 when it
+    builds, else plain torch ops (GPU kernels plug in here)."""
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load() is not None:
+        return CpuAttentionBackend()
     return TorchAttentionBackend()

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import get_attention_backend
 from tokenmill.config import ModelConfig, resolve_device, resolve_dtype
 from tokenmill.loader.gguf_loader import GGUFCheckpoint
 from tokenmill.loader.hf_loader import HFCheckpoint
@@ -43,7 +42,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str
     torch_dtype = resolve_dtype(dtype, dev, config.torch_dtype)
     model_cls = MODEL_REGISTRY[config.architecture]
     with torch.device("meta"):
-        net = model_cls(config, get_attention_backend(dev), max_positions or config.max_position_embeddings)
+        net = model_cls(config, max_positions or config.max_position_embeddings)
     net = net.to_empty(device=dev).to(torch_dtype)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight

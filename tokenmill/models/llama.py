@@ -18,7 +18,7 @@ from tokenmill.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -29,8 +29,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.rotary = rotary
-        self.backend = backend
-        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        self.backend: AttentionBackend | None = None  # bound by the model runner with the KV cache
+        self.kv_cache: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -42,10 +42,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.self_attn = LlamaAttention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
@@ -66,12 +66,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
         rotary = RotaryEmbedding(config, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
