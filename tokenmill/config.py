@@ -106,10 +106,9 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, in float32 (halve for 16-bit caches)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V per token over all layers for a cache of `dtype`."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype.itemsize
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:

@@ -53,9 +53,7 @@ class ModelRunner:
                     self.dtype)
 
     def bytes_per_block(self) -> int:
-        c = self.config
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * element
+        return self.block_size * self.config.kv_bytes_per_token(self.dtype)
 
     def _blocks_for_memory(self, gib: float) -> int:
         blocks = int(gib * 2**30) // self.bytes_per_block()

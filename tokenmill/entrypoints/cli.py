@@ -64,7 +64,6 @@ def cmd_info(args: argparse.Namespace) -> None:
         + c.num_attention_heads * c.head_dim * c.hidden_size
     mlp = 3 * c.hidden_size * c.intermediate_size
     params = embed * (1 if c.tie_word_embeddings else 2) + c.num_hidden_layers * (attn + mlp + 2 * c.hidden_size)
-    kv_bytes = c.kv_bytes_per_token // 4 * (2 if dtype.is_floating_point and dtype.itemsize == 2 else 4)
     rows = [
         ("model", source.name), ("file", str(source.path)), ("format", source.kind),
         ("architecture", c.architecture), ("parameters", f"{params / 1e6:.1f}M"), ("dtype", str(dtype)),
@@ -72,7 +71,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         ("kv heads", c.num_key_value_heads), ("head dim", c.head_dim), ("vocab", c.vocab_size),
         ("context length", c.max_position_embeddings), ("rope theta", c.rope_theta),
         ("rope scaling", c.rope_scaling or "none"), ("tied embeddings", c.tie_word_embeddings),
-        ("KV bytes per token", f"{kv_bytes} ({dtype})"),
+        ("KV bytes per token", f"{c.kv_bytes_per_token(dtype)} ({dtype})"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
