@@ -58,7 +58,8 @@ def test_completion_request_errors_name_the_field(raw, param, words):
     (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}', "top_logprobs",
      "top_logprobs must be"),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 1}', "top_logprobs", "requires logprobs"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', "tools", "not supported"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', "tools[0].function",
+     "required"),
 ])
 def test_chat_request_errors_name_the_field(raw, param, words):
     e = parse_error(ChatCompletionRequest, raw)

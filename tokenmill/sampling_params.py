@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tokenmill.structured.spec import ReasoningSpec, StructuredOutputSpec
+
 # Temperatures below this are treated as greedy decoding (same threshold as vLLM).
 _GREEDY_EPS = 1e-5
 # Most top-N logprobs a request may ask for per generated token.
@@ -25,6 +27,9 @@ class SamplingParams:
     ``top_k`` of 0 or -1 disables top-k; ``logprobs=N`` returns the top-N logprobs per
     generated token (plus the sampled one; 0 means only the sampled token's);
     ``ignore_eos`` keeps generating past EOS (it does not stop EOS being sampled).
+    ``structured_output`` constrains the output (JSON schema, regex, choice, grammar; see
+    `tokenmill.structured`); ``reasoning`` tells the engine where a reasoning model's thinking ends
+    (constraints start after it) and optionally caps it.
     """
 
     n: int = 1
@@ -44,6 +49,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputSpec | None = None
+    reasoning: ReasoningSpec | None = None
 
     def __post_init__(self) -> None:
         # Normalise.
@@ -102,6 +109,10 @@ class SamplingParams:
         for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be a bool")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
+            bad("structured_output", "must be a StructuredOutputSpec or None")
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpec):
+            bad("reasoning", "must be a ReasoningSpec or None")
 
     @property
     def greedy(self) -> bool:

@@ -42,6 +42,10 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="bearer token (default: $OPENAI_API_KEY; never written to the result file)")
     g.add_argument("--extra-body", type=json.loads, default={},
                    help='JSON object merged into every request body, e.g. \'{"top_p": 0.9}\'')
+    g.add_argument("--json-schema", default=None, metavar="PATH",
+                   help="constrain every request's output to the JSON schema in this file (sends OpenAI "
+                        "response_format {'type': 'json_schema', ...}); compare with a run without it to see the "
+                        "cost of structured output")
     g.add_argument("--timeout", type=float, default=600.0,
                    help="per-request timeout in seconds; a request past it counts as failed (default: %(default)s)")
     g.add_argument("--server-pid", type=int, default=None,
@@ -228,8 +232,16 @@ def _endpoint(args: argparse.Namespace):
         raise ValueError("--extra-body must be a JSON object")
     if args.model is None:
         args.model = _served_model(args.base_url, args.api_key)
+    extra_body = dict(args.extra_body)
+    if args.json_schema:
+        try:
+            schema = json.loads(Path(args.json_schema).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
+        extra_body["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": Path(args.json_schema).stem, "schema": schema}}
     return EndpointConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
-                          temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=args.extra_body,
+                          temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra_body,
                           timeout=args.timeout)
 
 

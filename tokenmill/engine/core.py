@@ -6,8 +6,11 @@ the core can run in its own process with the HTTP front end elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +55,9 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found
+    grammar_compiles: int = 0  # structured-output grammars compiled (cache misses)
+    grammar_compile_seconds: float = 0.0  # their total compile time
+    grammar_cache_hits: int = 0
 
 
 class RequestRejected(ValueError):
@@ -59,7 +65,12 @@ class RequestRejected(ValueError):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, eos_token_ids: set[int]) -> None:
+    """The step loop. `tokenizer_data` (a `tokenmill.structured.backend.TokenizerData`, or a function
+    returning one) enables structured output; without it, constrained requests are rejected. The
+    structured-output manager is built on the first constrained request."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, eos_token_ids: set[int],
+                 tokenizer_data=None) -> None:
         self.config = config
         self.model_config = loaded.config
         self.eos_token_ids = set(eos_token_ids)
@@ -71,6 +82,23 @@ class EngineCore:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (stats, tests)
+        self._tokenizer_data = tokenizer_data
+        self._structured = None  # StructuredOutputManager, built on first use
+        self.compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
+
+    @property
+    def structured(self):
+        """The structured-output manager (None when the engine has no tokenizer data)."""
+        if self._structured is None and self._tokenizer_data is not None:
+            from tokenmill.structured.manager import StructuredOutputManager
+
+            try:
+                data = self._tokenizer_data() if callable(self._tokenizer_data) else self._tokenizer_data
+                self._structured = StructuredOutputManager(data, self.model_config.vocab_size)
+            except Exception:  # noqa: BLE001 - serve unconstrained requests; constrained ones are rejected
+                logger.exception("cannot set up structured output; constrained requests will be rejected")
+                self._tokenizer_data = None
+        return self._structured
 
     @property
     def capacity_tokens(self) -> int:
@@ -102,29 +130,83 @@ class EngineCore:
             )
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, priority,
                           self.runner.device, cache_salt)
+        budget = params.reasoning.budget if params.reasoning is not None else None
+        if params.structured_output is not None or budget is not None:
+            if self.structured is None:
+                raise RequestRejected("structured output is not available: the engine has no tokenizer data")
+            request.structured = self.structured.new_state(params.structured_output, params.reasoning,
+                                                           request.eos_token_ids | request.stop_token_ids)
+            if request.structured is not None and request.structured.ready:  # cached grammar
+                error = request.structured.start()
+                if error is not None:
+                    raise RequestRejected(error)
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        if request.structured is not None and not request.structured.ready:
+            self.compiling.append(request)  # scheduled once its grammar is compiled (see _admit_compiled)
+        else:
+            self.scheduler.add(request)
+
+    def _start(self, request: Request) -> EngineCoreOutput | None:
+        """Hand a request to the scheduler; for a failed grammar compile, finish it instead."""
+        error = request.structured.start() if request.structured is not None else None
+        if error is None:
+            self.scheduler.add(request)
+            return None
+        logger.error("request %s: %s", request.request_id, error)
+        request.status = RequestStatus.FINISHED_ABORTED
+        del self.requests[request.request_id]
+        return EngineCoreOutput(request.request_id, [], time.monotonic(), "abort",
+                                arrival_time=request.times.arrival)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Move requests whose grammar finished compiling to the scheduler (never blocks)."""
+        failed = []
+        still = []
+        for request in self.compiling:
+            if request.structured.ready:
+                out = self._start(request)
+                if out is not None:
+                    failed.append(out)
+            else:
+                still.append(request)
+        self.compiling = still
+        return failed
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             request = self.requests.pop(rid, None)
-            if request is not None:
+            if request is None:
+                continue
+            if request in self.compiling:
+                self.compiling.remove(request)
+                request.status = RequestStatus.FINISHED_ABORTED
+            else:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
-                           self.scheduler.num_preemptions, self.kv.prefix_queries, self.kv.prefix_hits)
+        stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting) + len(self.compiling),
+                            self.kv.usage, self.scheduler.num_preemptions, self.kv.prefix_queries,
+                            self.kv.prefix_hits)
+        if self._structured is not None:
+            c = self._structured.compiler.stats
+            stats.grammar_compiles, stats.grammar_compile_seconds = c.num_compiles, c.compile_seconds
+            stats.grammar_cache_hits = c.cache_hits
+        return stats
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
 
     def step(self) -> list[EngineCoreOutput]:
+        failed = self._admit_compiled() if self.compiling else []
         sched = self.last_schedule = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            if self.compiling and not failed:  # nothing to run but grammars compiling: wait a little
+                wait_futures([r.structured.future for r in self.compiling], timeout=0.01,
+                             return_when=FIRST_COMPLETED)
+            return failed
         # single-token sequences first: the attention backend batches them together
         items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         seqs = []
@@ -139,10 +221,19 @@ class EngineCore:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.request)
         if not sampling:
-            return []
+            return failed
 
+        params = [r.params for r in sampling]
+        masked = [(i, r.structured) for i, r in enumerate(sampling)
+                  if r.structured is not None and r.structured.needs_mask]
+        if masked:
+            # in place: forbidden tokens -> -inf (so logprobs are of the masked distribution, as in vLLM)
+            self.structured.apply(logits, masked)
+            for i, _ in masked:  # the grammar decides where the output may end, not min_tokens
+                if params[i].min_tokens:
+                    params[i] = dataclasses.replace(params[i], min_tokens=0)
         meta = SamplingMetadata.build(
-            [r.params for r in sampling], [r.prompt_token_ids for r in sampling],
+            params, [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling], [r.generator for r in sampling],
             [r.eos_token_ids for r in sampling], vocab_size=logits.shape[1], device=logits.device,
         )
@@ -150,9 +241,16 @@ class EngineCore:
         token_ids = out.sampled_token_ids.tolist()
         logprobs = self._logprobs_lists(out, sampling)
         now = time.monotonic()
-        outputs = []
+        outputs = failed
         for i, (request, token) in enumerate(zip(sampling, token_ids)):
             status = request.append_token(token, now)
+            if request.structured is not None:
+                if not request.structured.accept(token):  # only if every token was masked: should not happen
+                    logger.error("request %s: sampled token %d is not allowed by its grammar; aborting it",
+                                 request.request_id, token)
+                    status = RequestStatus.FINISHED_ABORTED
+                elif request.structured.terminated:  # the grammar accepted a stop token: the output is done
+                    status = status or RequestStatus.FINISHED_STOPPED
             outputs.append(EngineCoreOutput(
                 request.request_id, [token], now, status.value if status else None,
                 [logprobs[i]] if logprobs and logprobs[i] is not None else None,

@@ -33,14 +33,24 @@ class LLMEngine:
         self.model_config = loaded.config
         self.model_name = loaded.source.name
         self.tokenizer = load_tokenizer(loaded.source)
-        self.core = EngineCore(config, loaded, self.tokenizer.eos_token_ids)
+        self.core = EngineCore(config, loaded, self.tokenizer.eos_token_ids, self._tokenizer_data)
         self.processor = OutputProcessor(self.tokenizer)
         logger.info("KV cache capacity: %d tokens", self.core.capacity_tokens)
 
+    def _tokenizer_data(self):
+        from tokenmill.structured.backend import TokenizerData
+
+        return TokenizerData.from_tokenizer(self.tokenizer)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a prompt (text or token ids). Raises ValueError if it can never be served."""
+        """Queue a prompt (text or token ids). Raises ValueError if it can never be served (including an
+        invalid structured-output schema, regex or grammar)."""
         params = params or SamplingParams()
+        if params.structured_output is not None:
+            from tokenmill.structured.spec import check_spec
+
+            check_spec(params.structured_output)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:

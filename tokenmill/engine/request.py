@@ -52,6 +52,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.num_preemptions = 0
         self.times = RequestTimes(arrival_time if arrival_time is not None else time.monotonic())
+        self.structured = None  # StructuredState of a constrained request (set by the engine core)
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator(device or "cpu").manual_seed(params.seed)

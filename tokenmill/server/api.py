@@ -44,13 +44,14 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
     log_interval: float = 10.0  # seconds between throughput lines; 0 disables
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think> output into reasoning_content
 
 
 def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[str],
               settings: ServerSettings) -> FastAPI:
     info = client.info
     ctx = ServingContext(client, client.tokenizer, list(model_names), info["max_model_len"],
-                         info["capacity_tokens"], info["vocab_size"])
+                         info["capacity_tokens"], info["vocab_size"], settings.reasoning_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

@@ -65,6 +65,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="order of waiting requests: arrival, or the request's 'priority' field (lower first)")
     c.add_argument("--max-queue", type=int, default=None,
                    help="most requests waiting for a batch slot; further requests get HTTP 429 (default: no limit)")
+    o = p.add_argument_group("output parsing")
+    o.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                   help="the model thinks in <think>...</think>: chat responses carry the thinking in "
+                        "'reasoning_content' (streams in delta.reasoning_content), output constraints start "
+                        "after </think>, and requests may set 'max_reasoning_tokens'")
     s = p.add_argument_group("HTTP")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (use 0.0.0.0 to listen on all interfaces)")
@@ -164,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
         metrics = ServerMetrics(names[0], log_requests=not args.disable_log_requests)
         client.metrics = metrics
         settings = ServerSettings(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
-                                  log_interval=args.log_interval)
+                                  log_interval=args.log_interval, reasoning_parser=args.reasoning_parser)
         app = build_app(client, metrics, names, settings)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on")
         server = _Server(uv_config, client, lambda: _print_ready(args, info, names, start, client))

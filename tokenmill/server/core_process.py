@@ -2,7 +2,8 @@
 HTTP front end through two multiprocessing queues (the role of vLLM's EngineCoreProc).
 
 Messages in (front end -> core):
-    ("init", eos_token_ids)                    first, from the front end's tokenizer (loaded meanwhile)
+    ("init", eos_token_ids, tokenizer_data)    first, from the front end's tokenizer (loaded meanwhile);
+                                               tokenizer_data: structured.backend.TokenizerData or None
     ("add", request_id, prompt_token_ids, SamplingParams, arrival_time, priority, cache_salt)
     ("abort", [request_id, ...])
     ("shutdown",)
@@ -85,10 +86,13 @@ def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
             import torch
 
             torch.manual_seed(config.seed)
-        eos_token_ids = _wait_for_init(inputs)  # the front end loads the tokenizer while we load weights
-        if eos_token_ids is None:
+        init = _wait_for_init(inputs)  # the front end loads the tokenizer while we load weights
+        if init is None:
             return
-        core = EngineCore(config, loaded, set(eos_token_ids))
+        eos_token_ids, tokenizer_data = init
+        core = EngineCore(config, loaded, set(eos_token_ids), tokenizer_data)
+        if tokenizer_data is not None:
+            _ = core.structured  # build the grammar compiler now, not on the step loop at the first request
         outputs.put(("ready", _ready_info(core, loaded, time.monotonic() - start)))
     except BaseException as e:  # noqa: BLE001 - report every load failure, then exit
         outputs.put(("error", f"{type(e).__name__}: {e}"))
@@ -101,7 +105,7 @@ def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
     _flush(outputs)
 
 
-def _wait_for_init(inputs) -> list[int] | None:
+def _wait_for_init(inputs) -> tuple[list[int], object] | None:
     parent = multiprocessing.parent_process()
     while True:
         try:
@@ -110,7 +114,9 @@ def _wait_for_init(inputs) -> list[int] | None:
             if parent is not None and not parent.is_alive():
                 return None
             continue
-        return list(msg[1]) if msg[0] == "init" else None
+        if msg[0] != "init":
+            return None
+        return list(msg[1]), (msg[2] if len(msg) > 2 else None)
 
 
 def _flush(outputs) -> None:

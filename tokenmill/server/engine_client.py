@@ -33,6 +33,17 @@ logger = logging.getLogger(__name__)
 _POLL_SECONDS = 0.2
 
 
+def _tokenizer_data(tokenizer: Tokenizer):
+    """What the core's grammar compiler needs from the tokenizer (None: structured output off)."""
+    try:
+        from tokenmill.structured.backend import TokenizerData
+
+        return TokenizerData.from_tokenizer(tokenizer)
+    except Exception:  # noqa: BLE001 - serve without structured output rather than not at all
+        logger.exception("cannot prepare the tokenizer for structured output; constrained requests will fail")
+        return None
+
+
 class EngineDeadError(RuntimeError):
     """The core process is gone (crashed, killed, or the server is shutting down)."""
 
@@ -153,7 +164,7 @@ class EngineClient:
         self._proc.start()
         try:
             self.tokenizer = load_tokenizer(resolve_model(self.config.model))
-            self._inputs.put(("init", sorted(self.tokenizer.eos_token_ids)))
+            self._inputs.put(("init", sorted(self.tokenizer.eos_token_ids), _tokenizer_data(self.tokenizer)))
             self.info = self._wait_ready()
         except BaseException:
             self.stop_process(timeout=1, warn=False)  # nothing to save in a core that is still loading

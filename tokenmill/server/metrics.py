@@ -61,6 +61,10 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (of those looked up).")
+        self.grammar_compiles = counter("structured_output_compiles",
+                                        "Structured-output grammars compiled (grammar cache misses).")
+        self.grammar_compile_seconds = counter("structured_output_compile_seconds",
+                                               "Total time spent compiling structured-output grammars.")
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
@@ -103,6 +107,8 @@ class ServerMetrics:
         self._inc_delta(self.preemptions, s, "num_preemptions")
         self._inc_delta(self.prefix_queries, s, "prefix_cache_queries")  # cumulative in the core
         self._inc_delta(self.prefix_hits, s, "prefix_cache_hits")
+        self._inc_delta(self.grammar_compiles, s, "grammar_compiles")
+        self._inc_delta(self.grammar_compile_seconds, s, "grammar_compile_seconds")
         self._last_stats = s
 
     def _inc_delta(self, counter: Counter, s: dict, key: str) -> None:

@@ -4,15 +4,26 @@ Bodies are parsed by pydantic in strict JSON mode (a string is not a number, 1 i
 every failure becomes an `APIError` (HTTP 400) whose message and `param` name the field. Sampling
 fields are then checked once more by `SamplingParams`, whose ValueErrors already start with the
 field's name.
+
+Output constraints (both endpoints; at most one per request): OpenAI `response_format`
+(`{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"name", "schema"}}`), vLLM's
+`structured_outputs` (`{"json": schema}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": EBNF}`,
+`{"json_object": true}`) and vLLM's older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`. Chat also takes `tools`, `tool_choice` (none / auto / required / a named function),
+`parallel_tool_calls`, `role: "tool"` messages and assistant `tool_calls`, `chat_template_kwargs`, and,
+on a server started with `--reasoning-parser`, `max_reasoning_tokens` (the most tokens the model may
+think for before "</think>" is forced).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.spec import StructuredOutputSpec
 
 
 class APIError(Exception):
@@ -69,6 +80,14 @@ class _SamplingRequest(_Body):
     best_of: int | None = None
     priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
     cache_salt: str | None = None  # prefix-cache blocks are only shared between requests with the same salt
+    # structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* names
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: the backend is always xgrammar
 
     def _check_unsupported(self) -> None:
         if self.logit_bias:
@@ -80,12 +99,36 @@ class _SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
+    def structured_spec(self) -> tuple[StructuredOutputSpec, str] | None:
+        """The requested output constraint and the field it came from (not yet validated: see
+        `check_spec`), or None. At most one of response_format (non-text), structured_outputs and
+        guided_* may be set."""
+        found: list[tuple[StructuredOutputSpec, str]] = []
+        rf = self.response_format
+        if rf is not None:
+            spec = _response_format_spec(rf)
+            if spec is not None:
+                found.append(spec)
+        if self.structured_outputs is not None:
+            found.append(_structured_outputs_spec(self.structured_outputs))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((_make_spec(kind, value, name), name))
+        if len(found) > 1:
+            raise bad_request(f"only one output constraint may be given, got {', '.join(p for _, p in found)}",
+                              found[1][1])
+        return found[0] if found else None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
+                         structured_output: StructuredOutputSpec | None = None) -> SamplingParams:
         self._check_unsupported()
         kwargs = {"n": self.n, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                   "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,
                   "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
-                  "include_stop_str_in_output": self.include_stop_str_in_output}
+                  "include_stop_str_in_output": self.include_stop_str_in_output,
+                  "structured_output": structured_output}
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         if not -(2**63) <= self.priority < 2**63:
@@ -118,7 +161,8 @@ class CompletionRequest(_SamplingRequest):
     def sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
-        return self._sampling_params(self.max_tokens, self.logprobs, {})
+        spec = self.structured_spec()
+        return self._sampling_params(self.max_tokens, self.logprobs, {}, spec[0] if spec else None)
 
 
 class TextPart(_Body):
@@ -126,10 +170,24 @@ class TextPart(_Body):
     text: str
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": which call this result answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (not sent back to the model)
 
     def text(self) -> str:
         if self.content is None:
@@ -139,6 +197,30 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -146,14 +228,37 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list | None = None
-    response_format: dict | None = None
+    chat_template_kwargs: dict | None = None  # extra variables for the chat template (e.g. enable_thinking)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # with --reasoning-parser: most tokens the model may think for; then "</think>" is forced
+    max_reasoning_tokens: int | None = None
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function). Checks tools and tool_choice."""
+        tools = self.tools or []
+        names = [t.function.name for t in tools]
+        for i, name in enumerate(names):
+            if not _FUNCTION_NAME.match(name):
+                raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', "
+                                  f"got {name!r}", f"tools[{i}].function.name")
+            if name in names[:i]:
+                raise bad_request(f"tools[{i}].function.name {name!r} is used by more than one tool",
+                                  f"tools[{i}].function.name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                                  "tool_choice")
+            return "named", choice.function.name
+        if choice is None:
+            return ("auto" if tools else "none"), None
+        if choice in ("auto", "required") and not tools:
+            raise bad_request(f"tool_choice {choice!r} requires tools", "tool_choice")
+        return choice, None
 
     def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise bad_request("tools are not supported", "tools", "unsupported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported", "response_format", "unsupported")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.max_completion_tokens is not None:
@@ -162,14 +267,24 @@ class ChatCompletionRequest(_SamplingRequest):
             max_tokens, renames = self.max_tokens, {}
         renames["logprobs"] = "top_logprobs"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, renames)
+        if self.max_reasoning_tokens is not None and self.max_reasoning_tokens < 0:
+            raise bad_request(f"max_reasoning_tokens must be an int >= 0, got {self.max_reasoning_tokens}",
+                              "max_reasoning_tokens")
+        spec = self.structured_spec()
+        return self._sampling_params(max_tokens, logprobs, renames, spec[0] if spec else None)
 
     def chat_messages(self) -> list[dict]:
-        """Messages as the chat template expects them ('developer' is OpenAI's new name for 'system')."""
+        """Messages as the chat template expects them ('developer' is OpenAI's new name for 'system'),
+        with tool calls and tool results where present."""
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
+            msg = {"role": role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
         return out
 
 
@@ -184,6 +299,71 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+# ---- structured output fields ------------------------------------------------------------------------
+
+_STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+# vLLM options without an effect here (xgrammar is the only backend; JSON output is always compact)
+_IGNORED_STRUCTURED_KEYS = {"backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                            "whitespace_pattern"}
+
+
+def _make_spec(kind: str, value, param: str) -> StructuredOutputSpec:
+    try:
+        if kind == "json":
+            if not isinstance(value, (dict, str)):
+                raise ValueError("must be a JSON schema (an object, or its JSON text)")
+            return StructuredOutputSpec.json(value)
+        if kind == "json_object":
+            if value is not True:
+                raise ValueError("must be true")
+            return StructuredOutputSpec.json_object()
+        if kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise ValueError("must be a non-empty list of non-empty strings")
+            return StructuredOutputSpec.choice(value)
+        if not isinstance(value, str) or not value:
+            raise ValueError("must be a non-empty string")
+        return StructuredOutputSpec(kind, value)
+    except ValueError as e:
+        message = str(e)
+        raise bad_request(f"{param} {message}" if message.startswith("must") else f"{param}: {message}",
+                          param) from None
+
+
+def _response_format_spec(rf: dict) -> tuple[StructuredOutputSpec, str] | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputSpec.json_object(), "response_format"
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise bad_request("response_format.json_schema must be an object with a 'schema'",
+                              "response_format.json_schema")
+        if "schema" not in js:
+            raise bad_request("response_format.json_schema.schema is required", "response_format.json_schema.schema",
+                              "missing_field")
+        param = "response_format.json_schema.schema"
+        return _make_spec("json", js["schema"], param), param
+    raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                      "response_format.type")
+
+
+def _structured_outputs_spec(so: dict) -> tuple[StructuredOutputSpec, str]:
+    unknown = sorted(set(so) - set(_STRUCTURED_KEYS) - _IGNORED_STRUCTURED_KEYS)
+    if unknown:
+        raise bad_request(f"structured_outputs has unknown field(s) {', '.join(unknown)}; use one of "
+                          f"{', '.join(_STRUCTURED_KEYS)}", f"structured_outputs.{unknown[0]}")
+    given = [k for k in _STRUCTURED_KEYS if so.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise bad_request(f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_KEYS)}"
+                          + (f", got {', '.join(given)}" if given else ""), "structured_outputs")
+    param = f"structured_outputs.{given[0]}"
+    return _make_spec(_STRUCTURED_KEYS[given[0]], so[given[0]], param), param
 
 
 # ---- parsing ---------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ logprobs in OpenAI's shapes."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from tokenmill.server.engine_client import (
     RequestStream,
 )
 from tokenmill.server.protocol import APIError, bad_request
+from tokenmill.structured.spec import StructuredOutputSpec, check_spec
 from tokenmill.tokenizer import Tokenizer
 
 
@@ -39,6 +41,7 @@ class ServingContext:
     max_model_len: int
     capacity_tokens: int
     vocab_size: int
+    reasoning_parser: str | None = None  # --reasoning-parser: split <think> output into reasoning_content
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -54,6 +57,14 @@ class ServingContext:
             raise APIError(404, f"The model `{name}` does not exist. This server serves: "
                                 f"{', '.join(self.model_names)}.", "invalid_request_error", "model", "model_not_found")
         return name
+
+    async def check_structured(self, spec: StructuredOutputSpec, param: str) -> None:
+        """400 naming the problem if the schema / regex / grammar cannot be compiled (checked in a
+        worker thread and cached, so the event loop never waits on a large schema)."""
+        try:
+            await asyncio.to_thread(check_spec, spec)
+        except ValueError as e:
+            raise bad_request(f"{param}: {e}", param) from None
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if any(not 0 <= t < self.vocab_size for t in ids):

@@ -1,31 +1,180 @@
-"""POST /v1/chat/completions: messages -> the model's chat template -> an assistant reply."""
+"""POST /v1/chat/completions: messages -> the model's chat template -> an assistant reply.
+
+With tools, the prompt and the output follow `tokenmill.structured.tools` (tool_choice `required` or a
+named function constrains the output to the tools' schemas). With `--reasoning-parser`, the output is
+split into `reasoning_content` and `content`, and any output constraint starts after the thinking.
+Per choice, one `ChatOutputParser` turns text deltas into message deltas, for streams and full
+responses alike.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import EngineDeadError, RequestRejected, RequestStream
 from tokenmill.server.protocol import ChatCompletionRequest, bad_request
 from tokenmill.server.serving import ServingContext, engine_error, usage
 from tokenmill.server.streaming import ClientDisconnected, SSEResponse, run_until_disconnect, sse
+from tokenmill.structured import tools as tool_fmt
+from tokenmill.structured.reasoning import REASONING_PARSERS, prompt_closes_reasoning
+from tokenmill.structured.spec import ReasoningSpec, StructuredOutputSpec
 
 
 def chat_prompt_ids(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    return chat_prompt(ctx, messages, add_generation_prompt)[1]
+
+
+def chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool = True, tools=None,
+                template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """The rendered prompt text and its token ids."""
     try:
-        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = ctx.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **(template_kwargs or {}))
     except Exception as e:  # a template that refuses the conversation (roles, missing template, ...)
         raise bad_request(f"messages cannot be formatted with the model's chat template: {e}", "messages") from None
+    return text, ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclasses.dataclass
+class _ChatPlan:
+    """How one chat request is prompted, constrained and parsed."""
+
+    tool_mode: str  # none | auto | required | named
+    tool_name: str | None
+    tools: list[dict]
+    in_reasoning: bool  # the output starts inside the model's thinking (reasoning parser on)
+
+
+class ChatOutputParser:
+    """One choice's output: text deltas -> message deltas (reasoning, content, tool calls)."""
+
+    def __init__(self, ctx: ServingContext, plan: _ChatPlan, parallel_tool_calls: bool) -> None:
+        self.reasoning = None
+        if ctx.reasoning_parser is not None:
+            self.reasoning = REASONING_PARSERS[ctx.reasoning_parser](plan.in_reasoning)
+        mode = plan.tool_mode
+        self.tools = (tool_fmt.HermesToolParser(parallel_tool_calls) if mode == "auto" else
+                      tool_fmt.NamedToolParser(plan.tool_name) if mode == "named" else
+                      tool_fmt.ArrayToolParser() if mode == "required" else None)
+        self.num_calls = 0
+
+    def feed(self, text: str, finished: bool = False) -> list[dict]:
+        deltas: list[dict] = []
+        reasoning, content = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
+        if finished and self.reasoning is not None:
+            r2, c2 = self.reasoning.finish()
+            reasoning, content = reasoning + r2, content + c2
+        if reasoning:
+            deltas.append({"reasoning_content": reasoning})
+        if self.tools is None:
+            if content:
+                deltas.append({"content": content})
+            return deltas
+        events = self.tools.feed(content) if content else []
+        if finished:
+            events += self.tools.finish()
+        for event in events:
+            if event[0] == "content":
+                deltas.append({"content": event[1]})
+            elif event[0] == "call":
+                self.num_calls += 1
+                deltas.append({"tool_calls": [{"index": event[1], "id": f"call_{uuid.uuid4().hex[:24]}",
+                                               "type": "function",
+                                               "function": {"name": event[2], "arguments": ""}}]})
+            elif event[2]:
+                deltas.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
+        return _merge(deltas)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.num_calls else reason
+
+
+def _merge(deltas: list[dict]) -> list[dict]:
+    """Join neighbouring text deltas of the same kind (fewer stream chunks)."""
+    out: list[dict] = []
+    for d in deltas:
+        if out and len(d) == 1 and set(d) == set(out[-1]) and next(iter(d)) in ("content", "reasoning_content"):
+            key = next(iter(d))
+            out[-1] = {key: out[-1][key] + d[key]}
+        else:
+            out.append(d)
+    return out
+
+
+def _message(deltas: list[dict], with_reasoning: bool, with_tools: bool) -> dict:
+    """A whole assistant message from all of a choice's deltas."""
+    content = "".join(d.get("content", "") for d in deltas)
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    calls: list[dict] = []
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            if "id" in c:
+                calls.append({"id": c["id"], "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": ""}})
+            else:
+                calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
+    message = {"role": "assistant", "content": content or (None if calls or with_reasoning else ""),
+               "refusal": None}
+    if with_reasoning:
+        message["reasoning_content"] = reasoning or None
+    if with_tools:
+        message["tool_calls"] = calls
+    return message
+
+
+async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[SamplingParams, list[int], _ChatPlan]:
+    """Prompt ids, sampling parameters (with constraints) and the parsing plan of a chat request."""
+    params = req.sampling_params()
+    mode, name = req.tool_mode()
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    spec = req.structured_spec()
+    for i, tool in enumerate(tools):
+        if "parameters" in tool["function"]:
+            await ctx.check_structured(StructuredOutputSpec.json(tool["function"]["parameters"]),
+                                       f"tools[{i}].function.parameters")
+    if mode in ("required", "named"):
+        if spec is not None:
+            raise bad_request(f"{spec[1]} cannot be combined with tool_choice {mode if mode != 'named' else name!r}: "
+                              "the output is constrained to the tool call", spec[1])
+        chosen = [t for t in tools if t["function"]["name"] == name]
+        schema = (tool_fmt.parameters_schema(chosen[0]) if mode == "named"
+                  else tool_fmt.required_schema(tools, req.parallel_tool_calls))
+        spec = (StructuredOutputSpec.json(schema), "tools")
+        await ctx.check_structured(*spec)
+        params = dataclasses.replace(params, structured_output=spec[0])
+    elif spec is not None:
+        await ctx.check_structured(*spec)
+
+    native = tool_fmt.template_supports_tools(ctx.tokenizer.hf.chat_template)
+    prompt_tools = tools if mode != "none" else None
+    messages = tool_fmt.render_messages(req.chat_messages(), prompt_tools, native)
+    text, ids = chat_prompt(ctx, messages, req.add_generation_prompt, prompt_tools if native else None,
+                            req.chat_template_kwargs)
+
+    in_reasoning = False
+    if ctx.reasoning_parser is not None:
+        parser = REASONING_PARSERS[ctx.reasoning_parser]
+        in_reasoning = not prompt_closes_reasoning(text, parser.start, parser.end)
+        if in_reasoning and (params.structured_output is not None or req.max_reasoning_tokens is not None):
+            end_ids = tuple(ctx.tokenizer.encode(parser.end, add_special_tokens=False))
+            params = dataclasses.replace(params, reasoning=ReasoningSpec(parser.end, end_ids, True,
+                                                                         req.max_reasoning_tokens))
+    elif req.max_reasoning_tokens is not None:
+        raise bad_request("max_reasoning_tokens needs a reasoning model: start the server with --reasoning-parser",
+                          "max_reasoning_tokens")
+    return params, ids, _ChatPlan(mode, name, tools, in_reasoning)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request,
                                  arrival: float) -> Response:
     model = ctx.check_model(req.model)
-    params = req.sampling_params()
-    ids = chat_prompt_ids(ctx, req.chat_messages(), req.add_generation_prompt)
+    params, ids, plan = await _prepare(ctx, req)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = ctx.fit_to_context(len(ids), params, "messages", max_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -33,7 +182,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     stream = ctx.submit(request_id, None, ids, params, arrival, req.priority, req.cache_salt)
     top_n = req.top_logprobs or 0
     if req.stream:
-        return SSEResponse(_stream(ctx, req, request_id, model, created, len(ids), stream, top_n),
+        return SSEResponse(_stream(ctx, req, plan, request_id, model, created, len(ids), stream, top_n),
                            on_close=stream.close)
     try:
         final = await run_until_disconnect(request, _last(stream))
@@ -48,8 +197,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         logprobs = None
         if req.logprobs:
             logprobs = {"content": ctx.chat_logprobs(o.token_ids, o.logprobs or [], top_n), "refusal": None}
-        choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text, "refusal": None},
-                        "logprobs": logprobs, "finish_reason": o.finish_reason})
+        parser = ChatOutputParser(ctx, plan, req.parallel_tool_calls)
+        message = _message(parser.feed(o.text, finished=True), ctx.reasoning_parser is not None,
+                           plan.tool_mode != "none")
+        choices.append({"index": o.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": parser.finish_reason(o.finish_reason)})
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
                          "system_fingerprint": None, "choices": choices,
@@ -63,8 +215,8 @@ async def _last(stream: RequestStream):
     return last
 
 
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, model: str, created: int,
-                  num_prompt: int, stream: RequestStream, top_n: int):
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, plan: _ChatPlan, request_id: str, model: str,
+                  created: int, num_prompt: int, stream: RequestStream, top_n: int):
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None}
     include_usage = req.include_usage
@@ -76,6 +228,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
             body["usage"] = None
         return sse(body)
 
+    parsers = [ChatOutputParser(ctx, plan, req.parallel_tool_calls) for _ in range(req.n)]
     completion_tokens = cached = 0
     try:
         for i in range(req.n):
@@ -87,8 +240,15 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                 logprobs = None
                 if req.logprobs and d.logprobs:
                     logprobs = {"content": ctx.chat_logprobs(d.token_ids, d.logprobs, top_n), "refusal": None}
-                if d.text or logprobs is not None or d.finish_reason is not None:
-                    yield chunk(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason)
+                parser = parsers[d.index]
+                finished = d.finish_reason is not None
+                deltas = parser.feed(d.text, finished) if d.text or finished else []
+                finish = parser.finish_reason(d.finish_reason)
+                if not deltas and (logprobs is not None or finished):
+                    deltas = [{}]
+                for k, delta in enumerate(deltas):
+                    yield chunk(d.index, delta, logprobs if k == 0 else None,
+                                finish if k == len(deltas) - 1 else None)
         if include_usage:
             yield sse(dict(base, choices=[], usage=usage(num_prompt, completion_tokens, cached)))
     except (EngineDeadError, RequestRejected) as e:

@@ -45,6 +45,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                             arrival: float) -> Response:
     model = ctx.check_model(req.model)
     params = req.sampling_params()
+    spec = req.structured_spec()
+    if spec is not None:
+        await ctx.check_structured(*spec)
     prompts = prompt_inputs(ctx, req.prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     items = []
