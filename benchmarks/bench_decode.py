@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default=None, help="also measure tokenmill with this weight quantization (int8)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -71,6 +72,12 @@ def main() -> None:
         ours = statistics.median(tokenmill_decode(llm, prompt, args.tokens) for _ in range(args.repeats))
         theirs = statistics.median(hf_decode(hf, prompt, args.tokens) for _ in range(args.repeats))
         print(f"{dtype:<10} {ours:>16.1f} {theirs:>19.1f} {ours / theirs:>6.2f}x", flush=True)
+        if args.quantization and dtype == "float32":
+            del llm
+            llm = LLM(model=args.model, num_kv_blocks=64, quantization=args.quantization)
+            tokenmill_decode(llm, prompt, 8)
+            quant = statistics.median(tokenmill_decode(llm, prompt, args.tokens) for _ in range(args.repeats))
+            print(f"{args.quantization + ' wts':<10} {quant:>16.1f} {theirs:>19.1f} {quant / theirs:>6.2f}x", flush=True)
         del llm, hf
 
 

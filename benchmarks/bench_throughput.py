@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16, help="transformers static batch size")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--dtype", default="auto", help="tokenmill compute dtype (default: auto = float32 on CPU)")
+    ap.add_argument("--quantization", default=None, help="tokenmill weight quantization (int8)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--result-file", default=None, help="write the numbers as JSON here")
     args = ap.parse_args()
@@ -83,7 +85,7 @@ def main() -> None:
     from tokenmill.loader.source import resolve_model
 
     llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=2.0)
+              kv_cache_memory=2.0, dtype=args.dtype, quantization=args.quantization)
     tok = llm.get_tokenizer()
     prompts = make_prompts(tok, args.num_prompts, args.min_input_len, args.max_input_len, seed=0)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",

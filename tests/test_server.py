@@ -157,6 +157,12 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
     assert after["tokenmill:prefix_cache_queries_total"] - before["tokenmill:prefix_cache_queries_total"] == 3 * n
     assert after["tokenmill:prefix_cache_hits_total"] - before["tokenmill:prefix_cache_hits_total"] == cached
 
+    reset = httpx.post(f"{server.url}/reset_prefix_cache", timeout=60)
+    assert reset.status_code == 200 and reset.json()["blocks_dropped"] > 0
+    third = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
+    assert third.choices[0].text == first.choices[0].text
+
 
 def test_n2_and_seeds_reproduce(client):
     kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0, n=2)

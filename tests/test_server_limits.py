@@ -55,6 +55,10 @@ def test_api_key_required_on_v1(server):
     assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
     for path in ("/health", "/version", "/metrics"):  # not under /v1: no key needed
         assert httpx.get(f"{server.url}{path}").status_code == 200
+    # the admin route is behind the key too
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 401
+    r = httpx.post(f"{server.url}/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["status"] == "ok"
 
 
 def test_oversized_body_gets_413(server):

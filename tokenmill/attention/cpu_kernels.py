@@ -8,8 +8,11 @@ compiler, no OpenMP), `load()` returns None and the torch backend's gather + SDP
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
+import sys
 
 import torch
 
@@ -97,11 +100,15 @@ def load():
     _tried = True
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
         return None
+    # the build runs `ninja` from PATH; the one pip installed sits next to this Python
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load_inline
 
         _module = load_inline(
-            name="tokenmill_cpu_attention",
+            name=f"tokenmill_cpu_attention_{_cpu_tag()}",  # -march=native: one build per CPU kind
             cpp_sources=_SOURCE,
             functions=["paged_decode_attention"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -112,6 +119,17 @@ def load():
         logger.warning("CPU paged-attention kernel unavailable (%s); using the torch gather path", e)
         _module = None
     return _module
+
+
+def _cpu_tag() -> str:
+    """A short tag of this CPU's instruction sets, so a build cached for one CPU is never loaded on another."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -174,7 +174,7 @@ def _add_subcommands(bench: argparse.ArgumentParser) -> None:
     offline = sub.add_parser("offline", help="the engine in-process, no HTTP",
                              description="Run a workload through tokenmill's engine in this process: engine-only "
                                          "throughput and latency.")
-    from tokenmill.entrypoints.cli import add_engine_args
+    from tokenmill.engine_args import add_engine_args
 
     add_engine_args(offline)  # --model, --seed (also the workload seed) and the engine sizing flags
     _add_dataset_args(offline, seed=False)

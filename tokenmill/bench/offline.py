@@ -153,10 +153,10 @@ class OfflineRunner:
 
 
 def load_engine(args):
-    """An LLMEngine sized by the engine flags (`tokenmill.entrypoints.cli.add_engine_args`)."""
+    """An LLMEngine sized by the engine flags (`tokenmill.engine_args.add_engine_args`)."""
     try:
         from tokenmill.engine.llm_engine import LLMEngine
-        from tokenmill.entrypoints.cli import engine_config_from_args
+        from tokenmill.engine_args import engine_config_from_args
     except ImportError as e:
         raise RuntimeError(f"`bench offline` needs tokenmill's engine (tokenmill.engine.llm_engine): {e}") from e
     return LLMEngine(engine_config_from_args(args))

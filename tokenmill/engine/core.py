@@ -75,6 +75,7 @@ class EngineCore:
         self.model_config = loaded.config
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
+        torch.manual_seed(config.seed)
         self.runner = ModelRunner(loaded, config.cache)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  HASH_FUNCTIONS[config.cache.prefix_cache_hash])
@@ -278,10 +279,3 @@ class EngineCore:
             result.append(entry)
         return result
 
-
-def set_threads(device: torch.device) -> None:
-    """Use every core for intra-op work on CPU (torch defaults may pick fewer)."""
-    if device.type == "cpu":
-        import os
-
-        torch.set_num_threads(len(os.sched_getaffinity(0)))

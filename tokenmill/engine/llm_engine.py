@@ -7,7 +7,7 @@ import logging
 import time
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core import EngineCore, set_threads
+from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutput, child_request_id
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
@@ -28,8 +28,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         loaded = load_model(config.model, config.dtype, config.device,
-                            max_positions=config.scheduler.max_model_len)
-        set_threads(loaded.device)
+                            max_positions=config.scheduler.max_model_len,
+                            quantization=config.quantization)
         self.model_config = loaded.config
         self.model_name = loaded.source.name
         self.tokenizer = load_tokenizer(loaded.source)

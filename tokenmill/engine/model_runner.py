@@ -4,6 +4,7 @@ tensors, runs the forward pass and returns the logits of the sequences that need
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.block_size = cache_config.block_size
         if self.device.type == "cpu":
+            torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core we may use, for intra-op work
             # denormal floats (they appear in hidden states and attention) run ~100x slower on x86;
             # flushing them to zero changes nothing measurable and keeps every op at full speed
             torch.set_flush_denormal(True)

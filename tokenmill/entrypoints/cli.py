@@ -7,47 +7,16 @@ import logging
 import sys
 import time
 
+from tokenmill.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.loader.source import DEFAULT_MODEL
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"model to load: an alias ({DEFAULT_MODEL}), a .gguf file, or an HF checkpoint "
-                             "directory with config.json and *.safetensors (default: %(default)s)")
-    parser.add_argument("--dtype", default="auto",
-                        help="compute dtype: auto (float32 on CPU, bfloat16/float16 on CUDA), float32, bfloat16, "
-                             "float16 (default: %(default)s)")
+                        help=f"model: an alias ({DEFAULT_MODEL}), a .gguf file or an HF checkpoint directory "
+                             "(default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", help="dtype to report KV sizes for (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default: %(default)s)")
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags that size the engine; shared by `generate`, `serve` and `bench offline`."""
-    add_model_args(parser)
-    parser.add_argument("--seed", type=int, default=0, help="global random seed (default: %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=64,
-                        help="most sequences in one engine step (default: %(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="token budget of one engine step; long prompts are prefilled in chunks of at most "
-                             "this many tokens (default: %(default)s)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output in tokens (default: the model's context length)")
-    parser.add_argument("--kv-cache-memory", type=float, default=1.0,
-                        help="memory for the paged KV cache in GiB (default: %(default)s)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="exact number of KV cache blocks (overrides --kv-cache-memory)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: %(default)s)")
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
-
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
-                          num_blocks=args.num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len),
-    )
 
 
 def cmd_info(args: argparse.Namespace) -> None:

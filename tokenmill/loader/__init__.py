@@ -14,6 +14,7 @@ from tokenmill.loader.gguf_loader import GGUFCheckpoint
 from tokenmill.loader.hf_loader import HFCheckpoint
 from tokenmill.loader.source import ModelSource, resolve_model
 from tokenmill.models import MODEL_REGISTRY
+from tokenmill.models.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ def open_checkpoint(source: ModelSource) -> GGUFCheckpoint | HFCheckpoint:
 
 
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               max_positions: int | None = None) -> LoadedModel:
-    """Load `model` (alias, .gguf file or HF directory) onto `device` in `dtype`."""
+               max_positions: int | None = None, quantization: str | None = None) -> LoadedModel:
+    """Load `model` (alias, .gguf file or HF directory) onto `device` in `dtype`, optionally
+    quantizing its linear layers (`quantization="int8"`)."""
     start = time.perf_counter()
     source = resolve_model(model)
     dev = resolve_device(device)
@@ -50,6 +52,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str
         net.load_weights(
             (name, w.dequantize() if hasattr(w, "dequantize") else w) for name, w in ckpt.weights()
         )
+    if quantization:
+        quantize_model(net, quantization, dev)
     net.eval()
     logger.info("loaded %s (%s, %s) in %.1fs", source.name, config.architecture, torch_dtype,
                 time.perf_counter() - start)

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import tokenmill
-from tokenmill.server.engine_client import EngineClient
+from tokenmill.server.engine_client import EngineClient, EngineDeadError
 from tokenmill.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tokenmill.server.protocol import (
     APIError,
@@ -32,7 +32,7 @@ from tokenmill.server.protocol import (
     bad_request,
     parse_body,
 )
-from tokenmill.server.serving import ServingContext
+from tokenmill.server.serving import ServingContext, engine_error
 from tokenmill.server.serving_chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.serving_completions import create_completion
 
@@ -158,6 +158,16 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
         check_api_key(request)
         req = parse_body(ChatCompletionRequest, await read_body(request))
         return await create_chat_completion(ctx, req, request, arrival)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        """Admin: forget every cached prefix block (behind the API key when one is set)."""
+        check_api_key(request)
+        try:
+            dropped = await client.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise engine_error(e) from None
+        return JSONResponse({"status": "ok", "blocks_dropped": dropped})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

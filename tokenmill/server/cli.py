@@ -17,7 +17,7 @@ import time
 
 import uvicorn
 
-from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.engine_args import add_engine_args, engine_config_from_args
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -30,40 +30,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                     "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). The engine core runs in "
                     "its own process; the HTTP front end tokenizes, detokenizes and streams.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    cache, sched = CacheConfig(), SchedulerConfig()
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default="smollm2-135m-instruct",
-                   help="model alias, path to a .gguf file, or a Hugging Face checkpoint directory (never downloaded)")
-    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    add_engine_args(p)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) clients pass as 'model'; the first is used in responses (default: the model's name)")
-    m.add_argument("--dtype", default="auto",
-                   help="compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, "
-                        "bfloat16 or float16")
-    m.add_argument("--device", default="cpu", help="torch device to run on: cpu, cuda or cuda:N")
-    m.add_argument("--seed", type=int, default=0, help="global random seed of the engine (per-request 'seed' "
-                                                         "overrides it for that request)")
-    m.add_argument("--max-model-len", type=int, default=sched.max_model_len,
-                   help="longest sequence (prompt + completion) in tokens (default: the model's context length)")
-    c = p.add_argument_group("KV cache and scheduling")
-    c.add_argument("--kv-cache-memory", type=float, default=cache.kv_cache_memory_gib, metavar="GIB",
-                   help="memory for the paged KV cache in GiB (sets the number of blocks)")
-    c.add_argument("--num-kv-blocks", type=int, default=cache.num_blocks,
-                   help="exact number of KV cache blocks (overrides --kv-cache-memory)")
-    c.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV cache block")
-    c.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,
-                   help="most sequences running in one batch")
-    c.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
-                   help="token budget of one engine step (prompt chunks + decode tokens)")
-    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=cache.enable_prefix_caching,
-                   help="reuse the KV blocks of identical prompt prefixes across requests")
-    c.add_argument("--prefix-cache-hash", choices=["builtin", "sha256"], default=cache.prefix_cache_hash,
-                   help="hash for prefix-cache block keys (sha256: collision-resistant, slower)")
-    c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.policy,
-                   help="order of waiting requests: arrival, or the request's 'priority' field (lower first)")
-    c.add_argument("--max-queue", type=int, default=None,
+    p.add_argument("--max-queue", type=int, default=None,
                    help="most requests waiting for a batch slot; further requests get HTTP 429 (default: no limit)")
     o = p.add_argument_group("output parsing")
     o.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
@@ -72,23 +43,23 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "after </think>, and requests may set 'max_reasoning_tokens'")
     s = p.add_argument_group("HTTP")
     s.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (use 0.0.0.0 to listen on all interfaces)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+                   help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
     s.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every /v1 route (default: $TOKENMILL_API_KEY; "
                         "unset means no authentication)")
     s.add_argument("--max-body-bytes", type=int, default=_DEFAULT_MAX_BODY,
-                   help="largest accepted request body; larger ones get HTTP 413")
+                   help="largest accepted request body in bytes; larger ones get HTTP 413 (default: %(default)s)")
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                    help="level of tokenmill's own log lines")
+                    help="level of tokenmill's own log lines (default: %(default)s)")
     lg.add_argument("--log-interval", type=float, default=10.0,
-                    help="seconds between throughput / KV-usage log lines (0 disables them)")
+                    help="seconds between throughput / KV-usage log lines, 0 disables them (default: %(default)s)")
     lg.add_argument("--disable-log-requests", action="store_true",
                     help="do not log a line per finished request")
     lg.add_argument("--uvicorn-log-level", default="warning",
                     choices=["critical", "error", "warning", "info", "debug", "trace"],
-                    help="log level of the uvicorn HTTP server (info also logs every HTTP access)")
+                    help="log level of the uvicorn HTTP server; info also logs every HTTP access (default: %(default)s)")
     p.set_defaults(func=run_server)
     return p
 
@@ -128,21 +99,12 @@ def _run(args: argparse.Namespace) -> int:
     logging.getLogger("tokenmill").setLevel(getattr(logging, args.log_level.upper()))
 
     # imported here, not at the top: they pull in torch, and `tokenmill --help` should stay fast
-    from tokenmill.config import EngineConfig
     from tokenmill.server.api import ServerSettings, build_app
     from tokenmill.server.engine_client import EngineClient, EngineStartupError
     from tokenmill.server.metrics import ServerMetrics
 
     try:
-        config = EngineConfig(
-            model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-            cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
-                              num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                              prefix_cache_hash=args.prefix_cache_hash),
-            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                      max_num_batched_tokens=args.max_num_batched_tokens,
-                                      max_model_len=args.max_model_len, policy=args.scheduling_policy),
-        )
+        config = engine_config_from_args(args)
         if args.max_queue is not None and args.max_queue < 1:
             raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
         if args.max_body_bytes <= 0:

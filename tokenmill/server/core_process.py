@@ -6,6 +6,7 @@ Messages in (front end -> core):
                                                tokenizer_data: structured.backend.TokenizerData or None
     ("add", request_id, prompt_token_ids, SamplingParams, arrival_time, priority, cache_salt)
     ("abort", [request_id, ...])
+    ("reset_prefix_cache",)                    drop all cached prefix blocks
     ("shutdown",)
 Messages out (core -> front end):
     ("ready", info_dict)                       once the model is loaded
@@ -13,6 +14,7 @@ Messages out (core -> front end):
     ("step", [EngineCoreOutput, ...], stats)   after every step that ran
     ("stats", stats)                           after adds/aborts that changed the queues
     ("rejected", request_id, message)          EngineCore refused an add (never crashes the loop)
+    ("prefix_cache_reset", num_blocks_dropped) answer to reset_prefix_cache
     ("fatal", message)                         the step loop raised; the process then exits
 
 Only token ids cross the boundary: tokenization and detokenization stay in the front end.
@@ -41,10 +43,7 @@ def stats_snapshot(core, num_received: int) -> dict:
     """A small picklable view of the core's queues and KV pool for /metrics and the logs: every
     numeric field of `EngineStats` (running, waiting, KV usage, preemptions, prefix-cache counters)
     plus the pool's block counts."""
-    s = core.stats()
-    fields = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(vars(s))
-    fields.update(fields.pop("extra", None) or {})
-    snap = {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    snap = dataclasses.asdict(core.stats())
     snap["num_free_blocks"] = core.kv.num_free_blocks
     snap["num_blocks"] = core.kv.num_blocks
     snap["num_received"] = num_received  # add messages handled so far (lets the front end size the queue)
@@ -76,16 +75,12 @@ def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [core] %(message)s")
     try:
-        from tokenmill.engine.core import EngineCore, set_threads
+        from tokenmill.engine.core import EngineCore
         from tokenmill.loader import load_model
 
         start = time.monotonic()
-        loaded = load_model(config.model, config.dtype, config.device, max_positions=config.scheduler.max_model_len)
-        set_threads(loaded.device)
-        if config.seed is not None:
-            import torch
-
-            torch.manual_seed(config.seed)
+        loaded = load_model(config.model, config.dtype, config.device, max_positions=config.scheduler.max_model_len,
+                            quantization=config.quantization)
         init = _wait_for_init(inputs)  # the front end loads the tokenizer while we load weights
         if init is None:
             return
@@ -143,10 +138,7 @@ def _loop(core, inputs, outputs) -> None:
                 num_received += 1
                 changed = True
                 try:
-                    if cache_salt is None:
-                        core.add_request(rid, prompt_ids, params, arrival, priority)
-                    else:
-                        core.add_request(rid, prompt_ids, params, arrival, priority, cache_salt=cache_salt)
+                    core.add_request(rid, prompt_ids, params, arrival, priority, cache_salt)
                 except RequestRejected as e:
                     outputs.put(("rejected", rid, str(e)))
                 except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
@@ -155,6 +147,8 @@ def _loop(core, inputs, outputs) -> None:
             elif kind == "abort":
                 core.abort_requests(msg[1])
                 changed = True
+            elif kind == "reset_prefix_cache":
+                outputs.put(("prefix_cache_reset", core.reset_prefix_cache()))
         now = time.monotonic()
         if now - last_parent_check >= _PARENT_CHECK_INTERVAL:
             last_parent_check = now

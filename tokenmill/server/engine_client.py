@@ -149,6 +149,7 @@ class EngineClient:
         self._children: dict[str, list[str]] = {}  # request id -> core (child) request ids
         self._parent: dict[str, str] = {}  # core request id -> request id
         self._num_sent = 0  # add messages sent to the core
+        self._reset_waiters: list[asyncio.Future] = []  # reset_prefix_cache calls awaiting the core
         self.dead_reason: str | None = None
         self.shutting_down = False
 
@@ -273,6 +274,15 @@ class EngineClient:
             if self.metrics is not None:
                 self.metrics.on_abort(result)
 
+    async def reset_prefix_cache(self) -> int:
+        """Ask the core to drop its cached prefix blocks; returns how many it dropped."""
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "the engine core process is not running")
+        waiter = asyncio.get_running_loop().create_future()
+        self._reset_waiters.append(waiter)
+        self._inputs.put(("reset_prefix_cache",))
+        return await waiter
+
     def _forget(self, request_id: str) -> list[str]:
         child_ids = self._children.pop(request_id, [])
         for cid in child_ids:
@@ -314,6 +324,9 @@ class EngineClient:
                 self._on_stats(msg[1])
             elif kind == "rejected":
                 self._on_rejected(msg[1], msg[2])
+            elif kind == "prefix_cache_reset":
+                if self._reset_waiters:
+                    self._reset_waiters.pop(0).set_result(msg[1])
             elif kind == "fatal":
                 logger.error("engine core failed:\n%s", msg[1])
                 self._on_dead("the engine core failed; see the server log")
@@ -362,6 +375,8 @@ class EngineClient:
             stream.queue.put_nowait(EngineDeadError(reason))
         for rid in list(self._children):
             self._forget(rid)
+        while self._reset_waiters:
+            self._reset_waiters.pop().set_exception(EngineDeadError(reason))
         if self._processor is not None:
             self._processor = OutputProcessor(self.tokenizer)
 
