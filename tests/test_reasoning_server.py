@@ -13,7 +13,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from test_server_utils import MODEL, ServerProcess, model_available
+from test_server_utils import MODEL, model_available, running_server
 
 from tokenmill.loader.source import resolve_model
 from tokenmill.tokenizer import load_tokenizer
@@ -28,13 +28,8 @@ ASK = [{"role": "user", "content": "Pick a color and a shade."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("reasoning"), "--reasoning-parser", "qwen3", "--num-kv-blocks", "200",
-                        "--max-model-len", "1024", "--log-interval", "0").start()
-    try:
-        yield srv
-    finally:
-        code = srv.stop()
-    assert code == 0, srv.log()
+    yield from running_server(tmp_path_factory, "reasoning", "--reasoning-parser", "qwen3", "--num-kv-blocks", "200",
+                              "--max-model-len", "1024", "--log-interval", "0")
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,17 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def running_server(tmp_path_factory, name: str, *args: str):
+    """Body of a module-scoped server fixture: `yield from running_server(...)`. Asserts the
+    server exits cleanly (status 0) when the module is done."""
+    srv = ServerProcess(tmp_path_factory.mktemp(name), *args).start()
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()
+
+
 def wait_gone(pid: int, timeout: float = 15) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

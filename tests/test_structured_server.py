@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server_utils import MODEL, ServerProcess, metric_values, model_available, sse_events
+from test_server_utils import MODEL, metric_values, model_available, running_server, sse_events
 
 pytestmark = pytest.mark.skipif(not model_available(), reason=f"model {MODEL} is not installed")
 
@@ -42,13 +42,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and what time 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("structured"), "--num-kv-blocks", "400", "--max-model-len", "1024",
-                        "--max-num-seqs", "32", "--log-interval", "0").start()
-    try:
-        yield srv
-    finally:
-        code = srv.stop()
-    assert code == 0, srv.log()
+    yield from running_server(tmp_path_factory, "structured", "--num-kv-blocks", "400", "--max-model-len", "1024",
+                              "--max-num-seqs", "32", "--log-interval", "0")
 
 
 @pytest.fixture(scope="module")
