@@ -20,7 +20,13 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import EngineDeadError, RequestRejected, RequestStream
 from tokenmill.server.protocol import ChatCompletionRequest, bad_request
 from tokenmill.server.serving import ServingContext, engine_error, usage
-from tokenmill.server.streaming import ClientDisconnected, SSEResponse, run_until_disconnect, sse
+from tokenmill.server.streaming import (
+    ClientDisconnected,
+    SSEResponse,
+    choice_chunk_builder,
+    run_until_disconnect,
+    sse,
+)
 from tokenmill.structured import tools as tool_fmt
 from tokenmill.structured.reasoning import REASONING_PARSERS, prompt_closes_reasoning
 from tokenmill.structured.spec import ReasoningSpec, StructuredOutputSpec
@@ -221,12 +227,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, plan: _ChatPl
             "system_fingerprint": None}
     include_usage = req.include_usage
 
-    def chunk(index: int, delta: dict, logprobs, finish_reason) -> str:
-        body = dict(base, choices=[{"index": index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": finish_reason}])
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+    chunk = choice_chunk_builder(base, include_usage, "delta")
 
     parsers = [ChatOutputParser(ctx, plan, req.parallel_tool_calls) for _ in range(req.n)]
     completion_tokens = cached = 0

@@ -14,6 +14,7 @@ from tokenmill.server.serving import ServingContext, engine_error, merge_logprob
 from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
+    choice_chunk_builder,
     gather_or_cancel,
     merge_streams,
     run_until_disconnect,
@@ -107,12 +108,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
             "system_fingerprint": None}
     include_usage = req.include_usage
 
-    def chunk(index: int, text: str, logprobs, finish_reason) -> str:
-        body = dict(base, choices=[{"index": index, "text": text, "logprobs": logprobs,
-                                    "finish_reason": finish_reason}])
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+    chunk = choice_chunk_builder(base, include_usage, "text")
 
     offsets: dict[int, int] = {}
     completion_tokens = 0

@@ -60,6 +60,20 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
+def choice_chunk_builder(base: dict, include_usage: bool, content_key: str):
+    """`chunk(index, content, logprobs, finish_reason) -> str`: one streamed choice as an SSE event,
+    `content_key` being "text" (completions) or "delta" (chat); `usage: null` until the last chunk
+    when the client asked for usage."""
+    def chunk(index: int, content, logprobs, finish_reason) -> str:
+        body = dict(base, choices=[{"index": index, content_key: content, "logprobs": logprobs,
+                                    "finish_reason": finish_reason}])
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    return chunk
+
+
 class SSEResponse(Response):
     """`text/event-stream` from an async iterator of already formatted events. Stops the iterator
     (so the request is aborted) as soon as the client disconnects."""
