@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import transformers
 
+from tokenmill.attention.backend import SequenceSlice
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.loader import load_model
@@ -51,6 +53,15 @@ def make_core(model: str, num_blocks: int = 512, block_size: int = 16, max_num_b
     return EngineCore(config, loaded or load_model(model), set(eos_token_ids))
 
 
+def all_logits(runner, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence prefilled from an empty cache (runner: a ModelRunner)."""
+    blocks = list(range(-(-len(ids) // runner.block_size)))
+    meta = runner.backend.build_metadata([SequenceSlice(0, len(ids), blocks)], runner.block_size, runner.device)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta)
+        return runner.model.compute_logits(hidden).float()
+
+
 def run_core(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
              on_step=None) -> dict[str, list[int]]:
     """Run prompts to completion through the engine core; returns generated ids by request id."""
@@ -86,3 +97,59 @@ def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.T
             assert gap <= tie, f"greedy diverged at step {step}: ours {a}, reference {b}, top-2 gap {gap:.2e}"
             return
     assert len(ours) == len(ref)
+
+
+def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, str]) -> None:
+    """Write a tiny HF Llama/Qwen2 model as a GGUF file the way llama.cpp's converter does (q/k rows
+    permuted for Llama). `qtypes` maps a GGUF tensor-name suffix (e.g. "attn_q", "output") to a
+    quantization type name (Q4_0, Q4_1, Q8_0); everything else is stored as F32."""
+    import gguf
+    from gguf.quants import quantize
+
+    c = hf.config
+    arch = "qwen2" if c.model_type == "qwen2" else "llama"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+
+    def permute(t, heads):
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in hf.state_dict().items():
+        t = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if c.tie_word_embeddings:
+                continue
+            out = "output.weight"
+        else:
+            _, _, layer, *module, kind = name.split(".")
+            part = names[".".join(module)]
+            if arch == "llama" and part == "attn_q":
+                t = permute(t, c.num_attention_heads)
+            elif arch == "llama" and part == "attn_k":
+                t = permute(t, c.num_key_value_heads)
+            out = f"blk.{layer}.{part}.{kind}"
+        qtype = qtypes.get(out.split(".")[-2]) if out.endswith(".weight") and t.ndim == 2 else None
+        if qtype:
+            w.add_tensor(out, quantize(t, gguf.GGMLQuantizationType[qtype]),
+                         raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            w.add_tensor(out, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY_MODELS, assert_same_greedy, greedy_reference, make_core, make_tiny_model, run_core
-from tokenmill.attention.backend import SequenceSlice
+from helpers import (TINY_MODELS, all_logits, assert_same_greedy, greedy_reference, make_core, make_tiny_model,
+                     run_core)
 from tokenmill.config import CacheConfig
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.loader import load_model
@@ -30,15 +30,6 @@ def tiny(request, tmp_path_factory):
 def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one sequence prefilled from an empty cache."""
-    blocks = list(range(-(-len(ids) // runner.block_size)))
-    meta = runner.backend.build_metadata([SequenceSlice(0, len(ids), blocks)], runner.block_size, runner.device)
-    with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta)
-        return runner.model.compute_logits(hidden).float()
 
 
 def test_prefill_logits_match_transformers(tiny):
@@ -61,6 +52,25 @@ def test_greedy_matches_transformers_in_one_flat_batch(tiny):
     for i, ids in enumerate(batch):
         ref, ref_logits = greedy_reference(hf, ids, 32)
         assert_same_greedy(ours[str(i)], ref, ref_logits)
+
+
+def test_torch_fallback_matches_transformers(tmp_path, monkeypatch):
+    """Where the C++ kernels cannot be built (no compiler), plain torch ops give the same results."""
+    from tokenmill.kernels import block_quant, fused_ops, paged_attention
+
+    for module in (block_quant, fused_ops, paged_attention):
+        monkeypatch.setattr(module, "load", lambda: None)
+    hf = make_tiny_model("llama-gqa-untied", tmp_path)
+    runner = ModelRunner(load_model(str(tmp_path)), CacheConfig(num_blocks=32))
+    assert runner.backend.name == "torch-sdpa"
+    batch = prompts(hf.config.vocab_size)
+    for ids in batch:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert (all_logits(runner, ids) - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+    ours = run_core(make_core(str(tmp_path)), batch, GREEDY)
+    for i, ids in enumerate(batch):
+        assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 32))
 
 
 def test_config_fields_are_read(tiny):

@@ -1,15 +1,89 @@
-"""Weight-only int8 quantization: close to the float32 model, and the engine runs with it."""
+"""Quantized weights: GGUF blocks kept as they are (the same weights, checked against transformers
+on the dequantized file), and opt-in int8 (close to the float32 model)."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from helpers import make_core, make_tiny_model, run_core
+from helpers import (all_logits, assert_same_greedy, greedy_reference, make_core, make_tiny_model, run_core,
+                     write_tiny_gguf)
+from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.loader import load_model
-from tokenmill.models.quantization import Int8Linear, quantize_model
+from tokenmill.models.quantization import (FUSED_MAX_TOKENS, BlockQuantLinear, Int8Linear, gguf_blocks,
+                                           quantize_model)
 from tokenmill.sampling_params import SamplingParams
+
+# a mix of block types per tensor, as llama.cpp's mixed quantizations do; ffn_gate and ffn_up differ
+# in bits, so the fused gate_up layer must stay dense
+MIXED = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
+         "ffn_up": "Q8_0", "ffn_down": "Q4_1", "output": "Q8_0", "token_embd": "Q8_0"}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_quant_linear_computes_on_the_gguf_weights(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((96, 160)) * 0.1).astype(np.float32)  # 5 blocks a row: an odd count
+    raw = quantize(weight, GGMLQuantizationType[qtype])
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float32))
+    codes, scales, offsets, bits = gguf_blocks(qtype, raw, 96)
+    layer = BlockQuantLinear(torch.from_numpy(codes).view(torch.int8 if bits == 8 else torch.uint8),
+                             torch.from_numpy(scales), None if offsets is None else torch.from_numpy(offsets),
+                             bits, bias=True)
+    layer.bias.copy_(torch.randn(96))
+    assert torch.equal(layer.dequantized(), ref)  # bit for bit what gguf's dequantize gives
+    for rows in (1, 3, 4, 5, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1, 40):  # the fused kernel, then dequantize + GEMM
+        x = torch.randn(rows, 160)
+        torch.testing.assert_close(layer(x), x @ ref.T + layer.bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "llama-mqa-tied", "qwen2-bias"])
+def test_gguf_blocks_match_transformers(tmp_path, name):
+    """A GGUF file with Q4_0/Q4_1/Q8_0 tensors runs on its own blocks by default, and matches
+    transformers loading the same file (dequantized to float32): logits closely, greedy exactly."""
+    from transformers import AutoModelForCausalLM
+
+    write_tiny_gguf(make_tiny_model(name, tmp_path), tmp_path / "m.gguf", MIXED)
+    path = str(tmp_path / "m.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
+    loaded = load_model(path)
+    assert loaded.quantization == "gguf"
+    kinds = {n.rsplit(".", 1)[-1]: type(m) for n, m in loaded.model.named_modules() if n.endswith(("proj", "head"))}
+    assert kinds == {"qkv_proj": BlockQuantLinear, "o_proj": BlockQuantLinear, "gate_up_proj": nn.Linear,
+                     "down_proj": BlockQuantLinear, "lm_head": BlockQuantLinear}
+    rng = random.Random(0)
+    batch = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 40, 90)]
+    runner = ModelRunner(loaded, CacheConfig(num_blocks=32))
+    for ids in batch:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(all_logits(runner, ids), ref, rtol=0, atol=1e-4 * max(1.0, ref.abs().max().item()))
+    ours = run_core(make_core(path, loaded=loaded), batch, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for i, ids in enumerate(batch):
+        assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 24))
+
+
+def test_gguf_quantization_choices(tmp_path):
+    write_tiny_gguf(make_tiny_model("llama-gqa-untied", tmp_path), tmp_path / "m.gguf", MIXED)
+    path = str(tmp_path / "m.gguf")
+    dense = load_model(path, quantization="none")
+    assert dense.quantization == "none" and not any(isinstance(m, BlockQuantLinear) for m in dense.model.modules())
+    assert load_model(path, dtype="bfloat16").quantization == "none"  # auto: blocks only in float32
+    assert load_model(str(tmp_path), quantization="auto").quantization == "none"  # an HF directory
+    with pytest.raises(ValueError, match="quantization 'gguf' runs a GGUF file's own blocks"):
+        load_model(str(tmp_path), quantization="gguf")
+    with pytest.raises(ValueError, match="quantization 'gguf' runs a GGUF file's own blocks"):
+        load_model(path, dtype="bfloat16", quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8"):
+        EngineConfig(quantization="q3")
 
 
 def test_int8_linear_is_close_to_float():
@@ -37,7 +111,7 @@ def test_quantized_model_tracks_the_float_model(tmp_path):
 
 
 def test_quantization_errors():
-    with pytest.raises(ValueError, match="quantization must be one of"):
+    with pytest.raises(ValueError, match="quantize_model only does 'int8'"):
         quantize_model(nn.Sequential(nn.Linear(4, 4)), "int3", torch.device("cpu"))
     with pytest.raises(ValueError, match="not available on cuda"):
         quantize_model(nn.Sequential(nn.Linear(4, 4)), "int8", torch.device("cuda"))

@@ -166,7 +166,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
-    quantization: str | None = None  # "int8": weight-only int8 linear layers (CPU)
+    quantization: str = "auto"  # auto | none | gguf | int8 (see tokenmill.loader.load_model)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -174,8 +174,8 @@ class EngineConfig:
         resolve_device(self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "gguf", "int8"):
+            raise ValueError(f"quantization must be one of auto, none, gguf, int8; got {self.quantization!r}")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -18,9 +18,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, "
                         "bfloat16 or float16 (default: %(default)s)")
     m.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default: %(default)s)")
-    m.add_argument("--quantization", choices=["int8"], default=None,
-                   help="weight-only quantization after loading: int8 = per-row int8 weights with bf16 "
-                        "activations on CPU (about 3x faster decoding, no longer bit-exact; default: none)")
+    m.add_argument("--quantization", choices=["auto", "none", "gguf", "int8"], default="auto",
+                   help="weight format: gguf = keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks and dequantize inside "
+                        "the matmul (CPU, float32; same weights, 4-7x fewer bytes per decode step); none = dense "
+                        "weights; int8 = per-row int8 weights with bf16 activations on CPU (faster, not exact); "
+                        "auto = gguf where it applies, else none (default: %(default)s)")
     m.add_argument("--seed", type=int, default=0,
                    help="global random seed; a request's own 'seed' overrides it (default: %(default)s)")
     m.add_argument("--max-model-len", type=int, default=sched.max_model_len,

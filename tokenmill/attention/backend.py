@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention import cpu_kernels
+from tokenmill.kernels import paged_attention
 
 
 @dataclass
@@ -116,13 +116,13 @@ class TorchAttentionBackend(AttentionBackend):
         return AttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_lens, decode_mask, prefills)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-        out = torch.empty_like(q)
         d = meta.num_decodes
+        if not meta.prefills:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
         for p in meta.prefills:
@@ -140,6 +140,11 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
     def _decode(self, q, k_cache, v_cache, meta, scale):
         keys = _gather(k_cache, meta.decode_block_tables)  # [D, KVH, L, hd]
         values = _gather(v_cache, meta.decode_block_tables)
@@ -155,9 +160,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu-paged"
     needs_decode_mask = False
 
+    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        if k.stride(-1) == 1 and v.stride(-1) == 1:
+            paged_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            super()._write_kv(k, v, k_cache, v_cache, slot_mapping)
+
     def _decode(self, q, k_cache, v_cache, meta, scale):
-        return cpu_kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, scale)
+        return paged_attention.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                                      meta.decode_context_lens, scale)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -170,6 +181,6 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 def get_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """The backend for a device and KV dtype: the compiled paged kernel on CPU float32 when it
     builds, else plain torch ops (GPU kernels plug in here)."""
-    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load() is not None:
+    if device.type == "cpu" and dtype == torch.float32 and paged_attention.load() is not None:
         return CpuAttentionBackend()
     return TorchAttentionBackend()

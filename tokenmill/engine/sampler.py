@@ -208,7 +208,13 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     for row, gen in generators.items():
         q[row].exponential_(generator=gen)
     q.clamp_(min=torch.finfo(q.dtype).tiny)  # guard against q == 0 (0/0 -> NaN)
-    return probs.div_(q).argmax(dim=-1)
+    return row_argmax(probs.div_(q))
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest value (the first on ties, like argmax); `max(dim)` is 2-3x
+    faster than `argmax` on CPU for vocabulary-sized rows."""
+    return x.max(dim=-1).indices
 
 
 class Sampler:
@@ -243,9 +249,9 @@ class Sampler:
             logits = apply_penalties(logits, meta)
 
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = row_argmax(logits)
         else:
-            greedy = None if meta.all_random else logits.argmax(dim=-1)
+            greedy = None if meta.all_random else row_argmax(logits)
             logits = logits / meta.temperature.unsqueeze(1)
             if meta.top_k is not None or meta.top_p is not None:
                 logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)

@@ -23,7 +23,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu", seed: int = 0,
-                 quantization: str | None = None,
+                 quantization: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  kv_cache_memory: float = 1.0, num_kv_blocks: int | None = None, block_size: int = 16) -> None:
         config = EngineConfig(

@@ -1,5 +1,5 @@
-"""Read a GGUF file: model config from its metadata, tensors renamed to HF names and dequantized
-one at a time (the packed bytes stay available on `GGUFWeight` for quantized layers later)."""
+"""Read a GGUF file: model config from its metadata, tensors renamed to HF names, each either
+dequantized or handed over as its packed blocks (`GGUFWeight.blocks`, for quantized layers)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from tokenmill.config import ModelConfig
+from tokenmill.models.quantization import gguf_blocks
 
 # GGUF general.architecture -> HF architectures name
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -61,6 +62,15 @@ class GGUFWeight:
         if not values.flags.writeable or not values.flags.c_contiguous:  # F32 tensors are views of the mmap
             values = values.copy()
         return torch.from_numpy(values)
+
+    def blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+        """The packed blocks of a Q4_0/Q4_1/Q8_0 tensor as (codes, scales, offsets, bits), rows in HF order."""
+        parts = gguf_blocks(self.qtype.name, self.raw, self.raw.shape[0])
+        if not self.unpermute_heads:
+            return parts
+        codes, scales, offsets, bits = parts
+        fix = lambda a: None if a is None else np.ascontiguousarray(_unpermute(a, self.unpermute_heads))  # noqa: E731
+        return fix(codes), fix(scales), fix(offsets), bits
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

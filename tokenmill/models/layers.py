@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig, rope_type
+from tokenmill.kernels import fused_ops
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 (as HF does). With `residual`, adds it first and also returns the
-    sum, so each decoder layer does one fused add+norm instead of two passes."""
+    sum, so each decoder layer does one fused add+norm instead of two passes (on CPU float32 one
+    kernel call, which leaves the sum in `x`)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -27,6 +29,8 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if fused_ops.applies(x) and x.dim() == 2 and x.is_contiguous():
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x), x
         x = x + residual
@@ -73,8 +77,11 @@ class RotaryEmbedding(nn.Module):
         return self.cos_sin
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x: [T, heads, D] (queries and keys stacked along heads) at `positions`: [T]."""
+        """Rotate x: [T, heads, D] (queries and keys stacked along heads) at `positions`: [T].
+        On CPU float32 the rotation is done in place by a fused kernel."""
         table = self._table(x)
+        if fused_ops.applies(x) and x.stride(-1) == 1:
+            return fused_ops.rotary_inplace(x, positions, table)
         cos = table[0].index_select(0, positions).unsqueeze(1)
         sin = table[1].index_select(0, positions).unsqueeze(1)
         half = x.shape[-1] // 2
@@ -92,5 +99,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_ops.applies(gate_up) and gate_up.dim() == 2:
+            return self.down_proj(fused_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -65,6 +65,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    fused_modules = ("qkv_proj", "gate_up_proj")
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -94,38 +95,44 @@ class LlamaForCausalLM(nn.Module):
             return [c.num_attention_heads * c.head_dim] + [c.num_key_value_heads * c.head_dim] * 2
         return [c.intermediate_size] * 2
 
+    def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+        """Where checkpoint tensor `name` (HF naming) goes: (our parameter name, shard index within a
+        fused parameter or None), or None for tensors we do not keep (rotary caches, a tied lm_head)."""
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        parts = name.split(".")
+        fused = self.packed_modules.get(parts[-2]) if len(parts) >= 2 else None
+        if fused:
+            return ".".join(parts[:-2] + [fused[0], parts[-1]]), fused[1]
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names, e.g. `model.layers.0.self_attn.q_proj.weight`) into
         our parameters, fusing q/k/v and gate/up. Raises if a tensor is unknown, misshapen or missing."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name:
+            target = self.checkpoint_target(name)
+            if target is None:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            fused = self.packed_modules.get(parts[-2]) if len(parts) >= 2 else None
-            if fused:
-                target, shard = fused
-                pname = ".".join(parts[:-2] + [target, parts[-1]])
-                param = _param(params, pname, name)
-                sizes = self.shard_sizes(target)
-                offset = sum(sizes[:shard])
-                dest = param.data.narrow(0, offset, sizes[shard])
+            pname, shard = target
+            param = _param(params, pname, name)
+            if shard is not None:
+                sizes = self.shard_sizes(pname.split(".")[-2])
+                dest = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
                 loaded.add(f"{pname}#{shard}")
             else:
-                pname = name
-                dest = _param(params, pname, name).data
+                dest = param.data
                 loaded.add(pname)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
         missing = []
         for pname in params:
-            if pname.split(".")[-2] in ("qkv_proj", "gate_up_proj"):
-                shards = 3 if "qkv_proj" in pname else 2
+            module = pname.split(".")[-2] if "." in pname else ""
+            if module in self.fused_modules:
+                shards = len(self.shard_sizes(module))
                 missing += [f"{pname}#{i}" for i in range(shards) if f"{pname}#{i}" not in loaded]
             elif pname not in loaded:
                 missing.append(pname)

@@ -1,4 +1,4 @@
-"""A C++ paged-attention kernel for decode on CPU, compiled on first use with the system compiler.
+"""A C++ paged-attention kernel for decode on CPU, compiled on first use (see `tokenmill.kernels`).
 
 Decode attention reads each sequence's K/V straight from its cache blocks through the block table:
 no gather copy, no padding to the longest sequence. One (sequence, kv head) pair per task, OpenMP
@@ -8,22 +8,31 @@ compiler, no OpenMP), `load()` returns None and the torch backend's gather + SDP
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import sys
-
 import torch
 
-logger = logging.getLogger(__name__)
+from tokenmill.kernels import build
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+// k, v: [T, KVH, D] with a contiguous last dim (views into the fused qkv output);
+// k_cache, v_cache: [num_blocks, block_size, KVH, D] contiguous; slots: [T] int64 (block * block_size + offset).
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      std::memcpy(kc + (sp[t] * KVH + h) * D, kp + t * k.stride(0) + h * k.stride(1), D * sizeof(float));
+      std::memcpy(vc + (sp[t] * KVH + h) * D, vp + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
+    }
+}
 
 // q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int64;
 // context_lens: [B] int64; out: [B, H, D]. All float32 and contiguous.
@@ -88,52 +97,20 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 }
 """
 
-_module = None
-_tried = False
-
 
 def load():
-    """The compiled extension, or None when it cannot be built here (logged once)."""
-    global _module, _tried
-    if _tried:
-        return _module
-    _tried = True
-    if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
-        return None
-    # the build runs `ninja` from PATH; the one pip installed sits next to this Python
-    bin_dir = os.path.dirname(sys.executable)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        _module = load_inline(
-            name=f"tokenmill_cpu_attention_{_cpu_tag()}",  # -march=native: one build per CPU kind
-            cpp_sources=_SOURCE,
-            functions=["paged_decode_attention"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, no OpenMP: fall back to torch ops
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch gather path", e)
-        _module = None
-    return _module
+    """The compiled extension, or None when it cannot be built here."""
+    return build("cpu_attention", _SOURCE, ["paged_decode_attention", "write_kv"])
 
 
-def _cpu_tag() -> str:
-    """A short tag of this CPU's instruction sets, so a build cached for one CPU is never loaded on another."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the step's new keys and values at their cache slots, in one call for both."""
+    load().write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
-    _module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
     return out
