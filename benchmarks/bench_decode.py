@@ -2,7 +2,9 @@
 
     .venv/bin/python benchmarks/bench_decode.py [--model smollm2-135m-instruct] [--tokens 128] [--dtypes float32,bfloat16]
 
-Prints tokens/s (median of --repeats runs) for each dtype and the ratio tokenmill / transformers.
+Prints tokens/s (median of --repeats runs) for each dtype and tokenmill weight format (gguf blocks,
+dense, int8), and the ratio tokenmill / transformers (transformers dequantizes a GGUF file to dense
+weights in that dtype).
 """
 
 from __future__ import annotations
@@ -44,41 +46,49 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="tokens to generate per run")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="transformers and tokenmill run in each dtype")
+    ap.add_argument("--quantizations", default="auto,none,int8",
+                    help="tokenmill weight formats to measure in each dtype (see --quantization of "
+                         "`tokenmill serve`); a format that does not apply to a dtype is skipped")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quantization", default=None, help="also measure tokenmill with this weight quantization (int8)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
     from tokenmill import LLM
+    from tokenmill.loader import resolve_quantization
     from tokenmill.loader.source import resolve_model
 
     src = resolve_model(args.model)
     print(f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, prompt {args.prompt_len}")
-    print(f"{'dtype':<10} {'tokenmill tok/s':>16} {'transformers tok/s':>19} {'ratio':>7}")
+    print(f"{'dtype':<10} {'weights':<8} {'tokenmill tok/s':>16} {'transformers tok/s':>19} {'ratio':>7}")
+    prompt = list(range(100, 100 + args.prompt_len))
     for dtype in args.dtypes.split(","):
-        llm = LLM(model=args.model, dtype=dtype, num_kv_blocks=64)
-        torch.set_num_threads(args.threads)
-        prompt = list(range(100, 100 + args.prompt_len))
         if src.kind == "gguf":
             hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
                                                       dtype=getattr(torch, dtype)).eval()
         else:
             hf = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=getattr(torch, dtype)).eval()
-        tokenmill_decode(llm, prompt, 8)  # warm-up
-        ours = statistics.median(tokenmill_decode(llm, prompt, args.tokens) for _ in range(args.repeats))
+        torch.set_num_threads(args.threads)
         theirs = statistics.median(hf_decode(hf, prompt, args.tokens) for _ in range(args.repeats))
-        print(f"{dtype:<10} {ours:>16.1f} {theirs:>19.1f} {ours / theirs:>6.2f}x", flush=True)
-        if args.quantization and dtype == "float32":
+        done = set()
+        for quant in args.quantizations.split(","):
+            try:
+                weights = resolve_quantization(quant, src, torch.device("cpu"), getattr(torch, dtype))
+            except ValueError:
+                continue
+            if weights in done or (weights == "int8" and dtype != "float32"):
+                continue
+            done.add(weights)
+            llm = LLM(model=args.model, dtype=dtype, num_kv_blocks=64, quantization=weights)
+            torch.set_num_threads(args.threads)
+            tokenmill_decode(llm, prompt, 8)  # warm-up
+            ours = statistics.median(tokenmill_decode(llm, prompt, args.tokens) for _ in range(args.repeats))
+            print(f"{dtype:<10} {weights:<8} {ours:>16.1f} {theirs:>19.1f} {ours / theirs:>6.2f}x", flush=True)
             del llm
-            llm = LLM(model=args.model, num_kv_blocks=64, quantization=args.quantization)
-            tokenmill_decode(llm, prompt, 8)
-            quant = statistics.median(tokenmill_decode(llm, prompt, args.tokens) for _ in range(args.repeats))
-            print(f"{args.quantization + ' wts':<10} {quant:>16.1f} {theirs:>19.1f} {quant / theirs:>6.2f}x", flush=True)
-        del llm, hf
+        del hf
 
 
 if __name__ == "__main__":

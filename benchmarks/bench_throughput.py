@@ -73,8 +73,10 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16, help="transformers static batch size")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--dtype", default="auto", help="tokenmill compute dtype (default: auto = float32 on CPU)")
-    ap.add_argument("--quantization", default=None, help="tokenmill weight quantization (int8)")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="tokenmill compute dtypes to measure, one run each (transformers runs in float32)")
+    ap.add_argument("--quantization", default="auto",
+                    help="tokenmill weight format: auto (a GGUF file's own blocks in float32), none, gguf, int8")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--result-file", default=None, help="write the numbers as JSON here")
     args = ap.parse_args()
@@ -84,15 +86,17 @@ def main() -> None:
     from tokenmill import LLM
     from tokenmill.loader.source import resolve_model
 
-    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=2.0, dtype=args.dtype, quantization=args.quantization)
-    tok = llm.get_tokenizer()
-    prompts = make_prompts(tok, args.num_prompts, args.min_input_len, args.max_input_len, seed=0)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch": torch.__version__, "threads": torch.get_num_threads(), **vars(args)}
-    result["tokenmill_output_tok_s"] = run_tokenmill(llm, prompts, args.output_len)
-    print(f"tokenmill:    {result['tokenmill_output_tok_s']:.1f} output tok/s", flush=True)
-    del llm
+              "torch": torch.__version__, **vars(args), "tokenmill_output_tok_s": {}}
+    for dtype in args.dtypes.split(","):
+        llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_memory=2.0, dtype=dtype, quantization=args.quantization)
+        tok = llm.get_tokenizer()
+        prompts = make_prompts(tok, args.num_prompts, args.min_input_len, args.max_input_len, seed=0)
+        result["threads"] = torch.get_num_threads()
+        result["tokenmill_output_tok_s"][dtype] = run_tokenmill(llm, prompts, args.output_len)
+        print(f"tokenmill {dtype}: {result['tokenmill_output_tok_s'][dtype]:.1f} output tok/s", flush=True)
+        del llm
     if not args.skip_transformers:
         src = resolve_model(args.model)
         if src.kind == "gguf":
@@ -104,7 +108,8 @@ def main() -> None:
                                                                tok.hf.pad_token_id or 0)
         print(f"transformers: {result['transformers_output_tok_s']:.1f} output tok/s "
               f"(static batches of {args.hf_batch})")
-        print(f"ratio: {result['tokenmill_output_tok_s'] / result['transformers_output_tok_s']:.2f}x")
+        for dtype, value in result["tokenmill_output_tok_s"].items():
+            print(f"ratio tokenmill {dtype} / transformers float32: {value / result['transformers_output_tok_s']:.2f}x")
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,0 +1,80 @@
+"""The C++ CPU kernels against the plain torch ops they replace, on shapes that hit every code path
+(vector loops and their tails, head sizes that are not a multiple of the vector width)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels import fused_ops, paged_attention
+
+
+@pytest.mark.parametrize("head_dim", [16, 20, 64, 72])
+@pytest.mark.parametrize("group", [1, 3])
+def test_paged_decode_attention_matches_sdpa(head_dim, group):
+    torch.manual_seed(0)
+    kv_heads, block_size, num_blocks = 2, 16, 64
+    heads = kv_heads * group
+    lengths = torch.tensor([1, 7, 8, 9, 16, 33, 200])
+    blocks_needed = (lengths + block_size - 1) // block_size
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    perm = torch.randperm(num_blocks)  # blocks scattered through the pool, as the cache manager leaves them
+    tables = torch.zeros(len(lengths), int(blocks_needed.max()), dtype=torch.long)
+    used = 0
+    for i, n in enumerate(blocks_needed.tolist()):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    q = torch.randn(len(lengths), heads, head_dim)
+    out = paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.3)
+    for i, length in enumerate(lengths.tolist()):
+        keys = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1)
+        values = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[i][:, None], keys.repeat_interleave(group, 0),
+                                             values.repeat_interleave(group, 0), scale=0.3)[:, 0]
+        torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_stores_rows_at_their_slots():
+    qkv = torch.randn(5, 4 + 2 * 2, 8)  # 4 query heads, 2 kv heads: k and v are strided views
+    k, v = qkv[:, 4:6], qkv[:, 6:8]
+    k_cache, v_cache = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+    slots = torch.tensor([11, 0, 5, 6, 3])
+    paged_attention.write_kv(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache.view(-1, 2, 8)[slots], k, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache.view(-1, 2, 8)[slots], v, rtol=0, atol=0)
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[slots] = False
+    assert k_cache.view(-1, 2, 8)[untouched].abs().sum() == 0
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_fused_elementwise_ops_match_torch(tokens):
+    torch.manual_seed(0)
+    hidden, weight = 72, torch.randn(72)
+    x, residual = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
+    total = x + residual
+    out, summed = fused_ops.add_rms_norm(x.clone(), residual, weight, 1e-5)
+    torch.testing.assert_close(summed, total)
+    torch.testing.assert_close(out, F.rms_norm(total, (hidden,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+    out, _ = fused_ops.add_rms_norm(x.clone(), None, weight, 1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (hidden,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+    gate_up = torch.randn(tokens, 2 * hidden)
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up),
+                               F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:], rtol=1e-5, atol=1e-6)
+
+    head_dim, positions = 16, torch.randint(0, 50, (tokens,))
+    angles = torch.rand(50, head_dim // 2) * 3
+    emb = torch.cat((angles, angles), dim=-1)
+    table = torch.stack((emb.cos(), emb.sin()))
+    qkv = torch.randn(tokens, 5, head_dim)
+    half = head_dim // 2
+    x = qkv[:, :3]  # rotate a strided view, as the attention layer does
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    ref = x * table[0][positions][:, None] + rotated * table[1][positions][:, None]
+    untouched = qkv[:, 3:].clone()
+    fused_ops.rotary_inplace(x, positions, table)
+    torch.testing.assert_close(qkv[:, :3], ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(qkv[:, 3:], untouched, rtol=0, atol=0)
