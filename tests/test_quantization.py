@@ -97,11 +97,16 @@ def test_int8_linear_is_close_to_float():
     assert ((out - ref).norm() / ref.norm()).item() < 0.02
 
 
-def test_quantized_model_tracks_the_float_model(tmp_path):
+@pytest.mark.parametrize("kwargs", [dict(quantization="int8"), dict(dtype="bfloat16")], ids=["int8", "bfloat16"])
+def test_lower_precision_tracks_the_float_model(tmp_path, kwargs):
+    """int8 weights, or bfloat16 compute (torch attention path, bf16 KV cache), through the engine."""
     make_tiny_model("qwen2-bias", tmp_path)
     ref = load_model(str(tmp_path))
-    quant = load_model(str(tmp_path), quantization="int8")
-    assert not any(isinstance(m, nn.Linear) for m in quant.model.modules())
+    quant = load_model(str(tmp_path), **kwargs)
+    if "quantization" in kwargs:
+        assert not any(isinstance(m, nn.Linear) for m in quant.model.modules())
+    else:
+        assert quant.dtype == torch.bfloat16 and quant.model.lm_head.weight.dtype == torch.bfloat16
     prompts = [[(7 * i + j) % 256 for j in range(40)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a = run_core(make_core(str(tmp_path), loaded=ref), prompts, params)
