@@ -18,7 +18,9 @@ def default_model():
 
 
 @pytest.fixture(scope="session")
-def default_tokenizer(default_model):
+def tokenizer():
+    """The default model's tokenizer (no weights loaded)."""
+    from tokenmill.loader.source import resolve_model
     from tokenmill.tokenizer import load_tokenizer
 
-    return load_tokenizer(default_model.source)
+    return load_tokenizer(resolve_model("smollm2-135m-instruct"))

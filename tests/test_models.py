@@ -93,11 +93,11 @@ def smollm_reference(default_model):
                                                 dtype=torch.float32).eval()
 
 
-def test_smollm2_gguf_matches_transformers(default_model, default_tokenizer, smollm_reference):
+def test_smollm2_gguf_matches_transformers(default_model, tokenizer, smollm_reference):
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
              "1, 2, 3, 4,", "Les fleurs du jardin sont", "Q: What is 7 times 8?\nA:", "The quick brown fox",
              "In machine learning, a transformer is"]
-    batch = [default_tokenizer.encode(t) for t in texts]
+    batch = [tokenizer.encode(t) for t in texts]
     runner = ModelRunner(default_model, CacheConfig(num_blocks=16))
     for ids in batch[:3]:
         with torch.no_grad():

@@ -11,12 +11,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 from test_server_utils import MODEL, model_available, running_server
-
-from tokenmill.loader.source import resolve_model
-from tokenmill.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.skipif(not model_available(), reason=f"model {MODEL} is not installed")
 
@@ -34,12 +30,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model(MODEL))
+    return server.openai_client()
 
 
 def reasoning_of(message) -> str | None:

@@ -40,15 +40,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from tokenmill.loader.source import resolve_model
-    from tokenmill.tokenizer import load_tokenizer
-
-    return load_tokenizer(resolve_model(MODEL))
+    return server.openai_client()
 
 
 def wait_for_idle(url: str, timeout: float = 30) -> dict[str, float]:
@@ -248,7 +240,7 @@ def test_32_concurrent_streams(server):
     prompts = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(32)]
 
     async def run() -> list[tuple[str, str, int]]:
-        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        aclient = server.openai_client(asynchronous=True)
 
         async def one(prompt: str) -> tuple[str, str, int]:
             stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,

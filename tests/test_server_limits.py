@@ -47,10 +47,10 @@ def test_api_key_required_on_v1(server):
         assert r.status_code == 401, r.text
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 401
-    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    bad = server.openai_client(api_key="wrong")
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    good = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    good = server.openai_client(api_key=KEY)
     assert good.models.list().data[0].id == MODEL
     assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
     for path in ("/health", "/version", "/metrics"):  # not under /v1: no key needed
@@ -87,7 +87,7 @@ def test_queue_full_gets_429(server):
     err = next(r for r in responses if r.status_code == 429).json()["error"]
     assert err["code"] == "queue_full" and "queue" in err["message"]
     assert next(r for r in responses if r.status_code == 429).headers["retry-after"] == "1"
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    client = server.openai_client(api_key=KEY)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
 
 

@@ -66,6 +66,13 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def openai_client(self, api_key: str = "unused", asynchronous: bool = False):
+        """The official OpenAI client (sync or async) pointed at this server, no retries."""
+        import openai
+
+        cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+        return cls(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=300)
+
     def core_pid(self) -> int:
         """The engine-core child (multiprocessing also starts a small resource-tracker child)."""
         cores = [c for c in psutil.Process(self.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]

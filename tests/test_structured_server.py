@@ -10,7 +10,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from test_server_utils import MODEL, metric_values, model_available, running_server, sse_events
 
@@ -48,7 +47,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return server.openai_client()
 
 
 def stream_chat(client, **kwargs) -> tuple[str | None, list[dict], str]:
@@ -245,7 +244,7 @@ def test_constrained_and_unconstrained_together(server, client):
     free = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=24,
                 temperature=0)
     alone = client.chat.completions.create(**free).choices[0].message.content
-    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    aclient = server.openai_client(asynchronous=True)
 
     async def both():
         constrained = aclient.chat.completions.create(

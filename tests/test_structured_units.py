@@ -90,14 +90,6 @@ def test_choice_ebnf_escapes():
 # ---- xgrammar backend on the real tokenizer -----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from tokenmill.loader.source import resolve_model
-    from tokenmill.tokenizer import load_tokenizer
-
-    return load_tokenizer(resolve_model(MODEL))
-
-
-@pytest.fixture(scope="module")
 def data(tokenizer):
     return TokenizerData.from_tokenizer(tokenizer)
 

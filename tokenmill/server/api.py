@@ -145,19 +145,19 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
                 for name in ctx.model_names]
         return JSONResponse({"object": "list", "data": data})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def generate(request: Request, body_type, create) -> Response:
+        """The OpenAI generation endpoints: stamp arrival, check the key, parse the body, serve."""
         arrival = time.monotonic()
         check_api_key(request)
-        req = parse_body(CompletionRequest, await read_body(request))
-        return await create_completion(ctx, req, request, arrival)
+        return await create(ctx, parse_body(body_type, await read_body(request)), request, arrival)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, CompletionRequest, create_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        check_api_key(request)
-        req = parse_body(ChatCompletionRequest, await read_body(request))
-        return await create_chat_completion(ctx, req, request, arrival)
+        return await generate(request, ChatCompletionRequest, create_chat_completion)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
