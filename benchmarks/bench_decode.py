@@ -57,7 +57,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from tokenmill import LLM
-    from tokenmill.loader import resolve_quantization
+    from tokenmill.quantization import resolve_quantization
     from tokenmill.loader.source import resolve_model
 
     src = resolve_model(args.model)
@@ -76,7 +76,7 @@ def main() -> None:
         done = set()
         for quant in args.quantizations.split(","):
             try:
-                weights = resolve_quantization(quant, src, torch.device("cpu"), getattr(torch, dtype))
+                weights = resolve_quantization(quant, src.kind, torch.device("cpu"), getattr(torch, dtype))
             except ValueError:
                 continue
             if weights in done or (weights == "int8" and dtype != "float32"):

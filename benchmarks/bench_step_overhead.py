@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/bench_step_overhead.py [--batch-sizes 1,64] [--steps 30]
 
-For each batch size, N requests decode together; each step is timed in full and the model runner's
-`execute` (input tensors + forward + logits) is timed inside it. Overhead = step - forward:
-scheduling, sampling, bookkeeping, output building. Medians over --steps steps.
+For each batch size, N requests decode together; each step is timed in full and the executor's
+`execute` (runner state updates, input tensors, forward, logits, sampling) is timed inside it.
+Overhead = step - execute: scheduling, grammar masks, the scheduler's update, output building.
+Medians over --steps steps.
 """
 
 from __future__ import annotations
@@ -28,19 +29,19 @@ def main() -> None:
 
     llm = LLM(model=args.model, max_num_seqs=256, kv_cache_memory=2.0)
     engine = llm.engine
-    runner = engine.core.runner
+    executor = engine.core.executor
     forward_times: list[float] = []
-    execute = runner.execute
+    execute = executor.execute
 
-    def timed_execute(seqs):
+    def timed_execute(sched):
         start = time.perf_counter()
-        out = execute(seqs)
+        out = execute(sched)
         forward_times.append(time.perf_counter() - start)
         return out
 
-    runner.execute = timed_execute
+    executor.execute = timed_execute
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
-    print(f"{'batch':>5} {'step ms':>9} {'forward ms':>11} {'overhead ms':>12} {'overhead %':>11}")
+    print(f"{'batch':>5} {'step ms':>9} {'execute ms':>11} {'overhead ms':>12} {'overhead %':>11}")
     for batch in map(int, args.batch_sizes.split(",")):
         params = SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True)
         for i in range(batch):

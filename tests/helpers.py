@@ -6,9 +6,10 @@ import numpy as np
 import torch
 import transformers
 
-from tokenmill.attention.backend import SequenceSlice
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.executor import UniProcExecutor
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -50,15 +51,21 @@ def make_core(model: str, num_blocks: int = 512, block_size: int = 16, max_num_b
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, policy=policy),
     )
-    return EngineCore(config, loaded or load_model(model), set(eos_token_ids))
+    return EngineCore(config, UniProcExecutor(config, loaded or load_model(model)), set(eos_token_ids))
+
+
+def make_runner(loaded, num_blocks: int = 32):
+    """A model runner over `loaded` (a LoadedModel) with a KV cache of `num_blocks` blocks."""
+    executor = UniProcExecutor(EngineConfig(cache=CacheConfig(num_blocks=num_blocks)), loaded)
+    executor.initialize_kv_cache()
+    return executor.runner
 
 
 def all_logits(runner, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence prefilled from an empty cache (runner: a ModelRunner)."""
-    blocks = list(range(-(-len(ids) // runner.block_size)))
-    meta = runner.backend.build_metadata([SequenceSlice(0, len(ids), blocks)], runner.block_size, runner.device)
+    blocks = list(range(-(-len(ids) // runner.kv_cache_config.block_size)))
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta)
+        hidden, _ = runner.forward(np.array(ids), np.array([len(ids)]), np.array([0]), [blocks])
         return runner.model.compute_logits(hidden).float()
 
 
@@ -68,7 +75,7 @@ def run_core(core: EngineCore, prompts: list[list[int]], params: SamplingParams 
     params = params if isinstance(params, list) else [params] * len(prompts)
     out: dict[str, list[int]] = {}
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        core.add_request(str(i), p, sp)
+        core.add_request(EngineCoreRequest(str(i), p, sp))
         out[str(i)] = []
     while core.has_unfinished():
         for o in core.step():

@@ -9,6 +9,7 @@ import torch
 
 from helpers import make_core, make_tiny_model, run_core
 from tokenmill.engine.core import RequestRejected
+from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -97,8 +98,8 @@ def test_budget_and_max_num_seqs_respected(tiny):
     steps = []
 
     def check(c):
-        steps.append(c.last_schedule.num_batched_tokens)
-        assert len(c.last_schedule.scheduled) <= 4 and len(c.scheduler.running) <= 4
+        steps.append(c.last_schedule.total_num_scheduled_tokens)
+        assert len(c.last_schedule.num_scheduled_tokens) <= 4 and len(c.scheduler.running) <= 4
 
     run_core(core, prompts, params, on_step=check)
     assert max(steps) == 64 and all(n <= 64 for n in steps)
@@ -110,7 +111,7 @@ def test_abort_mid_generation_returns_blocks(tiny):
     prompts, params = mixed_workload(16, seed=5)
     core = make_core(directory, loaded=loaded)
     for i, p in enumerate(prompts):
-        core.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        core.add_request(EngineCoreRequest(str(i), p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
     for _ in range(5):
         core.step()
     assert core.kv.num_free_blocks < core.kv.num_blocks
@@ -126,10 +127,11 @@ def test_eos_and_stop_token_ids_finish_requests(tiny):
     stop_tok = greedy["0"][5]
     core = make_core(directory, loaded=loaded, eos_token_ids={greedy["1"][3]})
     outs = {}
-    core.add_request("a", prompts[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
-                                                 ignore_eos=True))
-    core.add_request("b", prompts[1], SamplingParams(temperature=0, max_tokens=20))
-    core.add_request("c", prompts[1], SamplingParams(temperature=0, max_tokens=20, min_tokens=10, ignore_eos=True))
+    core.add_request(EngineCoreRequest("a", prompts[0], SamplingParams(temperature=0, max_tokens=20,
+                                                                       stop_token_ids=[stop_tok], ignore_eos=True)))
+    core.add_request(EngineCoreRequest("b", prompts[1], SamplingParams(temperature=0, max_tokens=20)))
+    core.add_request(EngineCoreRequest("c", prompts[1], SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
+                                                                       ignore_eos=True)))
     while core.has_unfinished():
         for o in core.step():
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -165,16 +167,16 @@ def test_requests_that_can_never_fit_are_rejected(tiny):
     directory, _, loaded = tiny
     core = make_core(directory, num_blocks=8, loaded=loaded, max_model_len=512)
     with pytest.raises(RequestRejected, match="exceeds the maximum context length of 512"):
-        core.add_request("long", [1] * 500, SamplingParams(max_tokens=20))
+        core.add_request(EngineCoreRequest("long", [1] * 500, SamplingParams(max_tokens=20)))
     with pytest.raises(RequestRejected, match="does not fit in the KV cache"):
-        core.add_request("big", [1] * 100, SamplingParams(max_tokens=100))
+        core.add_request(EngineCoreRequest("big", [1] * 100, SamplingParams(max_tokens=100)))
     with pytest.raises(RequestRejected, match="at least one token"):
-        core.add_request("empty", [], SamplingParams())
+        core.add_request(EngineCoreRequest("empty", [], SamplingParams()))
     with pytest.raises(RequestRejected, match="outside the vocabulary"):
-        core.add_request("oov", [1, 99999], SamplingParams())
-    core.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4))
+        core.add_request(EngineCoreRequest("oov", [1, 99999], SamplingParams()))
+    core.add_request(EngineCoreRequest("ok", [1, 2, 3], SamplingParams(max_tokens=4)))
     with pytest.raises(RequestRejected, match="already in use"):
-        core.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4))
+        core.add_request(EngineCoreRequest("ok", [1, 2, 3], SamplingParams(max_tokens=4)))
     while core.has_unfinished():
         core.step()
     assert_pool_whole(core)

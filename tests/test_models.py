@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (TINY_MODELS, all_logits, assert_same_greedy, greedy_reference, make_core, make_tiny_model,
-                     run_core)
-from tokenmill.config import CacheConfig
-from tokenmill.engine.model_runner import ModelRunner
+from helpers import (TINY_MODELS, all_logits, assert_same_greedy, greedy_reference, make_core, make_runner,
+                     make_tiny_model, run_core)
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -34,7 +32,7 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 def test_prefill_logits_match_transformers(tiny):
     name, directory, hf = tiny
-    runner = ModelRunner(load_model(directory, dtype="float32"), CacheConfig(num_blocks=32))
+    runner = make_runner(load_model(directory, dtype="float32"))
     for ids in prompts(hf.config.vocab_size):
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0]
@@ -61,7 +59,7 @@ def test_torch_fallback_matches_transformers(tmp_path, monkeypatch):
     for module in (block_quant, fused_ops, paged_attention):
         monkeypatch.setattr(module, "load", lambda: None)
     hf = make_tiny_model("llama-gqa-untied", tmp_path)
-    runner = ModelRunner(load_model(str(tmp_path)), CacheConfig(num_blocks=32))
+    runner = make_runner(load_model(str(tmp_path)))
     assert runner.backend.name == "torch-sdpa"
     batch = prompts(hf.config.vocab_size)
     for ids in batch:
@@ -98,7 +96,7 @@ def test_smollm2_gguf_matches_transformers(default_model, tokenizer, smollm_refe
              "1, 2, 3, 4,", "Les fleurs du jardin sont", "Q: What is 7 times 8?\nA:", "The quick brown fox",
              "In machine learning, a transformer is"]
     batch = [tokenizer.encode(t) for t in texts]
-    runner = ModelRunner(default_model, CacheConfig(num_blocks=16))
+    runner = make_runner(default_model, num_blocks=16)
     for ids in batch[:3]:
         with torch.no_grad():
             ref = smollm_reference(torch.tensor([ids])).logits[0]

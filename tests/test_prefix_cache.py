@@ -7,6 +7,7 @@ import random
 import pytest
 
 from helpers import make_core, make_tiny_model, run_core
+from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def one(core, rid: str, prompt: list[int], params=GREEDY, **kwargs):
     """Run one request to the end; returns (generated ids, cached prompt tokens)."""
-    core.add_request(rid, prompt, params, **kwargs)
+    core.add_request(EngineCoreRequest(rid, prompt, params, **kwargs))
     ids, cached = [], None
     while core.has_unfinished():
         for o in core.step():
@@ -141,7 +142,7 @@ def test_priority_policy_orders_admission_and_preemption(tiny):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     order = []
     for i, prio in enumerate([5, 3, 9, 0, 3, 1]):
-        core.add_request(f"p{prio}-{i}", tokens(20, seed=i), params, priority=prio)
+        core.add_request(EngineCoreRequest(f"p{prio}-{i}", tokens(20, seed=i), params, priority=prio))
     while core.has_unfinished():
         for o in core.step():
             if o.finish_reason:
@@ -151,11 +152,11 @@ def test_priority_policy_orders_admission_and_preemption(tiny):
     # under KV pressure the lowest-priority running request is the one preempted
     core = make_core(directory, loaded=loaded, policy="priority", num_blocks=10)
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    core.add_request("low", tokens(40, seed=30), long, priority=9)
-    core.add_request("high", tokens(40, seed=31), long, priority=0)
+    core.add_request(EngineCoreRequest("low", tokens(40, seed=30), long, priority=9))
+    core.add_request(EngineCoreRequest("high", tokens(40, seed=31), long, priority=0))
     preempted = []
     while core.has_unfinished():
         core.step()
-        preempted += [r.request_id for r in core.last_schedule.preempted]
+        preempted += core.last_schedule.preempted_request_ids
     assert preempted and set(preempted) == {"low"}
     assert pool_whole(core)

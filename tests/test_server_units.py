@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tokenmill.engine.core import EngineCoreOutput, EngineStats, Logprob, RequestRejected
+from tokenmill.engine.core import EngineStats, RequestRejected
+from tokenmill.engine.outputs import EngineCoreOutput, Logprob
+from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import core_process
@@ -117,7 +119,8 @@ class FakeCore:
     pending: list = field(default_factory=list)
     aborted: list = field(default_factory=list)
 
-    def add_request(self, rid, prompt_ids, params, arrival, priority, cache_salt=None):
+    def add_request(self, request):
+        rid = request.request_id
         if rid == "too-long":
             raise RequestRejected("prompt too long")
         if rid == "broken":
@@ -144,7 +147,7 @@ def test_core_loop_handles_adds_rejections_aborts_and_shutdown():
     inputs, outputs = queue.Queue(), queue.Queue()
     params = SamplingParams()
     for rid in ("a", "too-long", "broken", "b"):
-        inputs.put(("add", rid, [1, 2], params, 0.0, 0, None))
+        inputs.put(("add", EngineCoreRequest(rid, [1, 2], params, 0.0)))
     inputs.put(("abort", ["b"]))
     core = FakeCore()
     inputs.put(("shutdown",))
@@ -162,7 +165,7 @@ def test_core_loop_handles_adds_rejections_aborts_and_shutdown():
 def test_core_loop_steps_and_reports_stats():
     inputs, outputs = queue.Queue(), queue.Queue()
     core = FakeCore()
-    inputs.put(("add", "a", [1], SamplingParams(), 0.0, 0, "salt"))
+    inputs.put(("add", EngineCoreRequest("a", [1], SamplingParams(), 0.0, cache_salt="salt")))
     real_drain = core_process._drain
     calls = []
 

@@ -16,6 +16,8 @@ from test_server_utils import MODEL, model_available
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore, RequestRejected
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.executor import UniProcExecutor
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured import ReasoningSpec, StructuredOutputSpec
 from tokenmill.structured.backend import TokenizerData
@@ -204,10 +206,10 @@ def test_preemption_keeps_constrained_outputs_exact(engine, default_model):
 
     config = EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=16, enable_prefix_caching=False),
                           scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8))
-    core = EngineCore(config, default_model, engine.tokenizer.eos_token_ids,
+    core = EngineCore(config, UniProcExecutor(config, default_model), engine.tokenizer.eos_token_ids,
                       TokenizerData.from_tokenizer(engine.tokenizer))
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        core.add_request(str(i), p, sp)
+        core.add_request(EngineCoreRequest(str(i), p, sp))
     got = {str(i): [] for i in range(len(prompts))}
     while core.has_unfinished():
         for o in core.step():
@@ -301,6 +303,7 @@ def test_invalid_specs_are_rejected(engine, default_model):
     with pytest.raises(ValueError, match="invalid regex"):
         engine.add_request("bad", "x", SamplingParams(structured_output=StructuredOutputSpec.regex("(a")))
     assert not engine.has_unfinished_requests()
-    bare = EngineCore(EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=16)), default_model, {2})
+    bare_config = EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=16))
+    bare = EngineCore(bare_config, UniProcExecutor(bare_config, default_model), {2})
     with pytest.raises(RequestRejected, match="structured output is not available"):
-        bare.add_request("x", [1, 2], SamplingParams(structured_output=StructuredOutputSpec.regex("a")))
+        bare.add_request(EngineCoreRequest("x", [1, 2], SamplingParams(structured_output=StructuredOutputSpec.regex("a"))))

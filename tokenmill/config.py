@@ -1,8 +1,8 @@
 """All configuration in one dataclass tree, validated when it is built.
 
-`EngineConfig` holds the model architecture (`ModelConfig`, read from the checkpoint), the KV cache
-settings (`CacheConfig`) and the scheduler limits (`SchedulerConfig`), plus where and in which dtype
-the model runs.
+`EngineConfig` holds the KV cache settings (`CacheConfig`) and the scheduler limits
+(`SchedulerConfig`), plus which model runs where, in which dtype and weight format. The model's
+architecture (`ModelConfig`, and each model file's subclass of it) is read from the checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from tokenmill.models.registry import check_architecture
+from tokenmill.quantization import QUANTIZATION_METHODS
 
 _DTYPES = {
     "float32": torch.float32,
@@ -28,7 +29,9 @@ _DTYPES = {
 
 @dataclass
 class ModelConfig:
-    """Architecture facts of a Llama-family decoder, from an HF config.json or GGUF metadata."""
+    """Architecture facts every decoder has, from an HF config.json or GGUF metadata. Each model
+    file subclasses it for its own fields (`architecture_fields`); `tokenmill.models.registry`
+    picks the subclass by architecture name."""
 
     architecture: str
     vocab_size: int
@@ -43,17 +46,11 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
     hidden_act: str = "silu"
     torch_dtype: str | None = None  # the checkpoint's own dtype, if it says
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        check_architecture(self.architecture)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -64,8 +61,6 @@ class ModelConfig:
                 f"model config: num_key_value_heads ({self.num_key_value_heads}) must divide "
                 f"num_attention_heads ({self.num_attention_heads})"
             )
-        if self.hidden_act != "silu":
-            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         if self.rope_scaling is not None:
             kind = rope_type(self.rope_scaling)
             if kind not in ("default", "linear", "llama3"):
@@ -75,16 +70,11 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from the contents of an HF `config.json` (transformers 4.x or 5.x layout)."""
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry; cannot tell which model class to use")
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = (cfg.get("architectures") or [None])[0]
+        check_architecture(arch)
         rope_params = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_type(rope_params) != "default" else None)
         heads = cfg["num_attention_heads"]
-        is_qwen2 = arch == "Qwen2ForCausalLM"
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -99,16 +89,15 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=True if is_qwen2 else cfg.get("attention_bias", False),
-            o_bias=False if is_qwen2 else cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False),
             hidden_act=cfg.get("hidden_act", "silu"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            **cls.architecture_fields(cfg),
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V per token over all layers for a cache of `dtype`."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype.itemsize
+    @classmethod
+    def architecture_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The subclass's own fields, read from the same config.json contents."""
+        return {}
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -126,6 +115,7 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides kv_cache_memory_gib when set
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "builtin"  # or "sha256"
+    cache_dtype: str = "auto"  # dtype of stored K/V; "auto" = the compute dtype
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -136,6 +126,9 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory_gib}")
         if self.prefix_cache_hash not in ("builtin", "sha256"):
             raise ValueError(f"prefix_cache_hash must be 'builtin' or 'sha256', got {self.prefix_cache_hash!r}")
+        if self.cache_dtype != "auto" and self.cache_dtype not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, "
+                             f"got {self.cache_dtype!r}")
 
 
 @dataclass
@@ -166,7 +159,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
-    quantization: str = "auto"  # auto | none | gguf | int8 (see tokenmill.loader.load_model)
+    quantization: str = "auto"  # one of tokenmill.quantization.QUANTIZATION_METHODS
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -174,8 +167,9 @@ class EngineConfig:
         resolve_device(self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, got {self.dtype!r}")
-        if self.quantization not in ("auto", "none", "gguf", "int8"):
-            raise ValueError(f"quantization must be one of auto, none, gguf, int8; got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.quantization!r}")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -214,3 +208,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dty
     if device.type == "cuda" and chosen == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise ValueError(f"dtype bfloat16 is not supported by {torch.cuda.get_device_name(device)}; use float16")
     return chosen
+
+
+def resolve_cache_dtype(cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype K/V are stored in: the compute dtype for 'auto', else the one named."""
+    return compute_dtype if cache_dtype == "auto" else _DTYPES[cache_dtype]

@@ -52,6 +52,20 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="PID of the server process: its CPU use (with children) is sampled during the run")
 
 
+# numeric workload flags: (flag, type, default, help)
+_WORKLOAD_SIZES = [
+    ("--random-input-len", int, 1024, "prompt tokens (random, long-context short prompts), question tokens "
+                                      "(shared-prefix), user-turn tokens (multi-turn)"),
+    ("--random-output-len", int, 128, "output tokens to ask for (max_tokens); jsonl lines without output_len"),
+    ("--random-range-ratio", float, 0.0, "lengths drawn uniformly in [L*(1-r), L*(1+r)]"),
+    ("--num-prefixes", int, 4, "shared-prefix: distinct system prompts"),
+    ("--prefix-len", int, 1024, "shared-prefix: tokens per system prompt"),
+    ("--num-turns", int, 4, "multi-turn: user turns per conversation"),
+    ("--long-context-len", int, 4096, "long-context: tokens of the long prompts"),
+    ("--long-context-fraction", float, 0.1, "long-context: fraction of prompts that are long, at least one"),
+]
+
+
 def _add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     from tokenmill.bench.datasets import DATASETS
 
@@ -67,23 +81,8 @@ def _add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
                         'with "output_len"; cycled to --num-prompts')
     g.add_argument("--num-prompts", type=int, default=1000,
                    help="requests to measure (conversations for multi-turn) (default: %(default)s)")
-    g.add_argument("--random-input-len", type=int, default=1024,
-                   help="prompt tokens (random, long-context short prompts), question tokens (shared-prefix), "
-                        "user-turn tokens (multi-turn) (default: %(default)s)")
-    g.add_argument("--random-output-len", type=int, default=128,
-                   help="output tokens to ask for (max_tokens); jsonl lines without output_len (default: %(default)s)")
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths drawn uniformly in [L*(1-r), L*(1+r)] (default: %(default)s)")
-    g.add_argument("--num-prefixes", type=int, default=4,
-                   help="shared-prefix: distinct system prompts (default: %(default)s)")
-    g.add_argument("--prefix-len", type=int, default=1024,
-                   help="shared-prefix: tokens per system prompt (default: %(default)s)")
-    g.add_argument("--num-turns", type=int, default=4,
-                   help="multi-turn: user turns per conversation (default: %(default)s)")
-    g.add_argument("--long-context-len", type=int, default=4096,
-                   help="long-context: tokens of the long prompts (default: %(default)s)")
-    g.add_argument("--long-context-fraction", type=float, default=0.1,
-                   help="long-context: fraction of prompts that are long, at least one (default: %(default)s)")
+    for flag, kind, default, text in _WORKLOAD_SIZES:
+        g.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     if seed:
         g.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals (default: %(default)s)")
 

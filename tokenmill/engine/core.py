@@ -1,4 +1,6 @@
-"""Engine core: the step loop. Schedules, runs the model, samples, and reports new tokens.
+"""Engine core: the step loop. Each step is the step contract — `Scheduler.schedule()`, then
+`Executor.execute()` (forward pass and sampling on the workers), then
+`Scheduler.update_from_output()` — plus turning the result into `EngineCoreOutput`s.
 
 It works on token ids only; text (detokenization, stop strings) is the output processor's job, so
 the core can run in its own process with the HTTP front end elsewhere.
@@ -13,38 +15,15 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
-import torch
-
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import HASH_FUNCTIONS, KVCacheManager
-from tokenmill.engine.model_runner import ModelRunner, StepSequence
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.sampler import Sampler, SamplingMetadata
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
-from tokenmill.loader import LoadedModel
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.engine.outputs import EngineCoreOutput
+from tokenmill.engine.request import EngineCoreRequest, Request, RequestStatus
+from tokenmill.engine.scheduler import RequestUpdate, Scheduler
+from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
+from tokenmill.executor import Executor
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    timestamp: float
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    new_logprobs: list[dict[int, Logprob]] | None = None
-    num_cached_tokens: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
 
 
 @dataclass
@@ -65,22 +44,21 @@ class RequestRejected(ValueError):
 
 
 class EngineCore:
-    """The step loop. `tokenizer_data` (a `tokenmill.structured.backend.TokenizerData`, or a function
-    returning one) enables structured output; without it, constrained requests are rejected. The
-    structured-output manager is built on the first constrained request."""
+    """The step loop over an executor. `tokenizer_data` (a `tokenmill.structured.backend.TokenizerData`,
+    or a function returning one) enables structured output; without it, constrained requests are
+    rejected. The structured-output manager is built on the first constrained request."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, eos_token_ids: set[int],
+    def __init__(self, config: EngineConfig, executor: Executor, eos_token_ids: set[int],
                  tokenizer_data=None) -> None:
         self.config = config
-        self.model_config = loaded.config
+        self.executor = executor
+        self.model_config = executor.model_config
         self.eos_token_ids = set(eos_token_ids)
-        self.max_model_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
-        torch.manual_seed(config.seed)
-        self.runner = ModelRunner(loaded, config.cache)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                 HASH_FUNCTIONS[config.cache.prefix_cache_hash])
+        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.kv_cache_config = executor.initialize_kv_cache()
+        self.kv = KVCacheManager(self.kv_cache_config.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching, HASH_FUNCTIONS[config.cache.prefix_cache_hash])
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (stats, tests)
         self._tokenizer_data = tokenizer_data
@@ -105,32 +83,35 @@ class EngineCore:
     def capacity_tokens(self) -> int:
         return self.kv.num_blocks * self.kv.block_size
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a request, or raise RequestRejected if it could never be served."""
-        if request_id in self.requests:
-            raise RequestRejected(f"request_id {request_id!r} is already in use")
-        n = len(prompt_token_ids)
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        """Queue a request, or raise RequestRejected if it could never be served. The caller's
+        `SamplingParams` are never changed: the request gets its own copy with defaults filled in."""
+        rid, prompt, params = core_request.request_id, core_request.prompt_token_ids, core_request.sampling_params
+        if rid in self.requests:
+            raise RequestRejected(f"request_id {rid!r} is already in use")
+        n = len(prompt)
         if n == 0:
             raise RequestRejected("prompt must contain at least one token")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        if any(not 0 <= t < vocab for t in prompt):
             raise RequestRejected(f"prompt contains token ids outside the vocabulary [0, {vocab})")
-        if params.max_tokens is None:
-            params.max_tokens = max(1, self.max_model_len - n)
-        total = n + params.max_tokens
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - n)
+        total = n + max_tokens
         if total > self.max_model_len:
             raise RequestRejected(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the maximum "
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} exceeds the maximum "
                 f"context length of {self.max_model_len} tokens"
             )
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
             raise RequestRejected(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} tokens does not fit in the "
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} tokens does not fit in the "
                 f"KV cache ({self.capacity_tokens} tokens); raise --kv-cache-memory or lower max_tokens"
             )
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, priority,
-                          self.runner.device, cache_salt)
+        try:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        except ValueError as e:  # e.g. min_tokens beyond the room left in the context
+            raise RequestRejected(str(e)) from None
+        request = Request(core_request, params, self.eos_token_ids)
         budget = params.reasoning.budget if params.reasoning is not None else None
         if params.structured_output is not None or budget is not None:
             if self.structured is None:
@@ -141,7 +122,7 @@ class EngineCore:
                 error = request.structured.start()
                 if error is not None:
                     raise RequestRejected(error)
-        self.requests[request_id] = request
+        self.requests[rid] = request
         if request.structured is not None and not request.structured.ready:
             self.compiling.append(request)  # scheduled once its grammar is compiled (see _admit_compiled)
         else:
@@ -203,79 +184,31 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         failed = self._admit_compiled() if self.compiling else []
         sched = self.last_schedule = self.scheduler.schedule()
-        if not sched.scheduled:
+        if not sched.num_scheduled_tokens:
             if self.compiling and not failed:  # nothing to run but grammars compiling: wait a little
                 wait_futures([r.structured.future for r in self.compiling], timeout=0.01,
                              return_when=FIRST_COMPLETED)
             return failed
-        # single-token sequences first: the attention backend batches them together
-        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        seqs = []
-        for s in items:
-            r = s.request
-            c = r.num_computed_tokens
-            seqs.append(StepSequence(r.token_slice(c, c + s.num_new_tokens), c, self.kv.block_ids(r.request_id),
-                                     s.completes_prompt))
-        logits = self.runner.execute(seqs)
-        sampling = [s.request for s in items if s.completes_prompt]
-        for s in items:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.request)
-        if not sampling:
-            return failed
+        sched.grammar = self._grammar_bitmask(sched)
+        updates = self.scheduler.update_from_output(sched, self.executor.execute(sched))
+        return failed + [self._output(u) for u in updates]
 
-        params = [r.params for r in sampling]
-        masked = [(i, r.structured) for i, r in enumerate(sampling)
-                  if r.structured is not None and r.structured.needs_mask]
-        if masked:
-            # in place: forbidden tokens -> -inf (so logprobs are of the masked distribution, as in vLLM)
-            self.structured.apply(logits, masked)
-            for i, _ in masked:  # the grammar decides where the output may end, not min_tokens
-                if params[i].min_tokens:
-                    params[i] = dataclasses.replace(params[i], min_tokens=0)
-        meta = SamplingMetadata.build(
-            params, [r.prompt_token_ids for r in sampling],
-            [r.output_token_ids for r in sampling], [r.generator for r in sampling],
-            [r.eos_token_ids for r in sampling], vocab_size=logits.shape[1], device=logits.device,
-        )
-        out = self.sampler(logits, meta)
-        token_ids = out.sampled_token_ids.tolist()
-        logprobs = self._logprobs_lists(out, sampling)
-        now = time.monotonic()
-        outputs = failed
-        for i, (request, token) in enumerate(zip(sampling, token_ids)):
-            status = request.append_token(token, now)
-            if request.structured is not None:
-                if not request.structured.accept(token):  # only if every token was masked: should not happen
-                    logger.error("request %s: sampled token %d is not allowed by its grammar; aborting it",
-                                 request.request_id, token)
-                    status = RequestStatus.FINISHED_ABORTED
-                elif request.structured.terminated:  # the grammar accepted a stop token: the output is done
-                    status = status or RequestStatus.FINISHED_STOPPED
-            outputs.append(EngineCoreOutput(
-                request.request_id, [token], now, status.value if status else None,
-                [logprobs[i]] if logprobs and logprobs[i] is not None else None,
-                request.num_cached_tokens, request.times.arrival, request.times.first_scheduled,
-            ))
-            if status is not None:
-                self.scheduler.finish(request, status)
-                del self.requests[request.request_id]
-        return outputs
-
-    @staticmethod
-    def _logprobs_lists(out, requests: list[Request]) -> list[dict[int, Logprob] | None] | None:
-        if out.logprobs is None:
+    def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
+        """The structured-output masks of the constrained requests that sample this step."""
+        constrained = []
+        for rid, num_new in sched.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            if request.structured is not None and request.structured.needs_mask and request.samples_after(num_new):
+                constrained.append(request)
+        if not constrained:
             return None
-        ids, values, ranks = out.logprobs_token_ids.tolist(), out.logprobs.tolist(), out.sampled_rank.tolist()
-        result = []
-        for i, r in enumerate(requests):
-            k = r.params.logprobs
-            if k is None:
-                result.append(None)
-                continue
-            entry = {ids[i][0]: Logprob(values[i][0], ranks[i])}
-            for j in range(1, k + 1):
-                entry.setdefault(ids[i][j], Logprob(values[i][j], j))
-            result.append(entry)
-        return result
+        return GrammarBitmask([r.request_id for r in constrained],
+                              self.structured.bitmask([r.structured for r in constrained]))
 
+    def _output(self, update: RequestUpdate) -> EngineCoreOutput:
+        request, status = update.request, update.status
+        if status is not None:
+            del self.requests[request.request_id]
+        return EngineCoreOutput(request.request_id, update.new_token_ids, request.times.tokens[-1],
+                                status.value if status else None, update.new_logprobs, request.num_cached_tokens,
+                                request.times.arrival, request.times.first_scheduled)

@@ -2,38 +2,27 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutput, child_request_id
-from tokenmill.loader import load_model
+from tokenmill.executor import UniProcExecutor
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The parameters of sample `index` of an n > 1 request: n=1, and its own seed if seeded."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded = load_model(config.model, config.dtype, config.device,
-                            max_positions=config.scheduler.max_model_len,
-                            quantization=config.quantization)
-        self.model_config = loaded.config
-        self.model_name = loaded.source.name
-        self.tokenizer = load_tokenizer(loaded.source)
-        self.core = EngineCore(config, loaded, self.tokenizer.eos_token_ids, self._tokenizer_data)
+        executor = UniProcExecutor(config)
+        self.model_config = executor.model_config
+        self.model_name = executor.source.name
+        self.tokenizer = load_tokenizer(executor.source)
+        self.core = EngineCore(config, executor, self.tokenizer.eos_token_ids, self._tokenizer_data)
         self.processor = OutputProcessor(self.tokenizer)
         logger.info("KV cache capacity: %d tokens", self.core.capacity_tokens)
 
@@ -56,12 +45,12 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        child_ids = self.processor.add_request(request_id, text, token_ids, params, arrival)
+        children = self.processor.add_request(request_id, text, token_ids, params, arrival, priority)
         try:
-            for i, cid in enumerate(child_ids):
-                self.core.add_request(cid, token_ids, child_params(params, i), arrival, priority)
+            for child in children:
+                self.core.add_request(child)
         except ValueError:
-            self.core.abort_requests(child_ids)
+            self.core.abort_requests([c.request_id for c in children])
             self.processor.abort(request_id)
             raise
 

@@ -7,9 +7,11 @@ fan-out, and per-request timing metrics.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from tokenmill.engine.core import EngineCoreOutput, Logprob
+from tokenmill.engine.outputs import EngineCoreOutput, Logprob
+from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -88,6 +90,14 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sample `index` of an n > 1 request: n=1, and its own seed if seeded."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -95,18 +105,20 @@ class OutputProcessor:
         self.samples: dict[str, _Sample] = {}  # core (child) request id -> sample
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> list[str]:
-        """Track a request; returns the core request ids of its `n` samples."""
+                    params: SamplingParams, arrival_time: float, priority: int = 0,
+                    cache_salt: str | None = None) -> list[EngineCoreRequest]:
+        """Track a request; returns the core requests of its `n` samples (the one place `n` fans out)."""
         state = _RequestState(request_id, prompt, prompt_token_ids, params, arrival_time)
         self.requests[request_id] = state
-        child_ids = []
+        children = []
         for i in range(params.n):
             sample = _Sample(state, i, self.tokenizer)
             state.samples.append(sample)
             cid = child_request_id(request_id, i, params.n)
             self.samples[cid] = sample
-            child_ids.append(cid)
-        return child_ids
+            children.append(EngineCoreRequest(cid, prompt_token_ids, child_params(params, i), arrival_time,
+                                              priority, cache_salt))
+        return children
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget a request (aborted by the user); returns its last state marked 'abort'."""

@@ -1,4 +1,5 @@
-"""A request as the engine core sees it: token ids, sampling parameters, progress and timestamps."""
+"""Requests: `EngineCoreRequest`, what crosses into the engine core (from the Python API or the
+server's front-end process), and `Request`, the core's state of one: token ids, progress, timestamps."""
 
 from __future__ import annotations
 
@@ -6,9 +7,19 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """One sample's request (the `n` fan-out happened before: see `OutputProcessor.add_request`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first under the priority policy
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
 
 
 class RequestStatus(enum.Enum):
@@ -35,39 +46,17 @@ class RequestTimes:
     finished: float | None = None
 
 
-class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int], arrival_time: float | None = None, priority: int = 0,
-                 device: torch.device | None = None, cache_salt: str | None = None) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.params = params
-        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
-        self.stop_token_ids = set(params.stop_token_ids)
-        self.priority = priority
-        self.cache_salt = cache_salt  # prefix-cache namespace: only requests with the same salt share blocks
-        self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
-        self.num_preemptions = 0
-        self.times = RequestTimes(arrival_time if arrival_time is not None else time.monotonic())
-        self.structured = None  # StructuredState of a constrained request (set by the engine core)
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device or "cpu").manual_seed(params.seed)
+class TokenSequence:
+    """A prompt and the tokens generated after it (the core's `Request` and the model runner's
+    per-request state both are one)."""
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_computed_tokens: int
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the two lists."""
@@ -77,6 +66,34 @@ class Request:
         if end <= n:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def samples_after(self, num_new_tokens: int) -> bool:
+        """Whether running `num_new_tokens` more tokens reaches the end of its tokens, so a next one is sampled."""
+        return self.num_computed_tokens + num_new_tokens >= self.num_tokens
+
+
+class Request(TokenSequence):
+    """`params` is the request's own copy: the core fills in its defaults without touching the caller's."""
+
+    def __init__(self, core_request: EngineCoreRequest, params: SamplingParams, eos_token_ids: set[int]) -> None:
+        self.request_id = core_request.request_id
+        self.prompt_token_ids = list(core_request.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.stop_token_ids = set(params.stop_token_ids)
+        self.priority = core_request.priority
+        self.cache_salt = core_request.cache_salt
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.num_preemptions = 0
+        self.times = RequestTimes(core_request.arrival_time)
+        self.structured = None  # StructuredState of a constrained request (set by the engine core)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def max_tokens(self) -> int:

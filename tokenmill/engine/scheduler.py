@@ -1,114 +1,41 @@
-"""Scheduler: decides which tokens of which requests run in the next step.
+"""Scheduler: decides which tokens of which requests run in the next step, and applies what the
+step produced.
 
 One rule, as in vLLM v1: every request has `num_computed_tokens` and its tokens so far; each step
 hands out a token budget, first to running requests (a decoding one needs one token, a request in
 the middle of its prompt gets the next chunk), then to waiting requests in policy order. There is
 no prefill or decode phase: prompt chunks and decode tokens share the step. A waiting request's
 prompt tokens found in the prefix cache are not computed again, so they cost no budget.
+
+The step contract: `schedule() -> SchedulerOutput` -> executor -> `ModelRunnerOutput` ->
+`update_from_output(...)`, which advances each request, appends its sampled tokens (stopping at the
+first one that ends it) and finishes the requests that are done.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request_queue import POLICIES
+from tokenmill.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ScheduledRequest:
+class RequestUpdate:
+    """What one step did for a request that sampled: its accepted tokens and, if it ended, how."""
+
     request: Request
-    num_new_tokens: int
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this step the request has all its tokens in the cache and samples a new one."""
-        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-class FCFSQueue:
-    """Waiting requests in arrival order; preempted ones go back to the front."""
-
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def add(self, request: Request) -> None:
-        self._q.append(request)
-
-    def add_preempted(self, request: Request) -> None:
-        self._q.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._q[0]
-
-    def pop(self) -> Request:
-        return self._q.popleft()
-
-    def remove(self, request: Request) -> None:
-        self._q.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __contains__(self, request: Request) -> bool:
-        return request in self._q
-
-    @staticmethod
-    def victim(running: list[Request]) -> Request:
-        """Which running request gives way under KV pressure: the most recently admitted."""
-        return running[-1]
-
-
-class PriorityQueue(FCFSQueue):
-    """Waiting requests by (priority, arrival): lower priority values run first."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._tiebreak = itertools.count()
-
-    def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.times.arrival, next(self._tiebreak), request))
-
-    add_preempted = add
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove(self, request: Request) -> None:
-        self._heap = [e for e in self._heap if e[3] is not request]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __contains__(self, request: Request) -> bool:
-        return any(e[3] is request for e in self._heap)
-
-    @staticmethod
-    def victim(running: list[Request]) -> Request:
-        """The lowest-priority running request (latest arrival among equals) gives way."""
-        return max(running, key=lambda r: (r.priority, r.times.arrival))
-
-
-POLICIES = {"fcfs": FCFSQueue, "priority": PriorityQueue}
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    status: RequestStatus | None
 
 
 class Scheduler:
@@ -116,44 +43,55 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}  # waiting or running
         self.waiting = POLICIES[config.policy]()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._in_runner: set[str] = set()  # requests the model runner holds state for
+        self._finished_ids: set[str] = set()  # finished since the last schedule()
 
     def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(len(self.waiting) or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
+        scheduled: list[tuple[Request, int, int]] = []  # (request, new tokens, block ids it had before)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            had = len(self.kv.block_ids(request.request_id))
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.waiting.victim(self.running)
                 position = self.running.index(victim)
                 del self.running[position]
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
                 if position < i:  # it was scheduled earlier in this step: the loop index shifts
                     i -= 1
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                scheduled.append((request, num_new, had))
                 budget -= num_new
                 i += 1
-        if out.preempted:  # requests already scheduled this step may have been preempted after
-            out.scheduled = [s for s in out.scheduled if s.request.status == RequestStatus.RUNNING]
+        # requests scheduled earlier in this step may have been preempted after
+        for request, num_new, had in scheduled:
+            if request.status == RequestStatus.RUNNING:
+                out.cached_requests.append(CachedRequestData(
+                    request.request_id, self.kv.block_ids(request.request_id)[had:], request.num_computed_tokens))
+                out.num_scheduled_tokens[request.request_id] = num_new
 
         # admit waiting requests only when nobody had to give way this step
-        while len(self.waiting) and budget > 0 and not out.preempted \
+        while len(self.waiting) and budget > 0 and not out.preempted_request_ids \
                 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_computed = self.kv.get_computed_blocks(request)
@@ -170,9 +108,59 @@ class Scheduler:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            self._send(out, request)
+            out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
         return out
+
+    def _send(self, out: SchedulerOutput, request: Request) -> None:
+        """Describe an admitted request to the runner: whole if new to it, else its new block table."""
+        rid, blocks = request.request_id, list(self.kv.block_ids(request.request_id))
+        if rid in self._in_runner:
+            out.cached_requests.append(CachedRequestData(rid, blocks, request.num_computed_tokens, resumed=True))
+            return
+        self._in_runner.add(rid)
+        out.new_requests.append(NewRequestData(rid, request.prompt_token_ids, request.params,
+                                               request.eos_token_ids, blocks, request.num_computed_tokens))
+
+    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Advance every scheduled request by its tokens; append what the sampling ones drew, checking
+        stops token by token; finish the requests that ended (their blocks return to the pool)."""
+        now = time.monotonic()
+        updates = []
+        for rid, num_new in sched.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+            tokens = output.sampled_token_ids.get(rid)
+            if not tokens:
+                continue
+            accepted, status = [], None
+            for token in tokens:
+                accepted.append(token)
+                status = self._append(request, token, now)
+                if status is not None:
+                    break
+            logprobs = output.logprobs.get(rid)
+            updates.append(RequestUpdate(request, accepted, logprobs[: len(accepted)] if logprobs else None, status))
+            if status is not None:
+                self.finish(request, status)
+        return updates
+
+    @staticmethod
+    def _append(request: Request, token: int, now: float) -> RequestStatus | None:
+        status = request.append_token(token, now)
+        structured = request.structured
+        if structured is not None:
+            if not structured.accept(token):  # only if every token was masked: should not happen
+                logger.error("request %s: sampled token %d is not allowed by its grammar; aborting it",
+                             request.request_id, token)
+                return RequestStatus.FINISHED_ABORTED
+            if structured.terminated:  # the grammar accepted a stop token: the output is done
+                return status or RequestStatus.FINISHED_STOPPED
+        return status
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -191,3 +179,7 @@ class Scheduler:
         request.status = status
         request.times.finished = time.monotonic()
         self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        if request.request_id in self._in_runner:
+            self._in_runner.discard(request.request_id)
+            self._finished_ids.add(request.request_id)

@@ -20,19 +20,21 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
+    import torch
+
     from tokenmill.config import resolve_device, resolve_dtype
-    from tokenmill.loader import open_checkpoint
+    from tokenmill.layers.attention import Attention
+    from tokenmill.loader import build_model, open_checkpoint
     from tokenmill.loader.source import resolve_model
+    from tokenmill.quantization.unquantized import UnquantizedConfig
 
     source = resolve_model(args.model)
     ckpt = open_checkpoint(source)
     c = ckpt.config
     dtype = resolve_dtype(args.dtype, resolve_device(args.device), c.torch_dtype)
-    embed = c.vocab_size * c.hidden_size
-    attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
-        + c.num_attention_heads * c.head_dim * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    params = embed * (1 if c.tie_word_embeddings else 2) + c.num_hidden_layers * (attn + mlp + 2 * c.hidden_size)
+    model = build_model(c, UnquantizedConfig(), dtype, torch.device("meta"))  # shapes only, no memory
+    params = sum(p.numel() for p in model.parameters())
+    kv_bytes = sum(m.kv_spec(dtype).bytes_per_token for m in model.modules() if isinstance(m, Attention))
     rows = [
         ("model", source.name), ("file", str(source.path)), ("format", source.kind),
         ("architecture", c.architecture), ("parameters", f"{params / 1e6:.1f}M"), ("dtype", str(dtype)),
@@ -40,7 +42,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         ("kv heads", c.num_key_value_heads), ("head dim", c.head_dim), ("vocab", c.vocab_size),
         ("context length", c.max_position_embeddings), ("rope theta", c.rope_theta),
         ("rope scaling", c.rope_scaling or "none"), ("tied embeddings", c.tie_word_embeddings),
-        ("KV bytes per token", f"{c.kv_bytes_per_token(dtype)} ({dtype})"),
+        ("KV bytes per token", f"{kv_bytes} ({dtype})"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -6,7 +6,7 @@ instead of 32) and dequantize inside the matmul, so a decode step reads 4-7x few
 while computing on the very float32 weights that `gguf.dequantize` gives: d * q is rounded, then
 m is added, in the same order (the kernel is built with -ffp-contract=off so that is not fused).
 
-Layout (ours, built by `tokenmill.models.quantization.BlockQuantLinear`):
+Layout (ours, built by `tokenmill.quantization.gguf.BlockQuantLinearMethod`):
   4 bits: codes uint8 [N, K/2]; in each 16-byte block, byte j holds value j (low nibble) and
           value j+16 (high nibble), as in GGUF; scales, offsets float32 [N, K/32]
           (Q4_0 becomes offsets = -8 d, which is exactly its d * (q - 8)).

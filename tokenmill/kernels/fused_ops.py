@@ -2,7 +2,7 @@
 
 At decode time a layer's elementwise work is a few thousand floats; as separate torch ops each
 costs more in dispatch and temporaries than in arithmetic (RMSNorm alone is six ops). One C++ call
-each instead. The math is the same as the torch path in `tokenmill.models.layers` (float32).
+each instead. The math is the same as the torch path in `tokenmill.layers` (float32).
 """
 
 from __future__ import annotations

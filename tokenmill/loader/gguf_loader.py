@@ -1,5 +1,6 @@
-"""Read a GGUF file: model config from its metadata, tensors renamed to HF names, each either
-dequantized or handed over as its packed blocks (`GGUFWeight.blocks`, for quantized layers)."""
+"""Read a GGUF file: model config from its metadata (translated to config.json fields), tensors
+renamed to HF names, each either dequantized or handed over as its packed blocks
+(`GGUFWeight.blocks`, for the `gguf` quantization method)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from tokenmill.config import ModelConfig
-from tokenmill.models.quantization import gguf_blocks
-
-# GGUF general.architecture -> HF architectures name
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+from tokenmill.models.registry import GGUF_ARCHITECTURES, config_from_hf_dict
+from tokenmill.quantization.gguf import gguf_blocks
 
 _DEQUANTIZABLE = {
     GGMLQuantizationType[t] for t in (
@@ -94,10 +93,9 @@ class GGUFCheckpoint:
 
     def _read_config(self) -> ModelConfig:
         arch = self._field("general.architecture")
-        if arch not in _ARCHITECTURES:
-            raise ValueError(
-                f"{self.path.name}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
-            )
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"{self.path.name}: unsupported GGUF architecture {arch!r}; "
+                             f"supported: {', '.join(GGUF_ARCHITECTURES)}")
         p = lambda key, default=None: self._field(f"{arch}.{key}", default)  # noqa: E731
         heads = p("attention.head_count")
         hidden = p("embedding_length")
@@ -109,22 +107,26 @@ class GGUFCheckpoint:
         scaling = None
         if p("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": p("rope.scaling.factor")}
-        return ModelConfig(
-            architecture=_ARCHITECTURES[arch],
-            vocab_size=int(vocab),
-            hidden_size=int(hidden),
-            intermediate_size=int(p("feed_forward_length")),
-            num_hidden_layers=int(p("block_count")),
-            num_attention_heads=int(heads),
-            num_key_value_heads=int(p("attention.head_count_kv", heads)),
-            head_dim=int(p("attention.key_length", hidden // heads)),
-            rms_norm_eps=float(p("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(p("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(p("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in names,
-            qkv_bias="blk.0.attn_q.bias" in names,
-        )
+        return config_from_hf_dict({  # the config.json this file's metadata stands for
+            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "vocab_size": int(vocab),
+            "hidden_size": int(hidden),
+            "intermediate_size": int(p("feed_forward_length")),
+            "num_hidden_layers": int(p("block_count")),
+            "num_attention_heads": int(heads),
+            "num_key_value_heads": int(p("attention.head_count_kv", heads)),
+            "head_dim": int(p("attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(p("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(p("rope.freq_base", 10000.0)),
+            "rope_scaling": scaling,
+            "max_position_embeddings": int(p("context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+        })
+
+    def tensor_types(self) -> dict[str, str]:
+        """GGUF type name of every tensor, by HF name."""
+        return {name: w.qtype.name for name, w in self.weights()}
 
     def weights(self) -> Iterator[tuple[str, GGUFWeight]]:
         """Tensors under HF names, lazily: nothing is dequantized until asked."""

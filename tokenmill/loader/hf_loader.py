@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tokenmill.config import ModelConfig
+from tokenmill.models.registry import config_from_hf_dict
 
 
 class HFCheckpoint:
@@ -23,7 +23,7 @@ class HFCheckpoint:
             raise FileNotFoundError(f"{config_path} is missing") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{config_path} is not valid JSON: {e}") from None
-        self.config = ModelConfig.from_hf_dict(raw)
+        self.config = config_from_hf_dict(raw)
         self.files = self._weight_files()
 
     def _weight_files(self) -> list[Path]:

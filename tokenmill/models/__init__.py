@@ -1,11 +1,2 @@
-"""Model classes by the HF `architectures` name they implement."""
-
-from torch import nn
-
-from tokenmill.models.llama import LlamaForCausalLM
-
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+"""Model files: only the math of each architecture, built from `tokenmill.layers`. Which file serves
+which architecture is `tokenmill.models.registry`."""

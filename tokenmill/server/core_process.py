@@ -4,7 +4,7 @@ HTTP front end through two multiprocessing queues (the role of vLLM's EngineCore
 Messages in (front end -> core):
     ("init", eos_token_ids, tokenizer_data)    first, from the front end's tokenizer (loaded meanwhile);
                                                tokenizer_data: structured.backend.TokenizerData or None
-    ("add", request_id, prompt_token_ids, SamplingParams, arrival_time, priority, cache_salt)
+    ("add", EngineCoreRequest)                 one sample's request (n > 1 was fanned out before)
     ("abort", [request_id, ...])
     ("reset_prefix_cache",)                    drop all cached prefix blocks
     ("shutdown",)
@@ -50,20 +50,21 @@ def stats_snapshot(core, num_received: int) -> dict:
     return snap
 
 
-def _ready_info(core, loaded, load_seconds: float) -> dict:
-    cfg = loaded.config
+def _ready_info(core, load_seconds: float) -> dict:
+    executor = core.executor
+    cfg = executor.model_config
     return {
-        "model_name": loaded.source.name,
-        "model_path": str(loaded.source.path),
+        "model_name": executor.source.name,
+        "model_path": str(executor.source.path),
         "architecture": cfg.architecture,
-        "dtype": str(loaded.dtype).replace("torch.", ""),
-        "device": str(loaded.device),
+        "dtype": str(executor.dtype).replace("torch.", ""),
+        "device": str(executor.device),
         "vocab_size": cfg.vocab_size,
         "max_model_len": core.max_model_len,
         "num_blocks": core.kv.num_blocks,
         "block_size": core.kv.block_size,
         "capacity_tokens": core.capacity_tokens,
-        "kv_cache_bytes": core.runner.kv_cache.numel() * core.runner.kv_cache.element_size(),
+        "kv_cache_bytes": core.kv_cache_config.total_bytes,
         "load_seconds": load_seconds,
         "pid": os.getpid(),
     }
@@ -76,19 +77,18 @@ def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [core] %(message)s")
     try:
         from tokenmill.engine.core import EngineCore
-        from tokenmill.loader import load_model
+        from tokenmill.executor import UniProcExecutor
 
         start = time.monotonic()
-        loaded = load_model(config.model, config.dtype, config.device, max_positions=config.scheduler.max_model_len,
-                            quantization=config.quantization)
+        executor = UniProcExecutor(config)  # loads the model
         init = _wait_for_init(inputs)  # the front end loads the tokenizer while we load weights
         if init is None:
             return
         eos_token_ids, tokenizer_data = init
-        core = EngineCore(config, loaded, set(eos_token_ids), tokenizer_data)
+        core = EngineCore(config, executor, set(eos_token_ids), tokenizer_data)
         if tokenizer_data is not None:
             _ = core.structured  # build the grammar compiler now, not on the step loop at the first request
-        outputs.put(("ready", _ready_info(core, loaded, time.monotonic() - start)))
+        outputs.put(("ready", _ready_info(core, time.monotonic() - start)))
     except BaseException as e:  # noqa: BLE001 - report every load failure, then exit
         outputs.put(("error", f"{type(e).__name__}: {e}"))
         _flush(outputs)
@@ -134,16 +134,16 @@ def _loop(core, inputs, outputs) -> None:
             if kind == "shutdown":
                 return
             if kind == "add":
-                _, rid, prompt_ids, params, arrival, priority, cache_salt = msg
+                request = msg[1]
                 num_received += 1
                 changed = True
                 try:
-                    core.add_request(rid, prompt_ids, params, arrival, priority, cache_salt)
+                    core.add_request(request)
                 except RequestRejected as e:
-                    outputs.put(("rejected", rid, str(e)))
+                    outputs.put(("rejected", request.request_id, str(e)))
                 except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
-                    core.abort_requests([rid])
-                    outputs.put(("rejected", rid, f"{type(e).__name__}: {e}"))
+                    core.abort_requests([request.request_id])
+                    outputs.put(("rejected", request.request_id, f"{type(e).__name__}: {e}"))
             elif kind == "abort":
                 core.abort_requests(msg[1])
                 changed = True

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core import Logprob, RequestRejected
-from tokenmill.engine.llm_engine import child_params
+from tokenmill.engine.core import RequestRejected
+from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput, child_request_id
 from tokenmill.loader.source import resolve_model
 from tokenmill.sampling_params import SamplingParams
@@ -256,11 +256,12 @@ class EngineClient:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        child_ids = self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival)
-        self._children[request_id] = child_ids
-        for i, cid in enumerate(child_ids):
-            self._parent[cid] = request_id
-            self._inputs.put(("add", cid, prompt_token_ids, child_params(params, i), arrival, priority, cache_salt))
+        children = self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority,
+                                               cache_salt)
+        self._children[request_id] = [c.request_id for c in children]
+        for child in children:
+            self._parent[child.request_id] = request_id
+            self._inputs.put(("add", child))
             self._num_sent += 1
         return stream
 

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
-from tokenmill.engine.core import Logprob
+from tokenmill.engine.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import (
     EngineClient,

@@ -5,7 +5,7 @@ Per request, `StructuredState` holds the grammar future, then the matcher, and a
     state = manager.new_state(request)        # starts compiling; None if the request has no constraint
     state.ready                               # the grammar future is done: the request may be scheduled
     state.start()                             # build the matcher (returns an error message on failure)
-    each step, for the rows that sample:      manager.apply(logits, [(row, state), ...])
+    each step, for the requests that sample:  manager.bitmask([state, ...]) (the model runner applies it)
     after sampling:                           state.accept(token) -> False if the grammar refused it
     state.terminated                          # the grammar accepted a stop token: finish the request
 
@@ -29,7 +29,6 @@ from tokenmill.structured.backend import (
     GrammarMatcher,
     TokenizerData,
     allocate_bitmask,
-    apply_bitmask,
     set_single_token,
 )
 from tokenmill.structured.spec import ReasoningSpec, StructuredOutputSpec, clean_error
@@ -147,15 +146,13 @@ class StructuredOutputManager:
         stops = sorted(stop_token_ids) or self.default_stop_ids
         return StructuredState(spec, reasoning, future, stops, self.token_bytes)
 
-    def apply(self, logits: torch.Tensor, rows: list[tuple[int, StructuredState]]) -> None:
-        """Mask `logits` in place for the given (row, state) pairs, one bitmask for the batch."""
-        if not rows:
-            return
-        if self._bitmask.shape[0] < logits.shape[0]:
-            self._bitmask = allocate_bitmask(max(logits.shape[0], 2 * self._bitmask.shape[0]), self.vocab_size)
-        for row, state in rows:
+    def bitmask(self, states: list[StructuredState]) -> torch.Tensor:
+        """This step's allowed-token masks, row i for `states[i]` (xgrammar's packed int32 layout)."""
+        if self._bitmask.shape[0] < len(states):
+            self._bitmask = allocate_bitmask(max(len(states), 2 * self._bitmask.shape[0]), self.vocab_size)
+        for row, state in enumerate(states):
             state.fill(self._bitmask, row)
-        apply_bitmask(logits, self._bitmask, [row for row, _ in rows])
+        return self._bitmask[: len(states)].clone()
 
     def shutdown(self) -> None:
         self.compiler.shutdown()

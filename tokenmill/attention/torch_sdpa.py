@@ -1,0 +1,107 @@
+"""Paged attention with torch ops (SDPA) only: runs on CPU and CUDA, any compute and cache dtype.
+
+Decode requests (one new token each, first in the batch) gather their blocks into one padded batch
+and run one masked SDPA; each prompt chunk runs SDPA on its own (directly on the new K/V when
+nothing is cached, else over its gathered blocks under a causal mask offset by the cached length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.metadata import CommonAttentionMetadata
+
+
+@dataclass
+class PrefillMetadata:
+    """A request with several new tokens (a prompt chunk), attended on its own."""
+
+    start: int  # offset of its first new token in the flat batch
+    end: int
+    block_table: torch.Tensor | None  # None when nothing is cached: attend the new K/V directly
+    mask: torch.Tensor | None  # [num_new, num_cached + num_new] bool, None when nothing is cached
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, blocks] long
+    decode_context_lens: torch.Tensor | None  # [num_decodes] long, cached + the new token
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size] bool (gather path)
+    prefills: list[PrefillMetadata]
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch-sdpa"
+    needs_decode_mask = True
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        d, bs, device = common.num_decodes, common.block_size, common.device
+        decode_tables = decode_lens = decode_mask = None
+        if d:
+            ctx = common.seq_lens[:d]
+            nb = int((ctx.max() + bs - 1) // bs)
+            decode_tables = torch.from_numpy(np.ascontiguousarray(common.block_table[:d, :nb])).to(device)
+            decode_lens = torch.from_numpy(ctx).to(device)
+            if self.needs_decode_mask:
+                mask = np.arange(nb * bs)[None, :] < ctx[:, None]
+                decode_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
+        prefills = []
+        for i in range(d, common.num_reqs):
+            start, end = int(common.query_start_loc[i]), int(common.query_start_loc[i + 1])
+            c, n = int(common.num_computed_tokens[i]), end - start
+            table = mask = None
+            if c:
+                table = torch.from_numpy(common.block_table[i, : (c + n + bs - 1) // bs].copy()).to(device)
+                keys = torch.arange(c + n, device=device)
+                mask = keys[None, :] <= (c + torch.arange(n, device=device))[:, None]
+            prefills.append(PrefillMetadata(start, end, table, mask))
+        return TorchAttentionMetadata(common.slot_mapping, d, decode_tables, decode_lens, decode_mask, prefills)
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        d = meta.num_decodes
+        if not meta.prefills:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        if d:
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
+        for p in meta.prefills:
+            qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+            if p.block_table is None:
+                ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                length = p.mask.shape[1]
+                ks = _gather(k_cache, p.block_table[None], q.dtype)[:, :, :length]
+                vs = _gather(v_cache, p.block_table[None], q.dtype)[:, :, :length]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True)
+            out[p.start : p.end] = o[0].transpose(0, 1)
+        return out
+
+    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def _decode(self, q, k_cache, v_cache, meta, scale):
+        keys = _gather(k_cache, meta.decode_block_tables, q.dtype)  # [D, KVH, L, hd]
+        values = _gather(v_cache, meta.decode_block_tables, q.dtype)
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        ).squeeze(2)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[num_blocks, bs, KVH, hd] cache + [B, nb] tables -> [B, KVH, nb * bs, hd] in `dtype`."""
+    b, nb = block_tables.shape
+    blocks = cache.index_select(0, block_tables.reshape(-1))  # whole blocks: row copies, not per element
+    return blocks.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2).to(dtype)

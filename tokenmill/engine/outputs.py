@@ -1,0 +1,39 @@
+"""What one step produces: the model runner's sampled tokens (`ModelRunnerOutput`, executor ->
+scheduler) and the core's per-request report (`EngineCoreOutput`, core -> output processor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+
+
+TokenLogprobs = dict[int, Logprob]  # the sampled token and the top-N, by token id
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request that sampled this step: its new token ids (one today; several once speculative
+    tokens are verified) and, if it asked, their logprobs. Requests in the middle of a prompt have
+    no entry."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    timestamp: float
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None

@@ -1,0 +1,39 @@
+"""The executor interface the engine core talks to."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from tokenmill.attention.kv_spec import KVCacheConfig
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine.outputs import ModelRunnerOutput
+from tokenmill.engine.scheduler_output import SchedulerOutput
+from tokenmill.loader.source import ModelSource
+
+
+class Executor(ABC):
+    """Loads the model on its workers; sizes and allocates their KV caches; runs steps.
+
+    Describes what it runs for the core and the server: `model_config`, `source`, `dtype`, `device`
+    and `quantization` (the weight format applied)."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    source: ModelSource
+    dtype: torch.dtype
+    device: torch.device
+    quantization: str
+
+    @abstractmethod
+    def initialize_kv_cache(self) -> KVCacheConfig:
+        """Size the paged KV cache from the layers' specs and the cache config (the same block count
+        on every worker), allocate it, and return it: the core's block pool has that many blocks."""
+
+    @abstractmethod
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step on every worker; the sampled tokens (from the driver worker)."""
+
+    def shutdown(self) -> None:
+        """Stop the workers (nothing to do in-process)."""

@@ -1,0 +1,32 @@
+"""`UniProcExecutor`: one model runner in this process (one device)."""
+
+from __future__ import annotations
+
+from tokenmill.attention.kv_spec import KVCacheConfig, make_kv_cache_config
+from tokenmill.config import EngineConfig
+from tokenmill.engine.outputs import ModelRunnerOutput
+from tokenmill.engine.scheduler_output import SchedulerOutput
+from tokenmill.executor.abstract import Executor
+from tokenmill.loader import LoadedModel, load_model
+from tokenmill.worker.model_runner import ModelRunner
+
+
+class UniProcExecutor(Executor):
+    """`loaded`: an already loaded model to run (else the config's model is loaded here)."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if loaded is None:
+            loaded = load_model(config.model, config.dtype, config.device, max_positions=config.scheduler.max_model_len,
+                                quantization=config.quantization)
+        self.model_config, self.source = loaded.config, loaded.source
+        self.dtype, self.device, self.quantization = loaded.dtype, loaded.device, loaded.quantization
+        self.runner = ModelRunner(loaded, config)
+
+    def initialize_kv_cache(self) -> KVCacheConfig:
+        kv_config = make_kv_cache_config(self.runner.kv_cache_specs(), self.config.cache)
+        self.runner.initialize_kv_cache(kv_config)
+        return kv_config
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched)

@@ -1,0 +1,36 @@
+"""`Attention`: one module per attention layer of a model. It declares what the layer stores in the
+KV cache (`kv_spec`), is bound to its cache tensor and backend by the model runner (which finds
+these modules by type), and runs the backend on the step's metadata."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention.kv_spec import AttentionSpec
+from tokenmill.layers.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.layer_name = prefix
+        self.kv_cache: torch.Tensor | None = None
+        self.backend = None
+        self.kv_group = 0
+
+    def kv_spec(self, cache_dtype: torch.dtype) -> AttentionSpec:
+        return AttentionSpec(self.num_kv_heads, self.head_dim, cache_dtype, self.sliding_window)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, backend, kv_group: int) -> None:
+        backend.check_layer(self)
+        self.kv_cache, self.backend, self.kv_group = kv_cache, backend, kv_group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, D]; k, v: [T, kv heads, D] -> [T, heads, D]."""
+        meta = get_forward_context().attn_metadata[self.kv_group]
+        return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)

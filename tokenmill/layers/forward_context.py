@@ -1,0 +1,32 @@
+"""What a forward pass needs besides its inputs: the step's attention metadata, by KV-cache group.
+The model runner sets it around each forward; attention layers read it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: dict[int, object]  # KV-cache group index -> that group's backend metadata
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(context: ForwardContext) -> Iterator[None]:
+    global _current
+    previous, _current = _current, context
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside a model runner step (no forward context is set)")
+    return _current

@@ -1,0 +1,136 @@
+"""Linear layers. Each asks the model's `QuantizationConfig` for its `LinearMethod`, which creates
+and owns the weight storage; the layer keeps the sizes, the bias and the mapping from checkpoint
+tensors to its rows and columns (`weight_loader`):
+
+- `ReplicatedLinear`: the whole weight on every rank.
+- `ColumnParallelLinear`: output rows split across tensor-parallel ranks;
+  `MergedColumnParallelLinear` fuses several checkpoint tensors along the rows (gate + up), and
+  `QKVParallelLinear` fuses q, k and v by heads (k/v heads replicated when there are fewer than ranks).
+- `RowParallelLinear`: input columns split across ranks; partial outputs are summed with one
+  all-reduce (torch.distributed), then the bias is added once.
+
+With `tp_size == 1` (the default) every kind holds the whole weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tokenmill.quantization.base import QuantizationConfig
+from tokenmill.quantization.unquantized import UnquantizedConfig, load_dense
+
+_ALL = slice(None)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 quant_config: QuantizationConfig | None, prefix: str, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.input_size, self.output_sizes = input_size, list(output_sizes)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size_per_partition = self._input_partition()[0]
+        self.output_partition_sizes = [self._output_partition(i)[0] for i in range(len(self.output_sizes))]
+        self.quant_method = (quant_config or UnquantizedConfig()).linear_method(prefix)
+        self.quant_method.create_weights(self, self.input_size_per_partition, self.output_partition_sizes,
+                                         torch.get_default_dtype())
+        rows = sum(self.output_partition_sizes)
+        self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
+
+    def _output_partition(self, shard: int) -> tuple[int, int]:
+        """(rows this rank holds of shard `shard`, first of them in the checkpoint tensor)."""
+        return self.output_sizes[shard], 0
+
+    def _input_partition(self) -> tuple[int, int]:
+        """(columns this rank holds, first of them in the checkpoint tensor)."""
+        return self.input_size, 0
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.output_sizes)
+
+    def weight_loader(self, kind: str, weight, shard: int | None = None) -> None:
+        """Load checkpoint tensor `weight` ("weight" or "bias") into shard `shard` of this layer."""
+        shard = shard or 0
+        size, src_start = self._output_partition(shard)
+        start = sum(self.output_partition_sizes[:shard])
+        rows, src_rows = slice(start, start + size), slice(src_start, src_start + size)
+        if kind == "bias":
+            load_dense(self.bias, weight, rows, (src_rows,))
+            return
+        cols, col_start = self._input_partition()
+        src_cols = _ALL if cols == self.input_size else slice(col_start, col_start + cols)
+        self.quant_method.load(self, weight, rows, src_rows, src_cols)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__(input_size, [output_size], bias, quant_config, prefix)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        for size in sizes:
+            if size % tp_size:
+                raise ValueError(f"{prefix}: {size} output rows do not split over {tp_size} ranks")
+        super().__init__(input_size, sizes, bias, quant_config, prefix, tp_rank, tp_size)
+
+    def _output_partition(self, shard):
+        size = self.output_sizes[shard] // self.tp_size
+        return size, self.tp_rank * size
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several checkpoint tensors stacked along the rows (e.g. gate_proj and up_proj)."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul: shards 0, 1, 2. Each rank holds num_heads / tp query heads
+    and max(1, num_kv_heads / tp) key/value heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
+            raise ValueError(f"{prefix}: {num_heads} query / {num_kv_heads} kv heads do not split over {tp_size} ranks")
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        LinearBase.__init__(self, hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
+                                                num_kv_heads * head_dim], bias, quant_config, prefix, tp_rank, tp_size)
+
+    def _output_partition(self, shard):
+        if shard == 0:
+            return super()._output_partition(0)
+        if self.num_kv_heads >= self.tp_size:
+            heads = self.num_kv_heads // self.tp_size
+            return heads * self.head_dim, self.tp_rank * heads * self.head_dim
+        # fewer kv heads than ranks: each kv head is replicated on tp / num_kv_heads ranks
+        return self.head_dim, self.tp_rank // (self.tp_size // self.num_kv_heads) * self.head_dim
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        if input_size % tp_size:
+            raise ValueError(f"{prefix}: {input_size} input columns do not split over {tp_size} ranks")
+        super().__init__(input_size, [output_size], bias, quant_config, prefix, tp_rank, tp_size)
+
+    def _input_partition(self):
+        cols = self.input_size // self.tp_size
+        return cols, self.tp_rank * cols
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, None)
+        dist.all_reduce(out)
+        return out if self.bias is None else out + self.bias

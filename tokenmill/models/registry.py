@@ -1,0 +1,47 @@
+"""Which model file implements which architecture: the one list of supported architectures.
+
+Each HF `architectures` name (and each GGUF `general.architecture`) maps to a module under
+`tokenmill.models` and a class in it; the module is imported only when that architecture is loaded.
+A model class names its config class (`config_class`, a `ModelConfig` subclass that reads the
+architecture's own fields).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# HF architecture name -> (module under tokenmill.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+
+# GGUF general.architecture -> HF architecture name
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+def check_architecture(architecture: str) -> None:
+    if architecture not in _MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def model_class(architecture: str):
+    """The model class for an HF architecture name (imports its module on first use)."""
+    check_architecture(architecture)
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"tokenmill.models.{module}"), name)
+
+
+def config_from_hf_dict(cfg: dict):
+    """The `ModelConfig` (the architecture's subclass) for the contents of an HF `config.json`."""
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry; cannot tell which model class to use")
+    return model_class(archs[0]).config_class.from_hf_dict(cfg)

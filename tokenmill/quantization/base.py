@@ -1,0 +1,68 @@
+"""The interface every weight format implements.
+
+A `QuantizationConfig` (built once per model, from the checkpoint and the `--quantization` flag)
+gives each linear layer its `LinearMethod` when the layer is built. The method owns the layer's
+weight storage from then on:
+
+    create_weights(layer, ...)      register the parameters/buffers the format stores
+    load(layer, weight, ...)        copy one checkpoint tensor (or one shard of a fused layer) in
+    process_after_loading(layer)    repack once every tensor is in (e.g. quantize on load)
+    apply(layer, x, bias)           the matmul
+
+The layer itself keeps what every format shares: sizes, the bias, and how checkpoint shards and
+tensor-parallel ranks map onto its rows and columns (`tokenmill.layers.linear`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class LinearMethod(ABC):
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        """Register the weight storage of a layer with `input_size` columns and `sum(output_sizes)`
+        rows (one entry per fused shard), on the current default device."""
+
+    @abstractmethod
+    def load(self, layer: nn.Module, weight, rows: slice, src_rows: slice, src_cols: slice) -> None:
+        """Copy rows `src_rows`, columns `src_cols` of checkpoint tensor `weight` (a tensor, or the
+        loader's packed form of it) into the layer's rows `rows`."""
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """Called once after every checkpoint tensor of the model was loaded."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size]."""
+
+
+class QuantizationConfig(ABC):
+    """Chooses a `LinearMethod` per layer. `packed_modules` (set from the model class before the
+    model is built) says which checkpoint modules each fused layer holds, e.g.
+    {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}."""
+
+    name: str
+
+    def __init__(self) -> None:
+        self.packed_modules: dict[str, list[str]] = {}
+
+    @abstractmethod
+    def linear_method(self, prefix: str) -> LinearMethod:
+        """The method for the linear layer named `prefix` (HF naming, e.g.
+        `model.layers.0.self_attn.qkv_proj`, or `lm_head`)."""
+
+    def checkpoint_names(self, prefix: str) -> list[str]:
+        """The checkpoint weight names of the layer `prefix`, one per fused shard."""
+        parent, _, module = prefix.rpartition(".")
+        parts = self.packed_modules.get(module, [module])
+        return [f"{parent}.{p}.weight" if parent else f"{p}.weight" for p in parts]
+
+
+def dense(weight) -> torch.Tensor:
+    """A checkpoint tensor as a dense float tensor (GGUF tensors are dequantized here)."""
+    return weight.dequantize() if hasattr(weight, "dequantize") else weight

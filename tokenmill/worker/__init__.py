@@ -1,0 +1,1 @@
+"""What runs on a device: the model runner (batch tensors, forward pass, sampling) and its sampler."""

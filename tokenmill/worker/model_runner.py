@@ -1,0 +1,164 @@
+"""Model runner: owns the model, its paged KV cache and each request's state between steps. One step:
+apply the scheduler's changes, lay the scheduled tokens out as one flat batch (decodes first),
+describe it once for attention, run the forward pass, mask (structured output) and sample the
+requests that reach the end of their tokens, and return their new token ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import numpy as np
+import torch
+
+from tokenmill.attention.backend import get_attention_backend
+from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig
+from tokenmill.attention.metadata import CommonAttentionMetadata, build_common_metadata
+from tokenmill.config import EngineConfig, resolve_cache_dtype
+from tokenmill.engine.outputs import Logprob, ModelRunnerOutput, TokenLogprobs
+from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.forward_context import ForwardContext, set_forward_context
+from tokenmill.loader import LoadedModel
+from tokenmill.worker.request_state import CachedRequestState
+from tokenmill.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, self.dtype)
+        torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core we may use, for intra-op work
+            # denormal floats (they appear in hidden states and attention) run ~100x slower on x86;
+            # flushing them to zero changes nothing measurable and keeps every op at full speed
+            torch.set_flush_denormal(True)
+        self.backend = get_attention_backend(self.device, self.dtype, self.cache_dtype)
+        self.attention_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.kv_caches: list[torch.Tensor] = []  # one tensor per KV-cache group: [layers, *backend shape]
+
+    # ---- KV cache ---------------------------------------------------------------------------------
+
+    def kv_cache_specs(self) -> dict[str, AttentionSpec]:
+        return {name: layer.kv_spec(self.cache_dtype) for name, layer in self.attention_layers.items()}
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        """Allocate each group's cache in the backend's shape and bind every attention layer to its part."""
+        self.kv_cache_config = config
+        for g, group in enumerate(config.groups):
+            shape = self.backend.kv_cache_shape(config.num_blocks, config.block_size, group.spec)
+            cache = torch.zeros(len(group.layer_names), *shape, dtype=group.spec.dtype, device=self.device)
+            self.kv_caches.append(cache)
+            for i, name in enumerate(group.layer_names):
+                self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, attention %s)", config.num_blocks,
+                    config.block_size, config.capacity_tokens, config.total_bytes / 2**30, self.cache_dtype,
+                    self.backend.name)
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if not sched.num_scheduled_tokens:
+            return ModelRunnerOutput()
+        # decodes (one new token) first: attention batches them together
+        req_ids = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in req_ids]
+        num_new = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        input_ids = np.fromiter((t for s, c, n in zip(states, num_computed, num_new) for t in s.token_slice(c, c + n)),
+                                dtype=np.int64, count=int(num_new.sum()))
+        hidden, common = self.forward(input_ids, num_new, num_computed, [s.block_ids for s in states])
+        rows = [i for i, (s, n) in enumerate(zip(states, num_new)) if s.samples_after(int(n))]
+        if not rows:
+            return ModelRunnerOutput()
+        last = torch.from_numpy(common.query_start_loc[1:][rows] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[last]).float()
+        return self._sample(logits, [states[i] for i in rows], sched.grammar)
+
+    def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
+                block_ids: list[list[int]]) -> tuple[torch.Tensor, CommonAttentionMetadata]:
+        """Run the model on a flat batch (per request: its new tokens after `num_computed` cached ones,
+        decodes first). Returns the final hidden state of every new token, and the step's description."""
+        common, positions = build_common_metadata(num_new, num_computed, block_ids, self.kv_cache_config.block_size,
+                                                  self.device)
+        meta = self.backend.build_metadata(common)  # all groups share one block table and backend
+        context = ForwardContext({g: meta for g in range(len(self.kv_cache_config.groups))})
+        with set_forward_context(context):
+            hidden = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device))
+        return hidden, common
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = CachedRequestState(new, self.device)
+        for cached in sched.cached_requests:
+            state = self.requests[cached.request_id]
+            if cached.resumed:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState],
+                grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+        params = [s.params for s in states]
+        if grammar is not None:
+            self._apply_grammar(logits, states, grammar)
+            masked = set(grammar.request_ids)
+            for i, s in enumerate(states):  # the grammar decides where the output may end, not min_tokens
+                if s.request_id in masked and s.params.min_tokens:
+                    params[i] = dataclasses.replace(s.params, min_tokens=0)
+        meta = SamplingMetadata.build(
+            params, [s.prompt_token_ids for s in states], [s.output_token_ids for s in states],
+            [s.generator for s in states], [s.eos_token_ids for s in states], vocab_size=logits.shape[1],
+            device=logits.device,
+        )
+        out = self.sampler(logits, meta)
+        token_ids = out.sampled_token_ids.tolist()
+        result = ModelRunnerOutput()
+        logprobs = _logprobs_lists(out, params)
+        for i, (state, token) in enumerate(zip(states, token_ids)):
+            state.output_token_ids.append(token)
+            result.sampled_token_ids[state.request_id] = [token]
+            if logprobs is not None and logprobs[i] is not None:
+                result.logprobs[state.request_id] = [logprobs[i]]
+        return result
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, states: list[CachedRequestState], grammar: GrammarBitmask) -> None:
+        """In place: forbidden tokens -> -inf (so logprobs are of the masked distribution, as in vLLM)."""
+        from tokenmill.structured.backend import apply_bitmask
+
+        row_of = {s.request_id: i for i, s in enumerate(states)}
+        rows = [row_of[rid] for rid in grammar.request_ids]
+        bitmask = torch.full((len(states), grammar.bitmask.shape[1]), -1, dtype=grammar.bitmask.dtype)
+        bitmask[rows] = grammar.bitmask
+        apply_bitmask(logits, bitmask, rows)
+
+
+def _logprobs_lists(out: SamplerOutput, params) -> list[TokenLogprobs | None] | None:
+    if out.logprobs is None:
+        return None
+    ids, values, ranks = out.logprobs_token_ids.tolist(), out.logprobs.tolist(), out.sampled_rank.tolist()
+    result = []
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            result.append(None)
+            continue
+        entry = {ids[i][0]: Logprob(values[i][0], ranks[i])}
+        for j in range(1, p.logprobs + 1):
+            entry.setdefault(ids[i][j], Logprob(values[i][j], j))
+        result.append(entry)
+    return result

@@ -1,0 +1,23 @@
+"""The model runner's own state of each request it holds, kept between steps (the scheduler sends
+only what changed): its tokens, sampling parameters and generator, and its KV block table."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.engine.request import TokenSequence
+from tokenmill.engine.scheduler_output import NewRequestData
+
+
+class CachedRequestState(TokenSequence):
+    def __init__(self, new: NewRequestData, device: torch.device) -> None:
+        self.request_id = new.request_id
+        self.prompt_token_ids = new.prompt_token_ids
+        self.output_token_ids: list[int] = []  # appended by the runner as it samples
+        self.params = new.sampling_params
+        self.eos_token_ids = new.eos_token_ids
+        self.block_ids = list(new.block_ids)
+        self.num_computed_tokens = new.num_computed_tokens
+        self.generator = None  # a seeded request draws from its own generator: independent of its batch
+        if self.params.seed is not None:
+            self.generator = torch.Generator(device).manual_seed(self.params.seed)
