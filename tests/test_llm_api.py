@@ -119,3 +119,14 @@ def test_multi_turn_chat_hits_the_prefix_cache(llm):
         if turn >= 3:
             assert hit_rate > 0.9, f"turn {turn}: {out.num_cached_tokens}/{len(out.prompt_token_ids)} cached"
     assert pool_whole(llm)
+
+
+def test_shared_params_are_not_mutated_by_the_engine():
+    """One SamplingParams object for several prompts with max_tokens=None: each request gets the room
+    its own prompt leaves (the core fills in a copy), and the caller's object is left as it was."""
+    small = LLM(model="smollm2-135m-instruct", num_kv_blocks=16, max_model_len=40)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    prompts = [list(range(100, 110)), list(range(200, 230))]
+    outs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [30, 10]
+    assert params.max_tokens is None

@@ -6,6 +6,7 @@ import argparse
 
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.loader.source import DEFAULT_MODEL
+from tokenmill.quantization import QUANTIZATION_METHODS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, "
                         "bfloat16 or float16 (default: %(default)s)")
     m.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default: %(default)s)")
-    m.add_argument("--quantization", choices=["auto", "none", "gguf", "int8"], default="auto",
+    m.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="auto",
                    help="weight format: gguf = keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks and dequantize inside "
                         "the matmul (CPU, float32; same weights, 4-7x fewer bytes per decode step); none = dense "
                         "weights; int8 = per-row int8 weights with bf16 activations on CPU (faster, not exact); "
@@ -32,6 +33,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="memory for the paged KV cache in GiB; sets the number of blocks (default: %(default)s)")
     c.add_argument("--num-kv-blocks", type=int, default=cache.num_blocks,
                    help="exact number of KV cache blocks (overrides --kv-cache-memory)")
+    c.add_argument("--kv-cache-dtype", default=cache.cache_dtype,
+                   help="dtype the KV cache stores keys and values in: auto (the compute dtype), float32, bfloat16 "
+                        "or float16; bfloat16 under float32 compute halves the cache per token (attention then "
+                        "runs on torch ops, not the CPU paged kernel) (default: %(default)s)")
     c.add_argument("--block-size", type=int, default=cache.block_size,
                    help="tokens per KV cache block (default: %(default)s)")
     c.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,
@@ -54,7 +59,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                          prefix_cache_hash=args.prefix_cache_hash),
+                          prefix_cache_hash=args.prefix_cache_hash, cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, policy=args.scheduling_policy),
     )

@@ -26,10 +26,6 @@ class CommonAttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.seq_lens)
 
-    @property
-    def num_new_tokens(self) -> np.ndarray:
-        return self.seq_lens - self.num_computed_tokens
-
 
 def build_common_metadata(num_new: np.ndarray, num_computed: np.ndarray, block_ids: list[list[int]],
                           block_size: int, device: torch.device) -> tuple[CommonAttentionMetadata, np.ndarray]:

@@ -185,6 +185,8 @@ class EngineCore:
         failed = self._admit_compiled() if self.compiling else []
         sched = self.last_schedule = self.scheduler.schedule()
         if not sched.num_scheduled_tokens:
+            if sched.finished_request_ids:  # nothing to run, but the runner still drops their state
+                self.executor.execute(sched)
             if self.compiling and not failed:  # nothing to run but grammars compiling: wait a little
                 wait_futures([r.structured.future for r in self.compiling], timeout=0.01,
                              return_when=FIRST_COMPLETED)

@@ -25,10 +25,12 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu", seed: int = 0,
                  quantization: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 kv_cache_memory: float = 1.0, num_kv_blocks: int | None = None, block_size: int = 16) -> None:
+                 kv_cache_memory: float = 1.0, num_kv_blocks: int | None = None, block_size: int = 16,
+                 kv_cache_dtype: str = "auto") -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, quantization=quantization,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, num_blocks=num_kv_blocks),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, num_blocks=num_kv_blocks,
+                              cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
         )

@@ -34,6 +34,3 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step on every worker; the sampled tokens (from the driver worker)."""
-
-    def shutdown(self) -> None:
-        """Stop the workers (nothing to do in-process)."""

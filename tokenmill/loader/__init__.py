@@ -66,7 +66,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str
     config = ckpt.config
     torch_dtype = resolve_dtype(dtype, dev, config.torch_dtype)
     method = resolve_quantization(quantization, source.kind, dev, torch_dtype)
-    net = build_model(config, get_quantization_config(method, ckpt, dev), torch_dtype, dev, max_positions)
+    quant_config = get_quantization_config(method, ckpt, dev)
+    net = build_model(config, quant_config, torch_dtype, dev, max_positions)
     with torch.no_grad():
         net.load_weights(ckpt.weights())
         for module in net.modules():
@@ -74,5 +75,5 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str
                 module.quant_method.process_after_loading(module)
     net.eval()
     logger.info("loaded %s (%s, %s, quantization %s) in %.1fs", source.name, config.architecture, torch_dtype,
-                method, time.perf_counter() - start)
-    return LoadedModel(net, config, source, torch_dtype, dev, method)
+                quant_config.name, time.perf_counter() - start)
+    return LoadedModel(net, config, source, torch_dtype, dev, quant_config.name)

@@ -1,0 +1,108 @@
+"""The step contract between scheduler, executor and model runner, and the seams around it: KV
+cache sizing from per-layer specs, the model registry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import make_core, make_tiny_model, run_core
+from tokenmill.attention.kv_spec import AttentionSpec, make_kv_cache_config
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.outputs import ModelRunnerOutput
+from tokenmill.engine.request import EngineCoreRequest, Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.loader import load_model
+from tokenmill.sampling_params import SamplingParams
+
+
+def scheduler_with(prompt: list[int], params: SamplingParams, num_blocks: int = 16):
+    kv = KVCacheManager(num_blocks, 4)
+    sched = Scheduler(SchedulerConfig(), kv, max_model_len=64)
+    request = Request(EngineCoreRequest("a", prompt, params), params, eos_token_ids={2})
+    sched.add(request)
+    return sched, kv, request
+
+
+def test_several_tokens_per_step_stop_at_the_first_that_ends_the_request():
+    sched, kv, request = scheduler_with([1, 3, 4], SamplingParams(max_tokens=10, stop_token_ids=[7]))
+    step = sched.schedule()
+    assert [n.request_id for n in step.new_requests] == ["a"] and step.num_scheduled_tokens == {"a": 3}
+    assert step.new_requests[0].block_ids == kv.block_ids("a")
+    updates = sched.update_from_output(step, ModelRunnerOutput({"a": [5, 6]}))
+    assert request.num_computed_tokens == 3 and request.output_token_ids == [5, 6] and updates[0].status is None
+
+    step = sched.schedule()  # the runner holds "a" now: only what changed is sent
+    assert not step.new_requests and [c.request_id for c in step.cached_requests] == ["a"]
+    assert step.num_scheduled_tokens == {"a": 2}
+    updates = sched.update_from_output(step, ModelRunnerOutput({"a": [8, 7, 9]}))
+    assert updates[0].new_token_ids == [8, 7] and updates[0].status == RequestStatus.FINISHED_STOPPED
+    assert request.output_token_ids == [5, 6, 8, 7]  # the token after the stop is dropped
+    assert kv.num_free_blocks == kv.num_blocks and not sched.requests
+    assert sched.schedule().finished_request_ids == {"a"}  # the runner is told to drop its state
+
+
+def test_max_tokens_cuts_a_multi_token_step():
+    sched, _, request = scheduler_with([1, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    step = sched.schedule()
+    updates = sched.update_from_output(step, ModelRunnerOutput({"a": [2, 2, 2, 2]}))  # eos ignored
+    assert updates[0].new_token_ids == [2, 2, 2] and updates[0].status == RequestStatus.FINISHED_LENGTH
+
+
+def test_preempted_request_resumes_with_a_whole_new_block_table(tmp_path):
+    """Under KV pressure requests give way and come back: the runner gets `resumed` data with the
+    full table, and the outputs equal those of a run with room for everyone."""
+    make_tiny_model("llama-gqa-untied", tmp_path)
+    loaded = load_model(str(tmp_path))
+    prompts = [[(5 * i + j) % 256 for j in range(30)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = run_core(make_core(str(tmp_path), loaded=loaded), prompts, params)
+    core = make_core(str(tmp_path), loaded=loaded, num_blocks=14, block_size=8)
+    resumed = []
+    got = run_core(core, prompts, params,
+                   on_step=lambda c: resumed.extend(r.request_id for r in c.last_schedule.cached_requests if r.resumed))
+    assert core.scheduler.num_preemptions > 0 and resumed
+    assert got == expected
+    assert set(core.executor.runner.requests) <= set(core.scheduler._finished_ids)  # told at the next step
+    core.step()
+    assert not core.executor.runner.requests
+
+
+def test_kv_cache_is_sized_from_layer_specs():
+    full = AttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    small = AttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    config = make_kv_cache_config({"l0": full, "l1": small, "l2": full}, CacheConfig(block_size=4,
+                                                                                     kv_cache_memory_gib=1 / 1024))
+    assert [(g.spec, g.layer_names) for g in config.groups] == [(full, ["l0", "l2"]), (small, ["l1"])]
+    assert config.bytes_per_block == 4 * (2 * 2 * 8 * 4 * 2 + 2 * 2 * 8 * 2)
+    assert config.num_blocks == 2**20 // config.bytes_per_block
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        make_kv_cache_config({"l0": full}, CacheConfig(block_size=4, kv_cache_memory_gib=1e-9))
+
+
+def test_bfloat16_kv_cache_under_float32_compute(tmp_path):
+    """A cache dtype other than the compute dtype: half the bytes per block, outputs track float32."""
+    make_tiny_model("qwen2-bias", tmp_path)
+    loaded = load_model(str(tmp_path))
+    prompts = [[(7 * i + j) % 256 for j in range(40)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref_core = make_core(str(tmp_path), loaded=loaded)
+    ref = run_core(ref_core, prompts, params)
+    core = make_core(str(tmp_path), loaded=loaded, cache_dtype="bfloat16")
+    assert core.executor.runner.kv_caches[0].dtype == torch.bfloat16
+    assert core.executor.runner.backend.name == "torch-sdpa"
+    assert core.kv_cache_config.bytes_per_block * 2 == ref_core.kv_cache_config.bytes_per_block
+    got = run_core(core, prompts, params)
+    agree = sum(x == y for k in ref for x, y in zip(ref[k], got[k])) / sum(len(v) for v in ref.values())
+    assert agree > 0.8
+
+
+def test_model_files_are_imported_only_when_used():
+    code = ("import sys, tokenmill.config, tokenmill.models.registry as r; "
+            "assert 'tokenmill.models.llama' not in sys.modules; "
+            "r.model_class('Qwen2ForCausalLM'); assert 'tokenmill.models.llama' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
