@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -75,12 +75,11 @@ class LlamaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias,
                                                        quant_config, f"{prefix}.gate_up_proj")
-        self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, quant_config,
                                            f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
