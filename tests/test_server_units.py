@@ -3,6 +3,7 @@ engine-core loop's message handling, per-step output snapshots, and the metrics.
 
 from __future__ import annotations
 
+import json
 import queue
 from dataclasses import dataclass, field
 
@@ -40,7 +41,8 @@ def parse_error(model, raw: bytes) -> APIError:
     (b'{"prompt": "x", "stop": 3}', "stop", "string or a list of strings"),
     (b'{"prompt": "x", "stop": [""]}', "stop", "non-empty"),
     (b'{"prompt": "x", "seed": 100000000000000000000000}', "seed", "64 bits"),
-    (b'{"prompt": "x", "logit_bias": {"5": 1.0}}', "logit_bias", "not supported"),
+    (b'{"prompt": "x", "logit_bias": {"a5": 1.0}}', "logit_bias", "token ids"),
+    (b'{"prompt": "x", "logit_bias": {"5": 500}}', "logit_bias", "[-100, 100]"),
     (b'{"prompt": "x", "best_of": 3}', "best_of", "not supported"),
     (b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage", "boolean"),
     (b'{"prompt": {"a": 1}}', "prompt", "token-id lists"),
@@ -50,6 +52,31 @@ def test_completion_request_errors_name_the_field(raw, param, words):
     e = parse_error(CompletionRequest, raw)
     assert e.status == 400 and e.param == param and words in e.message, e.to_dict()
     assert set(e.to_dict()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_null_fields_mean_their_defaults():
+    req = parse_body(CompletionRequest, b'{"prompt": "x", "n": null, "stream": null, "logprobs": null, '
+                                        b'"echo": null, "max_tokens": null, "stop": null, "min_tokens": null}')
+    params = req.sampling_params()
+    assert (req.n, req.stream, req.echo, params.logprobs, params.min_tokens) == (1, False, False, None, 0)
+    assert params.max_tokens is None  # max_tokens is nullable: null is "the room left", as in vLLM
+    chat = parse_body(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "hi"}], "n": null, '
+                                             b'"logprobs": null, "parallel_tool_calls": null}')
+    assert chat.n == 1 and chat.logprobs is False and chat.parallel_tool_calls is True
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"chat_template": "{% for i in range(10**9) %}{% endfor %}"}, "chat_template_kwargs.chat_template"),
+    ({"tokenize": True}, "chat_template_kwargs.tokenize"),
+    ({"enable_thinking": {"nested": 1}}, "chat_template_kwargs.enable_thinking"),
+])
+def test_chat_template_kwargs_are_limited_to_documented_switches(kwargs, param):
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}).encode()
+    with pytest.raises(APIError) as e:
+        parse_body(ChatCompletionRequest, body).template_kwargs()
+    assert e.value.status == 400 and e.value.param == param
+    ok = b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": false}}'
+    assert parse_body(ChatCompletionRequest, ok).template_kwargs() == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize("raw,param,words", [
@@ -156,7 +183,9 @@ def test_core_loop_handles_adds_rejections_aborts_and_shutdown():
     while not outputs.empty():
         messages.append(outputs.get())
     rejected = {m[1]: m[2] for m in messages if m[0] == "rejected"}
-    assert rejected == {"too-long": "prompt too long", "broken": "RuntimeError: boom"}
+    # a bug in add_request is logged, not forwarded (no exception names or internals to the client)
+    assert rejected == {"too-long": "prompt too long",
+                        "broken": "the engine could not accept this request (see the server log)"}
     # shutdown came in the same drain as the adds: the loop stops before stepping
     assert not [m for m in messages if m[0] == "step"]
     assert core.aborted == ["broken", "b"]

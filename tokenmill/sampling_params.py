@@ -51,6 +51,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutputSpec | None = None
     reasoning: ReasoningSpec | None = None
+    logit_bias: dict[int, float] | None = None  # added to the logits of these token ids, in [-100, 100]
 
     def __post_init__(self) -> None:
         # Normalise.
@@ -113,6 +114,9 @@ class SamplingParams:
             bad("structured_output", "must be a StructuredOutputSpec or None")
         if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpec):
             bad("reasoning", "must be a ReasoningSpec or None")
+        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or not all(
+                _is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())):
+            bad("logit_bias", "must map token ids (ints >= 0) to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -65,13 +65,19 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-def load_tokenizer(source: ModelSource) -> Tokenizer:
-    """Build the tokenizer of a GGUF file (from its metadata) or of an HF checkpoint directory. Never downloads."""
+def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Tokenizer:
+    """Build the tokenizer of a GGUF file (from its metadata) or of an HF checkpoint directory. Never
+    downloads. `chat_template` (the operator's) replaces the model's own."""
     if source.kind == "gguf":
-        return _load_gguf(Path(source.path), source.name)
-    if source.kind == "hf":
-        return _load_hf(Path(source.path), source.name)
-    raise ValueError(f"unknown model source kind {source.kind!r} for {source.path}")
+        tokenizer = _load_gguf(Path(source.path), source.name)
+    elif source.kind == "hf":
+        tokenizer = _load_hf(Path(source.path), source.name)
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r} for {source.path}")
+    if chat_template is not None:
+        tokenizer.hf.chat_template = chat_template
+        tokenizer = Tokenizer(tokenizer.hf, tokenizer.name, tokenizer.eos_token_ids)  # end-of-turn ids of it
+    return tokenizer
 
 
 def _load_gguf(path: Path, name: str) -> Tokenizer:

@@ -40,7 +40,12 @@ class EngineStats:
 
 
 class RequestRejected(ValueError):
-    """A request that can never run (too long for the context or the KV pool)."""
+    """A request that can never run (too long for the context or the KV pool, bad ids, ...);
+    `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineCore:
@@ -93,8 +98,10 @@ class EngineCore:
         if n == 0:
             raise RequestRejected("prompt must contain at least one token")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise RequestRejected(f"prompt contains token ids outside the vocabulary [0, {vocab})")
+        for name, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ())):
+            if any(not 0 <= t < vocab for t in ids):
+                raise RequestRejected(f"{name} contains token ids outside the vocabulary [0, {vocab})", name)
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - n)
         total = n + max_tokens
         if total > self.max_model_len:
@@ -110,18 +117,19 @@ class EngineCore:
         try:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         except ValueError as e:  # e.g. min_tokens beyond the room left in the context
-            raise RequestRejected(str(e)) from None
+            raise RequestRejected(str(e), str(e).split(" ", 1)[0]) from None
         request = Request(core_request, params, self.eos_token_ids)
         budget = params.reasoning.budget if params.reasoning is not None else None
         if params.structured_output is not None or budget is not None:
             if self.structured is None:
-                raise RequestRejected("structured output is not available: the engine has no tokenizer data")
+                raise RequestRejected("structured output is not available: the engine has no tokenizer data",
+                                      "response_format")
             request.structured = self.structured.new_state(params.structured_output, params.reasoning,
                                                            request.eos_token_ids | request.stop_token_ids)
             if request.structured is not None and request.structured.ready:  # cached grammar
                 error = request.structured.start()
                 if error is not None:
-                    raise RequestRejected(error)
+                    raise RequestRejected(error, "response_format")
         self.requests[rid] = request
         if request.structured is not None and not request.structured.ready:
             self.compiling.append(request)  # scheduled once its grammar is compiled (see _admit_compiled)

@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 import tokenmill
 from tokenmill.server.engine_client import EngineClient, EngineDeadError
+from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tokenmill.server.protocol import (
     APIError,
@@ -45,13 +46,14 @@ class ServerSettings:
     max_body_bytes: int = 8 * 2**20
     log_interval: float = 10.0  # seconds between throughput lines; 0 disables
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think> output into reasoning_content
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[str],
               settings: ServerSettings) -> FastAPI:
     info = client.info
     ctx = ServingContext(client, client.tokenizer, list(model_names), info["max_model_len"],
-                         info["capacity_tokens"], info["vocab_size"], settings.reasoning_parser)
+                         info["capacity_tokens"], info["vocab_size"], settings.reasoning_parser, settings.limits)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -141,7 +143,7 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
     async def models(request: Request) -> Response:
         check_api_key(request)
         data = [{"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
-                 "root": info.get("model_path"), "parent": None, "max_model_len": ctx.context_limit}
+                 "root": name, "parent": None, "max_model_len": ctx.context_limit}
                 for name in ctx.model_names]
         return JSONResponse({"object": "list", "data": data})
 
@@ -171,6 +173,7 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
+        check_api_key(request)
         req = parse_body(TokenizeRequest, await read_body(request))
         ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -178,14 +181,15 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
         if req.messages is not None:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in req.messages]
-            ids = chat_prompt_ids(ctx, messages, req.add_generation_prompt)
+            ids = await chat_prompt_ids(ctx, messages, req.add_generation_prompt)
         else:
-            ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await ctx.off_loop("prompt", ctx.tokenizer.encode, req.prompt, req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": ctx.context_limit, "tokens": ids,
                              "token_strs": [ctx.token_text(t) for t in ids]})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
+        check_api_key(request)
         req = parse_body(DetokenizeRequest, await read_body(request))
         ctx.check_model(req.model)
         ctx.check_token_ids(req.tokens, "tokens")

@@ -14,10 +14,12 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.server.limits import add_limit_args, limits_from_args
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -36,6 +38,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="name(s) clients pass as 'model'; the first is used in responses (default: the model's name)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="most requests waiting for a batch slot; further requests get HTTP 429 (default: no limit)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the operator's chat template (a Jinja file, or the template text) instead of the model's; "
+                        "clients can never send their own")
+    add_limit_args(p)
     o = p.add_argument_group("output parsing")
     o.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
                    help="the model thinks in <think>...</think>: chat responses carry the thinking in "
@@ -62,6 +68,18 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     help="log level of the uvicorn HTTP server; info also logs every HTTP access (default: %(default)s)")
     p.set_defaults(func=run_server)
     return p
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the value itself when it is template text."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -105,6 +123,8 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         config = engine_config_from_args(args)
+        limits = limits_from_args(args)
+        chat_template = read_chat_template(args.chat_template)
         if args.max_queue is not None and args.max_queue < 1:
             raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
         if args.max_body_bytes <= 0:
@@ -119,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         return 1
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm_during_startup)
-    client = EngineClient(config, max_queue=args.max_queue)
+    client = EngineClient(config, max_queue=args.max_queue, chat_template=chat_template)
     try:
         print(f"tokenmill: loading {args.model} ...", flush=True)
         try:
@@ -131,7 +151,8 @@ def _run(args: argparse.Namespace) -> int:
         metrics = ServerMetrics(names[0], log_requests=not args.disable_log_requests)
         client.metrics = metrics
         settings = ServerSettings(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
-                                  log_interval=args.log_interval, reasoning_parser=args.reasoning_parser)
+                                  log_interval=args.log_interval, reasoning_parser=args.reasoning_parser,
+                                  limits=limits)
         app = build_app(client, metrics, names, settings)
         uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on")
         server = _Server(uv_config, client, lambda: _print_ready(args, info, names, start, client))

@@ -13,7 +13,8 @@ Messages out (core -> front end):
     ("error", message)                         loading failed; the process then exits
     ("step", [EngineCoreOutput, ...], stats)   after every step that ran
     ("stats", stats)                           after adds/aborts that changed the queues
-    ("rejected", request_id, message)          EngineCore refused an add (never crashes the loop)
+    ("rejected", request_id, message, param)   EngineCore refused an add (never crashes the loop); param:
+                                               the request field at fault
     ("prefix_cache_reset", num_blocks_dropped) answer to reset_prefix_cache
     ("fatal", message)                         the step loop raised; the process then exits
 
@@ -140,10 +141,12 @@ def _loop(core, inputs, outputs) -> None:
                 try:
                     core.add_request(request)
                 except RequestRejected as e:
-                    outputs.put(("rejected", request.request_id, str(e)))
-                except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
+                    outputs.put(("rejected", request.request_id, str(e), e.param))
+                except Exception:  # noqa: BLE001 - one bad request must not take the engine down
+                    logger.exception("request %s could not be added", request.request_id)
                     core.abort_requests([request.request_id])
-                    outputs.put(("rejected", request.request_id, f"{type(e).__name__}: {e}"))
+                    outputs.put(("rejected", request.request_id, "the engine could not accept this request "
+                                 "(see the server log)", None))
             elif kind == "abort":
                 core.abort_requests(msg[1])
                 changed = True

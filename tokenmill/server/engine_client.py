@@ -132,9 +132,11 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, max_queue: int | None = None, metrics=None) -> None:
+    def __init__(self, config: EngineConfig, max_queue: int | None = None, metrics=None,
+                 chat_template: str | None = None) -> None:
         self.config = config
         self.max_queue = max_queue
+        self.chat_template = chat_template  # the operator's --chat-template, replacing the model's
         self.metrics = metrics  # has on_outputs(list[RequestOutput]), on_abort(RequestOutput), on_stats(dict)
         self.tokenizer: Tokenizer | None = None
         self.info: dict = {}
@@ -164,7 +166,7 @@ class EngineClient:
                                  name="tokenmill-engine-core", daemon=True)
         self._proc.start()
         try:
-            self.tokenizer = load_tokenizer(resolve_model(self.config.model))
+            self.tokenizer = load_tokenizer(resolve_model(self.config.model), self.chat_template)
             self._inputs.put(("init", sorted(self.tokenizer.eos_token_ids), _tokenizer_data(self.tokenizer)))
             self.info = self._wait_ready()
         except BaseException:
@@ -251,7 +253,7 @@ class EngineClient:
             raise EngineDeadError("the server is shutting down")
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "the engine core process is not running")
-        if self.max_queue is not None and self.waiting_estimate() >= self.max_queue:
+        if self.max_queue is not None and self.waiting_estimate() + params.n > self.max_queue:
             raise QueueFullError(f"the server's waiting queue is full ({self.max_queue} requests); retry later")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         stream = RequestStream(self, request_id)
@@ -324,7 +326,7 @@ class EngineClient:
             elif kind == "stats":
                 self._on_stats(msg[1])
             elif kind == "rejected":
-                self._on_rejected(msg[1], msg[2])
+                self._on_rejected(msg[1], msg[2], msg[3])
             elif kind == "prefix_cache_reset":
                 if self._reset_waiters:
                     self._reset_waiters.pop(0).set_result(msg[1])
@@ -352,7 +354,7 @@ class EngineClient:
         if self.metrics is not None:
             self.metrics.on_stats(stats)
 
-    def _on_rejected(self, core_request_id: str, message: str) -> None:
+    def _on_rejected(self, core_request_id: str, message: str, param: str | None) -> None:
         request_id = self._parent.get(core_request_id)
         if request_id is None:
             return
@@ -362,7 +364,7 @@ class EngineClient:
         if others:
             self._inputs.put(("abort", others))
         if stream is not None:
-            stream.queue.put_nowait(RequestRejected(message))
+            stream.queue.put_nowait(RequestRejected(message, param))
 
     def _on_dead(self, reason: str) -> None:
         if self.dead_reason is None:

@@ -18,11 +18,12 @@ think for before "</think>" is forced).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.limits import CHAT_TEMPLATE_KWARGS
 from tokenmill.structured.spec import StructuredOutputSpec
 
 
@@ -47,6 +48,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI clients send `null` for fields they leave unset (n, stream, logprobs, ...): for a field
+        that cannot be None, null means its default; a nullable one (max_tokens) keeps None."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or type(None) in get_args(fields[k].annotation)}
 
 
 class StreamOptions(_Body):
@@ -90,8 +102,6 @@ class _SamplingRequest(_Body):
     guided_decoding_backend: str | None = None  # accepted and ignored: the backend is always xgrammar
 
     def _check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (it must be unset or equal to n)", "best_of", "unsupported")
 
@@ -121,6 +131,17 @@ class _SamplingRequest(_Body):
                               found[1][1])
         return found[0] if found else None
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's {"token id as a string": bias in [-100, 100]}."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
                          structured_output: StructuredOutputSpec | None = None) -> SamplingParams:
         self._check_unsupported()
@@ -128,7 +149,7 @@ class _SamplingRequest(_Body):
                   "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,
                   "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
                   "include_stop_str_in_output": self.include_stop_str_in_output,
-                  "structured_output": structured_output}
+                  "structured_output": structured_output, "logit_bias": self._logit_bias()}
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         if not -(2**63) <= self.priority < 2**63:
@@ -228,7 +249,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict | None = None  # extra variables for the chat template (e.g. enable_thinking)
+    chat_template_kwargs: dict | None = None  # template switches (limits.CHAT_TEMPLATE_KWARGS), e.g. enable_thinking
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -257,6 +278,18 @@ class ChatCompletionRequest(_SamplingRequest):
         if choice in ("auto", "required") and not tools:
             raise bad_request(f"tool_choice {choice!r} requires tools", "tool_choice")
         return choice, None
+
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs, checked: only the documented switches, with scalar values."""
+        kwargs = self.chat_template_kwargs or {}
+        for key, value in kwargs.items():
+            param = f"chat_template_kwargs.{key}"
+            if key not in CHAT_TEMPLATE_KWARGS:
+                raise bad_request(f"{param} is not allowed; chat_template_kwargs may set "
+                                  f"{', '.join(CHAT_TEMPLATE_KWARGS)}", param, "unsupported")
+            if not isinstance(value, (bool, int, float, str)) or (isinstance(value, str) and len(value) > 64):
+                raise bad_request(f"{param} must be a boolean, a number or a short string", param)
+        return kwargs
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tokenmill.engine.outputs import Logprob
@@ -17,9 +19,12 @@ from tokenmill.server.engine_client import (
     RequestRejected,
     RequestStream,
 )
+from tokenmill.server.limits import RequestLimits
 from tokenmill.server.protocol import APIError, bad_request
 from tokenmill.structured.spec import StructuredOutputSpec, check_spec
 from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def engine_error(e: Exception) -> APIError:
@@ -29,7 +34,8 @@ def engine_error(e: Exception) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "service_unavailable", None, "engine_unavailable")
     if isinstance(e, RequestRejected):
-        return bad_request(str(e), "prompt", "context_length_exceeded")
+        return bad_request(str(e), e.param, "context_length_exceeded" if "context" in str(e) or "KV cache" in str(e)
+                           else "invalid_value")
     return APIError(500, "internal server error", "internal_server_error", None, None)
 
 
@@ -42,7 +48,54 @@ class ServingContext:
     capacity_tokens: int
     vocab_size: int
     reasoning_parser: str | None = None  # --reasoning-parser: split <think> output into reasoning_content
+    limits: RequestLimits = field(default_factory=RequestLimits)
     _token_text: dict[int, str] = field(default_factory=dict)
+    # chat templates and tokenization run here, off the event loop, under limits.template_timeout
+    _prompt_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenmill-prompt"))
+
+    async def off_loop(self, param: str, fn, *args):
+        """Run `fn(*args)` (template rendering, tokenization) in the prompt pool; a 400 naming `param`
+        if it takes longer than --template-timeout."""
+        future = asyncio.get_running_loop().run_in_executor(self._prompt_pool, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self.limits.template_timeout)
+        except TimeoutError:
+            raise bad_request(f"{param}: preparing the prompt took longer than {self.limits.template_timeout:g} s",
+                              param, "timeout") from None
+
+    def check_limits(self, req, num_prompts: int = 1) -> None:
+        """The request's fan-out and list sizes against --max-n, --max-stop, ... (before any work)."""
+        lim = self.limits
+        if req.n > lim.max_n:
+            raise bad_request(f"n must be <= {lim.max_n}, got {req.n}", "n")
+        if num_prompts > lim.max_prompts:
+            raise bad_request(f"prompt has {num_prompts} prompts; at most {lim.max_prompts} are allowed", "prompt")
+        if req.n * num_prompts > lim.max_choices:
+            raise bad_request(f"n x prompts = {req.n * num_prompts} sequences; at most {lim.max_choices} per "
+                              "request", "n")
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        if len(stops) > lim.max_stop:
+            raise bad_request(f"stop has {len(stops)} strings; at most {lim.max_stop} are allowed", "stop")
+        if any(len(s) > lim.max_stop_length for s in stops):
+            raise bad_request(f"stop strings must be at most {lim.max_stop_length} characters", "stop")
+        stop_ids = req.stop_token_ids or []
+        if len(stop_ids) > lim.max_stop_token_ids:
+            raise bad_request(f"stop_token_ids has {len(stop_ids)} ids; at most {lim.max_stop_token_ids} are "
+                              "allowed", "stop_token_ids")
+        self.check_token_ids(stop_ids, "stop_token_ids")
+        bias = req.logit_bias or {}
+        if len(bias) > lim.max_logit_bias:
+            raise bad_request(f"logit_bias has {len(bias)} entries; at most {lim.max_logit_bias} are allowed",
+                              "logit_bias")
+        self.check_token_ids([int(k) for k in bias if k.isdigit()], "logit_bias")
+        tools = getattr(req, "tools", None) or []
+        if len(tools) > lim.max_tools:
+            raise bad_request(f"tools has {len(tools)} entries; at most {lim.max_tools} are allowed", "tools")
+        queue = self.client.max_queue
+        if queue is not None and req.n * num_prompts > queue:
+            raise bad_request(f"n x prompts = {req.n * num_prompts} sequences can never fit the server's queue "
+                              f"of {queue}", "n")
 
     @property
     def context_limit(self) -> int:
@@ -62,9 +115,14 @@ class ServingContext:
         """400 naming the problem if the schema / regex / grammar cannot be compiled (checked in a
         worker thread and cached, so the event loop never waits on a large schema)."""
         try:
-            await asyncio.to_thread(check_spec, spec)
+            await self.off_loop(param, check_spec, spec)
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param) from None
+        except APIError:
+            raise
+        except Exception:  # noqa: BLE001 - e.g. a schema xgrammar cannot handle: the client's input, not a 500
+            logger.exception("checking the %s constraint failed", spec.kind)
+            raise bad_request(f"{param}: this {spec.kind} constraint cannot be compiled", param) from None
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if any(not 0 <= t < self.vocab_size for t in ids):
@@ -83,7 +141,11 @@ class ServingContext:
                               f"tokens (at least one more is needed for the completion). Shorten the "
                               f"{prompt_param}.", prompt_param, "context_length_exceeded")
         if params.max_tokens is None:
-            return dataclasses.replace(params, max_tokens=limit - num_prompt)
+            room = limit - num_prompt
+            if params.min_tokens > room:
+                raise bad_request(f"min_tokens ({params.min_tokens}) is more than the {room} tokens left in the "
+                                  f"context after the {prompt_param} ({num_prompt} tokens)", "min_tokens")
+            return dataclasses.replace(params, max_tokens=room)
         if num_prompt + params.max_tokens > limit:
             raise bad_request(f"This model's {why} is {limit} tokens, but {num_prompt + params.max_tokens} "
                               f"were requested ({num_prompt} in the {prompt_param}, {params.max_tokens} for the "
@@ -101,6 +163,9 @@ class ServingContext:
     def submit_all(self, prompts: list[tuple[str, str | None, list[int], SamplingParams]], arrival: float,
                    priority: int = 0, cache_salt: str | None = None) -> list[RequestStream]:
         """Submit several prompts; if one cannot be submitted, abort the ones already in."""
+        queue, total = self.client.max_queue, sum(p.n for *_, p in prompts)
+        if queue is not None and self.client.waiting_estimate() + total > queue:
+            raise engine_error(QueueFullError(f"the server's waiting queue is full ({queue} requests); retry later"))
         streams: list[RequestStream] = []
         try:
             for request_id, text, ids, params in prompts:

@@ -10,6 +10,7 @@ responses alike.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import EngineDeadError, RequestRejected, RequestStream
-from tokenmill.server.protocol import ChatCompletionRequest, bad_request
+from tokenmill.server.protocol import APIError, ChatCompletionRequest, bad_request
 from tokenmill.server.serving import ServingContext, engine_error, usage
 from tokenmill.server.streaming import (
     ClientDisconnected,
@@ -31,20 +32,39 @@ from tokenmill.structured import tools as tool_fmt
 from tokenmill.structured.reasoning import REASONING_PARSERS, prompt_closes_reasoning
 from tokenmill.structured.spec import ReasoningSpec, StructuredOutputSpec
 
-
-def chat_prompt_ids(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    return chat_prompt(ctx, messages, add_generation_prompt)[1]
+logger = logging.getLogger(__name__)
 
 
-def chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool = True, tools=None,
-                template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-    """The rendered prompt text and its token ids."""
-    try:
+async def chat_prompt_ids(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    return (await chat_prompt(ctx, messages, add_generation_prompt))[1]
+
+
+async def chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool = True, tools=None,
+                      template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """The rendered prompt text and its token ids (rendered off the event loop, under a time limit)."""
+    def render() -> tuple[str, list[int]]:
         text = ctx.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          **(template_kwargs or {}))
+        return text, ctx.tokenizer.encode(text, add_special_tokens=False)
+
+    try:
+        return await ctx.off_loop("messages", render)
+    except APIError:
+        raise
     except Exception as e:  # a template that refuses the conversation (roles, missing template, ...)
-        raise bad_request(f"messages cannot be formatted with the model's chat template: {e}", "messages") from None
-    return text, ctx.tokenizer.encode(text, add_special_tokens=False)
+        raise bad_request(f"messages cannot be formatted with the model's chat template: {template_error(e)}",
+                          "messages") from None
+
+
+def template_error(e: Exception) -> str:
+    """What a client may see of a template failure: the template's own `raise_exception` messages (they
+    are written for users) and our own checks; anything else is logged, not echoed."""
+    from jinja2.exceptions import TemplateError
+
+    if type(e) is TemplateError or isinstance(e, ValueError):
+        return str(e)[:300]
+    logger.warning("chat template failed: %s: %s", type(e).__name__, e)
+    return "the template failed on these messages"
 
 
 @dataclasses.dataclass
@@ -136,7 +156,9 @@ def _message(deltas: list[dict], with_reasoning: bool, with_tools: bool) -> dict
 
 async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[SamplingParams, list[int], _ChatPlan]:
     """Prompt ids, sampling parameters (with constraints) and the parsing plan of a chat request."""
+    ctx.check_limits(req)
     params = req.sampling_params()
+    template_kwargs = req.template_kwargs()
     mode, name = req.tool_mode()
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     spec = req.structured_spec()
@@ -160,8 +182,8 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Sam
     native = tool_fmt.template_supports_tools(ctx.tokenizer.hf.chat_template)
     prompt_tools = tools if mode != "none" else None
     messages = tool_fmt.render_messages(req.chat_messages(), prompt_tools, native)
-    text, ids = chat_prompt(ctx, messages, req.add_generation_prompt, prompt_tools if native else None,
-                            req.chat_template_kwargs)
+    text, ids = await chat_prompt(ctx, messages, req.add_generation_prompt, prompt_tools if native else None,
+                                  template_kwargs)
 
     in_reasoning = False
     if ctx.reasoning_parser is not None:

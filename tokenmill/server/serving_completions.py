@@ -22,16 +22,17 @@ from tokenmill.server.streaming import (
 )
 
 
-def prompt_inputs(ctx: ServingContext, prompt) -> list[tuple[str, list[int]]]:
-    """(text, token ids) per prompt. Token-id prompts get their decoded text (for echo)."""
+def split_prompts(prompt) -> list:
+    """The request's prompts: one text, one token-id list, or a list of either."""
     if isinstance(prompt, str):
-        prompts = [prompt]
-    elif not prompt:
+        return [prompt]
+    if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
-    elif isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+    return [prompt] if isinstance(prompt[0], int) else list(prompt)
+
+
+def prompt_inputs(ctx: ServingContext, prompts: list) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt. Token-id prompts get their decoded text (for echo)."""
     out = []
     for p in prompts:
         if isinstance(p, str):
@@ -45,11 +46,13 @@ def prompt_inputs(ctx: ServingContext, prompt) -> list[tuple[str, list[int]]]:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request,
                             arrival: float) -> Response:
     model = ctx.check_model(req.model)
+    raw_prompts = split_prompts(req.prompt)
+    ctx.check_limits(req, len(raw_prompts))
     params = req.sampling_params()
     spec = req.structured_spec()
     if spec is not None:
         await ctx.check_structured(*spec)
-    prompts = prompt_inputs(ctx, req.prompt)
+    prompts = await ctx.off_loop("prompt", prompt_inputs, ctx, raw_prompts)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     items = []
     for i, (text, ids) in enumerate(prompts):

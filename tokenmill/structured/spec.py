@@ -66,8 +66,12 @@ class StructuredOutputSpec:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep") from None
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+        if _depth(schema) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
         return cls("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
 
     @classmethod
@@ -136,6 +140,22 @@ class ReasoningSpec:
 
 
 # ---- grammar construction and validation --------------------------------------------------------
+
+MAX_SCHEMA_DEPTH = 64  # objects/arrays inside each other; deeper schemas are refused (no recursion limits hit)
+
+
+def _depth(value) -> int:
+    """How deeply dicts and lists nest in `value` (iterative: any depth is safe to measure)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > MAX_SCHEMA_DEPTH:
+                return deepest
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
 
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
 

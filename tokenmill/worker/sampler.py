@@ -2,7 +2,7 @@
 
 Each engine step builds a :class:`SamplingMetadata` for the B rows that need a next
 token, then calls :class:`Sampler` on the ``[B, V]`` logits. Processing order:
-min_tokens (block EOS/stop ids) -> structured-output mask -> penalties -> greedy argmax
+min_tokens (block EOS/stop ids) -> structured-output mask -> logit bias -> penalties -> greedy argmax
 or temperature / top-k / top-p / min-p / exponential-race sampling. Logprobs are taken
 from the raw logits (before any of that), like vLLM v1's default.
 """
@@ -48,6 +48,7 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None  # [B] float
     repetition_penalty: torch.Tensor | None  # [B] float
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to -inf
+    logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None  # ((rows, token ids), biases)
     max_num_logprobs: int | None  # largest ``logprobs`` in the batch, None if no row asks
 
     @property
@@ -131,13 +132,26 @@ class SamplingMetadata:
                 torch.tensor(cols, dtype=torch.long, device=device),
             )
 
+        bias_rows, bias_cols, biases = [], [], []
+        for i, p in enumerate(params):
+            for token, bias in (p.logit_bias or {}).items():
+                if token < V:
+                    bias_rows.append(i)
+                    bias_cols.append(token)
+                    biases.append(bias)
+        logit_bias = None
+        if bias_rows:
+            logit_bias = ((torch.tensor(bias_rows, dtype=torch.long, device=device),
+                           torch.tensor(bias_cols, dtype=torch.long, device=device)), floats(biases))
+
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             all_greedy=all_greedy, all_random=all_random, greedy_mask=greedy_mask,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
             no_penalties=no_penalties, prompt_token_ids=prompt_t, output_token_ids=output_t,
             presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-            min_tokens_index=min_tokens_index, max_num_logprobs=max(wanted) if wanted else None,
+            min_tokens_index=min_tokens_index, logit_bias=logit_bias,
+            max_num_logprobs=max(wanted) if wanted else None,
         )
 
 
@@ -245,6 +259,8 @@ class Sampler:
                 logits = logits.clone()
                 logits[allowed_token_rows] = logits[allowed_token_rows].masked_fill(
                     ~allowed_token_mask, float("-inf"))
+        if meta.logit_bias is not None:
+            logits = logits.index_put(meta.logit_bias[0], meta.logit_bias[1], accumulate=True)
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
 
