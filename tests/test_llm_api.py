@@ -130,3 +130,19 @@ def test_shared_params_are_not_mutated_by_the_engine():
     outs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [30, 10]
     assert params.max_tokens is None
+
+
+def test_streamed_deltas_add_up_to_the_final_text(llm):
+    """Each step carries only its delta (the whole text is built once, at the end: no quadratic work)."""
+    engine = llm.engine
+    engine.add_request("deltas", "Once upon a time", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sample = out.outputs[0]
+            deltas.append(sample.delta_text)
+            if out.finished:
+                final = sample.text
+            else:
+                assert sample.text == ""
+    assert final and "".join(deltas) == final and pool_whole(llm)

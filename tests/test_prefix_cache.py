@@ -104,7 +104,7 @@ def test_cache_salt_isolates_tenants(tiny):
 def test_hash_collisions_never_serve_wrong_kv(tiny):
     directory, loaded = tiny
     core = make_core(directory, loaded=loaded)
-    core.kv.hash_fn = lambda value: 42  # every block of every prompt collides
+    core.kv.hash_fn = lambda parent, tokens: 42  # every block of every prompt collides
     prompts = [tokens(80, seed=20 + i) for i in range(4)]
     reference = run_core(make_core(directory, loaded=loaded, prefix_caching=False), prompts, GREEDY)
     outs = {str(i): one(core, str(i), p)[0] for i, p in enumerate(prompts)}
@@ -114,12 +114,29 @@ def test_hash_collisions_never_serve_wrong_kv(tiny):
     assert again == reference["0"]
 
 
-def test_sha256_hash_option(tiny):
-    from tokenmill.engine.kv_cache_manager import sha256_hash
+def test_a_hit_matches_the_whole_chain_not_just_the_tokens(tiny):
+    """A prompt whose second block repeats its first: under colliding keys the second block finds the
+    cached first block, with the same tokens but another parent (and position). Reusing it would be
+    wrong KV; the parent check refuses it."""
+    directory, loaded = tiny
+    block = tokens(16, seed=40)
+    prompt = block + block + tokens(9, seed=41)
+    reference = run_core(make_core(directory, loaded=loaded, prefix_caching=False), [prompt], GREEDY)["0"]
+    core = make_core(directory, loaded=loaded)
+    core.kv.hash_fn = lambda parent, tokens: 42
+    first, _ = one(core, "a", prompt)
+    second, cached = one(core, "b", prompt)
+    assert first == second == reference
+    assert cached == 16  # the first block only
+
+
+@pytest.mark.parametrize("name", ["blake2b", "sha256", "builtin"])
+def test_hash_options(tiny, name):
+    from tokenmill.engine.kv_cache_manager import HASH_FUNCTIONS
 
     directory, loaded = tiny
     core = make_core(directory, loaded=loaded)
-    core.kv.hash_fn = sha256_hash
+    core.kv.hash_fn = HASH_FUNCTIONS[name]
     prompt = tokens(40, seed=7)
     first, _ = one(core, "a", prompt)
     second, cached = one(core, "b", prompt)

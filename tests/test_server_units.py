@@ -260,3 +260,34 @@ def test_metrics_observe_engine_timestamps():
     assert value("tokenmill:kv_cache_usage_perc") == 0  # the last snapshot had no usage
     other = ServerMetrics("m")  # a private registry per app: no duplicate-metric errors
     assert other.registry is not m.registry
+
+
+def test_undelivered_steps_merge_so_a_slow_reader_holds_one_output():
+    import asyncio
+    from types import SimpleNamespace
+
+    from tokenmill.server.engine_client import EngineDeadError, RequestStream, SampleDelta, StreamOutput
+
+    async def read(steps, error=None):
+        stream = RequestStream(SimpleNamespace(_streams={}, abort=lambda rid: None), "r")
+        for i, (index, text, finish) in enumerate(steps):
+            stream.put(StreamOutput("r", [1], 0, [SampleDelta(index, text, [i], [{}], finish, None)],
+                                    finish is not None, []))
+        if error is not None:
+            stream.put(error)
+        assert len(stream._pending) == 1 + (error is not None)
+        items = []
+        try:
+            async for item in stream:
+                items.append(item)
+        except EngineDeadError as e:
+            items.append(e)
+        return items
+
+    items = asyncio.run(read([(0, "a", None), (1, "x", None), (0, "b", None), (0, "c", "stop")]))
+    assert len(items) == 1 and items[0].finished
+    first, second = items[0].deltas
+    assert (first.index, first.text, first.token_ids, first.finish_reason) == (0, "abc", [0, 2, 3], "stop")
+    assert len(first.logprobs) == 3 and (second.index, second.text) == (1, "x")
+    items = asyncio.run(read([(0, "a", None), (0, "b", None)], EngineDeadError("gone")))
+    assert items[0].deltas[0].text == "ab" and isinstance(items[1], EngineDeadError)  # output first, then the error

@@ -15,6 +15,8 @@ import torch
 from tokenmill.models.registry import check_architecture
 from tokenmill.quantization import QUANTIZATION_METHODS
 
+PREFIX_CACHE_HASHES = ("blake2b", "sha256", "builtin")  # see tokenmill.engine.kv_cache_manager
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -114,7 +116,7 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0
     num_blocks: int | None = None  # overrides kv_cache_memory_gib when set
     enable_prefix_caching: bool = True
-    prefix_cache_hash: str = "builtin"  # or "sha256"
+    prefix_cache_hash: str = "blake2b"  # keyed per process; or "sha256" (same in every process), "builtin"
     cache_dtype: str = "auto"  # dtype of stored K/V; "auto" = the compute dtype
 
     def __post_init__(self) -> None:
@@ -124,8 +126,9 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory_gib}")
-        if self.prefix_cache_hash not in ("builtin", "sha256"):
-            raise ValueError(f"prefix_cache_hash must be 'builtin' or 'sha256', got {self.prefix_cache_hash!r}")
+        if self.prefix_cache_hash not in PREFIX_CACHE_HASHES:
+            raise ValueError(f"prefix_cache_hash must be one of {', '.join(PREFIX_CACHE_HASHES)}, "
+                             f"got {self.prefix_cache_hash!r}")
         if self.cache_dtype != "auto" and self.cache_dtype not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, "
                              f"got {self.cache_dtype!r}")

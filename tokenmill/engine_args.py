@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import PREFIX_CACHE_HASHES, CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.loader.source import DEFAULT_MODEL
 from tokenmill.quantization import QUANTIZATION_METHODS
 
@@ -46,8 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=cache.enable_prefix_caching,
                    help="reuse the KV blocks of identical prompt prefixes across requests (default: on)")
-    c.add_argument("--prefix-cache-hash", choices=["builtin", "sha256"], default=cache.prefix_cache_hash,
-                   help="hash for prefix-cache block keys; sha256 is collision-resistant and slower "
+    c.add_argument("--prefix-cache-hash", choices=PREFIX_CACHE_HASHES, default=cache.prefix_cache_hash,
+                   help="hash for prefix-cache block keys: blake2b = keyed with a random per-process key "
+                        "(collision-resistant, unpredictable), sha256 = the same keys in every process, builtin = "
+                        "Python's hash (fastest, 64-bit); a hit always checks the block's tokens and parent too "
                         "(default: %(default)s)")
     c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.policy,
                    help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "

@@ -2,45 +2,64 @@
 the automatic prefix cache.
 
 The pool is created once; blocks never move. Free blocks wait in a doubly linked queue (O(1) pop
-from the front, append at the back, removal from the middle). A full block's key chains its parent
-block's key with its token ids (and the request's cache salt for the first block), so a key names
-the whole prefix up to that block. Freed blocks keep their content and key while they sit in the
-free queue; a new request whose prefix matches takes them back, and allocation evicts the least
-recently freed first. On a hit the stored token ids are compared too, so even a hash collision can
-never hand one prompt another prompt's KV.
+from the front, append at the back, removal from the middle). A full block's key hashes its parent
+block's key with its token ids (the request's cache salt stands in for the parent of the first
+block), so a key names the whole prefix up to that block. Freed blocks keep their content and key
+while they sit in the free queue; a new request whose prefix matches takes them back, and
+allocation evicts the least recently freed first. On a hit the stored token ids *and* parent key
+are compared too, so the whole chain back to the salt must match: even a hash collision can never
+hand one prompt another prompt's KV. The default key is a keyed BLAKE2b (a random key per
+process), so clients cannot craft collisions either.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
-from collections.abc import Callable, Hashable, Iterable
+from array import array
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from tokenmill.engine.request import Request
 
 BlockKey = Hashable
-HashFn = Callable[[object], BlockKey]
+HashFn = Callable[[object, Sequence[int]], BlockKey]  # (parent key or salt, block token ids) -> key
+
+_PROCESS_KEY = os.urandom(32)
 
 
-def builtin_hash(value: object) -> int:
-    """Fast in-process hash (keys never leave the engine process)."""
-    return hash(value)
+def blake2b_hash(parent: object, tokens: Sequence[int]) -> bytes:
+    """Keyed BLAKE2b (128 bits) with a per-process random key: collision-resistant and unpredictable."""
+    head = parent if isinstance(parent, bytes) else ("" if parent is None else f"salt:{parent}").encode()
+    h = hashlib.blake2b(key=_PROCESS_KEY, digest_size=16)
+    h.update(len(head).to_bytes(4, "little"))
+    h.update(head)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
-def sha256_hash(value: object) -> bytes:
-    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+def sha256_hash(parent: object, tokens: Sequence[int]) -> bytes:
+    """Unkeyed SHA-256: the same key in every process (for caches shared between processes)."""
+    return hashlib.sha256(pickle.dumps((parent, tuple(tokens)), protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-HASH_FUNCTIONS: dict[str, HashFn] = {"builtin": builtin_hash, "sha256": sha256_hash}
+def builtin_hash(parent: object, tokens: Sequence[int]) -> int:
+    """Python's tuple hash: the fastest, but 64-bit and predictable (collisions can be crafted; the
+    chain check still keeps them from serving wrong KV)."""
+    return hash((parent, tuple(tokens)))
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {"blake2b": blake2b_hash, "sha256": sha256_hash, "builtin": builtin_hash}
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_count", "key", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "key", "parent", "token_ids", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.key: BlockKey | None = None  # prefix key of a full, cached block
+        self.parent: object = None  # the key of the block before it (or the salt): compared on every hit
         self.token_ids: tuple[int, ...] | None = None  # its tokens, compared on every hit
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
@@ -114,12 +133,12 @@ class BlockPool:
     def uncache(self, block: KVBlock) -> None:
         if block.key is not None and self.cached.get(block.key) is block:
             del self.cached[block.key]
-        block.key = block.token_ids = None
+        block.key = block.parent = block.token_ids = None
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = builtin_hash) -> None:
+                 hash_fn: HashFn = blake2b_hash) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -149,9 +168,13 @@ class KVCacheManager:
         keys = self.req_keys.setdefault(request.request_id, [])
         bs = self.block_size
         for i in range(len(keys), request.num_tokens // bs):
-            parent = keys[-1] if keys else request.cache_salt
-            keys.append(self.hash_fn((parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))))
+            keys.append(self.hash_fn(self._parent(keys, i, request), request.token_slice(i * bs, (i + 1) * bs)))
         return keys
+
+    @staticmethod
+    def _parent(keys: list[BlockKey], i: int, request: Request) -> object:
+        """What block i's key chains to: the key of block i - 1, or the salt for the first block."""
+        return keys[i - 1] if i else request.cache_salt
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached blocks holding a prefix of the request's tokens, and how many
@@ -160,9 +183,11 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         hits: list[KVBlock] = []
-        for i, key in enumerate(self._block_keys(request)[: (request.num_tokens - 1) // bs]):
+        keys = self._block_keys(request)
+        for i, key in enumerate(keys[: (request.num_tokens - 1) // bs]):
             block = self.pool.cached.get(key)
-            if block is None or block.token_ids != tuple(request.token_slice(i * bs, (i + 1) * bs)):
+            if block is None or block.parent != self._parent(keys, i, request) \
+                    or block.token_ids != tuple(request.token_slice(i * bs, (i + 1) * bs)):
                 break
             hits.append(block)
         return hits, len(hits) * bs
@@ -211,7 +236,7 @@ class KVCacheManager:
         for i in range(start, end):
             block = blocks[i]
             if block.key is None and keys[i] not in self.pool.cached:
-                block.key = keys[i]
+                block.key, block.parent = keys[i], self._parent(keys, i, request)
                 block.token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
                 self.pool.cached[block.key] = block
         self.num_cached_blocks[rid] = end

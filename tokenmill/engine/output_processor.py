@@ -18,8 +18,9 @@ from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
 @dataclass
 class CompletionOutput:
-    """One of the `n` samples of a request. `text`/`token_ids` are cumulative; the `delta_*`
-    fields hold what this step added (what a stream should send now)."""
+    """One of the `n` samples of a request. `token_ids` are cumulative; `text` is the whole text once
+    the sample finished (building it every step would be quadratic in the output length); the
+    `delta_*` fields hold what this step added (what a stream should send now)."""
 
     index: int
     text: str = ""
@@ -130,6 +131,7 @@ class OutputProcessor:
         for s in state.samples:
             if s.output.finish_reason is None:
                 s.output.finish_reason = "abort"
+                s.output.text = s.detok.output_text
         return state.snapshot()
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
@@ -164,7 +166,6 @@ class OutputProcessor:
                 out.logprobs.extend(co.new_logprobs)
                 out.delta_logprobs = co.new_logprobs
             out.delta_text = sample.detok.stream_delta(finished=finish is not None)
-            out.text = sample.detok.output_text
             m = state.metrics
             if out.index == 0:
                 m.first_scheduled_time = co.first_scheduled_time
@@ -173,6 +174,7 @@ class OutputProcessor:
             state.num_cached_tokens = co.num_cached_tokens
             if finish is not None:
                 out.finish_reason, out.stop_reason = finish, stop_reason
+                out.text = sample.detok.output_text
                 self.samples.pop(co.request_id, None)
             touched[state.request_id] = state
         results = []

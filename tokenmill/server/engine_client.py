@@ -12,6 +12,8 @@ aborts its request in the core. If the core process dies, every in-flight stream
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 import multiprocessing
 import queue
@@ -93,16 +95,41 @@ def _copy_step(result: RequestOutput, reported: set[int]) -> StreamOutput:
                         result.finished, result.outputs)
 
 
+def _merge_steps(older: StreamOutput, newer: StreamOutput) -> StreamOutput:
+    """Two undelivered steps as one: per sample, the texts, tokens and logprobs joined."""
+    by_index = {d.index: d for d in older.deltas}
+    for d in newer.deltas:
+        old = by_index.get(d.index)
+        if old is None:
+            by_index[d.index] = d
+            continue
+        logprobs = None if old.logprobs is None and d.logprobs is None else (old.logprobs or []) + (d.logprobs or [])
+        by_index[d.index] = SampleDelta(d.index, old.text + d.text, old.token_ids + d.token_ids, logprobs,
+                                        d.finish_reason, d.stop_reason)
+    return dataclasses.replace(newer, deltas=sorted(by_index.values(), key=lambda d: d.index))
+
+
 class RequestStream:
     """One request's outputs, step by step. Use as `async with stream: async for out in stream:`;
-    leaving the block before the request finished aborts it (client gone, error, cancellation)."""
+    leaving the block before the request finished aborts it (client gone, error, cancellation).
+
+    Steps the reader has not taken yet are merged into one, so a slow reader holds at most one
+    pending output (no longer than the request's own output), never one item per engine step."""
 
     def __init__(self, client: EngineClient, request_id: str) -> None:
         self.client = client
         self.request_id = request_id
-        self.queue: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
+        self._pending: collections.deque[StreamOutput | BaseException] = collections.deque()
+        self._ready = asyncio.Event()
         self.finished = False
         self.reported: set[int] = set()  # samples whose finish was already delivered
+
+    def put(self, item: StreamOutput | BaseException) -> None:
+        if self._pending and isinstance(item, StreamOutput) and isinstance(self._pending[-1], StreamOutput):
+            self._pending[-1] = _merge_steps(self._pending[-1], item)
+        else:
+            self._pending.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -110,7 +137,10 @@ class RequestStream:
     async def __anext__(self) -> StreamOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._pending.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -347,7 +377,7 @@ class EngineClient:
             if result.finished:
                 self._forget(result.request_id)
             if stream is not None:
-                stream.queue.put_nowait(_copy_step(result, stream.reported))
+                stream.put(_copy_step(result, stream.reported))
 
     def _on_stats(self, stats: dict) -> None:
         self.stats = stats
@@ -364,7 +394,7 @@ class EngineClient:
         if others:
             self._inputs.put(("abort", others))
         if stream is not None:
-            stream.queue.put_nowait(RequestRejected(message, param))
+            stream.put(RequestRejected(message, param))
 
     def _on_dead(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -375,7 +405,7 @@ class EngineClient:
 
     def _fail_all(self, reason: str) -> None:
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.put(EngineDeadError(reason))
         for rid in list(self._children):
             self._forget(rid)
         while self._reset_waiters:
