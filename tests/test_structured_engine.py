@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
-import threading
+import signal
+import time
 
 import jsonschema
 import pytest
@@ -220,11 +222,24 @@ def test_preemption_keeps_constrained_outputs_exact(engine, default_model):
         jsonschema.validate(json.loads(engine.tokenizer.decode(ids)), schema)
 
 
+def _compile_workers(compiler, replacing: list | None = None) -> list:
+    """The grammar compiler's worker processes, once they are up (and one of `replacing` was replaced)."""
+    deadline = time.monotonic() + 120
+    while True:
+        procs = list(compiler._workers.processes)
+        up = all(p is not None and p.is_alive() for p in procs)
+        if up and (replacing is None or {p.pid for p in procs} != {p.pid for p in replacing}):
+            return procs
+        assert time.monotonic() < deadline, "grammar workers did not start"
+        time.sleep(0.1)
+
+
 def test_compiling_grammar_does_not_block_other_requests(engine):
+    """The grammar workers are stopped (SIGSTOP: a compile that hangs); unconstrained requests run on."""
     core = engine.core
-    compiler = core.structured.compiler
-    gate = threading.Event()
-    blockers = [compiler._pool.submit(gate.wait, 60) for _ in range(compiler._pool._max_workers)]
+    workers = _compile_workers(core.structured.compiler)
+    for p in workers:
+        os.kill(p.pid, signal.SIGSTOP)
     try:
         schema = {"type": "object", "properties": {"compiled_late": {"type": "integer", "minimum": 0,
                                                                      "maximum": 9}}, "required": ["compiled_late"]}
@@ -244,14 +259,53 @@ def test_compiling_grammar_does_not_block_other_requests(engine):
                 finished[out.request_id] = out
         assert "slow" not in finished and [r.request_id for r in core.compiling] == ["slow"]
     finally:
-        gate.set()
-    for b in blockers:
-        b.result()
+        for p in workers:
+            os.kill(p.pid, signal.SIGCONT)
     while engine.has_unfinished_requests():
         for out in engine.step():
             finished[out.request_id] = out
     assert json.loads(finished["slow"].outputs[0].text)["compiled_late"] in range(10)
     assert "aborted" not in finished and not core.compiling
+
+
+def test_a_grammar_past_its_deadline_is_refused_and_its_worker_replaced(engine):
+    """Every compile hangs (workers stopped); with a 1 s deadline the request fails as the client's
+    fault, the worker that ran it is killed and replaced, and grammars compile again afterwards."""
+    compiler = engine.core.structured.compiler
+    workers = compiler._workers
+    old = _compile_workers(compiler)
+    saved, workers.timeout = workers.timeout, 1.0
+    for p in old:
+        os.kill(p.pid, signal.SIGSTOP)
+    schema = {"type": "object", "properties": {"deadline_test": {"type": "boolean"}}, "required": ["deadline_test"]}
+    params = SamplingParams(temperature=0, max_tokens=24, structured_output=StructuredOutputSpec.json(schema))
+    try:
+        engine.add_request("stuck", chat(engine, "JSON please."), params)
+        finished = run_until(engine, "stuck")
+    finally:
+        workers.timeout = saved
+        for p in old:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+    out = finished["stuck"].outputs[0]
+    assert out.finish_reason == "abort" and "longer than 1 s" in out.error and out.error_param == "structured_output"
+    assert sorted(p.exitcode or 0 for p in old) == [-signal.SIGKILL, 0]  # the one that ran it was killed
+    _compile_workers(compiler, replacing=old)  # and replaced
+    with pytest.raises(ValueError, match="longer than 1 s"):  # a timed-out grammar is refused at once
+        engine.add_request("again", chat(engine, "JSON please."), params)
+    schema["properties"]["after"] = {"type": "integer"}
+    engine.add_request("fine", chat(engine, "JSON please."), SamplingParams(
+        temperature=0, max_tokens=40, structured_output=StructuredOutputSpec.json(schema)))
+    assert json.loads(run_until(engine, "fine")["fine"].outputs[0].text)["deadline_test"] in (True, False)
+
+
+def run_until(engine, request_id: str) -> dict:
+    finished = {}
+    while request_id not in finished:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
 
 
 def test_reasoning_budget_forces_the_end_then_constrains(engine):

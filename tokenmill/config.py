@@ -163,6 +163,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     quantization: str = "auto"  # one of tokenmill.quantization.QUANTIZATION_METHODS
+    grammar_timeout: float = 30.0  # seconds a structured-output grammar may take to compile
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -170,6 +171,8 @@ class EngineConfig:
         resolve_device(self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, got {self.dtype!r}")
+        if not self.grammar_timeout > 0:
+            raise ValueError(f"grammar_timeout must be positive, got {self.grammar_timeout}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")

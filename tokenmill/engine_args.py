@@ -51,6 +51,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(collision-resistant, unpredictable), sha256 = the same keys in every process, builtin = "
                         "Python's hash (fastest, 64-bit); a hit always checks the block's tokens and parent too "
                         "(default: %(default)s)")
+    c.add_argument("--grammar-timeout", type=float, default=30.0,
+                   help="seconds a structured-output grammar (JSON schema, regex, EBNF) may take to compile, in "
+                        "a worker process that is killed when it runs over; the request is then rejected "
+                        "(HTTP 400) (default: %(default)s)")
     c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.policy,
                    help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
                         "first (default: %(default)s)")
@@ -59,6 +63,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
+        grammar_timeout=args.grammar_timeout,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                           prefix_cache_hash=args.prefix_cache_hash, cache_dtype=args.kv_cache_dtype),

@@ -15,6 +15,8 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
+import torch
+
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import HASH_FUNCTIONS, KVCacheManager
 from tokenmill.engine.outputs import EngineCoreOutput
@@ -78,7 +80,8 @@ class EngineCore:
 
             try:
                 data = self._tokenizer_data() if callable(self._tokenizer_data) else self._tokenizer_data
-                self._structured = StructuredOutputManager(data, self.model_config.vocab_size)
+                self._structured = StructuredOutputManager(data, self.model_config.vocab_size,
+                                                           self.config.grammar_timeout)
             except Exception:  # noqa: BLE001 - serve unconstrained requests; constrained ones are rejected
                 logger.exception("cannot set up structured output; constrained requests will be rejected")
                 self._tokenizer_data = None
@@ -123,13 +126,13 @@ class EngineCore:
         if params.structured_output is not None or budget is not None:
             if self.structured is None:
                 raise RequestRejected("structured output is not available: the engine has no tokenizer data",
-                                      "response_format")
+                                      "structured_output")
             request.structured = self.structured.new_state(params.structured_output, params.reasoning,
                                                            request.eos_token_ids | request.stop_token_ids)
             if request.structured is not None and request.structured.ready:  # cached grammar
                 error = request.structured.start()
                 if error is not None:
-                    raise RequestRejected(error, "response_format")
+                    raise RequestRejected(error, "structured_output")
         self.requests[rid] = request
         if request.structured is not None and not request.structured.ready:
             self.compiling.append(request)  # scheduled once its grammar is compiled (see _admit_compiled)
@@ -142,11 +145,11 @@ class EngineCore:
         if error is None:
             self.scheduler.add(request)
             return None
-        logger.error("request %s: %s", request.request_id, error)
+        logger.warning("request %s: %s", request.request_id, error)
         request.status = RequestStatus.FINISHED_ABORTED
         del self.requests[request.request_id]
-        return EngineCoreOutput(request.request_id, [], time.monotonic(), "abort",
-                                arrival_time=request.times.arrival)
+        return EngineCoreOutput(request.request_id, [], time.monotonic(), "abort", arrival_time=request.times.arrival,
+                                error=error, error_param="structured_output")
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Move requests whose grammar finished compiling to the scheduler (never blocks)."""
@@ -199,21 +202,42 @@ class EngineCore:
                 wait_futures([r.structured.future for r in self.compiling], timeout=0.01,
                              return_when=FIRST_COMPLETED)
             return failed
-        sched.grammar = self._grammar_bitmask(sched)
-        updates = self.scheduler.update_from_output(sched, self.executor.execute(sched))
+        failed += self._attach_grammar(sched)
+        try:
+            output = self.executor.execute(sched)
+        except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            logger.exception("a step of %d requests failed; finishing them with an error",
+                             len(sched.num_scheduled_tokens))
+            return failed + [self._fail(rid, "the engine failed while running this request")
+                             for rid in list(sched.num_scheduled_tokens)]
+        updates = self.scheduler.update_from_output(sched, output)
         return failed + [self._output(u) for u in updates]
 
-    def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
-        """The structured-output masks of the constrained requests that sample this step."""
-        constrained = []
-        for rid, num_new in sched.num_scheduled_tokens.items():
+    def _attach_grammar(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Set the structured-output masks of the constrained requests that sample this step. A request
+        whose grammar fails is taken out of the step and finished with an error."""
+        constrained, masks, failed = [], [], []
+        for rid, num_new in list(sched.num_scheduled_tokens.items()):
             request = self.requests[rid]
-            if request.structured is not None and request.structured.needs_mask and request.samples_after(num_new):
-                constrained.append(request)
-        if not constrained:
-            return None
-        return GrammarBitmask([r.request_id for r in constrained],
-                              self.structured.bitmask([r.structured for r in constrained]))
+            state = request.structured
+            try:
+                if state is not None and state.needs_mask and request.samples_after(num_new):
+                    masks.append(self.structured.bitmask([state]))
+                    constrained.append(rid)
+            except Exception:  # noqa: BLE001 - only this request is lost
+                logger.exception("request %s: its grammar failed", rid)
+                del sched.num_scheduled_tokens[rid]
+                failed.append(self._fail(rid, "the structured-output grammar failed"))
+        if constrained:
+            sched.grammar = GrammarBitmask(constrained, torch.cat(masks))
+        return failed
+
+    def _fail(self, request_id: str, error: str) -> EngineCoreOutput:
+        """Finish a request because the engine failed on it (its blocks return to the pool)."""
+        request = self.requests.pop(request_id)
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return EngineCoreOutput(request_id, [], time.monotonic(), "abort", arrival_time=request.times.arrival,
+                                first_scheduled_time=request.times.first_scheduled, error=error)
 
     def _output(self, update: RequestUpdate) -> EngineCoreOutput:
         request, status = update.request, update.status
@@ -221,4 +245,4 @@ class EngineCore:
             del self.requests[request.request_id]
         return EngineCoreOutput(request.request_id, update.new_token_ids, request.times.tokens[-1],
                                 status.value if status else None, update.new_logprobs, request.num_cached_tokens,
-                                request.times.arrival, request.times.first_scheduled)
+                                request.times.arrival, request.times.first_scheduled, update.error)

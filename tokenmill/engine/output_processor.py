@@ -28,6 +28,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    error: str | None = None  # the engine failed on it (finish_reason "abort"); see EngineCoreOutput.error
+    error_param: str | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, Logprob]] | None = None
@@ -174,6 +176,7 @@ class OutputProcessor:
             state.num_cached_tokens = co.num_cached_tokens
             if finish is not None:
                 out.finish_reason, out.stop_reason = finish, stop_reason
+                out.error, out.error_param = co.error, co.error_param
                 out.text = sample.detok.output_text
                 self.samples.pop(co.request_id, None)
             touched[state.request_id] = state

@@ -37,3 +37,5 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
+    error: str | None = None  # with finish_reason "abort": why the request failed (shown to the client)
+    error_param: str | None = None  # the request field at fault, when it was the client's input (a 400)

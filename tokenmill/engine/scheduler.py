@@ -36,6 +36,7 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
     status: RequestStatus | None
+    error: str | None = None  # the request failed (e.g. its grammar raised); status is FINISHED_ABORTED
 
 
 class Scheduler:
@@ -137,14 +138,19 @@ class Scheduler:
             tokens = output.sampled_token_ids.get(rid)
             if not tokens:
                 continue
-            accepted, status = [], None
+            accepted, status, error = [], None, None
             for token in tokens:
                 accepted.append(token)
-                status = self._append(request, token, now)
+                try:
+                    status = self._append(request, token, now)
+                except Exception:  # noqa: BLE001 - one request's grammar failing must not stop the others
+                    logger.exception("request %s: accepting token %d failed", rid, token)
+                    status, error = RequestStatus.FINISHED_ABORTED, "the structured-output grammar failed"
                 if status is not None:
                     break
             logprobs = output.logprobs.get(rid)
-            updates.append(RequestUpdate(request, accepted, logprobs[: len(accepted)] if logprobs else None, status))
+            updates.append(RequestUpdate(request, accepted, logprobs[: len(accepted)] if logprobs else None, status,
+                                         error))
             if status is not None:
                 self.finish(request, status)
         return updates
@@ -155,9 +161,7 @@ class Scheduler:
         structured = request.structured
         if structured is not None:
             if not structured.accept(token):  # only if every token was masked: should not happen
-                logger.error("request %s: sampled token %d is not allowed by its grammar; aborting it",
-                             request.request_id, token)
-                return RequestStatus.FINISHED_ABORTED
+                raise RuntimeError(f"sampled token {token} is not allowed by the grammar")
             if structured.terminated:  # the grammar accepted a stop token: the output is done
                 return status or RequestStatus.FINISHED_STOPPED
         return status

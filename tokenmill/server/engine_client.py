@@ -58,6 +58,22 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than --max-queue allows."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed on this request (its other requests were not affected)."""
+
+
+class RequestTimeout(RuntimeError):
+    """The request ran past its deadline (--request-timeout) and was aborted."""
+
+
+def _failure(result: RequestOutput) -> Exception | None:
+    """The error of a request one of whose samples the engine failed on, or None."""
+    for o in result.outputs:
+        if o.error is not None:
+            return RequestRejected(o.error, o.error_param) if o.error_param else RequestFailed(o.error)
+    return None
+
+
 @dataclass
 class SampleDelta:
     """What one step added to one of a request's `n` samples (copied: safe to keep)."""
@@ -116,9 +132,10 @@ class RequestStream:
     Steps the reader has not taken yet are merged into one, so a slow reader holds at most one
     pending output (no longer than the request's own output), never one item per engine step."""
 
-    def __init__(self, client: EngineClient, request_id: str) -> None:
+    def __init__(self, client: EngineClient, request_id: str, deadline: float | None = None) -> None:
         self.client = client
         self.request_id = request_id
+        self.deadline = deadline  # time.monotonic() past which the request is aborted
         self._pending: collections.deque[StreamOutput | BaseException] = collections.deque()
         self._ready = asyncio.Event()
         self.finished = False
@@ -134,12 +151,22 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    async def _wait(self) -> None:
+        while not self._pending:
+            self._ready.clear()
+            if self.deadline is None:
+                await self._ready.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._ready.wait(), max(0.0, self.deadline - time.monotonic()))
+            except TimeoutError:
+                self.close()
+                raise RequestTimeout("the request took longer than the server's request timeout") from None
+
     async def __anext__(self) -> StreamOutput:
         if self.finished:
             raise StopAsyncIteration
-        while not self._pending:
-            self._ready.clear()
-            await self._ready.wait()
+        await self._wait()
         item = self._pending.popleft()
         if isinstance(item, BaseException):
             self.finished = True
@@ -147,6 +174,14 @@ class RequestStream:
         if item.finished:
             self.finished = True
         return item
+
+    async def started(self) -> None:
+        """Wait for the request's first output; raise at once if it failed before producing one (so a
+        constrained request whose grammar is refused gets a 400, not an error inside a 200 stream)."""
+        await self._wait()
+        if isinstance(self._pending[0], BaseException):
+            self.finished = True
+            raise self._pending.popleft()
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -163,9 +198,10 @@ class RequestStream:
 
 class EngineClient:
     def __init__(self, config: EngineConfig, max_queue: int | None = None, metrics=None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, request_timeout: float | None = None) -> None:
         self.config = config
         self.max_queue = max_queue
+        self.request_timeout = request_timeout  # seconds from arrival, then the request is aborted
         self.chat_template = chat_template  # the operator's --chat-template, replacing the model's
         self.metrics = metrics  # has on_outputs(list[RequestOutput]), on_abort(RequestOutput), on_stats(dict)
         self.tokenizer: Tokenizer | None = None
@@ -193,7 +229,7 @@ class EngineClient:
         ctx = multiprocessing.get_context("spawn")
         self._inputs, self._outputs = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(target=run_engine_core, args=(self.config, self._inputs, self._outputs),
-                                 name="tokenmill-engine-core", daemon=True)
+                                 name="tokenmill-engine-core")  # not daemonic: it starts grammar workers
         self._proc.start()
         try:
             self.tokenizer = load_tokenizer(resolve_model(self.config.model), self.chat_template)
@@ -286,7 +322,8 @@ class EngineClient:
         if self.max_queue is not None and self.waiting_estimate() + params.n > self.max_queue:
             raise QueueFullError(f"the server's waiting queue is full ({self.max_queue} requests); retry later")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        stream = RequestStream(self, request_id)
+        deadline = arrival + self.request_timeout if self.request_timeout is not None else None
+        stream = RequestStream(self, request_id, deadline)
         self._streams[request_id] = stream
         children = self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority,
                                                cache_salt)
@@ -374,6 +411,13 @@ class EngineClient:
             self.metrics.on_outputs(results)
         for result in results:
             stream = self._streams.get(result.request_id)
+            error = _failure(result)
+            if error is not None:  # one sample failed: the request fails (its other samples stop too)
+                self._processor.abort(result.request_id)
+                self._inputs.put(("abort", self._forget(result.request_id)))  # unknown ids are ignored
+                if stream is not None:
+                    stream.put(error)
+                continue
             if result.finished:
                 self._forget(result.request_id)
             if stream is not None:
@@ -414,5 +458,5 @@ class EngineClient:
             self._processor = OutputProcessor(self.tokenizer)
 
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineStartupError", "QueueFullError", "RequestRejected",
-           "RequestStream", "SampleDelta", "StreamOutput", "child_request_id"]
+__all__ = ["EngineClient", "EngineDeadError", "EngineStartupError", "QueueFullError", "RequestFailed",
+           "RequestRejected", "RequestStream", "RequestTimeout", "SampleDelta", "StreamOutput", "child_request_id"]

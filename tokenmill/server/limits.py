@@ -22,7 +22,6 @@ class RequestLimits:
     max_logit_bias: int = 1024  # logit_bias entries
     max_tools: int = 128
     template_timeout: float = 10.0  # seconds to render a chat template / tokenize one request
-    grammar_timeout: float = 30.0  # seconds a structured-output grammar may take to compile
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -42,8 +41,6 @@ _HELP = {
     "max_tools": "most tools per chat request",
     "template_timeout": "seconds a request's chat template rendering and tokenization may take (off the event "
                         "loop); longer is a 400",
-    "grammar_timeout": "seconds a structured-output grammar may take to compile (in a worker process that is "
-                       "killed when it runs over); longer is a 400",
 }
 
 

@@ -16,8 +16,10 @@ from tokenmill.server.engine_client import (
     EngineClient,
     EngineDeadError,
     QueueFullError,
+    RequestFailed,
     RequestRejected,
     RequestStream,
+    RequestTimeout,
 )
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.protocol import APIError, bad_request
@@ -27,16 +29,40 @@ from tokenmill.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def engine_error(e: Exception) -> APIError:
-    """The HTTP error for an engine-side failure."""
+# what a submitted request's stream may raise instead of an output
+ENGINE_ERRORS = (EngineDeadError, RequestRejected, RequestFailed, RequestTimeout)
+
+
+def engine_error(e: Exception, structured_param: str | None = None) -> APIError:
+    """The HTTP error for an engine-side failure. `structured_param`: the request field the output
+    constraint came from (a grammar the engine refused is that field's fault)."""
     if isinstance(e, QueueFullError):
         return APIError(429, str(e), "rate_limit_error", None, "queue_full", {"retry-after": "1"})
     if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), "service_unavailable", None, "engine_unavailable")
+        return APIError(503, str(e), "service_unavailable", None, "engine_unavailable", {"retry-after": "5"})
+    if isinstance(e, RequestTimeout):
+        return APIError(504, str(e), "timeout_error", None, "request_timeout")
     if isinstance(e, RequestRejected):
-        return bad_request(str(e), e.param, "context_length_exceeded" if "context" in str(e) or "KV cache" in str(e)
-                           else "invalid_value")
+        param = structured_param if e.param == "structured_output" and structured_param else e.param
+        limit = "context" in str(e) or "KV cache" in str(e)
+        return bad_request(str(e), param, "context_length_exceeded" if limit else "invalid_value")
+    if isinstance(e, RequestFailed):
+        return APIError(500, str(e), "internal_server_error", None, "engine_request_failed")
     return APIError(500, "internal server error", "internal_server_error", None, None)
+
+
+async def wait_started(streams: list[RequestStream], structured_param: str | None) -> None:
+    """For a request with an output constraint: wait until the engine took it (its grammar compiled:
+    the first output came) before a streamed response starts, so a refused grammar is still a 400."""
+    if structured_param is None:
+        return
+    try:
+        for s in streams:
+            await s.started()
+    except ENGINE_ERRORS as e:
+        for s in streams:
+            s.close()
+        raise engine_error(e, structured_param) from None
 
 
 @dataclass

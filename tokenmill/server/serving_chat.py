@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.engine_client import EngineDeadError, RequestRejected, RequestStream
+from tokenmill.server.engine_client import RequestStream
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, bad_request
-from tokenmill.server.serving import ServingContext, engine_error, usage
+from tokenmill.server.serving import ENGINE_ERRORS, ServingContext, engine_error, usage, wait_started
 from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
@@ -75,6 +75,7 @@ class _ChatPlan:
     tool_name: str | None
     tools: list[dict]
     in_reasoning: bool  # the output starts inside the model's thinking (reasoning parser on)
+    structured_param: str | None  # the request field the output constraint came from
 
 
 class ChatOutputParser:
@@ -196,7 +197,7 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Sam
     elif req.max_reasoning_tokens is not None:
         raise bad_request("max_reasoning_tokens needs a reasoning model: start the server with --reasoning-parser",
                           "max_reasoning_tokens")
-    return params, ids, _ChatPlan(mode, name, tools, in_reasoning)
+    return params, ids, _ChatPlan(mode, name, tools, in_reasoning, spec[1] if spec else None)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request,
@@ -209,6 +210,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     created = int(time.time())
     stream = ctx.submit(request_id, None, ids, params, arrival, req.priority, req.cache_salt)
     top_n = req.top_logprobs or 0
+    await wait_started([stream], plan.structured_param)
     if req.stream:
         return SSEResponse(_stream(ctx, req, plan, request_id, model, created, len(ids), stream, top_n),
                            on_close=stream.close)
@@ -216,8 +218,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         final = await run_until_disconnect(request, _last(stream))
     except ClientDisconnected:
         return Response(status_code=499)
-    except (EngineDeadError, RequestRejected) as e:
-        raise engine_error(e) from None
+    except ENGINE_ERRORS as e:
+        raise engine_error(e, plan.structured_param) from None
     finally:
         stream.close()
     choices = []
@@ -274,7 +276,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, plan: _ChatPl
                                 finish if k == len(deltas) - 1 else None)
         if include_usage:
             yield sse(dict(base, choices=[], usage=usage(num_prompt, completion_tokens, cached)))
-    except (EngineDeadError, RequestRejected) as e:
+    except ENGINE_ERRORS as e:
         yield sse(engine_error(e).to_dict())
     finally:
         stream.close()

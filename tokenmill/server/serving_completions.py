@@ -8,9 +8,10 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.server.engine_client import EngineDeadError, RequestRejected, RequestStream, StreamOutput
+from tokenmill.server.engine_client import RequestStream, StreamOutput
 from tokenmill.server.protocol import CompletionRequest, bad_request
-from tokenmill.server.serving import ServingContext, engine_error, merge_logprobs, usage
+from tokenmill.server.serving import (ENGINE_ERRORS, ServingContext, engine_error, merge_logprobs, usage,
+                                      wait_started)
 from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
@@ -60,6 +61,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         items.append((rid, text, ids, ctx.fit_to_context(len(ids), params, "prompt")))
     created = int(time.time())
     streams = ctx.submit_all(items, arrival, req.priority, req.cache_salt)
+    structured_param = spec[1] if spec else None
+    await wait_started(streams, structured_param)
     if req.stream:
         events = _stream(ctx, req, request_id, model, created, prompts, streams)
         return SSEResponse(events, on_close=lambda: [s.close() for s in streams])
@@ -67,8 +70,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         finals = await run_until_disconnect(request, gather_or_cancel(*(_last(s) for s in streams)))
     except ClientDisconnected:
         return Response(status_code=499)
-    except (EngineDeadError, RequestRejected) as e:
-        raise engine_error(e) from None
+    except ENGINE_ERRORS as e:
+        raise engine_error(e, structured_param) from None
     finally:
         for s in streams:
             s.close()
@@ -137,7 +140,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             yield sse(dict(base, choices=[], usage=usage(prompt_tokens, completion_tokens, sum(cached))))
-    except (EngineDeadError, RequestRejected) as e:
+    except ENGINE_ERRORS as e:
         yield sse(engine_error(e).to_dict())
     finally:
         for s in streams:

@@ -4,7 +4,7 @@ compiler, and a per-request matcher.
 * `TokenizerData`: the decoded bytes of every token and the stop tokens; picklable, so the front end
   builds it from the HF tokenizer and hands it to the engine-core process.
 * `GrammarCompiler`: `compile_async(spec)` returns a `Future` of the compiled grammar. Compilation runs in
-  a thread pool (xgrammar releases the GIL while compiling), results are kept in an LRU cache keyed by
+  worker processes under a deadline (`compile_worker.py`), results are kept in an LRU cache keyed by
   `spec.key`, and a second request for a grammar being compiled shares the same future.
 * `GrammarMatcher`: the matcher state of one request: `accept(tokens)`, `fill_bitmask(bitmask, row)`,
   `rollback(n)`, `is_terminated()`; for speculative decoding, `validate(tokens)` (how many draft tokens
@@ -15,19 +15,15 @@ compiler, and a per-request matcher.
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
-import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.structured.spec import StructuredOutputSpec, build_grammar
-
-logger = logging.getLogger(__name__)
+from tokenmill.structured.compile_worker import CompileTimeout, CompileWorkers
+from tokenmill.structured.spec import StructuredOutputSpec
 
 
 @dataclass
@@ -66,14 +62,10 @@ class GrammarCompiler:
     """Compiles specs to xgrammar `CompiledGrammar`s off the caller's thread, with an LRU cache."""
 
     def __init__(self, tokenizer_data: TokenizerData, vocab_size: int, cache_size: int = 256,
-                 max_workers: int = 2) -> None:
-        import xgrammar as xgr
-
+                 max_workers: int = 2, timeout: float = 30.0) -> None:
         self.vocab_size = vocab_size
         self.info = tokenizer_data.xgrammar_info(vocab_size)
-        threads = max(1, min(8, len(os.sched_getaffinity(0))))
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tokenmill-grammar")
+        self._workers = CompileWorkers(tokenizer_data, vocab_size, self.info, max_workers, timeout)
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -88,35 +80,31 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
                 return future
-            future = self._pool.submit(self._compile, spec)
+            future = self._workers.submit(spec)
             self._cache[key] = future
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)  # holders of an evicted future keep their reference
-        future.add_done_callback(lambda f: f.exception() is not None and self._forget(key, f))
+        future.add_done_callback(lambda f: self._done(key, f))
         return future
 
     def compile(self, spec: StructuredOutputSpec):
         """Compile (or fetch from the cache) and wait."""
         return self.compile_async(spec).result()
 
-    def _forget(self, key: str, future: Future) -> None:
+    def _done(self, key: str, future: Future) -> None:
         with self._lock:
-            if self._cache.get(key) is future:
-                del self._cache[key]
-
-    def _compile(self, spec: StructuredOutputSpec):
-        start = time.perf_counter()
-        compiled = self._compiler.compile_grammar(build_grammar(spec))
-        seconds = time.perf_counter() - start
-        with self._lock:
+            if future.cancelled() or future.exception() is not None:
+                # failures are not cached, except a timeout: the same spec would only time out again
+                if self._cache.get(key) is future and not isinstance(future.exception(), CompileTimeout):
+                    del self._cache[key]
+                return
+            seconds = future.compile_seconds
             self.stats.num_compiles += 1
             self.stats.compile_seconds += seconds
             self.stats.last_compile_seconds = seconds
-        logger.debug("compiled %s grammar in %.1f ms", spec.kind, seconds * 1000)
-        return compiled
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._workers.shutdown()
 
 
 class GrammarMatcher:

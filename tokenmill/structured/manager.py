@@ -129,8 +129,8 @@ class StructuredState:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_data: TokenizerData, vocab_size: int) -> None:
-        self.compiler = GrammarCompiler(tokenizer_data, vocab_size)
+    def __init__(self, tokenizer_data: TokenizerData, vocab_size: int, compile_timeout: float = 30.0) -> None:
+        self.compiler = GrammarCompiler(tokenizer_data, vocab_size, timeout=compile_timeout)
         self.vocab_size = self.compiler.info.vocab_size  # bitmask width (>= the logits' width)
         self.token_bytes = tokenizer_data.decoded_vocab
         self.default_stop_ids = list(tokenizer_data.stop_token_ids)
