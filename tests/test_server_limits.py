@@ -27,8 +27,9 @@ BODY_LIMIT = 65536
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--api-key", KEY, "--max-queue", "1", "--max-num-seqs", "1", "--num-kv-blocks", "64",
-                        "--max-body-bytes", str(BODY_LIMIT), "--log-interval", "0").start()
+    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--api-key", KEY, "--max-queue", "1", "--max-num-seqs", "1",
+                        "--num-kv-blocks", "64", "--max-body-bytes", str(BODY_LIMIT), "--log-interval", "0",
+                        "--shutdown-timeout", "1").start()
     try:
         yield srv
     finally:
@@ -112,35 +113,9 @@ def test_startup_errors_exit_cleanly():
         port_holder.close()
 
 
-def test_engine_death_fails_requests_cleanly(tmp_path):
-    srv = ServerProcess(tmp_path, "--num-kv-blocks", "64", "--log-interval", "0").start()
-    try:
-        core = srv.core_pid()
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        events: list[str] = []
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    break
-            psutil.Process(core).kill()
-            events += [line[6:] for line in lines if line.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        error = json.loads(events[-2])["error"]
-        assert error["code"] == "engine_unavailable" and "engine core" in error["message"]
-        health = httpx.get(f"{srv.url}/health")
-        assert health.status_code == 503 and "engine core" in health.json()["error"]["message"]
-        r = completion(srv.url, headers=None)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
-        assert "Traceback" not in r.text
-    finally:
-        code = srv.stop(signal.SIGINT)
-    assert code == 0, srv.log()
-
-
 def test_sigterm_aborts_in_flight_and_stops_core(server):
-    """Runs last in this module: it shuts the module's server down."""
+    """Runs last in this module: it shuts the module's server down. With --shutdown-timeout 1 the
+    long request in flight is aborted after the drain window."""
     core = server.core_pid()
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     events: list[str] = []

@@ -15,7 +15,7 @@ from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import core_process
-from tokenmill.server.engine_client import _copy_step
+from tokenmill.server.request_stream import copy_step
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from tokenmill.server.serving import ServingContext
@@ -224,14 +224,14 @@ def _result(finished: bool, deltas: list[int], times: list[float]) -> RequestOut
     return RequestOutput("r", None, [5, 6, 7], [out], metrics, num_cached_tokens=2, finished=finished)
 
 
-def test_copy_step_snapshots_deltas_and_reports_finish_once():
+def testcopy_step_snapshots_deltas_and_reports_finish_once():
     reported: set[int] = set()
     result = _result(True, [2], [11.0, 12.0])
-    snap = _copy_step(result, reported)
+    snap = copy_step(result, reported)
     result.outputs[0].delta_token_ids.append(99)  # the processor reuses its objects
     assert snap.deltas[0].token_ids == [2] and snap.deltas[0].finish_reason == "length" and snap.finished
     result.outputs[0].delta_token_ids, result.outputs[0].delta_text = [], ""
-    assert _copy_step(result, reported).deltas == []
+    assert copy_step(result, reported).deltas == []
 
 
 def test_metrics_observe_engine_timestamps():
@@ -266,7 +266,7 @@ def test_undelivered_steps_merge_so_a_slow_reader_holds_one_output():
     import asyncio
     from types import SimpleNamespace
 
-    from tokenmill.server.engine_client import EngineDeadError, RequestStream, SampleDelta, StreamOutput
+    from tokenmill.server.request_stream import EngineDeadError, RequestStream, SampleDelta, StreamOutput
 
     async def read(steps, error=None):
         stream = RequestStream(SimpleNamespace(_streams={}, abort=lambda rid: None), "r")

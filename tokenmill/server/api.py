@@ -124,11 +124,14 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
 
     @app.get("/health")
     async def health() -> Response:
-        if client.shutting_down:
-            raise APIError(503, "the server is shutting down", "service_unavailable", None, "shutting_down")
+        if client.shutting_down or client.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", None, "shutting_down",
+                           {"retry-after": "5"})
         if not client.healthy:
-            raise APIError(503, client.dead_reason or "the engine core process is not running",
-                           "service_unavailable", None, "engine_unavailable")
+            why = client.dead_reason or "the engine core process is not running"
+            if client.restarting:
+                why += "; it is being restarted"
+            raise APIError(503, why, "service_unavailable", None, "engine_unavailable", {"retry-after": "5"})
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

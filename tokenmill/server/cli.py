@@ -38,6 +38,18 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="name(s) clients pass as 'model'; the first is used in responses (default: the model's name)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="most requests waiting for a batch slot; further requests get HTTP 429 (default: no limit)")
+    r = p.add_argument_group("deadlines and recovery")
+    r.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="abort a request this long after it arrived (HTTP 504, or an error event in a stream) "
+                        "(default: no deadline)")
+    r.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, stop accepting requests (HTTP 503 with Retry-After) and let the ones in "
+                        "flight finish for up to this long, then abort the rest and exit 0; a second signal "
+                        "stops at once (default: %(default)s)")
+    r.add_argument("--watchdog-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="restart the engine core when it makes no progress for this long while requests are in "
+                        "flight (/health reports it meanwhile); a core that dies is always restarted "
+                        "(default: %(default)s)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the operator's chat template (a Jinja file, or the template text) instead of the model's; "
                         "clients can never send their own")
@@ -127,6 +139,10 @@ def _run(args: argparse.Namespace) -> int:
         chat_template = read_chat_template(args.chat_template)
         if args.max_queue is not None and args.max_queue < 1:
             raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+        for flag in ("request_timeout", "shutdown_timeout", "watchdog_timeout"):
+            value = getattr(args, flag)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
         if args.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
     except ValueError as e:
@@ -139,7 +155,8 @@ def _run(args: argparse.Namespace) -> int:
         return 1
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm_during_startup)
-    client = EngineClient(config, max_queue=args.max_queue, chat_template=chat_template)
+    client = EngineClient(config, max_queue=args.max_queue, chat_template=chat_template,
+                          request_timeout=args.request_timeout, watchdog_timeout=args.watchdog_timeout)
     try:
         print(f"tokenmill: loading {args.model} ...", flush=True)
         try:
@@ -154,8 +171,10 @@ def _run(args: argparse.Namespace) -> int:
                                   log_interval=args.log_interval, reasoning_parser=args.reasoning_parser,
                                   limits=limits)
         app = build_app(client, metrics, names, settings)
-        uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on")
-        server = _Server(uv_config, client, lambda: _print_ready(args, info, names, start, client))
+        uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on",
+                                   timeout_graceful_shutdown=5)
+        server = _Server(uv_config, client, lambda: _print_ready(args, info, names, start, client),
+                         args.shutdown_timeout)
         signal.signal(signal.SIGTERM, previous)
         server.run(sockets=[sock])
     finally:
@@ -185,14 +204,17 @@ def _print_ready(args, info: dict, names: list[str], start: float, client) -> No
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, plus: announce readiness, fail in-flight requests on SIGTERM/SIGINT (so
-    draining is quick), and exit normally afterwards instead of re-raising the signal."""
+    """uvicorn's server, plus: announce readiness; on SIGTERM/SIGINT drain (refuse new requests with
+    503, let in-flight ones finish for up to `shutdown_timeout` s, abort the rest), then stop and
+    exit 0 instead of re-raising the signal. A second signal stops at once."""
 
-    def __init__(self, config: uvicorn.Config, client, on_ready) -> None:
+    def __init__(self, config: uvicorn.Config, client, on_ready, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.client = client
         self.on_ready = on_ready
+        self.shutdown_timeout = shutdown_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -201,16 +223,39 @@ class _Server(uvicorn.Server):
             self.on_ready()
 
     def handle_exit(self, sig, frame) -> None:
+        if self.loop is None or self.loop.is_closed():
+            return self._stop(sig, frame)
+        if self._draining:  # the second signal: now
+            self.loop.call_soon_threadsafe(self._shutdown, sig, frame)
+            return None
+        self._draining = True
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(sig, frame)))
+        return None
+
+    async def _drain(self, sig, frame) -> None:
+        name = signal.Signals(sig).name
+        logger.info("received %s: draining %d in-flight requests (up to %.0f s); refusing new ones", name,
+                    self.client.num_in_flight, self.shutdown_timeout)
+        self.client.begin_drain()
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.client.num_in_flight and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        self._shutdown(sig, frame)
+
+    def _shutdown(self, sig, frame) -> None:
+        if self.should_exit:
+            return
+        if self.client.num_in_flight:
+            logger.warning("aborting %d requests still in flight", self.client.num_in_flight)
+        logger.info("shutting down")
+        self.client.begin_shutdown()
+        self._stop(sig, frame)
+
+    def _stop(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
             captured.clear()  # drained and stopped cleanly: exit 0, not by the signal
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._begin_shutdown, sig)
-
-    def _begin_shutdown(self, sig: int) -> None:
-        logger.info("received %s: failing in-flight requests and shutting down", signal.Signals(sig).name)
-        self.client.begin_shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,7 @@ class ServerMetrics:
                                         "Structured-output grammars compiled (grammar cache misses).")
         self.grammar_compile_seconds = counter("structured_output_compile_seconds",
                                                "Total time spent compiling structured-output grammars.")
+        self.engine_restarts = counter("engine_restarts", "Times the engine core was restarted after it died or hung.")
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
@@ -96,6 +97,12 @@ class ServerMetrics:
         if self.log_requests:
             logger.info("request %s aborted after %d output tokens", r.request_id,
                         sum(len(o.token_ids) for o in r.outputs))
+
+    def on_restart(self) -> None:
+        """A new engine core: its cumulative counters start again from zero."""
+        self.engine_restarts.inc()
+        self._last_stats = {}
+        self._started.clear()
 
     def on_stats(self, s: dict) -> None:
         self.stats = s
