@@ -66,6 +66,8 @@ def test_budget_then_json_schema(client, tokenizer):
     assert len(tokenizer.encode(reasoning, add_special_tokens=False)) <= 6 + 1  # re-tokenizing may merge/split one
     jsonschema.validate(json.loads(msg.content), SCHEMA)  # constrained only after the forced </think>
     assert streamed(client, **kwargs) == (reasoning, msg.content, [], "stop")
+    end = len(tokenizer.encode("</think>", add_special_tokens=False))
+    assert r.usage.completion_tokens_details.reasoning_tokens == 6 + end  # the budget, then the forced marker
 
 
 def test_budget_without_constraint_splits_at_the_forced_end(client, tokenizer):

@@ -267,7 +267,22 @@ def merge_logprobs(a: dict | None, b: dict) -> dict:
     return a
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; `reasoning_tokens` (with a reasoning parser) fills completion_tokens_details."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+def count_reasoning_tokens(token_ids: list[int], end_ids: tuple[int, ...], in_reasoning: bool) -> int:
+    """Output tokens spent thinking: up to and including the end marker (all of them if it never came)."""
+    if not in_reasoning:
+        return 0
+    n = len(end_ids)
+    for i in range(len(token_ids) - n + 1):
+        if tuple(token_ids[i : i + n]) == end_ids:
+            return i + n
+    return len(token_ids)

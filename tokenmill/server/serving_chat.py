@@ -20,7 +20,8 @@ from starlette.responses import JSONResponse, Response
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import RequestStream
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, bad_request
-from tokenmill.server.serving import ENGINE_ERRORS, ServingContext, engine_error, usage, wait_started
+from tokenmill.server.serving import (ENGINE_ERRORS, ServingContext, count_reasoning_tokens, engine_error, usage,
+                                      wait_started)
 from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
@@ -76,6 +77,7 @@ class _ChatPlan:
     tools: list[dict]
     in_reasoning: bool  # the output starts inside the model's thinking (reasoning parser on)
     structured_param: str | None  # the request field the output constraint came from
+    reasoning_end_ids: tuple[int, ...] = ()  # the end-of-thinking marker's tokens (reasoning parser on)
 
 
 class ChatOutputParser:
@@ -186,18 +188,18 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Sam
     text, ids = await chat_prompt(ctx, messages, req.add_generation_prompt, prompt_tools if native else None,
                                   template_kwargs)
 
-    in_reasoning = False
+    in_reasoning, end_ids = False, ()
     if ctx.reasoning_parser is not None:
         parser = REASONING_PARSERS[ctx.reasoning_parser]
         in_reasoning = not prompt_closes_reasoning(text, parser.start, parser.end)
+        end_ids = tuple(ctx.tokenizer.encode(parser.end, add_special_tokens=False))
         if in_reasoning and (params.structured_output is not None or req.max_reasoning_tokens is not None):
-            end_ids = tuple(ctx.tokenizer.encode(parser.end, add_special_tokens=False))
             params = dataclasses.replace(params, reasoning=ReasoningSpec(parser.end, end_ids, True,
                                                                          req.max_reasoning_tokens))
     elif req.max_reasoning_tokens is not None:
         raise bad_request("max_reasoning_tokens needs a reasoning model: start the server with --reasoning-parser",
                           "max_reasoning_tokens")
-    return params, ids, _ChatPlan(mode, name, tools, in_reasoning, spec[1] if spec else None)
+    return params, ids, _ChatPlan(mode, name, tools, in_reasoning, spec[1] if spec else None, end_ids)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request,
@@ -235,7 +237,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
                          "system_fingerprint": None, "choices": choices,
-                         "usage": usage(len(ids), completion_tokens, final.num_cached_tokens)})
+                         "usage": usage(len(ids), completion_tokens, final.num_cached_tokens,
+                                        _reasoning_tokens(ctx, plan, [o.token_ids for o in final.outputs]))})
+
+
+def _reasoning_tokens(ctx: ServingContext, plan: _ChatPlan, outputs: list[list[int]]) -> int | None:
+    """completion_tokens_details.reasoning_tokens, with a reasoning parser (else None: not reported)."""
+    if ctx.reasoning_parser is None:
+        return None
+    return sum(count_reasoning_tokens(ids, plan.reasoning_end_ids, plan.in_reasoning) for ids in outputs)
 
 
 async def _last(stream: RequestStream):
@@ -255,6 +265,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, plan: _ChatPl
 
     parsers = [ChatOutputParser(ctx, plan, req.parallel_tool_calls) for _ in range(req.n)]
     completion_tokens = cached = 0
+    tokens: list[list[int]] = [[] for _ in range(req.n)]
     try:
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""}, None, None)
@@ -262,6 +273,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, plan: _ChatPl
             cached = out.num_cached_tokens
             for d in out.deltas:
                 completion_tokens += len(d.token_ids)
+                tokens[d.index] += d.token_ids
                 logprobs = None
                 if req.logprobs and d.logprobs:
                     logprobs = {"content": ctx.chat_logprobs(d.token_ids, d.logprobs, top_n), "refusal": None}
@@ -275,7 +287,8 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, plan: _ChatPl
                     yield chunk(d.index, delta, logprobs if k == 0 else None,
                                 finish if k == len(deltas) - 1 else None)
         if include_usage:
-            yield sse(dict(base, choices=[], usage=usage(num_prompt, completion_tokens, cached)))
+            yield sse(dict(base, choices=[], usage=usage(num_prompt, completion_tokens, cached,
+                                                         _reasoning_tokens(ctx, plan, tokens))))
     except ENGINE_ERRORS as e:
         yield sse(engine_error(e).to_dict())
     finally:
