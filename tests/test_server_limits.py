@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
-import psutil
 import pytest
 from test_server_utils import MODEL, ServerProcess, model_available, wait_gone
 

@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import tokenmill
-from tokenmill.server.engine_client import EngineClient, EngineDeadError
+from tokenmill.server.engine_client import EngineClient
+from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tokenmill.server.protocol import (

@@ -130,7 +130,8 @@ def _run(args: argparse.Namespace) -> int:
 
     # imported here, not at the top: they pull in torch, and `tokenmill --help` should stay fast
     from tokenmill.server.api import ServerSettings, build_app
-    from tokenmill.server.engine_client import EngineClient, EngineStartupError
+    from tokenmill.server.core_handle import EngineStartupError
+    from tokenmill.server.engine_client import EngineClient
     from tokenmill.server.metrics import ServerMetrics
 
     try:

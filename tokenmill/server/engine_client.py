@@ -20,22 +20,12 @@ import threading
 import time
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.output_processor import OutputProcessor, child_request_id
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.loader.source import resolve_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.core_handle import CoreHandle, EngineStartupError
-from tokenmill.server.request_stream import (
-    EngineDeadError,
-    QueueFullError,
-    RequestFailed,
-    RequestRejected,
-    RequestStream,
-    RequestTimeout,
-    SampleDelta,
-    StreamOutput,
-    copy_step,
-    failure_of,
-)
+from tokenmill.server.core_handle import CoreHandle
+from tokenmill.server.request_stream import (EngineDeadError, QueueFullError, RequestRejected, RequestStream, copy_step,
+                                             failure_of)
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -335,6 +325,3 @@ class EngineClient:
         if self._processor is not None:
             self._processor = OutputProcessor(self.tokenizer)
 
-
-__all__ = ["EngineClient", "EngineDeadError", "EngineStartupError", "QueueFullError", "RequestFailed",
-           "RequestRejected", "RequestStream", "RequestTimeout", "SampleDelta", "StreamOutput", "child_request_id"]

@@ -9,9 +9,14 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from tokenmill.engine.core import RequestRejected
 from tokenmill.engine.output_processor import CompletionOutput, RequestOutput
 from tokenmill.engine.outputs import Logprob
+
+if TYPE_CHECKING:
+    from tokenmill.server.engine_client import EngineClient
 
 
 class EngineDeadError(RuntimeError):

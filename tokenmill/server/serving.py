@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.engine_client import (
-    EngineClient,
+from tokenmill.server.engine_client import EngineClient
+from tokenmill.server.request_stream import (
     EngineDeadError,
     QueueFullError,
     RequestFailed,

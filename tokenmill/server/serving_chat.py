@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.engine_client import RequestStream
+from tokenmill.server.request_stream import RequestStream
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, bad_request
 from tokenmill.server.serving import (ENGINE_ERRORS, ServingContext, count_reasoning_tokens, engine_error, usage,
                                       wait_started)

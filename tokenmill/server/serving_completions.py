@@ -8,7 +8,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.server.engine_client import RequestStream, StreamOutput
+from tokenmill.server.request_stream import RequestStream, StreamOutput
 from tokenmill.server.protocol import CompletionRequest, bad_request
 from tokenmill.server.serving import (ENGINE_ERRORS, ServingContext, engine_error, merge_logprobs, usage,
                                       wait_started)

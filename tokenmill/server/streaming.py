@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.server.engine_client import RequestStream, StreamOutput
+from tokenmill.server.request_stream import RequestStream, StreamOutput
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
