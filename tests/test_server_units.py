@@ -291,3 +291,19 @@ def test_undelivered_steps_merge_so_a_slow_reader_holds_one_output():
     assert len(first.logprobs) == 3 and (second.index, second.text) == (1, "x")
     items = asyncio.run(read([(0, "a", None), (0, "b", None)], EngineDeadError("gone")))
     assert items[0].deltas[0].text == "ab" and isinstance(items[1], EngineDeadError)  # output first, then the error
+
+
+def test_engine_failures_become_the_right_errors():
+    from tokenmill.server.request_stream import RequestFailed, failure_of
+    from tokenmill.server.serving import engine_error
+
+    result = _result(True, [], [11.0])
+    assert failure_of(result) is None
+    result.outputs[0].error, result.outputs[0].error_param = "cannot compile the regex constraint", "structured_output"
+    rejected = failure_of(result)
+    assert isinstance(rejected, RequestRejected)
+    e = engine_error(rejected, "guided_regex")  # the client's field, not the engine's name for it
+    assert e.status == 400 and e.param == "guided_regex" and "regex" in e.message
+    result.outputs[0].error_param = None
+    failed = failure_of(result)
+    assert isinstance(failed, RequestFailed) and engine_error(failed).status == 500
