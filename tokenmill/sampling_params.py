@@ -25,7 +25,9 @@ class SamplingParams:
     """How to pick tokens for one request and when to stop it.
 
     ``top_k`` of 0 or -1 disables top-k; ``logprobs=N`` returns the top-N logprobs per
-    generated token (plus the sampled one; 0 means only the sampled token's);
+    generated token (plus the sampled one; 0 means only the sampled token's); ``prompt_logprobs=N``
+    the same for every prompt token given the ones before it (``max_tokens=0`` then scores the
+    prompt without generating);
     ``ignore_eos`` keeps generating past EOS (it does not stop EOS being sampled).
     ``structured_output`` constrains the output (JSON schema, regex, choice, grammar; see
     `tokenmill.structured`); ``reasoning`` tells the engine where a reasoning model's thinking ends
@@ -47,6 +49,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # logprob of each prompt token (and the top-N) given the ones before
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutputSpec | None = None
@@ -91,8 +94,12 @@ class SamplingParams:
             bad("repetition_penalty", "must be > 0")
         if self.seed is not None and not _is_int(self.seed):
             bad("seed", "must be an int or None")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", "must be an int >= 1 or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            bad("max_tokens", "must be an int >= 0 or None")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            bad("max_tokens", "can be 0 only to score the prompt (with prompt_logprobs, or echo and logprobs)")
+        if self.max_tokens == 0 and self.n != 1:
+            bad("n", "must be 1 when max_tokens is 0 (the prompt is scored once)")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -103,10 +110,10 @@ class SamplingParams:
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             bad("stop_token_ids", "must be a list of ints >= 0")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            bad("logprobs", f"must be an int in [0, {MAX_LOGPROBS}] or None")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(field, f"must be an int in [0, {MAX_LOGPROBS}] or None")
         for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be a bool")

@@ -243,6 +243,8 @@ class EngineCore:
         request, status = update.request, update.status
         if status is not None:
             del self.requests[request.request_id]
-        return EngineCoreOutput(request.request_id, update.new_token_ids, request.times.tokens[-1],
+        timestamp = request.times.tokens[-1] if request.times.tokens else time.monotonic()
+        return EngineCoreOutput(request.request_id, update.new_token_ids, timestamp,
                                 status.value if status else None, update.new_logprobs, request.num_cached_tokens,
-                                request.times.arrival, request.times.first_scheduled, update.error)
+                                request.times.arrival, request.times.first_scheduled, update.error,
+                                prompt_logprobs=update.prompt_logprobs)

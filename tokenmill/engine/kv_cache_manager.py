@@ -178,8 +178,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached blocks holding a prefix of the request's tokens, and how many
-        tokens they cover. The last token is always recomputed, to produce logits."""
-        if not self.enable_prefix_caching:
+        tokens they cover. The last token is always recomputed, to produce logits. A request that asked
+        for prompt logprobs computes its whole prompt (cached blocks hold K/V, not logprobs)."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return [], 0
         bs = self.block_size
         hits: list[KVBlock] = []
@@ -194,7 +195,7 @@ class KVCacheManager:
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count a new request's prefix-cache lookup (once, when it is admitted)."""
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.params.prompt_logprobs is None:
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += num_hit_tokens
 

@@ -59,6 +59,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # if asked: one per prompt token, first None
 
 
 class _Sample:
@@ -82,11 +83,12 @@ class _RequestState:
         self.samples: list[_Sample] = []
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
+        self.prompt_logprobs = None
 
     def snapshot(self) -> RequestOutput:
         outputs = [s.output for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.metrics,
-                             self.num_cached_tokens, all(o.finished for o in outputs))
+                             self.num_cached_tokens, all(o.finished for o in outputs), self.prompt_logprobs)
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -94,11 +96,13 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The parameters of sample `index` of an n > 1 request: n=1, and its own seed if seeded."""
+    """The parameters of sample `index` of an n > 1 request: n=1, its own seed if seeded, and prompt
+    logprobs for the first sample only (the others may then reuse its prompt's KV blocks)."""
     if params.n == 1:
         return params
     seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 class OutputProcessor:
@@ -171,9 +175,13 @@ class OutputProcessor:
             m = state.metrics
             if out.index == 0:
                 m.first_scheduled_time = co.first_scheduled_time
-                m.first_token_time = m.first_token_time or co.timestamp
-                m.token_times.append(co.timestamp)
+                m.finished_time = co.timestamp  # the latest so far; final once the request finished
+                if co.new_token_ids:  # (a scored prompt, or a failure, brings none)
+                    m.first_token_time = m.first_token_time or co.timestamp
+                    m.token_times.append(co.timestamp)
             state.num_cached_tokens = co.num_cached_tokens
+            if co.prompt_logprobs is not None:
+                state.prompt_logprobs = co.prompt_logprobs
             if finish is not None:
                 out.finish_reason, out.stop_reason = finish, stop_reason
                 out.error, out.error_param = co.error, co.error_param
@@ -184,7 +192,6 @@ class OutputProcessor:
         for rid, state in touched.items():
             result = state.snapshot()
             if result.finished:
-                state.metrics.finished_time = state.metrics.token_times[-1] if state.metrics.token_times else None
                 del self.requests[rid]
             results.append(result)
         return results, to_abort

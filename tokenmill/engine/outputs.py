@@ -19,10 +19,12 @@ TokenLogprobs = dict[int, Logprob]  # the sampled token and the top-N, by token 
 class ModelRunnerOutput:
     """Per request that sampled this step: its new token ids (one today; several once speculative
     tokens are verified) and, if it asked, their logprobs. Requests in the middle of a prompt have
-    no entry."""
+    no entry there, but their prompt logprobs for this chunk if they asked."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # requests that asked for prompt logprobs: (index of the first prompt token covered, one entry per token)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,3 +41,4 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     error: str | None = None  # with finish_reason "abort": why the request failed (shown to the client)
     error_param: str | None = None  # the request field at fault, when it was the client's input (a 400)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first output (first token: None)

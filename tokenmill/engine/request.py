@@ -67,9 +67,12 @@ class TokenSequence:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
+    params: SamplingParams
+
     def samples_after(self, num_new_tokens: int) -> bool:
-        """Whether running `num_new_tokens` more tokens reaches the end of its tokens, so a next one is sampled."""
-        return self.num_computed_tokens + num_new_tokens >= self.num_tokens
+        """Whether running `num_new_tokens` more tokens reaches the end of its tokens, so a next one is
+        sampled (never for a request that only scores its prompt: max_tokens 0)."""
+        return self.params.max_tokens != 0 and self.num_computed_tokens + num_new_tokens >= self.num_tokens
 
 
 class Request(TokenSequence):
@@ -90,6 +93,8 @@ class Request(TokenSequence):
         self.num_preemptions = 0
         self.times = RequestTimes(core_request.arrival_time)
         self.structured = None  # StructuredState of a constrained request (set by the engine core)
+        # logprob entries of the prompt tokens, filled chunk by chunk (the first token has none); sent once
+        self.prompt_logprobs = [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

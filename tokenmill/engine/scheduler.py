@@ -37,6 +37,7 @@ class RequestUpdate:
     new_logprobs: list[TokenLogprobs] | None
     status: RequestStatus | None
     error: str | None = None  # the request failed (e.g. its grammar raised); status is FINISHED_ABORTED
+    prompt_logprobs: list | None = None  # with its first update, if it asked
 
 
 class Scheduler:
@@ -135,8 +136,15 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)
+            if rid in output.prompt_logprobs and request.prompt_logprobs is not None:
+                first, entries = output.prompt_logprobs[rid]
+                request.prompt_logprobs[first : first + len(entries)] = entries
             tokens = output.sampled_token_ids.get(rid)
             if not tokens:
+                if request.params.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
+                    status = RequestStatus.FINISHED_LENGTH  # scored its prompt: nothing to generate
+                    updates.append(RequestUpdate(request, [], None, status, None, self._take_prompt_logprobs(request)))
+                    self.finish(request, status)
                 continue
             accepted, status, error = [], None, None
             for token in tokens:
@@ -150,10 +158,16 @@ class Scheduler:
                     break
             logprobs = output.logprobs.get(rid)
             updates.append(RequestUpdate(request, accepted, logprobs[: len(accepted)] if logprobs else None, status,
-                                         error))
+                                         error, self._take_prompt_logprobs(request)))
             if status is not None:
                 self.finish(request, status)
         return updates
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request) -> list | None:
+        """The request's prompt logprobs, the first time it reports (None afterwards and if it did not ask)."""
+        entries, request.prompt_logprobs = request.prompt_logprobs, None
+        return entries
 
     @staticmethod
     def _append(request: Request, token: int, now: float) -> RequestStatus | None:

@@ -68,9 +68,12 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
             client.begin_shutdown()
             await asyncio.to_thread(client.stop_process)
 
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan, docs_url="/docs",
+                  redoc_url=None, openapi_url="/openapi.json",
+                  description="An OpenAI-compatible server. Request bodies are parsed strictly (a string is not a "
+                              "number); every invalid field is a 400 naming it.")
     app.state.ctx = ctx
+    app.openapi = lambda: _openapi(app)
 
     # ---- errors ------------------------------------------------------------------------------
 
@@ -157,11 +160,11 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
         check_api_key(request)
         return await create(ctx, parse_body(body_type, await read_body(request)), request, arrival)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest), summary="Completions (OpenAI)")
     async def completions(request: Request) -> Response:
         return await generate(request, CompletionRequest, create_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest), summary="Chat completions (OpenAI)")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, create_chat_completion)
 
@@ -175,7 +178,7 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
             raise engine_error(e) from None
         return JSONResponse({"status": "ok", "blocks_dropped": dropped})
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         check_api_key(request)
         req = parse_body(TokenizeRequest, await read_body(request))
@@ -191,7 +194,7 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
         return JSONResponse({"count": len(ids), "max_model_len": ctx.context_limit, "tokens": ids,
                              "token_strs": [ctx.token_text(t) for t in ids]})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         check_api_key(request)
         req = parse_body(DetokenizeRequest, await read_body(request))
@@ -200,6 +203,30 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
         return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
 
     return app
+
+
+_BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+def _body(model) -> dict:
+    """The OpenAPI requestBody of a route whose handler parses `model` itself (strict JSON)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema of the routes, plus the request models with every accepted field."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in _BODIES:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _log_periodically(metrics: ServerMetrics, interval: float) -> None:

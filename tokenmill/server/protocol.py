@@ -91,6 +91,7 @@ class _SamplingRequest(_Body):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
+    prompt_logprobs: int | None = None  # vLLM: logprobs (top-N) of every prompt token, in the response
     cache_salt: str | None = None  # prefix-cache blocks are only shared between requests with the same salt
     # structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* names
     response_format: dict | None = None
@@ -143,13 +144,15 @@ class _SamplingRequest(_Body):
         return bias
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
-                         structured_output: StructuredOutputSpec | None = None) -> SamplingParams:
+                         structured_output: StructuredOutputSpec | None = None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         self._check_unsupported()
         kwargs = {"n": self.n, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                   "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,
                   "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
                   "include_stop_str_in_output": self.include_stop_str_in_output,
-                  "structured_output": structured_output, "logit_bias": self._logit_bias()}
+                  "structured_output": structured_output, "logit_bias": self._logit_bias(),
+                  "prompt_logprobs": prompt_logprobs}
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         if not -(2**63) <= self.priority < 2**63:
@@ -174,16 +177,27 @@ class _SamplingRequest(_Body):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = 16  # 0 with echo (or prompt_logprobs): score the prompt, generate nothing
+    logprobs: int | None = None  # with echo, also for the echoed prompt tokens
     echo: bool = False
     suffix: str | None = None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine computes for the prompt: vLLM's prompt_logprobs, or OpenAI's echo + logprobs
+        (echo with max_tokens 0 scores the prompt even without logprobs)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            return self.logprobs or 0
+        return None
 
     def sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         spec = self.structured_spec()
-        return self._sampling_params(self.max_tokens, self.logprobs, {}, spec[0] if spec else None)
+        return self._sampling_params(self.max_tokens, self.logprobs, {}, spec[0] if spec else None,
+                                     self.engine_prompt_logprobs)
 
 
 class TextPart(_Body):
@@ -304,7 +318,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request(f"max_reasoning_tokens must be an int >= 0, got {self.max_reasoning_tokens}",
                               "max_reasoning_tokens")
         spec = self.structured_spec()
-        return self._sampling_params(max_tokens, logprobs, renames, spec[0] if spec else None)
+        return self._sampling_params(max_tokens, logprobs, renames, spec[0] if spec else None, self.prompt_logprobs)
 
     def chat_messages(self) -> list[dict]:
         """Messages as the chat template expects them ('developer' is OpenAI's new name for 'system'),

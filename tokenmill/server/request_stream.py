@@ -63,6 +63,7 @@ class StreamOutput:
     deltas: list[SampleDelta]  # only the samples that changed this step
     finished: bool
     outputs: list[CompletionOutput]  # cumulative per sample; final once `finished`
+    prompt_logprobs: list | None = None  # once known (the request asked): one entry per prompt token, first None
 
 
 def copy_step(result: RequestOutput, reported: set[int]) -> StreamOutput:
@@ -77,7 +78,7 @@ def copy_step(result: RequestOutput, reported: set[int]) -> StreamOutput:
             if newly_finished:
                 reported.add(o.index)
     return StreamOutput(result.request_id, result.prompt_token_ids, result.num_cached_tokens, deltas,
-                        result.finished, result.outputs)
+                        result.finished, result.outputs, result.prompt_logprobs)
 
 
 def _merge_steps(older: StreamOutput, newer: StreamOutput) -> StreamOutput:
@@ -91,7 +92,8 @@ def _merge_steps(older: StreamOutput, newer: StreamOutput) -> StreamOutput:
         logprobs = None if old.logprobs is None and d.logprobs is None else (old.logprobs or []) + (d.logprobs or [])
         by_index[d.index] = SampleDelta(d.index, old.text + d.text, old.token_ids + d.token_ids, logprobs,
                                         d.finish_reason, d.stop_reason)
-    return dataclasses.replace(newer, deltas=sorted(by_index.values(), key=lambda d: d.index))
+    return dataclasses.replace(newer, deltas=sorted(by_index.values(), key=lambda d: d.index),
+                               prompt_logprobs=newer.prompt_logprobs or older.prompt_logprobs)
 
 
 class RequestStream:

@@ -226,17 +226,19 @@ class ServingContext:
             offset += len(text)
         return out, offset
 
-    def prompt_logprobs_placeholder(self, prompt_ids: list[int], offset: int) -> tuple[dict, int]:
-        """Echoed prompt tokens: their text and offsets (prompt logprobs are not computed: null)."""
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid in prompt_ids:
-            text = self.token_text(tid)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            out["text_offset"].append(offset)
-            offset += len(text)
-        return out, offset
+    def echo_logprobs(self, prompt_ids: list[int], entries: list) -> tuple[dict, int]:
+        """Legacy format for echoed prompt tokens (engine prompt logprobs); the first token has none
+        (null), as OpenAI does. Returns it and the text offset after the prompt."""
+        first = self.token_text(prompt_ids[0])
+        out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        rest, offset = self.completion_logprobs(prompt_ids[1:], entries[1:], len(first))
+        return merge_logprobs(out, rest), offset
+
+    def vllm_prompt_logprobs(self, entries: list) -> list:
+        """vLLM's `prompt_logprobs` field: per prompt token, {token id: {logprob, rank, decoded_token}}."""
+        return [None if e is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                                 "decoded_token": self.token_text(t)} for t, lp in e.items()}
+                for e in entries]
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> list[dict]:
         content = []

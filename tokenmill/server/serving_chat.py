@@ -160,6 +160,9 @@ def _message(deltas: list[dict], with_reasoning: bool, with_tools: bool) -> dict
 async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[SamplingParams, list[int], _ChatPlan]:
     """Prompt ids, sampling parameters (with constraints) and the parsing plan of a chat request."""
     ctx.check_limits(req)
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is supported on non-streamed chat completions only", "prompt_logprobs",
+                          "unsupported")
     params = req.sampling_params()
     template_kwargs = req.template_kwargs()
     mode, name = req.tool_mode()
@@ -235,8 +238,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         choices.append({"index": o.index, "message": message, "logprobs": logprobs,
                         "finish_reason": parser.finish_reason(o.finish_reason)})
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+    extra = {"prompt_logprobs": ctx.vllm_prompt_logprobs(final.prompt_logprobs)} if req.prompt_logprobs is not None \
+        else {}
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                         "system_fingerprint": None, "choices": choices,
+                         "system_fingerprint": None, "choices": choices, **extra,
                          "usage": usage(len(ids), completion_tokens, final.num_cached_tokens,
                                         _reasoning_tokens(ctx, plan, [o.token_ids for o in final.outputs]))})
 

@@ -93,19 +93,28 @@ def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, mode
         cached += final.num_cached_tokens
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
-            logprobs = None
+            choices.append(dict(_prompt_fields(ctx, req, ids, final.prompt_logprobs),
+                                index=p * req.n + o.index, text=(text if req.echo else "") + o.text,
+                                finish_reason=o.finish_reason))
             if req.logprobs is not None:
-                offset = 0
-                if req.echo:
-                    logprobs, offset = ctx.prompt_logprobs_placeholder(ids, 0)
+                offset = choices[-1].pop("echo_offset")
                 generated, _ = ctx.completion_logprobs(o.token_ids, o.logprobs or [], offset)
-                logprobs = merge_logprobs(logprobs, generated)
-            choices.append({"index": p * req.n + o.index, "text": (text if req.echo else "") + o.text,
-                            "logprobs": logprobs, "finish_reason": o.finish_reason})
+                choices[-1]["logprobs"] = merge_logprobs(choices[-1]["logprobs"], generated)
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": None, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached)}
+
+
+def _prompt_fields(ctx: ServingContext, req: CompletionRequest, ids: list[int], entries: list | None) -> dict:
+    """A choice's prompt part: echoed-token logprobs (with `echo_offset`, where the generated text
+    starts, when logprobs are asked) and vLLM's prompt_logprobs."""
+    fields: dict = {"logprobs": None}
+    if req.logprobs is not None:
+        fields["logprobs"], fields["echo_offset"] = ctx.echo_logprobs(ids, entries) if req.echo else (None, 0)
+    if req.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = ctx.vllm_prompt_logprobs(entries)
+    return fields
 
 
 async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str, created: int,
@@ -119,24 +128,38 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
     offsets: dict[int, int] = {}
     completion_tokens = 0
     cached = [0] * len(prompts)
+    # prompts whose first chunks (echo, prompt logprobs) wait for the engine's prompt logprobs
+    waiting = {p for p in range(len(prompts)) if req.engine_prompt_logprobs is not None
+               and (req.logprobs is not None or req.prompt_logprobs is not None)}
+    held: dict[int, list[StreamOutput]] = {p: [] for p in waiting}
     try:
         if req.echo:
-            for p, (text, ids) in enumerate(prompts):
+            for p, (text, _) in enumerate(prompts):
                 for j in range(req.n):
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs, offsets[p * req.n + j] = ctx.prompt_logprobs_placeholder(ids, 0)
-                    yield chunk(p * req.n + j, text, logprobs, None)
+                    if p not in waiting:
+                        yield chunk(p * req.n + j, text, None, None)
         async for p, out in merge_streams(streams):
-            cached[p] = out.num_cached_tokens
-            for d in out.deltas:
-                index = p * req.n + d.index
-                completion_tokens += len(d.token_ids)
-                logprobs = None
-                if req.logprobs is not None and d.logprobs:
-                    logprobs, offsets[index] = ctx.completion_logprobs(d.token_ids, d.logprobs, offsets.get(index, 0))
-                if d.text or logprobs is not None or d.finish_reason is not None:
-                    yield chunk(index, d.text, logprobs, d.finish_reason)
+            if p in waiting:
+                if out.prompt_logprobs is None:
+                    held[p].append(out)  # another sample went first: keep its deltas until the prompt's turn
+                    continue
+                waiting.discard(p)
+                text, ids = prompts[p]
+                for j in range(req.n):
+                    fields = _prompt_fields(ctx, req, ids, out.prompt_logprobs)
+                    offsets[p * req.n + j] = fields.pop("echo_offset", 0)
+                    yield chunk(p * req.n + j, text if req.echo else "", finish_reason=None, **fields)
+            for o in held.pop(p, []) + [out]:
+                cached[p] = o.num_cached_tokens
+                for d in o.deltas:
+                    index = p * req.n + d.index
+                    completion_tokens += len(d.token_ids)
+                    logprobs = None
+                    if req.logprobs is not None and d.logprobs:
+                        logprobs, offsets[index] = ctx.completion_logprobs(d.token_ids, d.logprobs,
+                                                                           offsets.get(index, 0))
+                    if d.text or logprobs is not None or d.finish_reason is not None:
+                        yield chunk(index, d.text, logprobs, d.finish_reason)
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             yield sse(dict(base, choices=[], usage=usage(prompt_tokens, completion_tokens, sum(cached))))

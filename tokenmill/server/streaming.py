@@ -61,12 +61,12 @@ def sse(data: dict | str) -> str:
 
 
 def choice_chunk_builder(base: dict, include_usage: bool, content_key: str):
-    """`chunk(index, content, logprobs, finish_reason) -> str`: one streamed choice as an SSE event,
-    `content_key` being "text" (completions) or "delta" (chat); `usage: null` until the last chunk
-    when the client asked for usage."""
-    def chunk(index: int, content, logprobs, finish_reason) -> str:
+    """`chunk(index, content, logprobs, finish_reason, **extra) -> str`: one streamed choice as an SSE
+    event, `content_key` being "text" (completions) or "delta" (chat), `extra` more choice fields;
+    `usage: null` until the last chunk when the client asked for usage."""
+    def chunk(index: int, content, logprobs, finish_reason, **extra) -> str:
         body = dict(base, choices=[{"index": index, content_key: content, "logprobs": logprobs,
-                                    "finish_reason": finish_reason}])
+                                    "finish_reason": finish_reason, **extra}])
         if include_usage:
             body["usage"] = None
         return sse(body)

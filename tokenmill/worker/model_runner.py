@@ -22,7 +22,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.forward_context import ForwardContext, set_forward_context
 from tokenmill.loader import LoadedModel
 from tokenmill.worker.request_state import CachedRequestState
-from tokenmill.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tokenmill.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +79,14 @@ class ModelRunner:
         input_ids = np.fromiter((t for s, c, n in zip(states, num_computed, num_new) for t in s.token_slice(c, c + n)),
                                 dtype=np.int64, count=int(num_new.sum()))
         hidden, common = self.forward(input_ids, num_new, num_computed, [s.block_ids for s in states])
+        result = ModelRunnerOutput()
+        self._prompt_logprobs(result, hidden, common, states)
         rows = [i for i, (s, n) in enumerate(zip(states, num_new)) if s.samples_after(int(n))]
-        if not rows:
-            return ModelRunnerOutput()
-        last = torch.from_numpy(common.query_start_loc[1:][rows] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[last]).float()
-        return self._sample(logits, [states[i] for i in rows], sched.grammar)
+        if rows:
+            last = torch.from_numpy(common.query_start_loc[1:][rows] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[last]).float()
+            self._sample(result, logits, [states[i] for i in rows], sched.grammar)
+        return result
 
     def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
                 block_ids: list[list[int]]) -> tuple[torch.Tensor, CommonAttentionMetadata]:
@@ -111,8 +113,37 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState],
-                grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+    def _prompt_logprobs(self, result: ModelRunnerOutput, hidden: torch.Tensor, common: CommonAttentionMetadata,
+                         states: list[CachedRequestState]) -> None:
+        """For requests that asked: the logprob of each prompt token this step's chunk predicts (the
+        token after each position, up to the last prompt token), with the top-N, from raw logits."""
+        rows, targets, spans = [], [], []
+        for i, s in enumerate(states):
+            if s.params.prompt_logprobs is None:
+                continue
+            start = max(s.num_computed_tokens, s.prompt_logprobs_from)
+            end = min(int(common.seq_lens[i]), len(s.prompt_token_ids) - 1)  # positions predicting prompt tokens
+            if start >= end:
+                continue
+            offset = int(common.query_start_loc[i]) - s.num_computed_tokens
+            rows.extend(range(offset + start, offset + end))
+            targets.extend(s.prompt_token_ids[start + 1 : end + 1])
+            spans.append((s, start, end))
+            s.prompt_logprobs_from = end
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        num = max(s.params.prompt_logprobs for s, _, _ in spans)
+        ids, values, ranks = compute_logprobs(logits, torch.tensor(targets, device=self.device), max(num, 1))
+        entries = logprob_dicts(ids.tolist(), values.tolist(), ranks.tolist(),
+                                [s.params.prompt_logprobs for s, a, b in spans for _ in range(b - a)])
+        k = 0
+        for s, start, end in spans:
+            result.prompt_logprobs[s.request_id] = (start + 1, entries[k : k + end - start])
+            k += end - start
+
+    def _sample(self, result: ModelRunnerOutput, logits: torch.Tensor, states: list[CachedRequestState],
+                grammar: GrammarBitmask | None) -> None:
         params = [s.params for s in states]
         if grammar is not None:
             self._apply_grammar(logits, states, grammar)
@@ -127,14 +158,15 @@ class ModelRunner:
         )
         out = self.sampler(logits, meta)
         token_ids = out.sampled_token_ids.tolist()
-        result = ModelRunnerOutput()
-        logprobs = _logprobs_lists(out, params)
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = logprob_dicts(out.logprobs_token_ids.tolist(), out.logprobs.tolist(), out.sampled_rank.tolist(),
+                                     [p.logprobs for p in params])
         for i, (state, token) in enumerate(zip(states, token_ids)):
             state.output_token_ids.append(token)
             result.sampled_token_ids[state.request_id] = [token]
             if logprobs is not None and logprobs[i] is not None:
                 result.logprobs[state.request_id] = [logprobs[i]]
-        return result
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, states: list[CachedRequestState], grammar: GrammarBitmask) -> None:
@@ -148,17 +180,17 @@ class ModelRunner:
         apply_bitmask(logits, bitmask, rows)
 
 
-def _logprobs_lists(out: SamplerOutput, params) -> list[TokenLogprobs | None] | None:
-    if out.logprobs is None:
-        return None
-    ids, values, ranks = out.logprobs_token_ids.tolist(), out.logprobs.tolist(), out.sampled_rank.tolist()
+def logprob_dicts(ids: list[list[int]], values: list[list[float]], ranks: list[int],
+                  nums: list[int | None]) -> list[TokenLogprobs | None]:
+    """Per row: {token id: Logprob} of the row's own token (column 0, with its rank) and its top-`nums[row]`
+    (None for rows that did not ask)."""
     result = []
-    for i, p in enumerate(params):
-        if p.logprobs is None:
+    for i, k in enumerate(nums):
+        if k is None:
             result.append(None)
             continue
         entry = {ids[i][0]: Logprob(values[i][0], ranks[i])}
-        for j in range(1, p.logprobs + 1):
+        for j in range(1, k + 1):
             entry.setdefault(ids[i][j], Logprob(values[i][j], j))
         result.append(entry)
     return result

@@ -18,6 +18,7 @@ class CachedRequestState(TokenSequence):
         self.eos_token_ids = new.eos_token_ids
         self.block_ids = list(new.block_ids)
         self.num_computed_tokens = new.num_computed_tokens
+        self.prompt_logprobs_from = 0  # the first prompt position whose next-token logprobs are still owed
         self.generator = None  # a seeded request draws from its own generator: independent of its batch
         if self.params.seed is not None:
             self.generator = torch.Generator(device).manual_seed(self.params.seed)
