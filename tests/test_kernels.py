@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,3 +81,16 @@ def test_fused_elementwise_ops_match_torch(tokens):
     fused_ops.rotary_inplace(x, positions, table)
     torch.testing.assert_close(qkv[:, :3], ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(qkv[:, 3:], untouched, rtol=0, atol=0)
+
+
+def test_a_build_lock_left_by_a_killed_process_is_cleared():
+    """torch leaves its `lock` file behind when a build is killed; the next build must not wait on it forever."""
+    from tokenmill import kernels
+
+    if fused_ops.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    lock = kernels._build_root() / f"tokenmill_fused_ops_{kernels._cpu_tag()}" / "lock"
+    lock.touch()
+    code = "from tokenmill.kernels import fused_ops; assert fused_ops.load() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a hang, not a speed limit
+    assert not lock.exists()

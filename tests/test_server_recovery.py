@@ -27,7 +27,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deadline_server(tmp_path_factory):
-    yield from _server(tmp_path_factory, "deadlines", "--request-timeout", "2", "--shutdown-timeout", "120")
+    yield from _server(tmp_path_factory, "deadlines", "--request-timeout", "5", "--shutdown-timeout", "120")
 
 
 def _server(tmp_path_factory, name: str, *args: str):
@@ -114,9 +114,10 @@ def test_a_hung_core_is_reported_and_restarted(server):
 
 
 def test_requests_past_their_deadline_are_aborted(deadline_server):
-    r = completion(deadline_server.url, max_tokens=400, ignore_eos=True)
+    # 1000 tokens take well over the 5 s deadline at any speed this model runs on a CPU
+    r = completion(deadline_server.url, max_tokens=1000, ignore_eos=True)
     assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
-    events = stream_events(deadline_server.url, LONG)
+    events = stream_events(deadline_server.url, dict(LONG, max_tokens=1000))
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
     assert completion(deadline_server.url).status_code == 200  # short ones are unaffected
     assert_pool_whole(deadline_server.url)

@@ -29,7 +29,8 @@ class Executor(ABC):
     @abstractmethod
     def initialize_kv_cache(self) -> KVCacheConfig:
         """Size the paged KV cache from the layers' specs and the cache config (the same block count
-        on every worker), allocate it, and return it: the core's block pool has that many blocks."""
+        on every worker), allocate it, warm the model up on it (kernels built before the first request),
+        and return it: the core's block pool has that many blocks."""
 
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

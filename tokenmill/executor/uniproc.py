@@ -26,6 +26,7 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self) -> KVCacheConfig:
         kv_config = make_kv_cache_config(self.runner.kv_cache_specs(), self.config.cache)
         self.runner.initialize_kv_cache(kv_config)
+        self.runner.warm_up()
         return kv_config
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

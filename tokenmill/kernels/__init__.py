@@ -7,11 +7,14 @@ callers fall back to plain torch ops.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +34,47 @@ def build(name: str, source: str, functions: list[str], extra_cflags: tuple[str,
         try:
             from torch.utils.cpp_extension import load_inline
 
-            module = load_inline(
-                name=f"tokenmill_{name}_{_cpu_tag()}",  # -march=native: one build per CPU kind
-                cpp_sources=source,
-                functions=functions,
-                extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            full_name = f"tokenmill_{name}_{_cpu_tag()}"  # -march=native: one build per CPU kind
+            build_dir = _build_root() / full_name
+            with _exclusive(build_dir):
+                module = load_inline(
+                    name=full_name,
+                    cpp_sources=source,
+                    functions=functions,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
         except Exception as e:  # no compiler, no ninja, no OpenMP: fall back to torch ops
             logger.warning("CPU kernel %s unavailable (%s); using torch ops instead", name, e)
     _built[name] = module
     return module
+
+
+def _build_root() -> Path:
+    """Where builds are cached: $TORCH_EXTENSIONS_DIR, else ~/.cache/tokenmill/kernels."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenmill", "kernels")
+    return Path(root)
+
+
+@contextlib.contextmanager
+def _exclusive(build_dir: Path):
+    """Hold the build directory against other tokenmill processes.
+
+    torch guards a build with a `lock` file that stays behind when the building process is killed,
+    and every later build then waits on it forever. An `flock` dies with its holder, so while we hold
+    one no live build is in progress here and a leftover `lock` file is stale: remove it.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "tokenmill.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def _cpu_tag() -> str:

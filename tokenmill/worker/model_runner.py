@@ -17,10 +17,11 @@ from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig
 from tokenmill.attention.metadata import CommonAttentionMetadata, build_common_metadata
 from tokenmill.config import EngineConfig, resolve_cache_dtype
 from tokenmill.engine.outputs import Logprob, ModelRunnerOutput, TokenLogprobs
-from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
+from tokenmill.engine.scheduler_output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.forward_context import ForwardContext, set_forward_context
 from tokenmill.loader import LoadedModel
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
 
@@ -63,6 +64,17 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, attention %s)", config.num_blocks,
                     config.block_size, config.capacity_tokens, config.total_bytes / 2**30, self.cache_dtype,
                     self.backend.name)
+
+    def warm_up(self) -> None:
+        """A prefill and a decode of a throwaway request in block 0, so that kernels are compiled (or
+        loaded) and first-call costs are paid before the first real request's clock starts. Block 0's
+        contents are garbage afterwards, which is harmless: every block is written before it is read."""
+        rid, prompt = "__warmup__", [0, 0]
+        new = NewRequestData(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0), set(), [0], 0)
+        self.execute(SchedulerOutput(new_requests=[new], num_scheduled_tokens={rid: len(prompt)}))
+        self.execute(SchedulerOutput(cached_requests=[CachedRequestData(rid, [], len(prompt))],
+                                     num_scheduled_tokens={rid: 1}))
+        self.execute(SchedulerOutput(finished_request_ids={rid}))
 
     # ---- one step ---------------------------------------------------------------------------------
 
