@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run clean
+.PHONY: test run lm-eval clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,6 +18,10 @@ test: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/tokenmill serve --host 127.0.0.1 --port 8000
+
+# lm-eval (its own environment, .lmeval-venv) against tokenmill serve and HF on the same weights
+lm-eval: $(STAMP)
+	bash eval/run_lm_eval.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,3 +24,14 @@ def tokenizer():
     from tokenmill.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model):
+    """transformers' float32 model on the default model's GGUF weights (the reference), loaded once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = default_model.source
+    return AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
+                                                dtype=torch.float32).eval()

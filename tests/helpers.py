@@ -160,3 +160,34 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# a small evaluation task (multiple choice and log-likelihood items) for `tokenmill eval`
+EVAL_ITEMS = [
+    {"context": "The capital of France is", "choices": [" Paris", " Berlin", " Madrid"], "gold": 0},
+    {"context": "Two plus two equals", "choices": [" five", " four", " seven"], "gold": 1},
+    {"context": "The opposite of hot is", "choices": [" warm", " big", " cold"], "gold": 2},
+]
+
+
+def reference_loglikelihood(hf_model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
+    """transformers' (summed logprob, all-greedy) of the continuation's tokens after the context's."""
+    ids, context_ids = tokenizer.encode(context + continuation), tokenizer.encode(context)
+    assert ids[: len(context_ids)] == context_ids, "the continuation must start a new token"
+    with torch.no_grad():
+        lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    picked = range(len(context_ids), len(ids))
+    return (sum(lp[j - 1, ids[j]].item() for j in picked),
+            all(int(lp[j - 1].argmax()) == ids[j] for j in picked))
+
+
+def check_eval_result(result: dict, items: list[dict], hf_model, tokenizer) -> None:
+    """A multiple-choice `tokenmill eval` result against transformers, choice by choice."""
+    assert result["items"] == len(items)
+    correct = 0
+    for item, got in zip(items, result["per_item"]):
+        want = [reference_loglikelihood(hf_model, tokenizer, item["context"], c)[0] for c in item["choices"]]
+        assert max(abs(a - b) for a, b in zip(got["loglikelihoods"], want)) < 1e-3
+        assert got["pick"] == want.index(max(want))
+        correct += got["pick"] == item["gold"]
+    assert result["acc"] == correct / len(items)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from helpers import EVAL_ITEMS, check_eval_result
 from tokenmill import LLM, SamplingParams
 
 
@@ -146,3 +147,13 @@ def test_streamed_deltas_add_up_to_the_final_text(llm):
             else:
                 assert sample.text == ""
     assert final and "".join(deltas) == final and pool_whole(llm)
+
+
+def test_eval_scores_with_the_engine_as_transformers_does(llm, hf_default_model, tokenizer):
+    from tokenmill.eval.scorers import EngineScorer
+    from tokenmill.eval.tasks import evaluate, texts_to_score
+
+    texts = [t for t, _ in texts_to_score("multiple_choice", EVAL_ITEMS)]
+    result = evaluate("multiple_choice", EVAL_ITEMS, EngineScorer(llm).score(texts))
+    check_eval_result(result, EVAL_ITEMS, hf_default_model, tokenizer)
+    assert pool_whole(llm)

@@ -5,10 +5,13 @@ vLLM's prompt_logprobs, streamed and not, checked against transformers on the sa
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
 import torch
+from helpers import EVAL_ITEMS, check_eval_result, reference_loglikelihood
 from test_server_utils import MODEL, model_available, running_server, sse_events
 
 pytestmark = pytest.mark.skipif(not model_available(), reason=f"model {MODEL} is not installed")
@@ -23,16 +26,11 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(default_model, tokenizer):
+def reference(hf_default_model, tokenizer):
     """transformers' log-probabilities of each prompt token given the ones before it."""
-    from transformers import AutoModelForCausalLM
-
-    src = default_model.source
-    hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                              dtype=torch.float32).eval()
     ids = tokenizer.encode(PROMPT)
     with torch.no_grad():
-        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+        lp = torch.log_softmax(hf_default_model(torch.tensor([ids])).logits[0], dim=-1)
     return ids, [lp[j - 1, ids[j]].item() for j in range(1, len(ids))], lp
 
 
@@ -114,3 +112,27 @@ def test_openapi_describes_every_endpoint_and_field(server):
     body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["$ref"].endswith("/CompletionRequest")
     assert "swagger" in httpx.get(f"{server.url}/docs").text.lower()
+
+
+def run_eval_cli(server, items: list[dict], tmp_path) -> dict:
+    task, out = tmp_path / "task.jsonl", tmp_path / "result.json"
+    task.write_text("".join(json.dumps(item) + "\n" for item in items))
+    subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "eval", "--task", str(task),
+                    "--base-url", f"{server.url}/v1", "--output", str(out)], check=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_tokenmill_eval_scores_multiple_choice_through_the_server(server, hf_default_model, tokenizer, tmp_path):
+    result = run_eval_cli(server, EVAL_ITEMS, tmp_path)
+    assert result["kind"] == "multiple_choice"
+    check_eval_result(result, EVAL_ITEMS, hf_default_model, tokenizer)
+
+
+def test_tokenmill_eval_scores_loglikelihood_through_the_server(server, hf_default_model, tokenizer, tmp_path):
+    items = [{"context": i["context"], "continuation": c} for i in EVAL_ITEMS for c in i["choices"][:2]]
+    result = run_eval_cli(server, items, tmp_path)
+    assert result["kind"] == "loglikelihood" and result["items"] == len(items)
+    for item, got in zip(items, result["per_item"]):
+        ll, greedy = reference_loglikelihood(hf_default_model, tokenizer, item["context"], item["continuation"])
+        assert abs(got["loglikelihood"] - ll) < 1e-3 and got["is_greedy"] == greedy
+    assert result["greedy_fraction"] == sum(p["is_greedy"] for p in result["per_item"]) / len(items)

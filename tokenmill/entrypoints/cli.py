@@ -100,12 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
-    """`serve` and `bench` live in their own packages."""
+    """`serve`, `bench` and `eval` live in their own packages."""
     from tokenmill.bench.cli import add_bench_parser
+    from tokenmill.eval.cli import add_eval_parser
     from tokenmill.server.cli import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_eval_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

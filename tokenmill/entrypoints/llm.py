@@ -26,8 +26,9 @@ class LLM:
                  quantization: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  kv_cache_memory: float = 1.0, num_kv_blocks: int | None = None, block_size: int = 16,
-                 kv_cache_dtype: str = "auto") -> None:
-        config = EngineConfig(
+                 kv_cache_dtype: str = "auto", engine_config: EngineConfig | None = None) -> None:
+        """The keyword arguments build the engine's configuration; `engine_config` gives all of it instead."""
+        config = engine_config or EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, quantization=quantization,
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, num_blocks=num_kv_blocks,
                               cache_dtype=kv_cache_dtype),

@@ -1,0 +1,54 @@
+"""`tokenmill eval`: score a local task file against the engine (--model) or a server (--base-url)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from tokenmill.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.eval.tasks import KINDS
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval", help="score a local task file (log-likelihood, multiple choice, perplexity)",
+        description="Score a JSONL task file with the engine in-process (the model flags below) or against any "
+                    "OpenAI-compatible server (--base-url, through /v1/completions with echo + logprobs). "
+                    "Kinds: loglikelihood {context, continuation}; multiple_choice {context, choices, gold}; "
+                    "perplexity {text}.")
+    p.add_argument("--task", required=True, metavar="FILE.jsonl", help="the task file, one JSON object per line")
+    p.add_argument("--kind", default="auto", choices=("auto", *KINDS),
+                   help="task kind; auto tells it from the first item's fields (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="score only the first N items")
+    p.add_argument("--base-url", default=None,
+                   help="score against this server (e.g. http://127.0.0.1:8000/v1) instead of loading the model")
+    p.add_argument("--served-model", default=None, help="the model name to send to the server (default: its first)")
+    p.add_argument("--api-key", default=None, help="bearer token for the server")
+    p.add_argument("--output", default=None, metavar="FILE.json", help="write metrics and per-item results here")
+    add_engine_args(p)
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def run_eval(args: argparse.Namespace) -> None:
+    from tokenmill.eval.scorers import EngineScorer, ServerScorer
+    from tokenmill.eval.tasks import evaluate, load_task, texts_to_score
+
+    kind, items = load_task(args.task, args.kind)
+    items = items[: args.limit] if args.limit else items
+    if args.base_url:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scored text
+        scorer = ServerScorer(args.base_url, args.served_model, args.api_key)
+    else:
+        from tokenmill import LLM
+
+        scorer = EngineScorer(LLM(engine_config=engine_config_from_args(args)))
+    result = evaluate(kind, items, scorer.score([t for t, _ in texts_to_score(kind, items)]))
+    summary = {k: v for k, v in result.items() if k != "per_item"}
+    print(json.dumps(summary, indent=2))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"results: {args.output}", file=sys.stderr)
