@@ -29,14 +29,25 @@ TINY_MODELS = {
         num_key_value_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "qwen2-bias": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
+    # head_dim 128 apart from hidden/heads, as in Qwen3 (and what transformers assumes reading its GGUF)
+    "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=128, tie_word_embeddings=True)),
+    "mixtral": (transformers.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                                 sliding_window=None)),
+    # layer 1 dense (mlp_only_layers), layer 0 routed + the gated shared expert; no renormalisation
+    "qwen2-moe": (transformers.Qwen2MoeConfig, dict(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False)),
+    "qwen3-moe": (transformers.Qwen3MoeConfig, dict(
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True)),
 }
 
 
-def make_tiny_model(name: str, directory) -> transformers.PreTrainedModel:
-    """Build a random-weight model from a transformers config, save it to `directory`, return it."""
+def make_tiny_model(name: str, directory, **overrides) -> transformers.PreTrainedModel:
+    """Build a random-weight model from a transformers config (with `overrides` of its fields), save it
+    to `directory`, return it."""
     cls, extra = TINY_MODELS[name]
     torch.manual_seed(0)
-    config = cls(**_BASE, **extra)
+    config = cls(**{**_BASE, **extra, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)
     return model
@@ -106,15 +117,28 @@ def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.T
     assert len(ours) == len(ref)
 
 
+_GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}  # else llama
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
 def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, str]) -> None:
-    """Write a tiny HF Llama/Qwen2 model as a GGUF file the way llama.cpp's converter does (q/k rows
-    permuted for Llama). `qtypes` maps a GGUF tensor-name suffix (e.g. "attn_q", "output") to a
-    quantization type name (Q4_0, Q4_1, Q8_0); everything else is stored as F32."""
+    """Write a tiny HF model (Llama, Mixtral, Qwen2/3, Qwen2/3-MoE) as a GGUF file the way llama.cpp's
+    converter does (q/k rows permuted for Llama; experts stacked per layer). `qtypes` maps a GGUF
+    tensor-name suffix (e.g. "attn_q", "output", "ffn_up_exps") to a quantization type name (Q4_0,
+    Q4_1, Q8_0); everything else is stored as F32."""
     import gguf
     from gguf.quants import quantize
 
     c = hf.config
-    arch = "qwen2" if c.model_type == "qwen2" else "llama"
+    arch = _GGUF_ARCH.get(c.model_type, "llama")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -122,35 +146,55 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_vocab_size(c.vocab_size)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(getattr(c, "moe_intermediate_size", c.intermediate_size))
+        if getattr(c, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        if hasattr(c, "norm_topk_prob"):
+            w.add_expert_weights_norm(c.norm_topk_prob)
 
     def permute(t, heads):
         return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    for name, tensor in hf.state_dict().items():
-        t = tensor.float().numpy()
-        if name == "model.embed_tokens.weight":
-            out = "token_embd.weight"
-        elif name == "model.norm.weight":
-            out = "output_norm.weight"
-        elif name == "lm_head.weight":
-            if c.tie_word_embeddings:
-                continue
-            out = "output.weight"
-        else:
-            _, _, layer, *module, kind = name.split(".")
-            part = names[".".join(module)]
-            if arch == "llama" and part == "attn_q":
-                t = permute(t, c.num_attention_heads)
-            elif arch == "llama" and part == "attn_k":
-                t = permute(t, c.num_key_value_heads)
-            out = f"blk.{layer}.{part}.{kind}"
-        qtype = qtypes.get(out.split(".")[-2]) if out.endswith(".weight") and t.ndim == 2 else None
+    def tensors():
+        for name, tensor in hf.state_dict().items():
+            t = tensor.float().numpy()
+            if name == "model.embed_tokens.weight":
+                yield "token_embd.weight", t
+            elif name == "model.norm.weight":
+                yield "output_norm.weight", t
+            elif name == "lm_head.weight":
+                if not c.tie_word_embeddings:
+                    yield "output.weight", t
+            else:
+                _, _, layer, *rest = name.split(".")
+                if rest == ["mlp", "experts", "gate_up_proj"]:  # [E, 2I, H] in memory: gate rows, then up
+                    gate, up = np.split(t, 2, axis=1)
+                    yield f"blk.{layer}.ffn_gate_exps.weight", gate
+                    yield f"blk.{layer}.ffn_up_exps.weight", up
+                    continue
+                if rest == ["mlp", "experts", "down_proj"]:
+                    yield f"blk.{layer}.ffn_down_exps.weight", t
+                    continue
+                *module, kind = rest
+                part = _GGUF_LAYER_NAMES[".".join(module)]
+                if arch == "llama" and part == "attn_q":
+                    t = permute(t, c.num_attention_heads)
+                elif arch == "llama" and part == "attn_k":
+                    t = permute(t, c.num_key_value_heads)
+                elif part == "ffn_gate_inp_shexp":
+                    t = t.reshape(-1)  # llama.cpp stores the shared expert's gate as a vector
+                yield f"blk.{layer}.{part}.{kind}", t
+
+    for out, t in tensors():
+        qtype = qtypes.get(out.split(".")[-2]) if out.endswith(".weight") and t.ndim >= 2 else None
         if qtype:
             w.add_tensor(out, quantize(t, gguf.GGMLQuantizationType[qtype]),
                          raw_dtype=gguf.GGMLQuantizationType[qtype])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import (TINY_MODELS, all_logits, assert_same_greedy, greedy_reference, make_core, make_runner,
-                     make_tiny_model, run_core)
+                     make_tiny_model, run_core, write_tiny_gguf)
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -77,7 +77,11 @@ def test_config_fields_are_read(tiny):
     assert c.num_key_value_heads == hf.config.num_key_value_heads
     assert c.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
     assert c.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
-    assert c.qkv_bias == (name == "qwen2-bias")
+    assert c.qkv_bias == name.startswith("qwen2")
+    assert c.qk_norm == name.startswith("qwen3")
+    assert c.num_experts == getattr(hf.config, "num_experts", getattr(hf.config, "num_local_experts", 0))
+    sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert list(c.sparse_layers) == sparse if c.num_experts else not sparse
 
 
 # --- the default model: SmolLM2-135M-Instruct GGUF (Q4_1) against transformers' own GGUF loader ---
@@ -190,3 +194,39 @@ def test_device_and_dtype_errors(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             load_model(str(tmp_path), device="cuda")
+
+
+def quantize_round_trip(t: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`t` as a GGUF file of type `qtype` stores it (quantized, then dequantized)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    return torch.from_numpy(dequantize(quantize(t.numpy(), kind), kind).copy()).reshape(t.shape)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "qwen2-moe", "mixtral"])
+def test_gguf_files_of_each_family_match_transformers(tmp_path, name):
+    """Qwen3 (q/k norms), Qwen2/3-MoE (stacked experts, shared expert with its gate) and Mixtral ("llama"
+    with experts), written as llama.cpp writes them with Q8_0 experts and queries, load from the GGUF
+    file and match transformers on the same weights (the reference holds the Q8_0 values)."""
+    hf = make_tiny_model(name, tmp_path, **({"mlp_only_layers": []} if name == "qwen2-moe" else {}))
+    qtypes = {"ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0", "ffn_gate_exps": "Q8_0", "attn_q": "Q8_0"}
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.copy_(quantize_round_trip(layer.self_attn.q_proj.weight, "Q8_0"))
+            if hasattr(layer.mlp, "experts"):
+                for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                    p.copy_(quantize_round_trip(p, "Q8_0"))
+    write_tiny_gguf(hf, tmp_path / "m.gguf", qtypes)
+    loaded = load_model(str(tmp_path / "m.gguf"))
+    assert loaded.config.architecture == type(hf).__name__
+    runner = make_runner(loaded)
+    batch = prompts(hf.config.vocab_size, seed=2)[:6]
+    for ids in batch:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert (all_logits(runner, ids) - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+    ours = run_core(make_core(str(tmp_path / "m.gguf"), loaded=loaded), batch, GREEDY)
+    for i, ids in enumerate(batch):
+        assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 32))

@@ -40,7 +40,19 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # mixture of experts: the router, and every expert stacked in one tensor
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# llama.cpp's default for renormalising the top-k routing weights, where the file does not say
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -53,9 +65,12 @@ class GGUFWeight:
     qtype: GGMLQuantizationType
     raw: np.ndarray
     unpermute_heads: int | None = None
+    shape: tuple[int, ...] | None = None  # the HF shape where it differs from the file's (a [H] gate row)
 
     def dequantize(self) -> torch.Tensor:
         values = np.asarray(dequantize(self.raw, self.qtype), dtype=np.float32)
+        if self.shape is not None:
+            values = values.reshape(self.shape)
         if self.unpermute_heads:
             values = _unpermute(values, self.unpermute_heads)
         if not values.flags.writeable or not values.flags.c_contiguous:  # F32 tensors are views of the mmap
@@ -107,11 +122,21 @@ class GGUFCheckpoint:
         scaling = None
         if p("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": p("rope.scaling.factor")}
+        experts = int(p("expert_count", 0))
+        hf_arch = "MixtralForCausalLM" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
+        moe = {} if not experts else {
+            "num_experts": experts,
+            "num_experts_per_tok": int(p("expert_used_count")),
+            "moe_intermediate_size": int(p("expert_feed_forward_length", p("feed_forward_length"))),
+            "norm_topk_prob": bool(p("expert_weights_norm", _NORM_TOPK.get(arch, True))),
+            "shared_expert_intermediate_size": int(p("expert_shared_feed_forward_length", 0)),
+        }
         return config_from_hf_dict({  # the config.json this file's metadata stands for
-            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "architectures": [hf_arch],
+            **moe,
             "vocab_size": int(vocab),
             "hidden_size": int(hidden),
-            "intermediate_size": int(p("feed_forward_length")),
+            "intermediate_size": int(p("feed_forward_length", 0) or p("expert_feed_forward_length")),
             "num_hidden_layers": int(p("block_count")),
             "num_attention_heads": int(heads),
             "num_key_value_heads": int(p("attention.head_count_kv", heads)),
@@ -138,15 +163,17 @@ class GGUFCheckpoint:
                     f"{self.path.name}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
                     f"(supported: {', '.join(sorted(q.name for q in _DEQUANTIZABLE))})"
                 )
-            name, heads = _GLOBAL_NAMES.get(t.name), None
+            name, heads, shape = _GLOBAL_NAMES.get(t.name), None, None
             if name is None:
                 m = _LAYER_RE.match(t.name)
                 if not m or m.group(2) not in _LAYER_NAMES:
                     raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for a Llama-family model")
                 layer, part, kind = m.groups()
                 name = f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+                if part == "ffn_gate_inp_shexp":
+                    shape = (1, c.hidden_size)
                 if permute and part == "attn_q":
                     heads = c.num_attention_heads
                 elif permute and part == "attn_k":
                     heads = c.num_key_value_heads
-            yield name, GGUFWeight(t.name, t.tensor_type, t.data, heads)
+            yield name, GGUFWeight(t.name, t.tensor_type, t.data, heads, shape)

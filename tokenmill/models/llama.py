@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral with full attention, Qwen2, SmolLM): only the math.
+"""Llama-family decoder: only the math. Llama, Mistral (full attention), Qwen2, SmolLM; Qwen3 (RMSNorm
+on each head's queries and keys); and the mixture-of-experts members, whose MLP is a routed set of
+experts in some or all layers: Mixtral, Qwen2-MoE (plus a gated shared expert), Qwen3-MoE.
 
 The forward pass takes a flat batch of tokens from many sequences (`input_ids`, `positions`; the
 attention layers read which tokens belong to which sequence from the step's forward context);
@@ -18,7 +20,9 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                     RowParallelLinear)
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.utils import load_checkpoint
@@ -30,18 +34,45 @@ class LlamaConfig(ModelConfig):
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before the rotation
+    # mixture of experts (num_experts 0: every MLP is dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token uses, gated
+    sparse_layers: tuple[int, ...] = ()  # which layers' MLPs are experts
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.hidden_act != "silu":
             raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"model config: num_experts_per_tok must be in 1..{self.num_experts}, "
+                             f"got {self.num_experts_per_tok}")
 
     @classmethod
     def architecture_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        if cfg["architectures"][0] == "Qwen2ForCausalLM":  # q/k/v always carry a bias, o_proj never
-            return dict(qkv_bias=True, o_bias=False, mlp_bias=cfg.get("mlp_bias", False))
+        arch = cfg["architectures"][0]
         bias = cfg.get("attention_bias", False)
-        return dict(qkv_bias=bias, o_bias=bias, mlp_bias=cfg.get("mlp_bias", False))
+        fields = dict(qkv_bias=bias, o_bias=bias, mlp_bias=cfg.get("mlp_bias", False),
+                      qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"))
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):  # q/k/v always carry a bias, o_proj never
+            fields.update(qkv_bias=True, o_bias=False)
+        layers = range(cfg["num_hidden_layers"])
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
+        if arch == "MixtralForCausalLM":
+            fields.update(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                          moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                          sparse_layers=tuple(layers))
+        elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+            fields.update(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                          moe_intermediate_size=cfg["moe_intermediate_size"],
+                          norm_topk_prob=cfg.get("norm_topk_prob", False),
+                          shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
+                          sparse_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0))
+        return fields
 
 
 class LlamaAttention(nn.Module):
@@ -58,10 +89,16 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
                               prefix=f"{prefix}.attn")
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = self.rotary(positions, qkv[:, : self.num_heads + self.num_kv_heads])  # one rotation for q and k
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]
+        if hasattr(self, "q_norm"):
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads])[0], self.k_norm(qk[:, self.num_heads :])[0]), 1)
+        qk = self.rotary(positions, qk)  # one rotation for q and k
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         return self.o_proj(self.attn(q, k, v).view(-1, self.q_size))
@@ -70,9 +107,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, prefix: str) -> None:
+    def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, prefix: str,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias,
                                                        quant_config, f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, quant_config,
@@ -82,14 +120,37 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+class LlamaSparseMoeBlock(nn.Module):
+    """Each token through its top-k experts (router `gate`), plus a shared expert scaled by
+    sigmoid(shared_expert_gate(x)) where the model has one."""
+
+    def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, prefix: str) -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, quant_config, f"{prefix}.gate")
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size, config.norm_topk_prob, f"{prefix}.experts")
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(config, quant_config, f"{prefix}.shared_expert",
+                                          config.shared_expert_intermediate_size)
+            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, False, quant_config,
+                                                       f"{prefix}.shared_expert_gate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
-                 prefix: str) -> None:
+                 prefix: str, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, rotary, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        sparse = config.num_experts and layer in config.sparse_layers
+        self.mlp = (LlamaSparseMoeBlock if sparse else LlamaMLP)(config, quant_config, f"{prefix}.mlp")
 
     def forward(self, positions, hidden, residual):
         hidden, residual = self.input_layernorm(hidden, residual)
@@ -103,7 +164,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}")
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -119,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
     config_class = LlamaConfig
     # checkpoint modules that our fused layers hold, in shard order
     packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    checkpoint_renames = {".block_sparse_moe.": ".mlp."}  # Mixtral's name for the MoE block
 
     def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int) -> None:
         super().__init__()

@@ -15,6 +15,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),
 }
 
 # GGUF general.architecture -> HF architecture name
@@ -22,7 +26,10 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
-}
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}  # "llama" with experts (expert_count) is Mixtral
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 

@@ -2,27 +2,43 @@
 
 A checkpoint tensor (HF naming, e.g. `model.layers.0.self_attn.q_proj.weight`) goes to a module and
 a shard: fused layers hold several checkpoint modules (`packed_modules` of the model class, e.g.
-q/k/v -> qkv_proj shards 0/1/2). Modules with a `weight_loader` (linear layers, embeddings) load it
-themselves in their own format; other parameters are copied. Every expected tensor must arrive.
+q/k/v -> qkv_proj shards 0/1/2), and an MoE layer's `experts.N.<projection>` go to its stacked
+expert tensors (`layers.fused_moe.EXPERT_PROJECTIONS`). A model class may rename checkpoint
+modules (`checkpoint_renames`, e.g. Mixtral's `block_sparse_moe` -> `mlp`). Modules with a
+`weight_loader` (linear layers, embeddings, experts) load it themselves in their own format; other
+parameters are copied. Every expected tensor must arrive.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 from torch import nn
 
 from tokenmill.layers.embedding import LMHead
+from tokenmill.layers.fused_moe import EXPERT_PROJECTIONS
 from tokenmill.layers.linear import LinearBase
 from tokenmill.quantization.unquantized import load_dense
 
-Target = tuple[str, str, int | None]  # (module name, "weight" / "bias" / parameter name, shard)
+Shard = int | tuple[int | None, int] | None  # a fused layer's part; (expert, part) for experts
+Target = tuple[str, str, Shard]  # (module name, "weight" / "bias" / parameter name, shard)
+
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+_ALL_EXPERTS = re.compile(r"(.*\.experts)\.(\w+)\.weight$")  # one tensor holding every expert (GGUF)
 
 
 def checkpoint_targets(model: nn.Module, name: str) -> Iterator[Target]:
     """Where checkpoint tensor `name` goes (nowhere for rotary caches or a head that shares the
     embedding; to the embedding and the head when a tied head is stored in its own format)."""
     if "rotary_emb" in name:
+        return
+    for old, new in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(old, new)
+    m = _EXPERT.match(name) or _ALL_EXPERTS.match(name)
+    if m and m.groups()[-1] in EXPERT_PROJECTIONS:
+        param, part = EXPERT_PROJECTIONS[m.groups()[-1]]
+        yield m.group(1), param, (int(m.group(2)) if m.re is _EXPERT else None, part)
         return
     head: LMHead | None = getattr(model, "lm_head", None)
     if name == "lm_head.weight" and head is not None and (head.tied or head.reads_embedding):
@@ -48,6 +64,8 @@ def expected_tensors(model: nn.Module) -> set[str]:
             for kind in kinds:
                 shards = [None] if module.num_shards == 1 else range(module.num_shards)
                 expected.update(_key(mname, kind, s) for s in shards)
+        elif hasattr(module, "checkpoint_keys"):
+            expected.update(_key(mname, kind, shard) for kind, shard in module.checkpoint_keys())
         else:
             expected.update(_key(mname, p, None) for p, _ in module.named_parameters(recurse=False))
     return expected
@@ -59,9 +77,9 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]]) -> 
     expected, loaded = expected_tensors(model), set()
     for name, weight in weights:
         for mname, kind, shard in checkpoint_targets(model, name):
-            key = _key(mname, kind, shard)
             module = modules.get(mname)
-            if module is None or key not in expected:
+            keys = _covered(module, mname, kind, shard) if module is not None else set()
+            if not keys or not keys <= expected:
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
             try:
                 if hasattr(module, "weight_loader"):
@@ -70,11 +88,19 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]]) -> 
                     load_dense(getattr(module, kind), weight, slice(None), (slice(None),))
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name} {e}") from None
-            loaded.add(key)
+            loaded |= keys
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:4])}")
 
 
-def _key(module: str, kind: str, shard: int | None) -> str:
+def _covered(module: nn.Module | None, mname: str, kind: str, shard: Shard) -> set[str]:
+    """The expected keys one checkpoint tensor fills (every expert's, for a tensor of all experts)."""
+    if isinstance(shard, tuple) and shard[0] is None:
+        keys = module.checkpoint_keys() if hasattr(module, "checkpoint_keys") else []
+        return {_key(mname, k, s) for k, s in keys if k == kind and s[1] == shard[1]}
+    return {_key(mname, kind, shard)}
+
+
+def _key(module: str, kind: str, shard: Shard) -> str:
     return f"{module}.{kind}" if shard is None else f"{module}.{kind}#{shard}"

@@ -1,0 +1,87 @@
+"""Mixture-of-experts: routing (top-k over the router's logits) and the experts of one layer.
+
+`FusedMoE` stacks every expert's gate+up projection into one [E, 2I, H] tensor and the down
+projections into [E, H, I]. A forward pass sorts the (token, expert) pairs by expert and runs, for
+each expert that received tokens, one matmul over all of them: the Python loop is over active
+experts, never over tokens. Outputs are weighted by the routing weights and summed per token.
+
+Per-expert token counts are kept (`expert_tokens`) for the routing statistics in /metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.layers.activation import silu_and_mul
+from tokenmill.quantization.base import dense
+
+# checkpoint names of one expert's projections -> (our parameter, shard of it)
+EXPERT_PROJECTIONS = {
+    "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0),  # Qwen-MoE, DeepSeek
+    "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0),  # Mixtral
+}
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing: (weights [T, k] float32, expert ids [T, k]) of each token's top-k experts."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, one matmul pair per active
+    expert. Returns (output [T, H], tokens per expert [E])."""
+    num_experts, top_k = w13.shape[0], ids.shape[1]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts)
+    token_of = order // top_k
+    routed = x.index_select(0, token_of)
+    out = torch.empty_like(routed)
+    start = 0
+    for expert, n in enumerate(counts.tolist()):
+        if n:
+            rows = slice(start, start + n)
+            out[rows] = silu_and_mul(routed[rows] @ w13[expert].t()) @ w2[expert].t()
+            start += n
+    out.mul_(weights.flatten()[order].unsqueeze(1).to(out.dtype))
+    return torch.zeros_like(x).index_add_(0, token_of, out), counts
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, prefix: str = "") -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = intermediate_size
+        self.prefix = prefix
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def checkpoint_keys(self) -> list[tuple[str, tuple[int, int]]]:
+        """Every (parameter, (expert, shard)) the checkpoint must fill."""
+        return [(p, (e, s)) for e in range(self.num_experts) for p, s in (("w13", 0), ("w13", 1), ("w2", 0))]
+
+    def weight_loader(self, kind: str, weight, shard: tuple[int | None, int]) -> None:
+        """`kind` "w13" or "w2"; `shard` (expert, 0 gate / 1 up); expert None: a tensor of every expert."""
+        expert, part = shard
+        param = getattr(self, kind)
+        rows = slice(part * self.intermediate_size, (part + 1) * self.intermediate_size) if kind == "w13" \
+            else slice(None)
+        dest = param.data[:, rows] if expert is None else param.data[expert, rows]
+        src = dense(weight)
+        if tuple(src.shape) != tuple(dest.shape):
+            raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(src)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        out, counts = grouped_experts(x, self.w13, self.w2, weights, ids)
+        self.expert_tokens += counts
+        return out
