@@ -230,3 +230,17 @@ def test_gguf_files_of_each_family_match_transformers(tmp_path, name):
     ours = run_core(make_core(str(tmp_path / "m.gguf"), loaded=loaded), batch, GREEDY)
     for i, ids in enumerate(batch):
         assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 32))
+
+
+@pytest.mark.parametrize("name", ["qwen2-moe", "mixtral"])
+def test_routing_statistics_count_every_token_through_every_moe_layer(tmp_path, name):
+    hf = make_tiny_model(name, tmp_path)
+    core = make_core(str(tmp_path), prefix_caching=False)
+    assert core.stats().expert_tokens == {i: [0] * 4 for i in core.executor.model_config.sparse_layers}
+    batch = prompts(hf.config.vocab_size, seed=3)[:5]
+    out = run_core(core, batch, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    forwarded = sum(len(p) + len(out[str(i)]) - 1 for i, p in enumerate(batch))  # the last token is never fed
+    load = core.stats().expert_tokens
+    sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert sorted(load) == sparse
+    assert all(sum(counts) == forwarded * hf.config.num_experts_per_tok for counts in load.values())

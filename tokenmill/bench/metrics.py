@@ -208,3 +208,15 @@ def find_knee(points: list[dict], min_attainment: float) -> dict | None:
     meeting = [p for p in points if (p["summary"].get("slo_attainment") or 0) >= min_attainment
                and p["summary"].get("slo_attainment") is not None]
     return max(meeting, key=lambda p: p["load"], default=None)
+
+
+def expert_load_summary(expert_tokens: list[list[float]]) -> dict | None:  # one list per MoE layer
+    """Mixture-of-experts routing over a run, from tokens routed to each expert per MoE layer: each
+    layer's load imbalance (max / mean over its experts; 1.0 is perfectly even), the worst and the
+    mean over layers. None without MoE layers or routed tokens."""
+    per_layer = [max(c) / (sum(c) / len(c)) for c in expert_tokens if c and sum(c) > 0]
+    if not per_layer:
+        return None
+    return {"moe_layers": len(expert_tokens), "routed_tokens": sum(sum(c) for c in expert_tokens),
+            "load_imbalance_max": max(per_layer), "load_imbalance_mean": sum(per_layer) / len(per_layer),
+            "load_imbalance_per_layer": per_layer}

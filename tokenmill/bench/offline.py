@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.bench.client import ABORTED, SKIPPED, LoadConfig, arrival_gaps
 from tokenmill.bench.datasets import Session
-from tokenmill.bench.metrics import RequestRecord, itl_from_times
+from tokenmill.bench.metrics import RequestRecord, expert_load_summary, itl_from_times
 from tokenmill.bench.monitor import ResourceMonitor
 from tokenmill.bench.runner import RunOptions, make_result, num_requests, split_warmups
 
@@ -169,7 +169,7 @@ def run_offline(engine, opts: RunOptions, chat: bool = False, temperature: float
     warmups, sessions = split_warmups(opts, chat)
     if warmups:
         runner.run(warmups, LoadConfig(max_concurrency=opts.load.max_concurrency), opts.progress, "warm-up")
-    kv_before = kv_usage(engine)
+    kv_before, experts_before = kv_usage(engine), engine.core.stats().expert_tokens
     with ResourceMonitor(os.getpid()) as monitor:  # this process is the engine
         records, duration = runner.run(sessions, opts.load, opts.progress, opts.label or "offline")
     ok = [r for r in records if r.success]
@@ -183,6 +183,8 @@ def run_offline(engine, opts: RunOptions, chat: bool = False, temperature: float
         "kv_cache_usage_before": kv_before,
         "kv_cache_usage_after": kv_usage(engine),
         "kv_cache_usage_max": runner.kv_usage_max,
+        "moe": expert_load_summary([[n - b for n, b in zip(c, experts_before.get(layer, [0] * len(c)))]
+                                    for layer, c in sorted(engine.core.stats().expert_tokens.items())]),
     }
     return make_result("offline", opts, records, duration, num_requests(sessions), server_metrics, monitor.summary())
 

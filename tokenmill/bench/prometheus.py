@@ -1,4 +1,5 @@
-"""Read a server's `/metrics` (Prometheus text format): prefix-cache counters and KV-cache usage.
+"""Read a server's `/metrics` (Prometheus text format): prefix-cache counters, KV-cache usage and
+mixture-of-experts routing counts.
 
 tokenmill's names are tried first, then vLLM's (current, then older spellings).
 """
@@ -11,11 +12,14 @@ from dataclasses import dataclass
 
 import httpx
 
+from tokenmill.bench.metrics import expert_load_summary
+
 PREFIX_QUERIES = ("tokenmill:prefix_cache_queries_total", "vllm:prefix_cache_queries_total",
                   "vllm:gpu_prefix_cache_queries_total")
 PREFIX_HITS = ("tokenmill:prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
                "vllm:gpu_prefix_cache_hits_total")
 KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+EXPERT_TOKENS = "tokenmill:moe_expert_tokens_total"
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
@@ -81,7 +85,17 @@ def cache_stats(samples: list[Sample], model: str | None = None) -> dict:
         "prefix_cache_queries": metric_value(samples, PREFIX_QUERIES, model),
         "prefix_cache_hits": metric_value(samples, PREFIX_HITS, model),
         "kv_cache_usage": metric_value(samples, KV_USAGE, model),
+        "expert_tokens": expert_tokens(samples, model),
     }
+
+
+def expert_tokens(samples: list[Sample], model: str | None = None) -> dict[str, dict[str, float]]:
+    """{layer: {expert: tokens routed}} from tokenmill's MoE counters (empty for a dense model)."""
+    counts: dict[str, dict[str, float]] = {}
+    for s in samples:
+        if s.name == EXPERT_TOKENS and (model is None or s.labels.get("model_name") in (None, model)):
+            counts.setdefault(s.labels["layer"], {})[s.labels["expert"]] = s.value
+    return counts
 
 
 def metrics_url(base_url: str) -> str:
@@ -111,6 +125,9 @@ def cache_delta(before: dict | None, after: dict | None, kv_samples: list[float]
         return None if a is None or b is None else a - b
 
     queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
+    experts_before = before.get("expert_tokens") or {}
+    routed = [[n - experts_before.get(layer, {}).get(e, 0.0) for e, n in sorted(c.items(), key=lambda i: int(i[0]))]
+              for layer, c in sorted((after.get("expert_tokens") or {}).items(), key=lambda i: int(i[0]))]
     peak = [v for v in [*kv_samples, before.get("kv_cache_usage"), after.get("kv_cache_usage")] if v is not None]
     return {
         "exposed": bool(before) and any(v is not None for v in before.values()),
@@ -120,4 +137,5 @@ def cache_delta(before: dict | None, after: dict | None, kv_samples: list[float]
         "kv_cache_usage_before": before.get("kv_cache_usage"),
         "kv_cache_usage_after": after.get("kv_cache_usage"),
         "kv_cache_usage_max": max(peak) if peak else None,
+        "moe": expert_load_summary(routed),
     }

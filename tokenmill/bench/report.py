@@ -107,6 +107,11 @@ def run_table(result: dict) -> Table:
         table.add_row("prefix cache hit rate (/metrics)", pct(server.get("prefix_cache_hit_rate")))
         table.add_row("KV cache usage before / after / peak", " / ".join(
             pct(server.get(k)) for k in ("kv_cache_usage_before", "kv_cache_usage_after", "kv_cache_usage_max")))
+    if server.get("moe"):
+        moe = server["moe"]
+        table.add_row("MoE load imbalance max / mean (max/mean tokens per expert)",
+                      f"{fmt(moe['load_imbalance_max'], 2)} / {fmt(moe['load_imbalance_mean'], 2)} "
+                      f"over {moe['moe_layers']} layers")
     if s.get("client_cached_tokens") is not None and s["total_input_tokens"]:
         table.add_row("prompt tokens cached (usage)",
                       f"{fmt(s['client_cached_tokens'])} ({pct(s['client_cached_tokens'] / s['total_input_tokens'])})")

@@ -13,7 +13,7 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,7 @@ class EngineStats:
     grammar_compiles: int = 0  # structured-output grammars compiled (cache misses)
     grammar_compile_seconds: float = 0.0  # their total compile time
     grammar_cache_hits: int = 0
+    expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE layer index -> tokens per expert
 
 
 class RequestRejected(ValueError):
@@ -182,7 +183,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting) + len(self.compiling),
                             self.kv.usage, self.scheduler.num_preemptions, self.kv.prefix_queries,
-                            self.kv.prefix_hits)
+                            self.kv.prefix_hits, expert_tokens=self.executor.expert_load())
         if self._structured is not None:
             c = self._structured.compiler.stats
             stats.grammar_compiles, stats.grammar_compile_seconds = c.num_compiles, c.compile_seconds

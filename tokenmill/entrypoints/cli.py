@@ -24,6 +24,7 @@ def cmd_info(args: argparse.Namespace) -> None:
 
     from tokenmill.config import resolve_device, resolve_dtype
     from tokenmill.layers.attention import Attention
+    from tokenmill.layers.fused_moe import FusedMoE
     from tokenmill.loader import build_model, open_checkpoint
     from tokenmill.loader.source import resolve_model
     from tokenmill.quantization.unquantized import UnquantizedConfig
@@ -34,19 +35,28 @@ def cmd_info(args: argparse.Namespace) -> None:
     dtype = resolve_dtype(args.dtype, resolve_device(args.device), c.torch_dtype)
     model = build_model(c, UnquantizedConfig(), dtype, torch.device("meta"))  # shapes only, no memory
     params = sum(p.numel() for p in model.parameters())
+    moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
     kv_bytes = sum(m.kv_spec(dtype).bytes_per_token for m in model.modules() if isinstance(m, Attention))
     rows = [
         ("model", source.name), ("file", str(source.path)), ("format", source.kind),
-        ("architecture", c.architecture), ("parameters", f"{params / 1e6:.1f}M"), ("dtype", str(dtype)),
+        ("architecture", c.architecture), ("parameters", _count(params)), ("dtype", str(dtype)),
         ("layers", c.num_hidden_layers), ("hidden size", c.hidden_size), ("heads", c.num_attention_heads),
         ("kv heads", c.num_key_value_heads), ("head dim", c.head_dim), ("vocab", c.vocab_size),
         ("context length", c.max_position_embeddings), ("rope theta", c.rope_theta),
         ("rope scaling", c.rope_scaling or "none"), ("tied embeddings", c.tie_word_embeddings),
         ("KV bytes per token", f"{kv_bytes} ({dtype})"),
     ]
+    if moe:
+        active = params - sum(m.inactive_parameters() for m in moe)
+        rows[5:5] = [("active parameters", f"{_count(active)} per token"),
+                     ("experts", f"{moe[0].num_experts}, {moe[0].top_k} per token, in {len(moe)} layers")]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

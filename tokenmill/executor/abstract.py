@@ -33,5 +33,9 @@ class Executor(ABC):
         and return it: the core's block pool has that many blocks."""
 
     @abstractmethod
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert so far, by decoder layer index (empty for a dense model)."""
+
+    @abstractmethod
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step on every worker; the sampled tokens (from the driver worker)."""

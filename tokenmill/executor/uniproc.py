@@ -29,5 +29,8 @@ class UniProcExecutor(Executor):
         self.runner.warm_up()
         return kv_config
 
+    def expert_load(self) -> dict[int, list[int]]:
+        return self.runner.expert_load()
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)

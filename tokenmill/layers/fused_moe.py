@@ -60,9 +60,14 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
         self.prefix = prefix
+        self.layer_index = int(next((p for p in prefix.split(".") if p.isdigit()), -1))  # model.layers.N.…
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def inactive_parameters(self) -> int:
+        """Expert parameters a token does not use (it runs top_k of the num_experts)."""
+        return (self.num_experts - self.top_k) * (self.w13[0].numel() + self.w2[0].numel())
 
     def checkpoint_keys(self) -> list[tuple[str, tuple[int, int]]]:
         """Every (parameter, (expert, shard)) the checkpoint must fill."""

@@ -68,6 +68,11 @@ class ServerMetrics:
         self.engine_restarts = counter("engine_restarts", "Times the engine core was restarted after it died or hung.")
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
+        self.expert_tokens = Counter("tokenmill:moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
+                                     ["model_name", "layer", "expert"], registry=r)
+        self.expert_imbalance = Gauge("tokenmill:moe_load_imbalance",
+                                      "Per MoE layer: tokens of its busiest expert / the mean over its experts "
+                                      "(since the engine started; 1 is even).", ["model_name", "layer"], registry=r)
         self._model_name = model_name
         self._started: set[str] = set()  # requests whose prompt tokens were counted
         self._last_stats: dict = {}
@@ -116,7 +121,19 @@ class ServerMetrics:
         self._inc_delta(self.prefix_hits, s, "prefix_cache_hits")
         self._inc_delta(self.grammar_compiles, s, "grammar_compiles")
         self._inc_delta(self.grammar_compile_seconds, s, "grammar_compile_seconds")
+        self._on_expert_tokens(s.get("expert_tokens") or {}, self._last_stats.get("expert_tokens") or {})
         self._last_stats = s
+
+    def _on_expert_tokens(self, counts: dict[int, list[int]], before: dict[int, list[int]]) -> None:
+        for layer, layer_counts in counts.items():
+            old = before.get(layer) or [0] * len(layer_counts)
+            for expert, (now, then) in enumerate(zip(layer_counts, old)):
+                child = self.expert_tokens.labels(self._model_name, str(layer), str(expert))  # 0 until routed to
+                if now > then:
+                    child.inc(now - then)
+            if sum(layer_counts):
+                self.expert_imbalance.labels(self._model_name, str(layer)).set(
+                    max(layer_counts) * len(layer_counts) / sum(layer_counts))
 
     def _inc_delta(self, counter: Counter, s: dict, key: str) -> None:
         delta = s.get(key, 0) - self._last_stats.get(key, 0)

@@ -20,6 +20,7 @@ from tokenmill.engine.outputs import Logprob, ModelRunnerOutput, TokenLogprobs
 from tokenmill.engine.scheduler_output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.forward_context import ForwardContext, set_forward_context
+from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_state import CachedRequestState
@@ -42,6 +43,7 @@ class ModelRunner:
             torch.set_flush_denormal(True)
         self.backend = get_attention_backend(self.device, self.dtype, self.cache_dtype)
         self.attention_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache_config: KVCacheConfig | None = None
@@ -65,6 +67,10 @@ class ModelRunner:
                     config.block_size, config.capacity_tokens, config.total_bytes / 2**30, self.cache_dtype,
                     self.backend.name)
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert so far, by decoder layer index (empty for a dense model)."""
+        return {m.layer_index: m.expert_tokens.tolist() for m in self.moe_layers}
+
     def warm_up(self) -> None:
         """A prefill and a decode of a throwaway request in block 0, so that kernels are compiled (or
         loaded) and first-call costs are paid before the first real request's clock starts. Block 0's
@@ -75,6 +81,8 @@ class ModelRunner:
         self.execute(SchedulerOutput(cached_requests=[CachedRequestData(rid, [], len(prompt))],
                                      num_scheduled_tokens={rid: 1}))
         self.execute(SchedulerOutput(finished_request_ids={rid}))
+        for m in self.moe_layers:
+            m.expert_tokens.zero_()
 
     # ---- one step ---------------------------------------------------------------------------------
 
