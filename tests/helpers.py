@@ -37,6 +37,16 @@ TINY_MODELS = {
     "qwen2-moe": (transformers.Qwen2MoeConfig, dict(
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False)),
+    # sliding window (8) far shorter than the prompts; global layers with their own rope base
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    # soft-capped attention scores and final logits
+    "gemma2": (transformers.Gemma2Config, dict(
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
     "qwen3-moe": (transformers.Qwen3MoeConfig, dict(
         num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True)),
 }

@@ -78,7 +78,11 @@ def test_config_fields_are_read(tiny):
     assert c.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
     assert c.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
     assert c.qkv_bias == name.startswith("qwen2")
-    assert c.qk_norm == name.startswith("qwen3")
+    assert c.qk_norm == name.startswith(("qwen3", "gemma3"))
+    if name.startswith("gemma"):
+        assert list(c.layer_types) == hf.config.layer_types and c.sliding_window == hf.config.sliding_window
+        windows = [layer.self_attn.attn.sliding_window for layer in load_model(directory).model.model.layers]
+        assert windows == [c.sliding_window if t == "sliding_attention" else None for t in c.layer_types]
     assert c.num_experts == getattr(hf.config, "num_experts", getattr(hf.config, "num_local_experts", 0))
     sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
     assert list(c.sparse_layers) == sparse if c.num_experts else not sparse

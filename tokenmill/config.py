@@ -77,7 +77,7 @@ class ModelConfig:
         rope_params = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_type(rope_params) != "default" else None)
         heads = cfg["num_attention_heads"]
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -93,12 +93,13 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             hidden_act=cfg.get("hidden_act", "silu"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            **cls.architecture_fields(cfg),
         )
+        return cls(**{**fields, **cls.architecture_fields(cfg)})
 
     @classmethod
     def architecture_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        """The subclass's own fields, read from the same config.json contents."""
+        """The subclass's own fields, read from the same config.json contents (they may also replace
+        common ones an architecture spells differently)."""
         return {}
 
 

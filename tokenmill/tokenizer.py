@@ -95,7 +95,10 @@ def _load_gguf(path: Path, name: str) -> Tokenizer:
             raise ValueError("it has no tokenizer.ggml.tokens metadata")
         architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
         backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
-        hf = PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(path), **tokenizer_config, **extra)
+        # a directory, not the file: beside a large vocabulary transformers looks for a config.json there,
+        # and offline it takes a file path for a hub repo id
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(path.parent), **tokenizer_config,
+                                     **extra)
     except Exception as e:
         raise ValueError(f"cannot build a tokenizer from GGUF file {path}: {e}") from e
     ids = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))

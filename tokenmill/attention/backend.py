@@ -19,6 +19,7 @@ from tokenmill.attention.metadata import CommonAttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
+    supported_features: tuple[str, ...] = ()  # of "sliding_window", "logits_soft_cap"
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, spec: AttentionSpec) -> tuple[int, ...]:
         """One layer's cache: K and V of every slot of every block."""
@@ -27,17 +28,19 @@ class AttentionBackend(ABC):
     def check_layer(self, layer) -> None:
         """Raise if this backend cannot run the attention layer `layer` (e.g. a sliding window)."""
         for feature in ("sliding_window", "logits_soft_cap"):
-            if getattr(layer, feature) is not None:
+            if getattr(layer, feature) is not None and feature not in self.supported_features:
                 raise ValueError(f"attention backend {self.name} does not support {feature} ({layer.layer_name})")
 
     @abstractmethod
-    def build_metadata(self, common: CommonAttentionMetadata):
-        """This backend's metadata for one step (shared by all its layers)."""
+    def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None):
+        """This backend's metadata for one step, for the layers of one KV-cache group (a sliding
+        window, if they have one: each query sees only the last `sliding_window` positions)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta,
-                scale: float) -> torch.Tensor:
-        """Write the new K/V into `kv_cache`, attend. q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
+                scale: float, soft_cap: float | None = None) -> torch.Tensor:
+        """Write the new K/V into `kv_cache`, attend (scores soft-capped: cap * tanh(s / cap), if set).
+        q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
 
 
 def get_attention_backend(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> AttentionBackend:

@@ -3,6 +3,8 @@
 Decode requests (one new token each, first in the batch) gather their blocks into one padded batch
 and run one masked SDPA; each prompt chunk runs SDPA on its own (directly on the new K/V when
 nothing is cached, else over its gathered blocks under a causal mask offset by the cached length).
+A sliding window narrows every mask to the last `window` positions; a logit soft-cap replaces SDPA
+by the same computation written out (scores capped before the softmax).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class PrefillMetadata:
     start: int  # offset of its first new token in the flat batch
     end: int
     block_table: torch.Tensor | None  # None when nothing is cached: attend the new K/V directly
-    mask: torch.Tensor | None  # [num_new, num_cached + num_new] bool, None when nothing is cached
+    mask: torch.Tensor | None  # [num_new, num_cached + num_new] bool; None: plain causal over the new K/V
 
 
 @dataclass
@@ -35,22 +37,27 @@ class TorchAttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] long, cached + the new token
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size] bool (gather path)
     prefills: list[PrefillMetadata]
+    sliding_window: int | None = None
 
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch-sdpa"
+    supported_features = ("sliding_window", "logits_soft_cap")
     needs_decode_mask = True
 
-    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        d, bs, device = common.num_decodes, common.block_size, common.device
+    def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None) -> TorchAttentionMetadata:
+        d, bs, device, w = common.num_decodes, common.block_size, common.device, sliding_window
         decode_tables = decode_lens = decode_mask = None
         if d:
             ctx = common.seq_lens[:d]
             nb = int((ctx.max() + bs - 1) // bs)
             decode_tables = torch.from_numpy(np.ascontiguousarray(common.block_table[:d, :nb])).to(device)
             decode_lens = torch.from_numpy(ctx).to(device)
-            if self.needs_decode_mask:
-                mask = np.arange(nb * bs)[None, :] < ctx[:, None]
+            if self.needs_decode_mask or w is not None:
+                keys = np.arange(nb * bs)[None, :]
+                mask = keys < ctx[:, None]
+                if w is not None:
+                    mask &= keys >= ctx[:, None] - w
                 decode_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
         prefills = []
         for i in range(d, common.num_reqs):
@@ -59,31 +66,33 @@ class TorchSDPABackend(AttentionBackend):
             table = mask = None
             if c:
                 table = torch.from_numpy(common.block_table[i, : (c + n + bs - 1) // bs].copy()).to(device)
-                keys = torch.arange(c + n, device=device)
-                mask = keys[None, :] <= (c + torch.arange(n, device=device))[:, None]
+            if c or (w is not None and n > w):
+                keys, queries = torch.arange(c + n, device=device)[None, :], (c + torch.arange(n, device=device))[:, None]
+                mask = keys <= queries
+                if w is not None:
+                    mask &= keys > queries - w
             prefills.append(PrefillMetadata(start, end, table, mask))
-        return TorchAttentionMetadata(common.slot_mapping, d, decode_tables, decode_lens, decode_mask, prefills)
+        return TorchAttentionMetadata(common.slot_mapping, d, decode_tables, decode_lens, decode_mask, prefills, w)
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         d = meta.num_decodes
         if not meta.prefills:
-            return self._decode(q, k_cache, v_cache, meta, scale)
+            return self._decode(q, k_cache, v_cache, meta, scale, soft_cap)
         out = torch.empty_like(q)
         if d:
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, soft_cap)
         for p in meta.prefills:
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             if p.block_table is None:
                 ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 length = p.mask.shape[1]
                 ks = _gather(k_cache, p.block_table[None], q.dtype)[:, :, :length]
                 vs = _gather(v_cache, p.block_table[None], q.dtype)[:, :, :length]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True)
+            o = _attend(qs, ks, vs, p.mask, scale, soft_cap)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 
@@ -92,12 +101,30 @@ class TorchSDPABackend(AttentionBackend):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
-    def _decode(self, q, k_cache, v_cache, meta, scale):
+    def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None):
         keys = _gather(k_cache, meta.decode_block_tables, q.dtype)  # [D, KVH, L, hd]
         values = _gather(v_cache, meta.decode_block_tables, q.dtype)
-        return F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        ).squeeze(2)
+        mask = meta.decode_mask
+        if mask is None:  # built lazily for a subclass that usually decodes without one
+            mask = (torch.arange(keys.shape[2], device=q.device) < meta.decode_context_lens[:, None])[:, None, None]
+        return _attend(q.unsqueeze(2), keys, values, mask, scale, soft_cap).squeeze(2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            soft_cap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over [B, H, n, hd] queries and [B, KVH, L, hd] keys/values (heads
+    grouped); `mask` (True = attend) or, when None, causal over n == L. Soft-capped scores are
+    written out; otherwise SDPA."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / soft_cap)) * soft_cap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

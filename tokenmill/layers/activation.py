@@ -14,3 +14,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused_ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 I] -> gelu_tanh(gate) * up, [..., I] (GeGLU with the tanh approximation, as Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -33,4 +33,4 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, D]; k, v: [T, kv heads, D] -> [T, heads, D]."""
         meta = get_forward_context().attn_metadata[self.kv_group]
-        return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.logits_soft_cap)

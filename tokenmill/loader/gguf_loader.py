@@ -51,6 +51,13 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma's norms around each block, and the norm-weight shift llama.cpp's converter applies (it stores 1 + w)
+_GEMMA_LAYER_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA = ("gemma2", "gemma3")
 # llama.cpp's default for renormalising the top-k routing weights, where the file does not say
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -66,11 +73,14 @@ class GGUFWeight:
     raw: np.ndarray
     unpermute_heads: int | None = None
     shape: tuple[int, ...] | None = None  # the HF shape where it differs from the file's (a [H] gate row)
+    offset: float = 0.0  # added to every value (Gemma norms: the file stores 1 + w)
 
     def dequantize(self) -> torch.Tensor:
         values = np.asarray(dequantize(self.raw, self.qtype), dtype=np.float32)
         if self.shape is not None:
             values = values.reshape(self.shape)
+        if self.offset:
+            values = values + np.float32(self.offset)
         if self.unpermute_heads:
             values = _unpermute(values, self.unpermute_heads)
         if not values.flags.writeable or not values.flags.c_contiguous:  # F32 tensors are views of the mmap
@@ -131,9 +141,16 @@ class GGUFCheckpoint:
             "norm_topk_prob": bool(p("expert_weights_norm", _NORM_TOPK.get(arch, True))),
             "shared_expert_intermediate_size": int(p("expert_shared_feed_forward_length", 0)),
         }
+        gemma = {} if arch not in _GEMMA else {
+            "sliding_window": p("attention.sliding_window"),
+            "attn_logit_softcapping": p("attn_logit_softcapping"),
+            "final_logit_softcapping": p("final_logit_softcapping"),
+            "query_pre_attn_scalar": int(p("attention.key_length", hidden // heads)),  # as llama.cpp (not 27B)
+        }
         return config_from_hf_dict({  # the config.json this file's metadata stands for
             "architectures": [hf_arch],
             **moe,
+            **gemma,
             "vocab_size": int(vocab),
             "hidden_size": int(hidden),
             "intermediate_size": int(p("feed_forward_length", 0) or p("expert_feed_forward_length")),
@@ -155,7 +172,9 @@ class GGUFCheckpoint:
 
     def weights(self) -> Iterator[tuple[str, GGUFWeight]]:
         """Tensors under HF names, lazily: nothing is dequantized until asked."""
-        permute = self._field("general.architecture") in ("llama", "mistral")
+        arch = self._field("general.architecture")
+        permute, gemma = arch in ("llama", "mistral"), arch in _GEMMA
+        names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if gemma else _LAYER_NAMES
         c = self.config
         for t in self.reader.tensors:
             if t.tensor_type not in _DEQUANTIZABLE:
@@ -166,14 +185,15 @@ class GGUFCheckpoint:
             name, heads, shape = _GLOBAL_NAMES.get(t.name), None, None
             if name is None:
                 m = _LAYER_RE.match(t.name)
-                if not m or m.group(2) not in _LAYER_NAMES:
-                    raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for a Llama-family model")
+                if not m or m.group(2) not in names:
+                    raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for a {arch} model")
                 layer, part, kind = m.groups()
-                name = f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+                name = f"model.layers.{layer}.{names[part]}.{kind}"
                 if part == "ffn_gate_inp_shexp":
                     shape = (1, c.hidden_size)
                 if permute and part == "attn_q":
                     heads = c.num_attention_heads
                 elif permute and part == "attn_k":
                     heads = c.num_key_value_heads
-            yield name, GGUFWeight(t.name, t.tensor_type, t.data, heads, shape)
+            offset = -1.0 if gemma and name.endswith("norm.weight") else 0.0
+            yield name, GGUFWeight(t.name, t.tensor_type, t.data, heads, shape, offset)

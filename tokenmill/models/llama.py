@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from tokenmill.quantization.base import QuantizationConfig
 
 @dataclass
 class LlamaConfig(ModelConfig):
+    supported_activations: ClassVar[tuple[str, ...]] = ("silu",)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -45,8 +46,9 @@ class LlamaConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.hidden_act != "silu":
-            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.hidden_act not in self.supported_activations:
+            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported "
+                             f"(only {', '.join(self.supported_activations)})")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"model config: num_experts_per_tok must be in 1..{self.num_experts}, "
                              f"got {self.num_experts_per_tok}")
@@ -76,8 +78,13 @@ class LlamaConfig(ModelConfig):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
-                 prefix: str) -> None:
+    """Fused q/k/v projection, optional RMSNorm of each head's q and k (`config.qk_norm`, with `norm`),
+    rotation, attention (optionally windowed and soft-capped), output projection. Shared by the
+    model files of other families (Gemma)."""
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
+                 prefix: str, scale: float | None = None, sliding_window: int | None = None,
+                 soft_cap: float | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -87,11 +94,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, quant_config,
                                         f"{prefix}.o_proj")
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
-                              prefix=f"{prefix}.attn")
+        self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim**-0.5, self.num_kv_heads,
+                              sliding_window, soft_cap, prefix=f"{prefix}.attn")
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -105,11 +112,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (act: SiLU, or GELU-tanh for Gemma)."""
 
-    def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, prefix: str,
-                 intermediate_size: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, quant_config: QuantizationConfig, prefix: str,
+                 intermediate_size: int | None = None, act_and_mul=silu_and_mul) -> None:
         super().__init__()
+        self.act_and_mul = act_and_mul
         size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias,
                                                        quant_config, f"{prefix}.gate_up_proj")
@@ -117,7 +125,7 @@ class LlamaMLP(nn.Module):
                                            f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaSparseMoeBlock(nn.Module):
@@ -181,11 +189,12 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint modules that our fused layers hold, in shard order
     packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     checkpoint_renames = {".block_sparse_moe.": ".mlp."}  # Mixtral's name for the MoE block
+    decoder_class = LlamaModel
 
     def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_config, max_positions)
+        self.model = self.decoder_class(config, quant_config, max_positions)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, quant_config)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -19,6 +19,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
 }
 
 # GGUF general.architecture -> HF architecture name
@@ -29,6 +31,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }  # "llama" with experts (expert_count) is Mixtral
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

@@ -57,6 +57,7 @@ class ModelRunner:
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         """Allocate each group's cache in the backend's shape and bind every attention layer to its part."""
         self.kv_cache_config = config
+        self.group_windows = [group.spec.sliding_window for group in config.groups]
         for g, group in enumerate(config.groups):
             shape = self.backend.kv_cache_shape(config.num_blocks, config.block_size, group.spec)
             cache = torch.zeros(len(group.layer_names), *shape, dtype=group.spec.dtype, device=self.device)
@@ -114,8 +115,9 @@ class ModelRunner:
         decodes first). Returns the final hidden state of every new token, and the step's description."""
         common, positions = build_common_metadata(num_new, num_computed, block_ids, self.kv_cache_config.block_size,
                                                   self.device)
-        meta = self.backend.build_metadata(common)  # all groups share one block table and backend
-        context = ForwardContext({g: meta for g in range(len(self.kv_cache_config.groups))})
+        # all groups share one block table and backend: one metadata per distinct sliding window
+        by_window = {w: self.backend.build_metadata(common, w) for w in set(self.group_windows)}
+        context = ForwardContext({g: by_window[w] for g, w in enumerate(self.group_windows)})
         with set_forward_context(context):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device))
         return hidden, common
