@@ -29,6 +29,7 @@ TINY_MODELS = {
         num_key_value_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "qwen2-bias": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
+    "mistral-window": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=24)),
     # head_dim 128 apart from hidden/heads, as in Qwen3 (and what transformers assumes reading its GGUF)
     "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=128, tie_word_embeddings=True)),
     "mixtral": (transformers.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -47,6 +48,15 @@ TINY_MODELS = {
     "gemma2": (transformers.Gemma2Config, dict(
         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
         attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    # longrope (a 4x longer context than the original 1024: attention factor ~1.1), fused q/k/v and gate/up
+    "phi3": (transformers.Phi3Config, dict(
+        num_key_value_heads=2, max_position_embeddings=4096, original_max_position_embeddings=1024,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                      "long_factor": [2.0 + 0.1 * i for i in range(8)]})),
+    "phi3-window-partial": (transformers.Phi3Config, dict(
+        num_key_value_heads=4, sliding_window=16, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
     "qwen3-moe": (transformers.Qwen3MoeConfig, dict(
         num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True)),
 }
@@ -127,7 +137,8 @@ def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.T
     assert len(ours) == len(ref)
 
 
-_GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}  # else llama
+_GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+              "phi3": "phi3"}  # else llama
 _GGUF_LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -135,7 +146,7 @@ _GGUF_LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -156,7 +167,8 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_vocab_size(c.vocab_size)
@@ -169,6 +181,15 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
         if hasattr(c, "norm_topk_prob"):
             w.add_expert_weights_norm(c.norm_topk_prob)
+    if getattr(c, "sliding_window", None):
+        w.add_sliding_window(c.sliding_window)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "longrope":  # Phi-3: the factors as tensors, as llama.cpp writes them
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
 
     def permute(t, heads):
         return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)

@@ -209,16 +209,18 @@ def quantize_round_trip(t: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(dequantize(quantize(t.numpy(), kind), kind).copy()).reshape(t.shape)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-window-partial"])
 def test_gguf_files_of_each_family_match_transformers(tmp_path, name):
-    """Qwen3 (q/k norms), Qwen2/3-MoE (stacked experts, shared expert with its gate) and Mixtral ("llama"
-    with experts), written as llama.cpp writes them with Q8_0 experts and queries, load from the GGUF
-    file and match transformers on the same weights (the reference holds the Q8_0 values)."""
+    """Qwen3 (q/k norms), Qwen2/3-MoE (stacked experts, shared expert with its gate), Mixtral ("llama"
+    with experts) and Phi-3 (fused tensors, longrope factors as tensors, window, partial rotary), written
+    as llama.cpp writes them with Q8_0 experts and queries, load from the GGUF file and match
+    transformers on the same weights (the reference holds the Q8_0 values)."""
     hf = make_tiny_model(name, tmp_path, **({"mlp_only_layers": []} if name == "qwen2-moe" else {}))
     qtypes = {"ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0", "ffn_gate_exps": "Q8_0", "attn_q": "Q8_0"}
     with torch.no_grad():
         for layer in hf.model.layers:
-            layer.self_attn.q_proj.weight.copy_(quantize_round_trip(layer.self_attn.q_proj.weight, "Q8_0"))
+            if hasattr(layer.self_attn, "q_proj"):
+                layer.self_attn.q_proj.weight.copy_(quantize_round_trip(layer.self_attn.q_proj.weight, "Q8_0"))
             if hasattr(layer.mlp, "experts"):
                 for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
                     p.copy_(quantize_round_trip(p, "Q8_0"))

@@ -65,9 +65,9 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             kind = rope_type(self.rope_scaling)
-            if kind not in ("default", "linear", "llama3"):
+            if kind not in ("default", "linear", "llama3", "longrope", "su"):
                 raise ValueError(f"model config: rope_scaling type {kind!r} is not supported "
-                                 "(supported: default, linear, llama3)")
+                                 "(supported: default, linear, llama3, longrope)")
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -76,6 +76,10 @@ class ModelConfig:
         check_architecture(arch)
         rope_params = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_type(rope_params) != "default" else None)
+        if rope_type(rope_scaling) in ("longrope", "su"):  # the factor is of the config's context, not the engine's
+            original = rope_scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+            rope_scaling = {"factor": cfg.get("max_position_embeddings", original) / original, **rope_scaling,
+                            "original_max_position_embeddings": original}
         heads = cfg["num_attention_heads"]
         fields = dict(
             architecture=arch,

@@ -52,9 +52,18 @@ class LinearBase(nn.Module):
         return len(self.output_sizes)
 
     def weight_loader(self, kind: str, weight, shard: int | None = None) -> None:
-        """Load checkpoint tensor `weight` ("weight" or "bias") into shard `shard` of this layer."""
-        shard = shard or 0
+        """Load checkpoint tensor `weight` ("weight" or "bias") into shard `shard` of this layer; with
+        shard None into every shard of a fused layer (a checkpoint that stores them fused, as Phi-3)."""
+        if shard is None and self.num_shards > 1:
+            for i in range(self.num_shards):
+                self._load_shard(kind, weight, i, sum(self.output_sizes[:i]))
+        else:
+            self._load_shard(kind, weight, shard or 0, 0)
+
+    def _load_shard(self, kind: str, weight, shard: int, src_offset: int) -> None:
+        """Shard `shard` from `weight`, whose rows for it start at `src_offset`."""
         size, src_start = self._output_partition(shard)
+        src_start += src_offset
         start = sum(self.output_partition_sizes[:shard])
         rows, src_rows = slice(start, start + size), slice(src_start, src_start + size)
         if kind == "bias":

@@ -58,6 +58,8 @@ _GEMMA_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GEMMA = ("gemma2", "gemma3")
+_PHI3_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # stored fused
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 longrope, read as config
 # llama.cpp's default for renormalising the top-k routing weights, where the file does not say
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -132,6 +134,14 @@ class GGUFCheckpoint:
         scaling = None
         if p("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": p("rope.scaling.factor")}
+        if _ROPE_FACTORS[0] in names:
+            factors = {t.name: [float(x) for x in np.asarray(t.data).reshape(-1)] for t in self.reader.tensors
+                       if t.name in _ROPE_FACTORS}
+            scaling = {"rope_type": "longrope", "long_factor": factors[_ROPE_FACTORS[0]],
+                       "short_factor": factors[_ROPE_FACTORS[1]],
+                       "original_max_position_embeddings": int(p("rope.scaling.original_context_length"))}
+            if p("rope.scaling.attn_factor") is not None:
+                scaling["attention_factor"] = float(p("rope.scaling.attn_factor"))
         experts = int(p("expert_count", 0))
         hf_arch = "MixtralForCausalLM" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
         moe = {} if not experts else {
@@ -142,22 +152,24 @@ class GGUFCheckpoint:
             "shared_expert_intermediate_size": int(p("expert_shared_feed_forward_length", 0)),
         }
         gemma = {} if arch not in _GEMMA else {
-            "sliding_window": p("attention.sliding_window"),
             "attn_logit_softcapping": p("attn_logit_softcapping"),
             "final_logit_softcapping": p("final_logit_softcapping"),
             "query_pre_attn_scalar": int(p("attention.key_length", hidden // heads)),  # as llama.cpp (not 27B)
         }
+        head_dim = int(p("attention.key_length", hidden // heads))
         return config_from_hf_dict({  # the config.json this file's metadata stands for
             "architectures": [hf_arch],
             **moe,
             **gemma,
+            "sliding_window": p("attention.sliding_window"),
+            "partial_rotary_factor": int(p("rope.dimension_count", head_dim)) / head_dim,
             "vocab_size": int(vocab),
             "hidden_size": int(hidden),
             "intermediate_size": int(p("feed_forward_length", 0) or p("expert_feed_forward_length")),
             "num_hidden_layers": int(p("block_count")),
             "num_attention_heads": int(heads),
             "num_key_value_heads": int(p("attention.head_count_kv", heads)),
-            "head_dim": int(p("attention.key_length", hidden // heads)),
+            "head_dim": head_dim,
             "rms_norm_eps": float(p("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(p("rope.freq_base", 10000.0)),
             "rope_scaling": scaling,
@@ -174,7 +186,7 @@ class GGUFCheckpoint:
         """Tensors under HF names, lazily: nothing is dequantized until asked."""
         arch = self._field("general.architecture")
         permute, gemma = arch in ("llama", "mistral"), arch in _GEMMA
-        names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if gemma else _LAYER_NAMES
+        names = {**_LAYER_NAMES, **(_GEMMA_LAYER_NAMES if gemma else _PHI3_LAYER_NAMES if arch == "phi3" else {})}
         c = self.config
         for t in self.reader.tensors:
             if t.tensor_type not in _DEQUANTIZABLE:
@@ -182,6 +194,8 @@ class GGUFCheckpoint:
                     f"{self.path.name}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
                     f"(supported: {', '.join(sorted(q.name for q in _DEQUANTIZABLE))})"
                 )
+            if t.name in _ROPE_FACTORS:
+                continue
             name, heads, shape = _GLOBAL_NAMES.get(t.name), None, None
             if name is None:
                 m = _LAYER_RE.match(t.name)

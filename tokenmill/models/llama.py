@@ -1,6 +1,9 @@
-"""Llama-family decoder: only the math. Llama, Mistral (full attention), Qwen2, SmolLM; Qwen3 (RMSNorm
-on each head's queries and keys); and the mixture-of-experts members, whose MLP is a routed set of
-experts in some or all layers: Mixtral, Qwen2-MoE (plus a gated shared expert), Qwen3-MoE.
+"""Llama-family decoder: only the math. Llama, Mistral, Qwen2, SmolLM; Qwen3 (RMSNorm on each head's
+queries and keys); Phi-3 (fused q/k/v and gate/up in the checkpoint, longrope, partial rotary); and
+the mixture-of-experts members, whose MLP is a routed set of experts in some or all layers: Mixtral,
+Qwen2-MoE (plus a gated shared expert), Qwen3-MoE. A sliding window applies to the layers the
+config names (`layer_types`), to every layer of Mistral/Mixtral/Phi-3 when it sets one, and to
+Qwen2's layers from `max_window_layers` on with `use_sliding_window`.
 
 The forward pass takes a flat batch of tokens from many sequences (`input_ids`, `positions`; the
 attention layers read which tokens belong to which sequence from the step's forward context);
@@ -43,6 +46,9 @@ class LlamaConfig(ModelConfig):
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token uses, gated
     sparse_layers: tuple[int, ...] = ()  # which layers' MLPs are experts
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()  # layers that attend only to the last `sliding_window` positions
+    partial_rotary_factor: float = 1.0  # the fraction of each head's features that rotate
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,6 +68,19 @@ class LlamaConfig(ModelConfig):
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):  # q/k/v always carry a bias, o_proj never
             fields.update(qkv_bias=True, o_bias=False)
         layers = range(cfg["num_hidden_layers"])
+        window, types = cfg.get("sliding_window"), cfg.get("layer_types")
+        if types:
+            windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        elif arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+            windowed = list(layers)
+        elif cfg.get("use_sliding_window"):
+            windowed = [i for i in layers if i >= cfg.get("max_window_layers", 0)]
+        else:
+            windowed = []
+        if window and windowed:
+            fields.update(sliding_window=window, sliding_layers=tuple(windowed))
+        rope = cfg.get("rope_parameters") or {}
+        fields["partial_rotary_factor"] = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1.0)
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
         if arch == "MixtralForCausalLM":
             fields.update(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
@@ -155,7 +174,8 @@ class LlamaDecoderLayer(nn.Module):
                  prefix: str, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, quant_config, f"{prefix}.self_attn")
+        window = config.sliding_window if layer in config.sliding_layers else None
+        self.self_attn = LlamaAttention(config, rotary, quant_config, f"{prefix}.self_attn", sliding_window=window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sparse = config.num_experts and layer in config.sparse_layers
         self.mlp = (LlamaSparseMoeBlock if sparse else LlamaMLP)(config, quant_config, f"{prefix}.mlp")
@@ -170,7 +190,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
+                                 int(config.head_dim * config.partial_rotary_factor))
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
                                     for i in range(config.num_hidden_layers))
