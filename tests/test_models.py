@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -250,3 +251,44 @@ def test_routing_statistics_count_every_token_through_every_moe_layer(tmp_path, 
     sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
     assert sorted(load) == sparse
     assert all(sum(counts) == forwarded * hf.config.num_experts_per_tok for counts in load.values())
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "phi3-window-partial"])
+def test_blocks_out_of_the_window_return_to_the_pool(tmp_path, name):
+    """Every layer windowed: a long sequence holds about window + block + chunk tokens of KV, not all
+    of it, and still decodes exactly as transformers; the pool is whole afterwards."""
+    hf = make_tiny_model(name, tmp_path)
+    window, block, chunk = hf.config.sliding_window, 16, 32
+    core = make_core(str(tmp_path), num_blocks=64, max_num_batched_tokens=chunk)
+    assert core.kv.sliding_window == window
+    peak = []
+    prompt = prompts(hf.config.vocab_size, seed=4)[-1]  # 300 tokens, far past the window
+    out = run_core(core, [prompt], GREEDY, on_step=lambda c: peak.append(c.kv.num_live_blocks("0")))
+    assert max(peak) <= (window + chunk) // block + 2 < len(prompt) // block
+    assert_same_greedy(out["0"], *greedy_reference(hf, prompt, 32))
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def info_rows(capsys, directory) -> dict[str, str]:
+    from tokenmill.entrypoints.cli import main
+
+    main(["info", "--model", str(directory)])
+    return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in capsys.readouterr().out.splitlines())
+
+
+def test_info_shows_active_parameters_and_the_window_bound(tmp_path, capsys):
+    hf = make_tiny_model("qwen3-moe", tmp_path / "moe")
+    c = hf.config
+    total = sum(p.numel() for p in hf.parameters())
+    inactive = (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size * c.num_hidden_layers
+    rows = info_rows(capsys, tmp_path / "moe")
+    assert rows["parameters"] == f"{total / 1e3:.1f}K" and rows["active parameters"] == f"{(total - inactive) / 1e3:.1f}K per token"
+    assert rows["experts"] == f"{c.num_experts}, {c.num_experts_per_tok} per token, in {c.num_hidden_layers} layers"
+    make_tiny_model("mistral-window", tmp_path / "window")
+    rows = info_rows(capsys, tmp_path / "window")
+    per_token = int(rows["KV bytes per token"].split()[0])
+    assert rows["sliding window"] == "24 tokens in 2 of 2 layers"
+    assert rows["KV bytes per sequence"].startswith(f"at most ~{(24 + 32) * per_token} ")
+    make_tiny_model("gemma3", tmp_path / "gemma")
+    rows = info_rows(capsys, tmp_path / "gemma")
+    assert rows["sliding window"] == "8 tokens in 2 of 3 layers" and rows["KV bytes per sequence"].startswith("grows")

@@ -64,8 +64,11 @@ class EngineCore:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.kv_cache_config = executor.initialize_kv_cache()
+        windows = {g.spec.sliding_window for g in self.kv_cache_config.groups}
         self.kv = KVCacheManager(self.kv_cache_config.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching, HASH_FUNCTIONS[config.cache.prefix_cache_hash])
+                                 config.cache.enable_prefix_caching, HASH_FUNCTIONS[config.cache.prefix_cache_hash],
+                                 # blocks leave the window only when every layer has one (not Gemma's mix)
+                                 windows.pop() if len(windows) == 1 else None)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (stats, tests)

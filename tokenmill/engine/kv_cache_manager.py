@@ -10,6 +10,11 @@ allocation evicts the least recently freed first. On a hit the stored token ids 
 are compared too, so the whole chain back to the salt must match: even a hash collision can never
 hand one prompt another prompt's KV. The default key is a keyed BLAKE2b (a random key per
 process), so clients cannot craft collisions either.
+
+With a sliding window (every attention layer of the model attends only to the last `sliding_window`
+positions), a request's blocks that fall wholly out of the window are returned to the pool as it
+advances; their places in its block table keep block id 0 (never read: the window masks them), so a
+sequence holds at most about window + block_size + its new tokens of KV.
 """
 
 from __future__ import annotations
@@ -138,13 +143,14 @@ class BlockPool:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = blake2b_hash) -> None:
+                 hash_fn: HashFn = blake2b_hash, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.pool = BlockPool(num_blocks)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_blocks: dict[str, list[KVBlock | None]] = {}  # None: out of the window, returned
         self.req_block_ids: dict[str, list[int]] = {}  # the same tables as plain ints, for the runner
         self.req_keys: dict[str, list[BlockKey]] = {}  # prefix keys of the request's full blocks so far
         self.num_cached_blocks: dict[str, int] = {}  # how many of its blocks are registered in the cache
@@ -206,6 +212,8 @@ class KVCacheManager:
         changing nothing, when the pool is too small."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
         ids = self.req_block_ids.setdefault(request.request_id, [])
+        if self.sliding_window is not None:
+            self._free_out_of_window(request, blocks, ids)
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         need = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
         idle_hits = sum(1 for b in computed_blocks if b.ref_count == 0)  # reusing them takes them off the free queue
@@ -222,6 +230,19 @@ class KVCacheManager:
             ids.extend(b.block_id for b in new)
         return True
 
+    def _free_out_of_window(self, request: Request, blocks: list[KVBlock | None], ids: list[int]) -> None:
+        """Return the blocks no query from the next position on can see (all before pos - window + 1)."""
+        dead = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        for i in range(min(dead, len(blocks))):
+            if blocks[i] is None:
+                continue
+            self.pool.release([blocks[i]])
+            blocks[i], ids[i] = None, 0
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (out-of-window ones returned)."""
+        return sum(b is not None for b in self.req_blocks.get(request_id, ()))
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that became full of computed tokens this step."""
         if not self.enable_prefix_caching:
@@ -236,7 +257,7 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(start, end):
             block = blocks[i]
-            if block.key is None and keys[i] not in self.pool.cached:
+            if block is not None and block.key is None and keys[i] not in self.pool.cached:
                 block.key, block.parent = keys[i], self._parent(keys, i, request)
                 block.token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
                 self.pool.cached[block.key] = block
@@ -254,7 +275,7 @@ class KVCacheManager:
         self.num_cached_blocks.pop(rid, None)
         if request.status.finished:
             self.req_keys.pop(rid, None)
-        self.pool.release(reversed(blocks))
+        self.pool.release(b for b in reversed(blocks) if b is not None)
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached content (blocks in use stay with their requests). Returns how many

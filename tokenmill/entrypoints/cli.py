@@ -36,7 +36,9 @@ def cmd_info(args: argparse.Namespace) -> None:
     model = build_model(c, UnquantizedConfig(), dtype, torch.device("meta"))  # shapes only, no memory
     params = sum(p.numel() for p in model.parameters())
     moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    kv_bytes = sum(m.kv_spec(dtype).bytes_per_token for m in model.modules() if isinstance(m, Attention))
+    attention = [m for m in model.modules() if isinstance(m, Attention)]
+    kv_bytes = sum(m.kv_spec(dtype).bytes_per_token for m in attention)
+    windows = {m.sliding_window for m in attention}
     rows = [
         ("model", source.name), ("file", str(source.path)), ("format", source.kind),
         ("architecture", c.architecture), ("parameters", _count(params)), ("dtype", str(dtype)),
@@ -46,6 +48,15 @@ def cmd_info(args: argparse.Namespace) -> None:
         ("rope scaling", c.rope_scaling or "none"), ("tied embeddings", c.tie_word_embeddings),
         ("KV bytes per token", f"{kv_bytes} ({dtype})"),
     ]
+    if windows - {None}:
+        window = min(windows - {None})
+        windowed = sum(m.sliding_window is not None for m in attention)
+        rows.append(("sliding window", f"{window} tokens in {windowed} of {len(attention)} layers"))
+        if None not in windows:  # every layer windowed: out-of-window blocks return to the pool
+            bound = (window + 2 * 16) * kv_bytes  # the window, a partial block each side (block size 16)
+            rows.append(("KV bytes per sequence", f"at most ~{bound} (window + 2 blocks) plus the prefill chunk"))
+        else:
+            rows.append(("KV bytes per sequence", "grows with the sequence (full-attention layers keep every block)"))
     if moe:
         active = params - sum(m.inactive_parameters() for m in moe)
         rows[5:5] = [("active parameters", f"{_count(active)} per token"),
