@@ -318,12 +318,29 @@ def test_parse_prometheus_text():
     assert next(s for s in samples if s.name == "histogram_bucket").value == math.inf
     assert math.isnan(next(s for s in samples if s.name == "nan_gauge").value)
     assert prometheus.cache_stats(samples) == {"prefix_cache_queries": 1200.0, "prefix_cache_hits": 300.0,
-                                               "kv_cache_usage": 0.25}
+                                               "kv_cache_usage": 0.25, "expert_tokens": {}}
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",)) == 30
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",), model="b") == 20
     assert prometheus.metric_value(samples, ("missing",)) is None
     with pytest.raises(ValueError):
         prometheus.parse_prometheus("not a metric line at all {")
+
+
+def test_moe_routing_delta_and_imbalance():
+    def exposition(counts: dict[str, list[int]]) -> list:
+        return prometheus.parse_prometheus("".join(
+            f'tokenmill:moe_expert_tokens_total{{model_name="m",layer="{layer}",expert="{e}"}} {n}\n'
+            for layer, c in counts.items() for e, n in enumerate(c)))
+
+    before = prometheus.cache_stats(exposition({"0": [5, 5, 0, 0], "2": [1, 1, 1, 1]}))
+    after = prometheus.cache_stats(exposition({"0": [9, 5, 4, 6], "2": [3, 1, 1, 7]}))
+    assert after["expert_tokens"]["2"] == {"0": 3.0, "1": 1.0, "2": 1.0, "3": 7.0}
+    moe = prometheus.cache_delta(before, after)["moe"]
+    # run deltas: layer 0 [4, 0, 4, 6] (max 6 / mean 3.5), layer 2 [2, 0, 0, 6] (6 / 2)
+    assert moe["routed_tokens"] == 22 and moe["moe_layers"] == 2
+    assert moe["load_imbalance_per_layer"] == pytest.approx([6 / 3.5, 3.0])
+    assert moe["load_imbalance_max"] == pytest.approx(3.0)
+    assert prometheus.cache_delta(before, before)["moe"] is None  # nothing routed during the run
 
 
 def test_vllm_names_and_cache_delta():
