@@ -96,7 +96,8 @@ def all_logits(runner, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence prefilled from an empty cache (runner: a ModelRunner)."""
     blocks = list(range(-(-len(ids) // runner.kv_cache_config.block_size)))
     with torch.inference_mode():
-        hidden, _ = runner.forward(np.array(ids), np.array([len(ids)]), np.array([0]), [blocks])
+        tables = [blocks] * len(runner.kv_cache_config.pool_blocks)  # the same blocks in every pool
+        hidden, _ = runner.forward(np.array(ids), np.array([len(ids)]), np.array([0]), [tables])
         return runner.model.compute_logits(hidden).float()
 
 

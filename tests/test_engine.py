@@ -32,7 +32,7 @@ def mixed_workload(n: int, seed: int = 0):
 
 def assert_pool_whole(core) -> None:
     assert core.kv.num_free_blocks == core.kv.num_blocks
-    assert not core.kv.req_blocks and not core.scheduler.running and not core.scheduler.waiting
+    assert not any(m.req_blocks for m in core.kv.managers) and not core.scheduler.running and not core.scheduler.waiting
 
 
 def assert_matches_alone(hf, prompts, params, batched, alone):

@@ -12,6 +12,7 @@ import torch
 
 from helpers import (TINY_MODELS, all_logits, assert_same_greedy, greedy_reference, make_core, make_runner,
                      make_tiny_model, run_core, write_tiny_gguf)
+from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -260,10 +261,10 @@ def test_blocks_out_of_the_window_return_to_the_pool(tmp_path, name):
     hf = make_tiny_model(name, tmp_path)
     window, block, chunk = hf.config.sliding_window, 16, 32
     core = make_core(str(tmp_path), num_blocks=64, max_num_batched_tokens=chunk)
-    assert core.kv.sliding_window == window
+    assert [m.sliding_window for m in core.kv.managers] == [window]
     peak = []
     prompt = prompts(hf.config.vocab_size, seed=4)[-1]  # 300 tokens, far past the window
-    out = run_core(core, [prompt], GREEDY, on_step=lambda c: peak.append(c.kv.num_live_blocks("0")))
+    out = run_core(core, [prompt], GREEDY, on_step=lambda c: peak.append(sum(c.kv.num_live_blocks("0"))))
     assert max(peak) <= (window + chunk) // block + 2 < len(prompt) // block
     assert_same_greedy(out["0"], *greedy_reference(hf, prompt, 32))
     assert core.kv.num_free_blocks == core.kv.num_blocks
@@ -291,4 +292,38 @@ def test_info_shows_active_parameters_and_the_window_bound(tmp_path, capsys):
     assert rows["KV bytes per sequence"].startswith(f"at most ~{(24 + 32) * per_token} ")
     make_tiny_model("gemma3", tmp_path / "gemma")
     rows = info_rows(capsys, tmp_path / "gemma")
-    assert rows["sliding window"] == "8 tokens in 2 of 3 layers" and rows["KV bytes per sequence"].startswith("grows")
+    per_token = int(rows["KV bytes per token"].split()[0])
+    assert rows["sliding window"] == "8 tokens in 2 of 3 layers"
+    assert rows["KV bytes per sequence"] == f"{per_token // 3} per token (full-attention layers) + at most " \
+                                            f"~{(8 + 32) * per_token * 2 // 3} (window layers)"
+
+
+def test_hybrid_models_free_only_their_window_layers_blocks(tmp_path):
+    """Gemma 3 (window layers between global ones): two pools; the window pool's blocks return as they
+    leave the window, the global pool keeps the whole sequence; outputs still equal transformers'."""
+    hf = make_tiny_model("gemma3", tmp_path)
+    window, block, chunk = hf.config.sliding_window, 16, 32
+    core = make_core(str(tmp_path), num_blocks=64, max_num_batched_tokens=chunk)
+    assert [m.sliding_window for m in core.kv.managers] == [None, window]
+    live = []
+    prompt = prompts(hf.config.vocab_size, seed=5)[-1]  # 300 tokens
+    out = run_core(core, [prompt], GREEDY, on_step=lambda c: live.append(c.kv.num_live_blocks("0")))
+    assert max(full for full, _ in live) == -(-(len(prompt) + 31) // block)  # the last token is never fed
+    assert max(windowed for _, windowed in live) <= (window + chunk) // block + 2
+    assert_same_greedy(out["0"], *greedy_reference(hf, prompt, 32))
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_hybrid_prefix_cache_hits_need_every_pool(tmp_path):
+    """A repeated prompt on a hybrid model: hits only as far as both pools still hold its blocks (window
+    blocks that left the window sit in the free queue with their keys), and the output is unchanged."""
+    hf = make_tiny_model("gemma3", tmp_path)
+    core = make_core(str(tmp_path), num_blocks=64)
+    prompt = prompts(hf.config.vocab_size, seed=6)[-2]  # 150 tokens
+    first = run_core(core, [prompt], GREEDY)["0"]
+    core.add_request(EngineCoreRequest("again", prompt, GREEDY))
+    again = []
+    while core.has_unfinished():
+        again.extend(t for o in core.step() for t in o.new_token_ids)
+    assert again == first and core.kv.prefix_hits == (len(prompt) - 1) // 16 * 16
+    assert core.kv.num_free_blocks == core.kv.num_blocks

@@ -38,7 +38,7 @@ def one(core, rid: str, prompt: list[int], params=GREEDY, **kwargs):
 
 
 def pool_whole(core) -> bool:
-    return core.kv.num_free_blocks == core.kv.num_blocks and not core.kv.req_blocks
+    return core.kv.num_free_blocks == core.kv.num_blocks and not any(m.req_blocks for m in core.kv.managers)
 
 
 @pytest.mark.parametrize("length", [15, 16, 17, 100, 160])
@@ -104,7 +104,7 @@ def test_cache_salt_isolates_tenants(tiny):
 def test_hash_collisions_never_serve_wrong_kv(tiny):
     directory, loaded = tiny
     core = make_core(directory, loaded=loaded)
-    core.kv.hash_fn = lambda parent, tokens: 42  # every block of every prompt collides
+    core.kv.managers[0].hash_fn = lambda parent, tokens: 42  # every block of every prompt collides
     prompts = [tokens(80, seed=20 + i) for i in range(4)]
     reference = run_core(make_core(directory, loaded=loaded, prefix_caching=False), prompts, GREEDY)
     outs = {str(i): one(core, str(i), p)[0] for i, p in enumerate(prompts)}
@@ -123,7 +123,7 @@ def test_a_hit_matches_the_whole_chain_not_just_the_tokens(tiny):
     prompt = block + block + tokens(9, seed=41)
     reference = run_core(make_core(directory, loaded=loaded, prefix_caching=False), [prompt], GREEDY)["0"]
     core = make_core(directory, loaded=loaded)
-    core.kv.hash_fn = lambda parent, tokens: 42
+    core.kv.managers[0].hash_fn = lambda parent, tokens: 42
     first, _ = one(core, "a", prompt)
     second, cached = one(core, "b", prompt)
     assert first == second == reference
@@ -136,7 +136,7 @@ def test_hash_options(tiny, name):
 
     directory, loaded = tiny
     core = make_core(directory, loaded=loaded)
-    core.kv.hash_fn = HASH_FUNCTIONS[name]
+    core.kv.managers[0].hash_fn = HASH_FUNCTIONS[name]
     prompt = tokens(40, seed=7)
     first, _ = one(core, "a", prompt)
     second, cached = one(core, "b", prompt)

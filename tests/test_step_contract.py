@@ -12,6 +12,7 @@ import torch
 from helpers import make_core, make_tiny_model, run_core
 from tokenmill.attention.kv_spec import AttentionSpec, make_kv_cache_config
 from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.request import EngineCoreRequest, Request, RequestStatus
@@ -21,7 +22,7 @@ from tokenmill.sampling_params import SamplingParams
 
 
 def scheduler_with(prompt: list[int], params: SamplingParams, num_blocks: int = 16):
-    kv = KVCacheManager(num_blocks, 4)
+    kv = KVCacheCoordinator([KVCacheManager(num_blocks, 4)])
     sched = Scheduler(SchedulerConfig(), kv, max_model_len=64)
     request = Request(EngineCoreRequest("a", prompt, params), params, eos_token_ids={2})
     sched.add(request)
@@ -82,6 +83,23 @@ def test_kv_cache_is_sized_from_layer_specs():
     assert config.num_blocks == 2**20 // config.bytes_per_block
     with pytest.raises(ValueError, match="smaller than one KV block"):
         make_kv_cache_config({"l0": full}, CacheConfig(block_size=4, kv_cache_memory_gib=1e-9))
+
+
+def test_window_layers_get_a_pool_no_larger_than_they_can_use():
+    from tokenmill.attention.kv_spec import window_pool_blocks
+
+    full = AttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    window = AttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32, sliding_window=64)
+    specs = {"l0": window, "l1": window, "l2": full}
+    cap = window_pool_blocks(64, 4, max_num_seqs=8, max_num_batched_tokens=32)
+    assert cap == 8 * (16 + 2) + 8
+    config = make_kv_cache_config(specs, CacheConfig(block_size=4, kv_cache_memory_gib=1 / 1024), 8, 32)
+    assert [g.pool for g in config.groups] == [1, 0] and config.pool_windows == [None, 64]
+    assert config.pool_blocks[1] == cap and config.total_bytes <= 2**20
+    per_block = 4 * 2 * 2 * 8 * 4  # one layer's K and V of one block
+    assert config.pool_blocks[0] == (2**20 - cap * 2 * per_block) // per_block  # the rest to the global layers
+    explicit = make_kv_cache_config(specs, CacheConfig(block_size=4, num_blocks=100), 8, 32)
+    assert explicit.pool_blocks == [100, 100] and explicit.capacity_tokens == 400
 
 
 def test_bfloat16_kv_cache_under_float32_compute(tmp_path):

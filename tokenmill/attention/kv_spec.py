@@ -33,13 +33,30 @@ class AttentionSpec:
 class KVCacheGroup:
     spec: AttentionSpec
     layer_names: list[str]
+    pool: int = 0  # which block pool (and block table) its layers use
 
 
 @dataclass
 class KVCacheConfig:
-    num_blocks: int
+    """The block pools and the groups of layers on them. Layers of one sliding window (or all with
+    none) share a pool; a model that mixes windowed and full layers (Gemma) gets a pool per window, so
+    a window pool's blocks can return as they leave the window while the full pool keeps every block.
+    Pool 0 holds the full-attention layers (when there are any): its size bounds a sequence's length."""
+
+    pool_blocks: list[int]
     block_size: int
     groups: list[KVCacheGroup]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool_blocks[0]
+
+    @property
+    def pool_windows(self) -> list[int | None]:
+        return [next(g.spec.sliding_window for g in self.groups if g.pool == p) for p in range(len(self.pool_blocks))]
+
+    def pool_bytes_per_block(self, pool: int) -> int:
+        return self.block_size * sum(g.spec.bytes_per_token * len(g.layer_names) for g in self.groups if g.pool == pool)
 
     @property
     def bytes_per_token(self) -> int:
@@ -51,7 +68,7 @@ class KVCacheConfig:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        return sum(n * self.pool_bytes_per_block(p) for p, n in enumerate(self.pool_blocks))
 
     @property
     def capacity_tokens(self) -> int:
@@ -59,21 +76,43 @@ class KVCacheConfig:
 
 
 def group_specs(specs: dict[str, AttentionSpec]) -> list[KVCacheGroup]:
-    """Layers with equal specs, in layer order of their first member."""
+    """Layers with equal specs, in layer order of their first member; pools by sliding window, full first."""
     groups: dict[AttentionSpec, KVCacheGroup] = {}
     for name, spec in specs.items():
         groups.setdefault(spec, KVCacheGroup(spec, [])).layer_names.append(name)
+    windows = sorted({g.spec.sliding_window for g in groups.values()}, key=lambda w: (w is not None, w or 0))
+    for group in groups.values():
+        group.pool = windows.index(group.spec.sliding_window)
     return list(groups.values())
 
 
-def make_kv_cache_config(specs: dict[str, AttentionSpec], cache: CacheConfig) -> KVCacheConfig:
-    """Size the pool: `cache.num_blocks` blocks, or as many as fit in `cache.kv_cache_memory_gib`."""
-    config = KVCacheConfig(0, cache.block_size, group_specs(specs))
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks a window pool can ever need: each running sequence's window plus a partial block at
+    each end, and the step's new tokens."""
+    return max_num_seqs * (-(-window // block_size) + 2) + -(-max_num_batched_tokens // block_size)
+
+
+def make_kv_cache_config(specs: dict[str, AttentionSpec], cache: CacheConfig, max_num_seqs: int = 64,
+                         max_num_batched_tokens: int = 512) -> KVCacheConfig:
+    """Size the pools: `cache.num_blocks` blocks (window pools: no more than they can use), or as many
+    as fit in `cache.kv_cache_memory_gib` (window pools capped the same way, the rest to pool 0)."""
+    config = KVCacheConfig([0], cache.block_size, group_specs(specs))
+    config.pool_blocks = [0] * (1 + max(g.pool for g in config.groups))
+    windows = config.pool_windows
+    caps = [None if w is None or len(windows) == 1 else window_pool_blocks(w, cache.block_size, max_num_seqs,
+                                                                          max_num_batched_tokens) for w in windows]
     if cache.num_blocks is not None:
-        config.num_blocks = cache.num_blocks
-    else:
-        config.num_blocks = int(cache.kv_cache_memory_gib * 2**30) // config.bytes_per_block
-        if config.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {cache.kv_cache_memory_gib} GiB is smaller than one KV block "
-                             f"({config.bytes_per_block} bytes)")
+        config.pool_blocks = [cache.num_blocks if c is None else min(cache.num_blocks, c) for c in caps]
+        return config
+    budget = int(cache.kv_cache_memory_gib * 2**30)
+    capped = sum(c * config.pool_bytes_per_block(p) for p, c in enumerate(caps) if c is not None)
+    rest = sum(config.pool_bytes_per_block(p) for p, c in enumerate(caps) if c is None)
+    full = (budget - capped) // rest if rest else 0
+    if full < max((c for c in caps if c is not None), default=0):  # too small to cap: split evenly
+        full = budget // config.bytes_per_block
+        caps = [None] * len(caps)
+    config.pool_blocks = [full if c is None else c for c in caps]
+    if min(config.pool_blocks) < 1:
+        raise ValueError(f"kv_cache_memory {cache.kv_cache_memory_gib} GiB is smaller than one KV block "
+                         f"({config.bytes_per_block} bytes)")
     return config

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
 from tokenmill.engine.kv_cache_manager import HASH_FUNCTIONS, KVCacheManager
 from tokenmill.engine.outputs import EngineCoreOutput
 from tokenmill.engine.request import EngineCoreRequest, Request, RequestStatus
@@ -64,11 +65,11 @@ class EngineCore:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.kv_cache_config = executor.initialize_kv_cache()
-        windows = {g.spec.sliding_window for g in self.kv_cache_config.groups}
-        self.kv = KVCacheManager(self.kv_cache_config.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching, HASH_FUNCTIONS[config.cache.prefix_cache_hash],
-                                 # blocks leave the window only when every layer has one (not Gemma's mix)
-                                 windows.pop() if len(windows) == 1 else None)
+        kv_config = self.kv_cache_config
+        self.kv = KVCacheCoordinator([  # one manager per pool: windowed pools return blocks as they leave the window
+            KVCacheManager(blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                           HASH_FUNCTIONS[config.cache.prefix_cache_hash], window)
+            for blocks, window in zip(kv_config.pool_blocks, kv_config.pool_windows)])
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (stats, tests)
@@ -93,7 +94,7 @@ class EngineCore:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.kv.block_size
+        return self.kv.capacity_tokens
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queue a request, or raise RequestRejected if it could never be served. The caller's
@@ -116,7 +117,7 @@ class EngineCore:
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} exceeds the maximum "
                 f"context length of {self.max_model_len} tokens"
             )
-        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+        if total > self.capacity_tokens:
             raise RequestRejected(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} tokens does not fit in the "
                 f"KV cache ({self.capacity_tokens} tokens); raise --kv-cache-memory or lower max_tokens"

@@ -210,15 +210,13 @@ class KVCacheManager:
         """Give the request room for `num_new_tokens` more tokens (plus lookahead slots for
         speculative decoding), first adopting `computed_blocks` from the prefix cache. Returns False,
         changing nothing, when the pool is too small."""
+        self.free_out_of_window(request)
+        if not self.can_allocate(request, num_new_tokens, computed_blocks, num_lookahead_tokens):
+            return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
         ids = self.req_block_ids.setdefault(request.request_id, [])
-        if self.sliding_window is not None:
-            self._free_out_of_window(request, blocks, ids)
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         need = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
-        idle_hits = sum(1 for b in computed_blocks if b.ref_count == 0)  # reusing them takes them off the free queue
-        if need + idle_hits > self.pool.num_free:
-            return False
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
@@ -230,8 +228,20 @@ class KVCacheManager:
             ids.extend(b.block_id for b in new)
         return True
 
-    def _free_out_of_window(self, request: Request, blocks: list[KVBlock | None], ids: list[int]) -> None:
+    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (),
+                     num_lookahead_tokens: int = 0) -> bool:
+        """Whether `allocate_slots` with these arguments would succeed."""
+        held = len(self.req_blocks.get(request.request_id, ()))
+        total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        need = self.blocks_needed(total) - held - len(computed_blocks)
+        idle_hits = sum(1 for b in computed_blocks if b.ref_count == 0)  # reusing them takes them off the free queue
+        return need + idle_hits <= self.pool.num_free
+
+    def free_out_of_window(self, request: Request) -> None:
         """Return the blocks no query from the next position on can see (all before pos - window + 1)."""
+        if self.sliding_window is None or request.request_id not in self.req_blocks:
+            return
+        blocks, ids = self.req_blocks[request.request_id], self.req_block_ids[request.request_id]
         dead = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
         for i in range(min(dead, len(blocks))):
             if blocks[i] is None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
 from tokenmill.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.request_queue import POLICIES
@@ -41,7 +41,7 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheCoordinator, max_model_len: int) -> None:
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -64,13 +64,13 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
-        scheduled: list[tuple[Request, int, int]] = []  # (request, new tokens, block ids it had before)
+        scheduled: list[tuple[Request, int, list[int]]] = []  # (request, new tokens, blocks it had per pool)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            had = len(self.kv.block_ids(request.request_id))
+            had = [len(table) for table in self.kv.block_ids(request.request_id)]
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.waiting.victim(self.running)
                 position = self.running.index(victim)
@@ -88,8 +88,9 @@ class Scheduler:
         # requests scheduled earlier in this step may have been preempted after
         for request, num_new, had in scheduled:
             if request.status == RequestStatus.RUNNING:
+                tables = self.kv.block_ids(request.request_id)
                 out.cached_requests.append(CachedRequestData(
-                    request.request_id, self.kv.block_ids(request.request_id)[had:], request.num_computed_tokens))
+                    request.request_id, [t[n:] for t, n in zip(tables, had)], request.num_computed_tokens))
                 out.num_scheduled_tokens[request.request_id] = num_new
 
         # admit waiting requests only when nobody had to give way this step
@@ -117,7 +118,7 @@ class Scheduler:
 
     def _send(self, out: SchedulerOutput, request: Request) -> None:
         """Describe an admitted request to the runner: whole if new to it, else its new block table."""
-        rid, blocks = request.request_id, list(self.kv.block_ids(request.request_id))
+        rid, blocks = request.request_id, [list(t) for t in self.kv.block_ids(request.request_id)]
         if rid in self._in_runner:
             out.cached_requests.append(CachedRequestData(rid, blocks, request.num_computed_tokens, resumed=True))
             return

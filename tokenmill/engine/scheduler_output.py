@@ -22,7 +22,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: set[int]  # empty with ignore_eos
-    block_ids: list[int]
+    block_ids: list[list[int]]  # its block table in each KV pool
     num_computed_tokens: int  # > 0 when its prompt starts in the prefix cache
 
 
@@ -31,7 +31,7 @@ class CachedRequestData:
     """A request the runner holds already: its new blocks and where it stands."""
 
     request_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per KV pool
     num_computed_tokens: int
     resumed: bool = False  # back after preemption: `new_block_ids` is its whole block table
 

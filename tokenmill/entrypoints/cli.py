@@ -52,11 +52,15 @@ def cmd_info(args: argparse.Namespace) -> None:
         window = min(windows - {None})
         windowed = sum(m.sliding_window is not None for m in attention)
         rows.append(("sliding window", f"{window} tokens in {windowed} of {len(attention)} layers"))
-        if None not in windows:  # every layer windowed: out-of-window blocks return to the pool
-            bound = (window + 2 * 16) * kv_bytes  # the window, a partial block each side (block size 16)
+        # out-of-window blocks return to their pool: a window layer holds the window and a partial block
+        # each side (block size 16) plus the prefill chunk
+        windowed_bytes = sum(m.kv_spec(dtype).bytes_per_token for m in attention if m.sliding_window is not None)
+        bound = (window + 2 * 16) * windowed_bytes
+        if None not in windows:
             rows.append(("KV bytes per sequence", f"at most ~{bound} (window + 2 blocks) plus the prefill chunk"))
         else:
-            rows.append(("KV bytes per sequence", "grows with the sequence (full-attention layers keep every block)"))
+            rows.append(("KV bytes per sequence", f"{kv_bytes - windowed_bytes} per token (full-attention layers) "
+                                                  f"+ at most ~{bound} (window layers)"))
     if moe:
         active = params - sum(m.inactive_parameters() for m in moe)
         rows[5:5] = [("active parameters", f"{_count(active)} per token"),

@@ -24,7 +24,9 @@ class UniProcExecutor(Executor):
         self.runner = ModelRunner(loaded, config)
 
     def initialize_kv_cache(self) -> KVCacheConfig:
-        kv_config = make_kv_cache_config(self.runner.kv_cache_specs(), self.config.cache)
+        sched = self.config.scheduler
+        kv_config = make_kv_cache_config(self.runner.kv_cache_specs(), self.config.cache, sched.max_num_seqs,
+                                         sched.max_num_batched_tokens)
         self.runner.initialize_kv_cache(kv_config)
         self.runner.warm_up()
         return kv_config

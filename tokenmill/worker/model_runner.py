@@ -57,15 +57,15 @@ class ModelRunner:
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         """Allocate each group's cache in the backend's shape and bind every attention layer to its part."""
         self.kv_cache_config = config
-        self.group_windows = [group.spec.sliding_window for group in config.groups]
+        self.group_keys = [(group.pool, group.spec.sliding_window) for group in config.groups]
         for g, group in enumerate(config.groups):
-            shape = self.backend.kv_cache_shape(config.num_blocks, config.block_size, group.spec)
+            shape = self.backend.kv_cache_shape(config.pool_blocks[group.pool], config.block_size, group.spec)
             cache = torch.zeros(len(group.layer_names), *shape, dtype=group.spec.dtype, device=self.device)
             self.kv_caches.append(cache)
             for i, name in enumerate(group.layer_names):
                 self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, attention %s)", config.num_blocks,
-                    config.block_size, config.capacity_tokens, config.total_bytes / 2**30, self.cache_dtype,
+        logger.info("KV cache: %s blocks of %d tokens = %d tokens (%.2f GiB, %s, attention %s)",
+                    " + ".join(map(str, config.pool_blocks)), config.block_size, config.capacity_tokens, config.total_bytes / 2**30, self.cache_dtype,
                     self.backend.name)
 
     def expert_load(self) -> dict[int, list[int]]:
@@ -77,9 +77,10 @@ class ModelRunner:
         loaded) and first-call costs are paid before the first real request's clock starts. Block 0's
         contents are garbage afterwards, which is harmless: every block is written before it is read."""
         rid, prompt = "__warmup__", [0, 0]
-        new = NewRequestData(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0), set(), [0], 0)
+        pools = len(self.kv_cache_config.pool_blocks)
+        new = NewRequestData(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0), set(), [[0]] * pools, 0)
         self.execute(SchedulerOutput(new_requests=[new], num_scheduled_tokens={rid: len(prompt)}))
-        self.execute(SchedulerOutput(cached_requests=[CachedRequestData(rid, [], len(prompt))],
+        self.execute(SchedulerOutput(cached_requests=[CachedRequestData(rid, [[]] * pools, len(prompt))],
                                      num_scheduled_tokens={rid: 1}))
         self.execute(SchedulerOutput(finished_request_ids={rid}))
         for m in self.moe_layers:
@@ -110,14 +111,17 @@ class ModelRunner:
         return result
 
     def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
-                block_ids: list[list[int]]) -> tuple[torch.Tensor, CommonAttentionMetadata]:
+                block_ids: list[list[list[int]]]) -> tuple[torch.Tensor, CommonAttentionMetadata]:
         """Run the model on a flat batch (per request: its new tokens after `num_computed` cached ones,
-        decodes first). Returns the final hidden state of every new token, and the step's description."""
-        common, positions = build_common_metadata(num_new, num_computed, block_ids, self.kv_cache_config.block_size,
-                                                  self.device)
-        # all groups share one block table and backend: one metadata per distinct sliding window
-        by_window = {w: self.backend.build_metadata(common, w) for w in set(self.group_windows)}
-        context = ForwardContext({g: by_window[w] for g, w in enumerate(self.group_windows)})
+        decodes first; `block_ids[request][pool]` its block tables). Returns the final hidden state of
+        every new token, and the step's description (of pool 0: positions and lengths are the same in all)."""
+        commons = [build_common_metadata(num_new, num_computed, [tables[pool] for tables in block_ids],
+                                         self.kv_cache_config.block_size, self.device)
+                   for pool in range(len(self.kv_cache_config.pool_blocks))]
+        (common, positions) = commons[0]
+        # one backend metadata per (pool, sliding window): each group's layers read theirs
+        metas = {key: self.backend.build_metadata(commons[key[0]][0], key[1]) for key in set(self.group_keys)}
+        context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)})
         with set_forward_context(context):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device))
         return hidden, common
@@ -130,9 +134,10 @@ class ModelRunner:
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
             if cached.resumed:
-                state.block_ids = list(cached.new_block_ids)
+                state.block_ids = [list(table) for table in cached.new_block_ids]
             else:
-                state.block_ids.extend(cached.new_block_ids)
+                for table, new_ids in zip(state.block_ids, cached.new_block_ids):
+                    table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prompt_logprobs(self, result: ModelRunnerOutput, hidden: torch.Tensor, common: CommonAttentionMetadata,

@@ -16,7 +16,7 @@ class CachedRequestState(TokenSequence):
         self.output_token_ids: list[int] = []  # appended by the runner as it samples
         self.params = new.sampling_params
         self.eos_token_ids = new.eos_token_ids
-        self.block_ids = list(new.block_ids)
+        self.block_ids = [list(table) for table in new.block_ids]  # per KV pool
         self.num_computed_tokens = new.num_computed_tokens
         self.prompt_logprobs_from = 0  # the first prompt position whose next-token logprobs are still owed
         self.generator = None  # a seeded request draws from its own generator: independent of its batch
