@@ -95,3 +95,55 @@ def test_layers_refuse_splits_that_do_not_divide():
         QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, 2, tp_rank=0, tp_size=3, prefix="qkv")
     with pytest.raises(ValueError, match="do not split over 3 ranks"):
         RowParallelLinear(32, 8, tp_rank=0, tp_size=3, prefix="o")
+
+
+def _same_routing(ref_weights, ref_ids, weights, ids) -> None:
+    """Equal expert sets per token with equal weights (the order of the top-k does not matter)."""
+    for t in range(ids.shape[0]):
+        ours = dict(zip(ids[t].tolist(), weights[t].tolist()))
+        theirs = dict(zip(ref_ids[t].tolist(), ref_weights[t].tolist()))
+        assert ours.keys() == theirs.keys()
+        for e in ours:
+            assert abs(ours[e] - theirs[e]) <= 1e-6 * max(1.0, abs(theirs[e]))
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_routing_matches_transformers(method):
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from tokenmill.layers.fused_moe import Routing, select_experts
+
+    torch.manual_seed(0)
+    config = DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              topk_method=method, routed_scaling_factor=1.5)
+    router = DeepseekV2TopkRouter(config)
+    router.weight.data.normal_()
+    x = torch.randn(64, 32)
+    _, ref_weights, ref_ids = router(x)
+    groups = 4 if method == "group_limited_greedy" else 1
+    routing = Routing(4, renormalize=False, num_groups=groups, topk_groups=2, group_score="max", scale=1.5)
+    _same_routing(ref_weights, ref_ids, *select_experts(x @ router.weight.t(), routing))
+
+
+def test_deepseek_v3_routing_matches_transformers():
+    """Sigmoid scores, a correction bias for choosing only, the best two experts score a group."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from tokenmill.layers.fused_moe import Routing, select_experts
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(config)
+    router.weight.data.normal_()
+    router.e_score_correction_bias.normal_(std=0.5)
+    x = torch.randn(64, 32)
+    _, ref_weights, ref_ids = router(x)
+    routing = Routing(4, renormalize=True, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2",
+                      scale=2.5)
+    weights, ids = select_experts(x @ router.weight.t(), routing, router.e_score_correction_bias)
+    _same_routing(ref_weights, ref_ids, weights, ids)
+    plain_ids = select_experts(x @ router.weight.t(), routing)[1]
+    assert not torch.equal(plain_ids.sort(-1).values, ids.sort(-1).values)  # the bias changed some choices

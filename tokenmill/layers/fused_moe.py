@@ -1,4 +1,9 @@
-"""Mixture-of-experts: routing (top-k over the router's logits) and the experts of one layer.
+"""Mixture-of-experts: routing (top-k over the router's scores, `Routing`) and the experts of one layer.
+
+Routing covers the families' variants: softmax scores with or without renormalising the top-k
+(Mixtral, Qwen-MoE, DeepSeek-V2), sigmoid scores with a selection-only correction bias (DeepSeek-V3),
+group-limited choice (experts in groups; only the best `topk_groups` groups compete; a group's score
+is its best expert, or the sum of its best two for V3), and a scale on the routed weights.
 
 `FusedMoE` stacks every expert's gate+up projection into one [E, 2I, H] tensor and the down
 projections into [E, H, I]. A forward pass sorts the (token, expert) pairs by expert and runs, for
@@ -9,6 +14,8 @@ Per-expert token counts are kept (`expert_tokens`) for the routing statistics in
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,13 +30,36 @@ EXPERT_PROJECTIONS = {
 }
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax routing: (weights [T, k] float32, expert ids [T, k]) of each token's top-k experts."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
+@dataclass(frozen=True)
+class Routing:
+    top_k: int
+    renormalize: bool = False  # the top-k weights divided by their sum
+    scoring: str = "softmax"  # or "sigmoid"
+    num_groups: int = 1  # > 1: experts in equal groups, chosen only from the best `topk_groups`
+    topk_groups: int = 1
+    group_score: str = "max"  # a group's score: its best expert's ("max") or its best two summed ("top2")
+    scale: float = 1.0  # on the routed weights (DeepSeek's routed_scaling_factor)
+
+
+def select_experts(router_logits: torch.Tensor, routing: Routing,
+                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) of each token's experts. `correction_bias` shifts
+    the scores for choosing only; the weights are the unshifted scores."""
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if routing.num_groups > 1:
+        grouped = choice.view(choice.shape[0], routing.num_groups, -1)
+        group_scores = grouped.amax(dim=-1) if routing.group_score == "max" else \
+            grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, routing.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+    ids = torch.topk(choice, routing.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if routing.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return weights * routing.scale if routing.scale != 1.0 else weights, ids
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -54,10 +84,10 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, prefix: str = "") -> None:
+    def __init__(self, num_experts: int, routing: Routing, hidden_size: int, intermediate_size: int,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.num_experts, self.routing, self.top_k = num_experts, routing, routing.top_k
         self.intermediate_size = intermediate_size
         self.prefix = prefix
         self.layer_index = int(next((p for p in prefix.split(".") if p.isdigit()), -1))  # model.layers.N.…
@@ -85,8 +115,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
         dest.copy_(src)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids = select_experts(router_logits, self.routing, correction_bias)
         out, counts = grouped_experts(x, self.w13, self.w2, weights, ids)
         self.expert_tokens += counts
         return out

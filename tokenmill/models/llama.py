@@ -23,7 +23,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.fused_moe import FusedMoE, Routing
 from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                      RowParallelLinear)
 from tokenmill.layers.norm import RMSNorm
@@ -154,8 +154,8 @@ class LlamaSparseMoeBlock(nn.Module):
     def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, quant_config, f"{prefix}.gate")
-        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size, config.norm_topk_prob, f"{prefix}.experts")
+        self.experts = FusedMoE(config.num_experts, Routing(config.num_experts_per_tok, config.norm_topk_prob),
+                                config.hidden_size, config.moe_intermediate_size, f"{prefix}.experts")
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, quant_config, f"{prefix}.shared_expert",
                                           config.shared_expert_intermediate_size)
