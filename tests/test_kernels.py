@@ -15,7 +15,8 @@ from tokenmill.kernels import fused_ops, paged_attention
 
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 72])
 @pytest.mark.parametrize("group", [1, 3])
-def test_paged_decode_attention_matches_sdpa(head_dim, group):
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (24, None), (None, 2.0), (9, 1.5)])
+def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap):
     torch.manual_seed(0)
     kv_heads, block_size, num_blocks = 2, 16, 64
     heads = kv_heads * group
@@ -30,12 +31,16 @@ def test_paged_decode_attention_matches_sdpa(head_dim, group):
         tables[i, :n] = perm[used : used + n]
         used += n
     q = torch.randn(len(lengths), heads, head_dim)
-    out = paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.3)
+    out = paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.3, window, soft_cap)
     for i, length in enumerate(lengths.tolist()):
-        keys = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1)
-        values = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1)
-        ref = F.scaled_dot_product_attention(q[i][:, None], keys.repeat_interleave(group, 0),
-                                             values.repeat_interleave(group, 0), scale=0.3)[:, 0]
+        start = max(0, length - window) if window else 0  # a window sees only the last `window` tokens
+        keys = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[start:length].transpose(0, 1)
+        values = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[start:length].transpose(0, 1)
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        scores = q[i][:, None] @ keys.transpose(1, 2) * 0.3  # [H, 1, L]
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        ref = (torch.softmax(scores, dim=-1) @ values)[:, 0]
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
 
 

@@ -1,6 +1,6 @@
 """CPU float32: decode reads K/V straight from the blocks with a compiled kernel (no gather copy,
-no padding), and the step's K/V are written in one call; prompt chunks, and decodes of layers with a
-sliding window or a soft-cap, use the torch path."""
+no padding; sliding windows and soft-caps too), and the step's K/V are written in one call; prompt
+chunks use the torch path."""
 
 from __future__ import annotations
 
@@ -19,7 +19,5 @@ class CpuPagedBackend(TorchSDPABackend):
             super()._write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None):
-        if meta.sliding_window is not None or soft_cap is not None:  # the kernel sees every cached token
-            return super()._decode(q, k_cache, v_cache, meta, scale, soft_cap)
         return paged_attention.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_context_lens, scale)
+                                                      meta.decode_context_lens, scale, meta.sliding_window, soft_cap)

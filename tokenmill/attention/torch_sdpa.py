@@ -53,7 +53,7 @@ class TorchSDPABackend(AttentionBackend):
             nb = int((ctx.max() + bs - 1) // bs)
             decode_tables = torch.from_numpy(np.ascontiguousarray(common.block_table[:d, :nb])).to(device)
             decode_lens = torch.from_numpy(ctx).to(device)
-            if self.needs_decode_mask or w is not None:
+            if self.needs_decode_mask:
                 keys = np.arange(nb * bs)[None, :]
                 mask = keys < ctx[:, None]
                 if w is not None:
@@ -104,10 +104,7 @@ class TorchSDPABackend(AttentionBackend):
     def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None):
         keys = _gather(k_cache, meta.decode_block_tables, q.dtype)  # [D, KVH, L, hd]
         values = _gather(v_cache, meta.decode_block_tables, q.dtype)
-        mask = meta.decode_mask
-        if mask is None:  # built lazily for a subclass that usually decodes without one
-            mask = (torch.arange(keys.shape[2], device=q.device) < meta.decode_context_lens[:, None])[:, None, None]
-        return _attend(q.unsqueeze(2), keys, values, mask, scale, soft_cap).squeeze(2)
+        return _attend(q.unsqueeze(2), keys, values, meta.decode_mask, scale, soft_cap).squeeze(2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -4,7 +4,8 @@ Decode attention reads each sequence's K/V straight from its cache blocks throug
 no gather copy, no padding to the longest sequence. One (sequence, kv head) pair per task, OpenMP
 across tasks. With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector
 exp, and the weighted sum of values keeps 64 output dims in registers (it is memory-bound at large
-batches: every cached K/V byte is read once). If the build fails (no compiler, no OpenMP),
+batches: every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
+a soft-cap squashes the scores (cap * tanh(s / cap)) before the softmax. If the build fails (no compiler, no OpenMP),
 `load()` returns None and the torch backend's gather + SDPA path is used.
 """
 
@@ -67,10 +68,17 @@ inline __m256 hsum8(const __m256 a[8]) {
 #define TM_SIMD 1
 #endif
 
+// cap * tanh(s / cap) over n scores (Gemma 2's attention soft-cap); cap <= 0: unchanged.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+}
+
 // One (sequence, kv head): the G query heads that share it attend over L cached tokens.
 // key(t), value(t) point at token t's row; s: [G, L] scratch; o: [G, D] output.
 template <typename Row>
-void attend(const float* q, int64_t G, int64_t D, int64_t L, float scale, Row key, Row value, float* s, float* o) {
+void attend(const float* q, int64_t G, int64_t D, int64_t L, float scale, float cap, Row key, Row value, float* s,
+            float* o) {
 #ifdef TM_SIMD
   if (D % 8 == 0) {
     for (int64_t t0 = 0; t0 < L; t0 += 8) {  // scores, eight tokens at a time
@@ -90,6 +98,7 @@ void attend(const float* q, int64_t G, int64_t D, int64_t L, float scale, Row ke
         for (int64_t j = 0; j < std::min<int64_t>(8, L - t0); ++j) s[g * L + t0 + j] = out8[j];
       }
     }
+    soft_cap(s, G * L, cap);
     for (int64_t g = 0; g < G; ++g) {  // softmax
       float* sg = s + g * L;
       float m = -std::numeric_limits<float>::infinity();
@@ -132,6 +141,7 @@ void attend(const float* q, int64_t G, int64_t D, int64_t L, float scale, Row ke
       for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * k[d];
       s[g * L + t] = dot * scale;
     }
+  soft_cap(s, G * L, cap);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * L;
     float m = -std::numeric_limits<float>::infinity();
@@ -147,10 +157,11 @@ void attend(const float* q, int64_t G, int64_t D, int64_t L, float scale, Row ke
 }
 
 // q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int64;
-// context_lens: [B] int64; out: [B, H, D]. All float32 and contiguous.
+// context_lens: [B] int64; out: [B, H, D]. All float32 and contiguous. window > 0: only the last
+// `window` tokens are attended; soft_cap > 0: scores are soft-capped.
 void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                            torch::Tensor out) {
+                            int64_t window, double soft_cap_value, torch::Tensor out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t max_blocks = block_tables.size(1);
@@ -165,14 +176,14 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;
-      const int64_t L = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - start;
       const int64_t* table = tables + b * max_blocks;
       auto row = [&](const float* cache) {
-        return [=](int64_t t) { return cache + ((table[t / BS] * BS + t % BS) * KVH + kvh) * D; };
+        return [=](int64_t t) { t += start; return cache + ((table[t / BS] * BS + t % BS) * KVH + kvh) * D; };
       };
       scores.resize(G * L);
-      attend(qp + (b * H + kvh * G) * D, G, D, L, static_cast<float>(scale), row(kp), row(vp), scores.data(),
-             op + (b * H + kvh * G) * D);
+      attend(qp + (b * H + kvh * G) * D, G, D, L, static_cast<float>(scale), static_cast<float>(soft_cap_value),
+             row(kp), row(vp), scores.data(), op + (b * H + kvh * G) * D);
     }
   });
 }
@@ -191,7 +202,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
     out = torch.empty_like(q)
-    load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window or 0,
+                                  soft_cap or 0.0, out)
     return out
