@@ -11,10 +11,11 @@ are compared too, so the whole chain back to the salt must match: even a hash co
 hand one prompt another prompt's KV. The default key is a keyed BLAKE2b (a random key per
 process), so clients cannot craft collisions either.
 
-With a sliding window (every attention layer of the model attends only to the last `sliding_window`
-positions), a request's blocks that fall wholly out of the window are returned to the pool as it
-advances; their places in its block table keep block id 0 (never read: the window masks them), so a
-sequence holds at most about window + block_size + its new tokens of KV.
+A manager serves one pool (`kv_cache_coordinator.py` joins them). With a sliding window (every
+layer on this pool attends only to the last `sliding_window` positions), a request's blocks that fall
+wholly out of the window are returned to the pool as it advances; their places in its block table
+keep block id 0 (never read: the window masks them), so a sequence holds at most about window +
+block_size + its new tokens of KV here.
 """
 
 from __future__ import annotations
