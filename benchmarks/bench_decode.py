@@ -27,7 +27,8 @@ def tokenmill_decode(llm, prompt_ids: list[int], n: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])  # decode rate, first token (prefill) excluded
 
 
-def hf_decode(model, prompt_ids: list[int], n: int) -> float:
+def hf_generate_speeds(model, prompt_ids: list[int], n: int) -> tuple[float, float]:
+    """transformers.generate, greedy: (prefill tokens/s, decode tokens/s after the first token)."""
     ids = torch.tensor([prompt_ids])
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.no_grad():
@@ -37,7 +38,11 @@ def hf_decode(model, prompt_ids: list[int], n: int) -> float:
         start = time.perf_counter()
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
         total = time.perf_counter() - start
-    return (n - 1) / (total - prefill)
+    return len(prompt_ids) / prefill, (n - 1) / (total - prefill)
+
+
+def hf_decode(model, prompt_ids: list[int], n: int) -> float:
+    return hf_generate_speeds(model, prompt_ids, n)[1]
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ import platform
 import random
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
@@ -47,21 +46,11 @@ def tokenmill_speeds(path: Path, prompt: list[int], n: int, repeats: int) -> tup
 def transformers_speeds(path: Path, prompt: list[int], n: int, repeats: int) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
+    from bench_decode import hf_generate_speeds  # this script's neighbour (benchmarks/ is on sys.path)
+
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
-    prefill, decode = [], []
-    with torch.no_grad():
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
-            first = time.perf_counter() - start
-            start = time.perf_counter()
-            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-            total = time.perf_counter() - start
-            prefill.append(len(prompt) / first)
-            decode.append((n - 1) / (total - first))
-    return statistics.median(prefill[1:]), statistics.median(decode[1:])
+    runs = [hf_generate_speeds(hf, prompt, n) for _ in range(repeats + 1)][1:]  # the first run warms up
+    return statistics.median(p for p, _ in runs), statistics.median(d for _, d in runs)
 
 
 def main() -> None:
