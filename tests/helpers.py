@@ -59,6 +59,24 @@ TINY_MODELS = {
         eos_token_id=2)),
     "qwen3-moe": (transformers.Qwen3MoeConfig, dict(
         num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True)),
+    # MLA with queries straight from the hidden state; layer 0 dense, layer 1 greedy top-2 of 4 + a shared expert
+    "deepseek-v2": (transformers.DeepseekV2Config, dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1)),
+    # low-rank queries, v wider than the no-rope key part, yarn (factor 4, mscale), group-limited routing
+    "deepseek-v2-yarn": (transformers.DeepseekV2Config, dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+        first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})),
+    # sigmoid routing with a correction bias (random: see make_tiny_model), grouped top-2, renormalised
+    "deepseek-v3": (transformers.DeepseekV3Config, dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=4, topk_group=2)),
 }
 
 
@@ -69,6 +87,9 @@ def make_tiny_model(name: str, directory, **overrides) -> transformers.PreTraine
     torch.manual_seed(0)
     config = cls(**{**_BASE, **extra, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for module in model.modules():  # DeepSeek-V3's router bias starts at zero: make it choose
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.normal_(std=0.05)
     model.save_pretrained(directory)
     return model
 
@@ -139,7 +160,7 @@ def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.T
 
 
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-              "phi3": "phi3"}  # else llama
+              "phi3": "phi3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}  # else llama
 _GGUF_LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -148,12 +169,45 @@ _GGUF_LAYER_NAMES = {
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 
 
+def _add_deepseek_metadata(w, c) -> None:
+    """What llama.cpp's converter writes for DeepSeek-V2/V3 in its MLA layout (one latent kv head)."""
+    import gguf
+
+    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    w.add_value_length(c.kv_lora_rank)
+    w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    if c.q_lora_rank:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    v3 = c.model_type == "deepseek_v3"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if v3 or c.topk_method == "group_limited_greedy":
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
 def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, str]) -> None:
-    """Write a tiny HF model (Llama, Mixtral, Qwen2/3, Qwen2/3-MoE) as a GGUF file the way llama.cpp's
-    converter does (q/k rows permuted for Llama; experts stacked per layer). `qtypes` maps a GGUF
+    """Write a tiny HF model (Llama, Mixtral, Qwen2/3, Qwen2/3-MoE, Phi-3, DeepSeek-V2/V3) as a GGUF file
+    the way llama.cpp's converter does (q/k rows permuted for Llama; experts stacked per layer; DeepSeek's
+    kv_b split into k_b and v_b). `qtypes` maps a GGUF
     tensor-name suffix (e.g. "attn_q", "output", "ffn_up_exps") to a quantization type name (Q4_0,
     Q4_1, Q8_0); everything else is stored as F32."""
     import gguf
@@ -167,9 +221,13 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
+    if arch == "deepseek2":
+        w.add_head_count_kv(1)
+        _add_deepseek_metadata(w, c)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_key_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_vocab_size(c.vocab_size)
@@ -189,7 +247,7 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 and arch != "deepseek2":
         w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
 
     def permute(t, heads):
@@ -214,6 +272,15 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
                     continue
                 if rest == ["mlp", "experts", "down_proj"]:
                     yield f"blk.{layer}.ffn_down_exps.weight", t
+                    continue
+                if rest == ["mlp", "gate", "e_score_correction_bias"]:
+                    yield f"blk.{layer}.exp_probs_b.bias", t
+                    continue
+                if rest == ["self_attn", "kv_b_proj", "weight"]:  # split per head; k_b transposed
+                    kv_b = t.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+                    yield f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(
+                        kv_b[:, : c.qk_nope_head_dim].transpose(0, 2, 1))
+                    yield f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, c.qk_nope_head_dim :])
                     continue
                 *module, kind = rest
                 part = _GGUF_LAYER_NAMES[".".join(module)]

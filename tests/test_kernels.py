@@ -44,6 +44,27 @@ def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap):
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("latent, rope", [(32, 8), (20, 4), (512, 64)])
+@pytest.mark.parametrize("lengths", [[1, 9, 40, 130], [130]])
+def test_paged_decode_attention_reads_a_latent_cache(latent, rope, lengths):
+    """MLA's absorbed decode: every head attends over one shared row per token (latent + rope key
+    features) and the values are a strided view of the rows' leading `latent` features. One sequence
+    alone has fewer (sequence, kv head) pairs than threads: its heads are split across them."""
+    torch.manual_seed(0)
+    heads, block_size, num_blocks = 7, 16, 40
+    lengths = torch.tensor(lengths)
+    cache = torch.randn(num_blocks, block_size, 1, latent + rope)
+    values = cache[..., :latent]
+    tables = torch.randperm(num_blocks)[: len(lengths) * 9].view(len(lengths), 9)
+    q = torch.randn(len(lengths), heads, latent + rope)
+    out = paged_attention.paged_decode_attention(q, cache, values, tables, lengths, 0.2)
+    assert out.shape == (len(lengths), heads, latent)
+    for i, length in enumerate(lengths.tolist()):
+        rows = cache[tables[i]].reshape(-1, latent + rope)[:length]
+        ref = torch.softmax(q[i] @ rows.t() * 0.2, dim=-1) @ rows[:, :latent]
+        torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_write_kv_stores_rows_at_their_slots():
     qkv = torch.randn(5, 4 + 2 * 2, 8)  # 4 query heads, 2 kv heads: k and v are strided views
     k, v = qkv[:, 4:6], qkv[:, 6:8]

@@ -54,13 +54,15 @@ def test_greedy_matches_transformers_in_one_flat_batch(tiny):
         assert_same_greedy(ours[str(i)], ref, ref_logits)
 
 
-def test_torch_fallback_matches_transformers(tmp_path, monkeypatch):
-    """Where the C++ kernels cannot be built (no compiler), plain torch ops give the same results."""
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "deepseek-v3"])
+def test_torch_fallback_matches_transformers(tmp_path, monkeypatch, name):
+    """Where the C++ kernels cannot be built (no compiler), plain torch ops give the same results
+    (a latent MLA cache included)."""
     from tokenmill.kernels import block_quant, fused_ops, paged_attention
 
     for module in (block_quant, fused_ops, paged_attention):
         monkeypatch.setattr(module, "load", lambda: None)
-    hf = make_tiny_model("llama-gqa-untied", tmp_path)
+    hf = make_tiny_model(name, tmp_path)
     runner = make_runner(load_model(str(tmp_path)))
     assert runner.backend.name == "torch-sdpa"
     batch = prompts(hf.config.vocab_size)
@@ -77,15 +79,22 @@ def test_config_fields_are_read(tiny):
     name, directory, hf = tiny
     c = load_model(directory).config
     assert c.num_key_value_heads == hf.config.num_key_value_heads
-    assert c.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
     assert c.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
-    assert c.qkv_bias == name.startswith("qwen2")
-    assert c.qk_norm == name.startswith(("qwen3", "gemma3"))
+    if name.startswith("deepseek"):
+        h = hf.config
+        assert (c.head_dim, c.kv_lora_rank, c.q_lora_rank, c.v_head_dim) == (h.qk_head_dim, h.kv_lora_rank,
+                                                                           h.q_lora_rank, h.v_head_dim)
+        assert c.routing.scale == h.routed_scaling_factor and c.routing.scoring == ("sigmoid" if "v3" in name else "softmax")
+        assert (c.rope_scaling or {}).get("rope_type", "default") == h.rope_parameters["rope_type"]
+    else:
+        assert c.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+        assert c.qkv_bias == name.startswith("qwen2")
+        assert c.qk_norm == name.startswith(("qwen3", "gemma3"))
     if name.startswith("gemma"):
         assert list(c.layer_types) == hf.config.layer_types and c.sliding_window == hf.config.sliding_window
         windows = [layer.self_attn.attn.sliding_window for layer in load_model(directory).model.model.layers]
         assert windows == [c.sliding_window if t == "sliding_attention" else None for t in c.layer_types]
-    assert c.num_experts == getattr(hf.config, "num_experts", getattr(hf.config, "num_local_experts", 0))
+    assert c.num_experts == (getattr(hf.config, "num_experts", None) or getattr(hf.config, "num_local_experts", 0))
     sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
     assert list(c.sparse_layers) == sparse if c.num_experts else not sparse
 
@@ -211,18 +220,27 @@ def quantize_round_trip(t: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(dequantize(quantize(t.numpy(), kind), kind).copy()).reshape(t.shape)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-window-partial"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-window-partial",
+                                  "deepseek-v2-yarn", "deepseek-v3"])
 def test_gguf_files_of_each_family_match_transformers(tmp_path, name):
     """Qwen3 (q/k norms), Qwen2/3-MoE (stacked experts, shared expert with its gate), Mixtral ("llama"
-    with experts) and Phi-3 (fused tensors, longrope factors as tensors, window, partial rotary), written
-    as llama.cpp writes them with Q8_0 experts and queries, load from the GGUF file and match
-    transformers on the same weights (the reference holds the Q8_0 values)."""
+    with experts), Phi-3 (fused tensors, longrope factors as tensors, window, partial rotary) and
+    DeepSeek ("deepseek2": latent attention with kv_b split into k_b / v_b, yarn, router bias, sigmoid
+    gating for V3), written as llama.cpp writes them with Q8_0 experts and queries (DeepSeek: also the
+    latent projection and v_b), load from the GGUF file and match transformers on the same weights
+    (the reference holds the Q8_0 values)."""
     hf = make_tiny_model(name, tmp_path, **({"mlp_only_layers": []} if name == "qwen2-moe" else {}))
-    qtypes = {"ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0", "ffn_gate_exps": "Q8_0", "attn_q": "Q8_0"}
+    qtypes = {"ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0", "ffn_gate_exps": "Q8_0", "attn_q": "Q8_0",
+              "attn_kv_a_mqa": "Q8_0", "attn_v_b": "Q8_0"}
     with torch.no_grad():
         for layer in hf.model.layers:
-            if hasattr(layer.self_attn, "q_proj"):
+            if getattr(layer.self_attn, "q_proj", None) is not None:  # DeepSeek with low-rank queries: None
                 layer.self_attn.q_proj.weight.copy_(quantize_round_trip(layer.self_attn.q_proj.weight, "Q8_0"))
+            if hasattr(layer.self_attn, "kv_b_proj"):
+                a = layer.self_attn
+                a.kv_a_proj_with_mqa.weight.copy_(quantize_round_trip(a.kv_a_proj_with_mqa.weight, "Q8_0"))
+                kv_b = a.kv_b_proj.weight.view(a.num_heads, -1, a.kv_lora_rank)
+                kv_b[:, a.qk_nope_head_dim :] = quantize_round_trip(kv_b[:, a.qk_nope_head_dim :].contiguous(), "Q8_0")
             if hasattr(layer.mlp, "experts"):
                 for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
                     p.copy_(quantize_round_trip(p, "Q8_0"))
@@ -326,4 +344,39 @@ def test_hybrid_prefix_cache_hits_need_every_pool(tmp_path):
     while core.has_unfinished():
         again.extend(t for o in core.step() for t in o.new_token_ids)
     assert again == first and core.kv.prefix_hits == (len(prompt) - 1) // 16 * 16
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_mla_caches_one_latent_row_per_token(tmp_path, capsys):
+    """DeepSeek's KV cache holds the latent + rope key (kv_lora_rank + rope values) per token and layer,
+    not every head's K and V: the bytes drop by heads * (nope + rope + v) / (kv_lora_rank + rope)."""
+    hf = make_tiny_model("deepseek-v3", tmp_path)
+    c = hf.config
+    row = c.kv_lora_rank + c.qk_rope_head_dim
+    core = make_core(str(tmp_path), num_blocks=32)
+    runner = core.executor.runner
+    caches = [layer.self_attn.attn.kv_cache for layer in runner.model.model.layers]
+    assert all(tuple(t.shape) == (1, 32, 16, 1, row) for t in caches)
+    assert runner.kv_cache_config.bytes_per_token == c.num_hidden_layers * row * 4
+    expanded = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    rows = info_rows(capsys, tmp_path)
+    assert rows["KV bytes per token"] == f"{c.num_hidden_layers * row * 4} (torch.float32)"
+    assert rows["KV layout"].endswith(f"would be {c.num_hidden_layers * expanded * 4} bytes per token "
+                                      f"({expanded / row:.1f}x)")
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-yarn", "deepseek-v3"])
+def test_mla_chunked_prefill_and_prefix_hits_match_transformers(tmp_path, name):
+    """Prompts prefilled in 32-token chunks over the latent cache (each chunk attends to the cached
+    latents), then the same prompts again from cached prefix blocks: transformers' greedy tokens each
+    time, and the pool whole at the end."""
+    hf = make_tiny_model(name, tmp_path)
+    core = make_core(str(tmp_path), num_blocks=96, max_num_batched_tokens=32)
+    batch = prompts(hf.config.vocab_size, seed=7)[-3:]  # 64, 150, 300 tokens
+    refs = [greedy_reference(hf, ids, 32) for ids in batch]
+    for _ in range(2):
+        out = run_core(core, batch, GREEDY)
+        for i, ref in enumerate(refs):
+            assert_same_greedy(out[str(i)], *ref)
+    assert core.kv.prefix_hits > 0
     assert core.kv.num_free_blocks == core.kv.num_blocks

@@ -8,7 +8,7 @@ architecture (`ModelConfig`, and each model file's subclass of it) is read from 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -50,9 +50,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     torch_dtype: str | None = None  # the checkpoint's own dtype, if it says
+    supported_activations: ClassVar[tuple[str, ...]] = ("silu",)  # what the model file's MLP computes
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
+        if self.hidden_act not in self.supported_activations:
+            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported "
+                             f"(only {', '.join(self.supported_activations)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -65,9 +69,9 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             kind = rope_type(self.rope_scaling)
-            if kind not in ("default", "linear", "llama3", "longrope", "su"):
+            if kind not in ("default", "linear", "llama3", "yarn", "longrope", "su"):
                 raise ValueError(f"model config: rope_scaling type {kind!r} is not supported "
-                                 "(supported: default, linear, llama3, longrope)")
+                                 "(supported: default, linear, llama3, yarn, longrope)")
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -22,8 +22,9 @@ class AttentionBackend(ABC):
     supported_features: tuple[str, ...] = ()  # of "sliding_window", "logits_soft_cap"
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, spec: AttentionSpec) -> tuple[int, ...]:
-        """One layer's cache: K and V of every slot of every block."""
-        return (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        """One layer's cache: K and V of every slot of every block (a latent spec: one tensor, values
+        read from its first features)."""
+        return (spec.num_tensors, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
 
     def check_layer(self, layer) -> None:
         """Raise if this backend cannot run the attention layer `layer` (e.g. a sliding window)."""

@@ -1,6 +1,6 @@
 """CPU float32: decode reads K/V straight from the blocks with a compiled kernel (no gather copy,
-no padding; sliding windows and soft-caps too), and the step's K/V are written in one call; prompt
-chunks use the torch path."""
+no padding; sliding windows, soft-caps and latent MLA caches too), and the step's K/V are written in one
+call; prompt chunks use the torch path."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class CpuPagedBackend(TorchSDPABackend):
     needs_decode_mask = False
 
     def _write_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        if k.stride(-1) == 1 and v.stride(-1) == 1:
+        if v is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
             paged_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
         else:
             super()._write_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -4,8 +4,9 @@ from them.
 Every `Attention` layer declares an `AttentionSpec` (kv heads, head dim, cache dtype, sliding window
 or full). Layers with equal specs form a group with one cache tensor; the block pool is shared by
 all groups (a request's block table addresses the same block ids in every layer), so a block costs
-the sum of its layers' bytes. Today's models have one group; layers of another shape or dtype (a
-latent KV, a different cache dtype) become further groups without changing the pool.
+the sum of its layers' bytes. Layers of another shape or dtype become further groups. Multi-head latent
+attention (DeepSeek's MLA) declares an `MLAAttentionSpec`: one compressed latent per token (plus its
+rotary part) serves as the key of every head and, in its first `kv_lora_rank` features, the value.
 """
 
 from __future__ import annotations
@@ -23,10 +24,24 @@ class AttentionSpec:
     head_dim: int
     dtype: torch.dtype  # of the stored K/V (may differ from the compute dtype)
     sliding_window: int | None = None  # None: attends to every earlier token
+    num_tensors = 2  # a K and a V row per token (and kv head)
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.num_tensors * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(AttentionSpec):
+    """One row per token: the latent (`head_dim - rope_dim` features, also the value) and the rotated
+    key part shared by all heads (`rope_dim`); `num_kv_heads` is 1."""
+
+    rope_dim: int = 0
+    num_tensors = 1
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.head_dim - self.rope_dim
 
 
 @dataclass

@@ -4,7 +4,8 @@ Decode requests (one new token each, first in the batch) gather their blocks int
 and run one masked SDPA; each prompt chunk runs SDPA on its own (directly on the new K/V when
 nothing is cached, else over its gathered blocks under a causal mask offset by the cached length).
 A sliding window narrows every mask to the last `window` positions; a logit soft-cap replaces SDPA
-by the same computation written out (scores capped before the softmax).
+by the same computation written out (scores capped before the softmax). A latent cache (MLA: one
+tensor, `kv_cache.shape[0] == 1`) stores only the keys; the values are their leading features.
 """
 
 from __future__ import annotations
@@ -75,12 +76,14 @@ class TorchSDPABackend(AttentionBackend):
         return TorchAttentionMetadata(common.slot_mapping, d, decode_tables, decode_lens, decode_mask, prefills, w)
 
     def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None):
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        latent = kv_cache.shape[0] == 1
+        k_cache = kv_cache[0]
+        v_cache = k_cache[..., : v.shape[-1]] if latent else kv_cache[1]
+        self._write_kv(k, None if latent else v, k_cache, v_cache, meta.slot_mapping)
         d = meta.num_decodes
         if not meta.prefills:
             return self._decode(q, k_cache, v_cache, meta, scale, soft_cap)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, soft_cap)
         for p in meta.prefills:
@@ -89,21 +92,21 @@ class TorchSDPABackend(AttentionBackend):
                 ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
             else:
-                length = p.mask.shape[1]
-                ks = _gather(k_cache, p.block_table[None], q.dtype)[:, :, :length]
-                vs = _gather(v_cache, p.block_table[None], q.dtype)[:, :, :length]
+                ks, vs = _gather_kv(k_cache, v_cache, p.block_table[None], q.dtype, latent)
+                ks, vs = ks[:, :, : p.mask.shape[1]], vs[:, :, : p.mask.shape[1]]
             o = _attend(qs, ks, vs, p.mask, scale, soft_cap)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 
     def _write_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        """The step's keys and values into their slots (v None: a latent cache, keys only)."""
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        if v is not None:
+            v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
     def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None):
-        keys = _gather(k_cache, meta.decode_block_tables, q.dtype)  # [D, KVH, L, hd]
-        values = _gather(v_cache, meta.decode_block_tables, q.dtype)
+        latent = v_cache.data_ptr() == k_cache.data_ptr()
+        keys, values = _gather_kv(k_cache, v_cache, meta.decode_block_tables, q.dtype, latent)  # [D, KVH, L, hd]
         return _attend(q.unsqueeze(2), keys, values, meta.decode_mask, scale, soft_cap).squeeze(2)
 
 
@@ -122,6 +125,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
+
+
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,
+               latent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the blocks in `block_tables` (a latent cache is gathered once: values are
+    the keys' leading features)."""
+    keys = _gather(k_cache, block_tables, dtype)
+    return keys, keys[..., : v_cache.shape[-1]] if latent else _gather(v_cache, block_tables, dtype)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -25,6 +25,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     from tokenmill.config import resolve_device, resolve_dtype
     from tokenmill.layers.attention import Attention
     from tokenmill.layers.fused_moe import FusedMoE
+    from tokenmill.layers.mla import MLAAttention
     from tokenmill.loader import build_model, open_checkpoint
     from tokenmill.loader.source import resolve_model
     from tokenmill.quantization.unquantized import UnquantizedConfig
@@ -61,6 +62,12 @@ def cmd_info(args: argparse.Namespace) -> None:
         else:
             rows.append(("KV bytes per sequence", f"{kv_bytes - windowed_bytes} per token (full-attention layers) "
                                                   f"+ at most ~{bound} (window layers)"))
+    mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    if mla:
+        expanded = sum(m.expanded_kv_bytes_per_token(dtype) for m in mla)
+        rows.append(("KV layout", f"latent (MLA): {mla[0].kv_lora_rank} + {mla[0].rope_dim} rope values per token "
+                                  f"and layer; full per-head K/V would be {expanded} bytes per token "
+                                  f"({expanded / kv_bytes:.1f}x)"))
     if moe:
         active = params - sum(m.inactive_parameters() for m in moe)
         rows[5:5] = [("active parameters", f"{_count(active)} per token"),

@@ -2,10 +2,12 @@
 
 Decode attention reads each sequence's K/V straight from its cache blocks through the block table:
 no gather copy, no padding to the longest sequence. One (sequence, kv head) pair per task, OpenMP
-across tasks. With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector
+across tasks (a pair's query heads split over threads when there are fewer pairs than threads). With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector
 exp, and the weighted sum of values keeps 64 output dims in registers (it is memory-bound at large
 batches: every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
-a soft-cap squashes the scores (cap * tanh(s / cap)) before the softmax. If the build fails (no compiler, no OpenMP),
+a soft-cap squashes the scores (cap * tanh(s / cap)) before the softmax. Values may be narrower than
+keys and strided (a latent MLA cache: the values are the leading features of the key rows). If the
+build fails (no compiler, no OpenMP),
 `load()` returns None and the torch backend's gather + SDPA path is used.
 """
 
@@ -75,12 +77,13 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 }
 
 // One (sequence, kv head): the G query heads that share it attend over L cached tokens.
-// key(t), value(t) point at token t's row; s: [G, L] scratch; o: [G, D] output.
+// key(t), value(t) point at token t's key row (D features) and value row (DV); s: [G, L] scratch;
+// o: [G, DV] output.
 template <typename Row>
-void attend(const float* q, int64_t G, int64_t D, int64_t L, float scale, float cap, Row key, Row value, float* s,
-            float* o) {
+void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float scale, float cap, Row key, Row value,
+            float* s, float* o) {
 #ifdef TM_SIMD
-  if (D % 8 == 0) {
+  if (D % 8 == 0 && DV % 8 == 0) {
     for (int64_t t0 = 0; t0 < L; t0 += 8) {  // scores, eight tokens at a time
       const float* k[8];
       for (int j = 0; j < 8; ++j) k[j] = key(std::min(t0 + j, L - 1));
@@ -118,18 +121,18 @@ void attend(const float* q, int64_t G, int64_t D, int64_t L, float scale, float 
       for (t = 0; t < L; ++t) sg[t] *= inv;
     }
     for (int64_t g = 0; g < G; ++g)  // weighted values, 64 dims at a time in registers
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        const int64_t nv = std::min<int64_t>(8, (D - d0) / 8);
+      for (int64_t d0 = 0; d0 < DV; d0 += 64) {
+        const int64_t nv = std::min<int64_t>(8, (DV - d0) / 8);
         __m256 acc[8];
         for (int j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t t = 0; t < L; ++t) {
           const __m256 w = _mm256_set1_ps(s[g * L + t]);
           const float* v = value(t) + d0;
           if (t + 8 < L)
-            for (int64_t d = 0; d < std::min<int64_t>(64, D - d0); d += 16) __builtin_prefetch(value(t + 8) + d0 + d);
+            for (int64_t d = 0; d < std::min<int64_t>(64, DV - d0); d += 16) __builtin_prefetch(value(t + 8) + d0 + d);
           for (int j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
         }
-        for (int j = 0; j < nv; ++j) _mm256_storeu_ps(o + g * D + d0 + 8 * j, acc[j]);
+        for (int j = 0; j < nv; ++j) _mm256_storeu_ps(o + g * DV + d0 + 8 * j, acc[j]);
       }
     return;
   }
@@ -150,19 +153,20 @@ void attend(const float* q, int64_t G, int64_t D, int64_t L, float scale, float 
     for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
     for (int64_t t = 0; t < L; ++t) sg[t] /= sum;
   }
-  std::fill(o, o + G * D, 0.f);
+  std::fill(o, o + G * DV, 0.f);
   for (int64_t t = 0; t < L; ++t)
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) o[g * D + d] += s[g * L + t] * value(t)[d];
+      for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += s[g * L + t] * value(t)[d];
 }
 
-// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int64;
-// context_lens: [B] int64; out: [B, H, D]. All float32 and contiguous. window > 0: only the last
-// `window` tokens are attended; soft_cap > 0: scores are soft-capped.
+// q: [B, H, D]; k_cache: [num_blocks, block_size, KVH, D], v_cache: [num_blocks, block_size, KVH, DV] (rows
+// may be strided: a view into the key rows); block_tables: [B, max_blocks] int64; context_lens: [B] int64;
+// out: [B, H, DV]. All float32, last dims contiguous. window > 0: only the last `window` tokens are
+// attended; soft_cap > 0: scores are soft-capped.
 void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                             int64_t window, double soft_cap_value, torch::Tensor out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), DV = v_cache.size(3);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
@@ -172,18 +176,30 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  // Fewer (sequence, kv head) pairs than threads (one stream over a latent cache's single kv head):
+  // each pair's query heads are split so that every thread has work.
+  const int64_t pairs = B * KVH;
+  const int64_t splits = std::min<int64_t>(G, std::max<int64_t>(1, (at::get_num_threads() + pairs - 1) / pairs));
+  const int64_t per = (G + splits - 1) / splits;
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, kvh = task % KVH;
+      const int64_t b = task / splits / KVH, kvh = task / splits % KVH, g0 = task % splits * per;
+      const int64_t heads = std::min(per, G - g0);
+      if (heads <= 0) continue;
       const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - start;
       const int64_t* table = tables + b * max_blocks;
-      auto row = [&](const float* cache) {
-        return [=](int64_t t) { t += start; return cache + ((table[t / BS] * BS + t % BS) * KVH + kvh) * D; };
+      auto row = [&](const float* cache, int64_t slot_stride, int64_t head_stride) {
+        return [=](int64_t t) {
+          t += start;
+          return cache + (table[t / BS] * BS + t % BS) * slot_stride + kvh * head_stride;
+        };
       };
-      scores.resize(G * L);
-      attend(qp + (b * H + kvh * G) * D, G, D, L, static_cast<float>(scale), static_cast<float>(soft_cap_value),
-             row(kp), row(vp), scores.data(), op + (b * H + kvh * G) * D);
+      scores.resize(heads * L);
+      const int64_t first = b * H + kvh * G + g0;  // the first query head of this task
+      attend(qp + first * D, heads, D, DV, L, static_cast<float>(scale), static_cast<float>(soft_cap_value),
+             row(kp, k_cache.stride(1), k_cache.stride(2)), row(vp, v_cache.stride(1), v_cache.stride(2)),
+             scores.data(), op + first * DV);
     }
   });
 }
@@ -204,7 +220,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
     load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window or 0,
                                   soft_cap or 0.0, out)
     return out

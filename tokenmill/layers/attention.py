@@ -1,20 +1,24 @@
 """`Attention`: one module per attention layer of a model. It declares what the layer stores in the
 KV cache (`kv_spec`), is bound to its cache tensor and backend by the model runner (which finds
-these modules by type), and runs the backend on the step's metadata."""
+these modules by type), and runs the backend on the step's metadata. With `latent_rope_dim` set it is
+multi-head latent attention in its absorbed form: one shared key row per token (`head_dim` features,
+the last `latent_rope_dim` of them rotated) whose leading features are also the value."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tokenmill.attention.kv_spec import AttentionSpec
+from tokenmill.attention.kv_spec import AttentionSpec, MLAAttentionSpec
 from tokenmill.layers.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None, prefix: str = "") -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, prefix: str = "",
+                 latent_rope_dim: int | None = None) -> None:
         super().__init__()
+        self.latent_rope_dim = latent_rope_dim
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
@@ -24,6 +28,8 @@ class Attention(nn.Module):
         self.kv_group = 0
 
     def kv_spec(self, cache_dtype: torch.dtype) -> AttentionSpec:
+        if self.latent_rope_dim is not None:
+            return MLAAttentionSpec(1, self.head_dim, cache_dtype, self.sliding_window, self.latent_rope_dim)
         return AttentionSpec(self.num_kv_heads, self.head_dim, cache_dtype, self.sliding_window)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, backend, kv_group: int) -> None:
@@ -31,6 +37,7 @@ class Attention(nn.Module):
         self.kv_cache, self.backend, self.kv_group = kv_cache, backend, kv_group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, heads, D]; k, v: [T, kv heads, D] -> [T, heads, D]."""
+        """q: [T, heads, D]; k, v: [T, kv heads, D] -> [T, heads, D] (latent: v is k's leading
+        features, a view of it, and the output has v's width)."""
         meta = get_forward_context().attn_metadata[self.kv_group]
         return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.logits_soft_cap)

@@ -41,6 +41,12 @@ class Routing:
     scale: float = 1.0  # on the routed weights (DeepSeek's routed_scaling_factor)
 
 
+def check_expert_counts(num_experts: int, top_k: int) -> None:
+    """A model config's expert counts (0 experts: no MoE layers)."""
+    if num_experts and not 0 < top_k <= num_experts:
+        raise ValueError(f"model config: num_experts_per_tok must be in 1..{num_experts}, got {top_k}")
+
+
 def select_experts(router_logits: torch.Tensor, routing: Routing,
                    correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]) of each token's experts. `correction_bias` shifts

@@ -59,6 +59,15 @@ _GEMMA_LAYER_NAMES = {
 }
 _GEMMA = ("gemma2", "gemma3")
 _PHI3_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # stored fused
+# DeepSeek's latent attention (kv_b split by newer converters into k_b, transposed, and v_b), shared experts
+_DEEPSEEK_LAYER_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
+_GATING = {1: "softmax", 2: "sigmoid"}  # expert_gating_func; files without it are DeepSeek-V2 (softmax)
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 longrope, read as config
 # llama.cpp's default for renormalising the top-k routing weights, where the file does not say
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -134,6 +143,12 @@ class GGUFCheckpoint:
         scaling = None
         if p("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": p("rope.scaling.factor")}
+        elif p("rope.scaling.type") == "yarn":
+            scaling = {"rope_type": "yarn", "factor": float(p("rope.scaling.factor")),
+                       "original_max_position_embeddings": int(p("rope.scaling.original_context_length"))}
+            if p("rope.scaling.yarn_log_multiplier") is not None:  # DeepSeek: llama.cpp writes 0.1 * mscale_all_dim
+                mscale = float(p("rope.scaling.yarn_log_multiplier")) / 0.1
+                scaling.update(mscale=mscale, mscale_all_dim=mscale)
         if _ROPE_FACTORS[0] in names:
             factors = {t.name: [float(x) for x in np.asarray(t.data).reshape(-1)] for t in self.reader.tensors
                        if t.name in _ROPE_FACTORS}
@@ -157,10 +172,14 @@ class GGUFCheckpoint:
             "query_pre_attn_scalar": int(p("attention.key_length", hidden // heads)),  # as llama.cpp (not 27B)
         }
         head_dim = int(p("attention.key_length", hidden // heads))
+        deepseek = {} if arch != "deepseek2" else self._deepseek_fields(p)
+        if deepseek.get("scoring_func") == "sigmoid":
+            hf_arch = "DeepseekV3ForCausalLM"
         return config_from_hf_dict({  # the config.json this file's metadata stands for
             "architectures": [hf_arch],
             **moe,
             **gemma,
+            **deepseek,
             "sliding_window": p("attention.sliding_window"),
             "partial_rotary_factor": int(p("rope.dimension_count", head_dim)) / head_dim,
             "vocab_size": int(vocab),
@@ -178,6 +197,29 @@ class GGUFCheckpoint:
             "attention_bias": "blk.0.attn_q.bias" in names,
         })
 
+    @staticmethod
+    def _deepseek_fields(p) -> dict:
+        """DeepSeek-V2/V3 config.json fields. Files written for llama.cpp's MLA path give the latent
+        sizes as key/value length and the per-head ones as key_length_mla / value_length_mla."""
+        rope = int(p("rope.dimension_count"))
+        mla = p("attention.key_length_mla") is not None
+        key = int(p("attention.key_length_mla" if mla else "attention.key_length"))
+        groups = int(p("expert_group_count", 1))
+        return {
+            "q_lora_rank": p("attention.q_lora_rank"), "kv_lora_rank": int(p("attention.kv_lora_rank")),
+            "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope,
+            "v_head_dim": int(p("attention.value_length_mla" if mla else "attention.value_length")),
+            "n_routed_experts": int(p("expert_count", 0)), "num_experts_per_tok": int(p("expert_used_count", 0)),
+            "moe_intermediate_size": int(p("expert_feed_forward_length", 0)),
+            "n_shared_experts": int(p("expert_shared_count", 0)),
+            "first_k_dense_replace": int(p("leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(p("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(p("expert_weights_norm", False)),
+            "scoring_func": _GATING.get(int(p("expert_gating_func", 1)), "softmax"),
+            "n_group": groups, "topk_group": int(p("expert_group_used_count", 1)),
+            "topk_method": "group_limited_greedy" if groups > 1 else "greedy",
+        }
+
     def tensor_types(self) -> dict[str, str]:
         """GGUF type name of every tensor, by HF name."""
         return {name: w.qtype.name for name, w in self.weights()}
@@ -186,7 +228,8 @@ class GGUFCheckpoint:
         """Tensors under HF names, lazily: nothing is dequantized until asked."""
         arch = self._field("general.architecture")
         permute, gemma = arch in ("llama", "mistral"), arch in _GEMMA
-        names = {**_LAYER_NAMES, **(_GEMMA_LAYER_NAMES if gemma else _PHI3_LAYER_NAMES if arch == "phi3" else {})}
+        own = {"phi3": _PHI3_LAYER_NAMES, "deepseek2": _DEEPSEEK_LAYER_NAMES, **{g: _GEMMA_LAYER_NAMES for g in _GEMMA}}
+        names = {**_LAYER_NAMES, **own.get(arch, {})}
         c = self.config
         for t in self.reader.tensors:
             if t.tensor_type not in _DEQUANTIZABLE:
@@ -199,10 +242,11 @@ class GGUFCheckpoint:
             name, heads, shape = _GLOBAL_NAMES.get(t.name), None, None
             if name is None:
                 m = _LAYER_RE.match(t.name)
-                if not m or m.group(2) not in names:
+                if not m or not {m.group(2), f"{m.group(2)}.{m.group(3)}"} & names.keys():
                     raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r} for a {arch} model")
                 layer, part, kind = m.groups()
-                name = f"model.layers.{layer}.{names[part]}.{kind}"
+                whole = names.get(f"{part}.{kind}")  # a tensor renamed as a whole (DeepSeek's router bias)
+                name = f"model.layers.{layer}.{whole or names[part] + '.' + kind}"
                 if part == "ffn_gate_inp_shexp":
                     shape = (1, c.hidden_size)
                 if permute and part == "attn_q":

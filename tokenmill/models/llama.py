@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.fused_moe import FusedMoE, Routing
+from tokenmill.layers.fused_moe import FusedMoE, Routing, check_expert_counts
 from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                      RowParallelLinear)
 from tokenmill.layers.norm import RMSNorm
@@ -34,7 +34,6 @@ from tokenmill.quantization.base import QuantizationConfig
 
 @dataclass
 class LlamaConfig(ModelConfig):
-    supported_activations: ClassVar[tuple[str, ...]] = ("silu",)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -52,12 +51,7 @@ class LlamaConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.hidden_act not in self.supported_activations:
-            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported "
-                             f"(only {', '.join(self.supported_activations)})")
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"model config: num_experts_per_tok must be in 1..{self.num_experts}, "
-                             f"got {self.num_experts_per_tok}")
+        check_expert_counts(self.num_experts, self.num_experts_per_tok)
 
     @classmethod
     def architecture_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -188,14 +182,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int) -> None:
+    """Embedding, the decoder layers (`build_layers`: other families with the same residual stream
+    build their own), final norm."""
+
+    def __init__(self, config: ModelConfig, quant_config: QuantizationConfig, max_positions: int) -> None:
         super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.build_layers(config, quant_config, max_positions))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_layers(self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int) -> list[nn.Module]:
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
                                  int(config.head_dim * config.partial_rotary_factor))
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        return [LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
+                for i in range(config.num_hidden_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None

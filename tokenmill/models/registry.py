@@ -22,6 +22,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
 }
 
 # GGUF general.architecture -> HF architecture name
@@ -35,7 +37,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
-}  # "llama" with experts (expert_count) is Mixtral
+    "deepseek2": "DeepseekV2ForCausalLM",
+}  # "llama" with experts (expert_count) is Mixtral; "deepseek2" with sigmoid gating is DeepSeek-V3
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
