@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/bench_models.py [--models gemma-3-270m,qwen2.5-coder-0.5b] [--prompt-len 512]
 
-Models come from ../shared/models/fetch.sh (or pass .gguf paths). tokenmill runs the file as it loads
-by default (GGUF blocks where it has kernels for them, dequantized float32 otherwise); transformers
-dequantizes the file to float32. Prefill: prompt tokens / time to the first token; decode: tokens/s
-after the first. Medians of --repeats runs.
+Models come from ../shared/models/fetch.sh (or pass .gguf paths). tokenmill runs the file in each of
+--quantizations (auto: the default, gguf-q8 on CPU; gguf: the exact mode; none: dense float32);
+transformers dequantizes the file to float32. Prefill: prompt tokens / time to the first token;
+decode: tokens/s after the first. Medians of --repeats runs.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ def model_path(name: str) -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
-def tokenmill_speeds(path: Path, prompt: list[int], n: int, repeats: int) -> tuple[float, float, str]:
+def tokenmill_speeds(path: Path, prompt: list[int], n: int, repeats: int,
+                     quantization: str = "auto") -> tuple[float, float, str]:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(str(path), num_kv_blocks=(len(prompt) + n) // 16 + 4)
+    llm = LLM(str(path), num_kv_blocks=(len(prompt) + n) // 16 + 4, quantization=quantization)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     prefill, decode = [], []
     for _ in range(repeats + 1):  # the first run warms up
@@ -60,6 +61,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64, help="tokens to decode per run")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantizations", default="auto", help="comma-separated --quantization values to run")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     args = ap.parse_args()
     torch.set_num_threads(2)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
@@ -70,9 +73,12 @@ def main() -> None:
         path = model_path(name)
         rng = random.Random(0)
         prompt = [rng.randrange(1000, 20000) for _ in range(args.prompt_len)]
-        tp, td, quant = tokenmill_speeds(path, prompt, args.tokens, args.repeats)
-        hp, hd = transformers_speeds(path, prompt, args.tokens, args.repeats)
-        print(f"{name:<22} {quant:<18} {tp:>14.1f} {hp:>11.1f} {td:>13.1f} {hd:>10.1f} {td / hd:>12.2f}x", flush=True)
+        hp, hd = (float("nan"),) * 2 if args.no_transformers else transformers_speeds(path, prompt, args.tokens,
+                                                                                        args.repeats)
+        for quantization in args.quantizations.split(","):
+            tp, td, quant = tokenmill_speeds(path, prompt, args.tokens, args.repeats, quantization)
+            print(f"{name:<22} {quant:<18} {tp:>14.1f} {hp:>11.1f} {td:>13.1f} {hd:>10.1f} {td / hd:>12.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":

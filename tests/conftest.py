@@ -11,10 +11,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(scope="session")
 def default_model():
-    """SmolLM2-135M-Instruct, loaded once per test session."""
+    """SmolLM2-135M-Instruct in the exact mode (float32 activations on its GGUF blocks: the reference
+    comparisons hold token for token), loaded once per test session."""
     from tokenmill.loader import load_model
 
-    return load_model("smollm2-135m-instruct")
+    return load_model("smollm2-135m-instruct", dtype="float32")
 
 
 @pytest.fixture(scope="session")

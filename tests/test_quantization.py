@@ -20,34 +20,101 @@ from tokenmill.loader.gguf_loader import GGUFWeight
 from tokenmill.quantization import resolve_quantization
 from tokenmill.quantization.gguf import FUSED_MAX_TOKENS, BlockQuantLinearMethod, GGUFConfig
 from tokenmill.quantization.int8 import Int8Config, Int8LinearMethod
-from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.sampling_params import SamplingParams
 
 # a mix of block types per tensor, as llama.cpp's mixed quantizations do; ffn_gate and ffn_up differ
-# in bits, so the fused gate_up layer must stay dense
+# in bits, so the fused gate_up layer takes the wider (8-bit) layout
 MIXED = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
          "ffn_up": "Q8_0", "ffn_down": "Q4_1", "output": "Q8_0", "token_embd": "Q8_0"}
+PACKED = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+# bytes per block, values per block, where its float16 scales sit (any other bytes are valid codes)
+_FORMAT = {"Q4_0": (18, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q8_0": (34, 32, [0]), "Q5_0": (22, 32, [0]),
+           "Q5_1": (24, 32, [0, 2]), "Q4_K": (144, 256, [0, 2]), "Q5_K": (176, 256, [0, 2]), "Q6_K": (210, 256, [208])}
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_block_quant_linear_computes_on_the_gguf_weights(qtype):
+def random_gguf_tensor(qtype: str, rows: int, cols: int, rng) -> tuple[object, torch.Tensor]:
+    """A GGUF tensor of random blocks (random codes and sub-scales, small float16 scales), as the
+    loader hands it over, and gguf's own dequantization of it."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
+    size, values, scale_at = _FORMAT[qtype]
+    raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    for at in scale_at:
+        raw[..., at : at + 2] = rng.normal(0, 0.01, (rows, cols // values, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    kind = GGMLQuantizationType[qtype]
+    return GGUFWeight("w", kind, raw), torch.from_numpy(dequantize(raw, kind).astype(np.float32).reshape(rows, cols))
+
+
+@pytest.mark.parametrize("qtype", PACKED)
+def test_block_quant_linear_computes_on_the_gguf_weights(qtype):
     rng = np.random.default_rng(0)
-    weight = (rng.standard_normal((96, 160)) * 0.1).astype(np.float32)  # 5 blocks a row: an odd count
-    raw = quantize(weight, GGMLQuantizationType[qtype])
-    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float32))
-    layer = ReplicatedLinear(160, 96, bias=True, quant_config=GGUFConfig({"w.weight": qtype}), prefix="w")
+    cols = 768 if qtype.endswith("_K") else 160  # K-quants: 3 super-blocks a row; else 5 blocks: odd counts
+    weight, ref = random_gguf_tensor(qtype, 96, cols, rng)
+    layer = ReplicatedLinear(cols, 96, bias=True, quant_config=GGUFConfig({"w.weight": qtype}), prefix="w")
     assert isinstance(layer.quant_method, BlockQuantLinearMethod)
-    layer.weight_loader("weight", GGUFWeight("w", GGMLQuantizationType[qtype], raw))
+    layer.weight_loader("weight", weight)
     layer.weight_loader("bias", torch.randn(96))
     bits = layer.quant_method.bits
+    assert bits == (4 if qtype in ("Q4_0", "Q4_1", "Q4_K") else 8)  # packed, not widened
     # bit for bit what gguf's dequantize gives
     assert torch.equal(block_quant.dequantize(layer.codes, layer.scales, layer.offsets, bits), ref)
     for rows in (1, 3, 4, 5, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1, 40):  # the fused kernel, then dequantize + GEMM
-        x = torch.randn(rows, 160)
-        torch.testing.assert_close(layer(x), x @ ref.T + layer.bias, rtol=1e-5, atol=1e-5)
+        x = torch.randn(rows, cols)
+        want = x @ ref.T + layer.bias
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+
+
+def q8_reference(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`block_quant.matmul_q8` written with torch ops: x rounded to int8 per 32 values (scale max|x| /
+    127, round half to even), times the exact weights."""
+    m = x.shape[0]
+    blocks = x.view(m, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))) * d).view(x.shape)
+    return rounded @ ref.T
+
+
+@pytest.mark.parametrize("qtype", PACKED)
+def test_int8_activation_kernel_matches_its_torch_reference(qtype):
+    """gguf-q8's integer dot products equal the same rounding written in torch, on every layout
+    (4-bit codes, 8-bit codes in blocks of 32 and of 16), and so does its large-batch GEMM path; both
+    stay within ~1% of the exact product."""
+    rng = np.random.default_rng(2)
+    cols = 512
+    weight, ref = random_gguf_tensor(qtype, 80, cols, rng)
+    layer = ReplicatedLinear(cols, 80, quant_config=GGUFConfig({"w.weight": qtype}, int8_activations=True), prefix="w")
+    layer.weight_loader("weight", weight)
+    for rows in (1, 3, 4, 7, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1, 40):  # the integer kernel, then the GEMM
+        x = torch.randn(rows, cols)
+        out = layer(x)
+        want = q8_reference(x, ref)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+        exact = x @ ref.T
+        assert ((out - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q4_0", "Q5_1"), ("Q6_K", "Q8_0")])
+def test_fused_layers_of_mixed_types_take_the_widest_layout(types):
+    """q/k in Q4_K and v in Q6_K (as Q4_K_M files mix them): the fused layer holds every shard in
+    8-bit codes in blocks of the smallest size, still exactly the file's weights."""
+    from tokenmill.layers.linear import MergedColumnParallelLinear
+
+    rng = np.random.default_rng(1)
+    parts = [random_gguf_tensor(t, 32 * (i + 1), 512, rng) for i, t in enumerate(types)]
+    config = GGUFConfig({"w.gate_proj.weight": types[0], "w.up_proj.weight": types[1]})
+    config.packed_modules = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    layer = MergedColumnParallelLinear(512, [32, 64], quant_config=config, prefix="w.gate_up_proj")
+    for shard, (weight, _) in enumerate(parts):
+        layer.weight_loader("weight", weight, shard)
+    layout = layer.quant_method.layout
+    assert layout.bits == 8 and layout.block == (16 if "Q6_K" in types else 32)
+    ref = torch.cat([r for _, r in parts])
+    assert torch.equal(block_quant.dequantize(layer.codes, layer.scales, layer.offsets, 8), ref)
+    x = torch.randn(3, 512)
+    want = x @ ref.T
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "llama-mqa-tied", "qwen2-bias"])
@@ -59,13 +126,11 @@ def test_gguf_blocks_match_transformers(tmp_path, name):
     write_tiny_gguf(make_tiny_model(name, tmp_path), tmp_path / "m.gguf", MIXED)
     path = str(tmp_path / "m.gguf")
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
-    loaded = load_model(path)
+    loaded = load_model(path, dtype="float32")  # an explicit float32: the exact mode
     assert loaded.quantization == "gguf"
     kinds = {n.rsplit(".", 1)[-1]: type(m.quant_method) for n, m in loaded.model.named_modules()
              if n.endswith(("proj", "head"))}
-    assert kinds == {"qkv_proj": BlockQuantLinearMethod, "o_proj": BlockQuantLinearMethod,
-                     "gate_up_proj": UnquantizedLinearMethod, "down_proj": BlockQuantLinearMethod,
-                     "lm_head": BlockQuantLinearMethod}
+    assert set(kinds.values()) == {BlockQuantLinearMethod}  # gate_up mixes Q4_0 and Q8_0: widened to 8 bits
     rng = random.Random(0)
     batch = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 40, 90)]
     runner = make_runner(loaded)
@@ -76,6 +141,25 @@ def test_gguf_blocks_match_transformers(tmp_path, name):
     ours = run_core(make_core(path, loaded=loaded), batch, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for i, ids in enumerate(batch):
         assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 24))
+
+
+def test_gguf_files_run_int8_activations_by_default(tmp_path):
+    """No flags: a GGUF file runs gguf-q8 (decode activations rounded to int8), which tracks the exact
+    mode closely but is not it; --dtype float32 gives the exact mode."""
+    write_tiny_gguf(make_tiny_model("llama-gqa-untied", tmp_path), tmp_path / "m.gguf", MIXED)
+    path = str(tmp_path / "m.gguf")
+    fast, exact = load_model(path), load_model(path, dtype="float32")
+    assert (fast.quantization, exact.quantization) == ("gguf-q8", "gguf")
+    fast_runner, exact_runner = make_runner(fast), make_runner(exact)
+    rng = random.Random(3)
+    agree = total = 0
+    for n in (1, 4, 9, 16):  # steps of at most 16 tokens take the int8 path
+        ids = [rng.randrange(256) for _ in range(n)]
+        a, b = all_logits(fast_runner, ids), all_logits(exact_runner, ids)
+        assert ((a - b).norm() / b.norm()).item() < 0.05 and not torch.equal(a, b)
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += n
+    assert agree >= 0.9 * total
 
 
 def test_gguf_quantization_choices(tmp_path):
@@ -90,7 +174,9 @@ def test_gguf_quantization_choices(tmp_path):
         load_model(str(tmp_path), quantization="gguf")
     with pytest.raises(ValueError, match="quantization 'gguf' runs a GGUF file's own blocks"):
         load_model(path, dtype="bfloat16", quantization="gguf")
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8"):
+    with pytest.raises(ValueError, match="quantization 'gguf-q8' runs a GGUF file's own blocks"):
+        load_model(str(tmp_path), quantization="gguf-q8")
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, gguf-q8, int8"):
         EngineConfig(quantization="q3")
 
 
@@ -128,7 +214,7 @@ def test_lower_precision_tracks_the_float_model(tmp_path, kwargs):
 
 
 def test_quantization_errors():
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, gguf-q8, int8"):
         resolve_quantization("int3", "hf", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="not available on cuda"):
         Int8Config(torch.device("cuda"))

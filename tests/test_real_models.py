@@ -33,7 +33,7 @@ def real(request):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    loaded = load_model(str(path))
+    loaded = load_model(str(path), dtype="float32")  # the exact mode
     yield request.param, str(path), loaded, hf, load_tokenizer(resolve_model(str(path)))
     del hf, loaded
 

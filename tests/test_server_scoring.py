@@ -21,8 +21,9 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is Rome."
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # a small budget: prompts are scored chunk by chunk; --dtype float32: the exact mode, as transformers
     yield from running_server(tmp_path_factory, "scoring", "--num-kv-blocks", "64", "--max-num-batched-tokens", "8",
-                              "--log-interval", "0")  # a small budget: prompts are scored chunk by chunk
+                              "--log-interval", "0", "--dtype", "float32")
 
 
 @pytest.fixture(scope="module")

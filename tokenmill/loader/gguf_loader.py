@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 
 from tokenmill.config import ModelConfig
 from tokenmill.models.registry import GGUF_ARCHITECTURES, config_from_hf_dict
-from tokenmill.quantization.gguf import gguf_blocks
+from tokenmill.quantization.gguf_codes import Codes, unpack
 
 _DEQUANTIZABLE = {
     GGMLQuantizationType[t] for t in (
@@ -98,14 +98,13 @@ class GGUFWeight:
             values = values.copy()
         return torch.from_numpy(values)
 
-    def blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
-        """The packed blocks of a Q4_0/Q4_1/Q8_0 tensor as (codes, scales, offsets, bits), rows in HF order."""
-        parts = gguf_blocks(self.qtype.name, self.raw, self.raw.shape[0])
+    def codes(self) -> Codes:
+        """A quantized tensor's integer codes and per-block scales and offsets, rows in HF order."""
+        c = unpack(self.qtype.name, self.raw, self.raw.shape[0])
         if not self.unpermute_heads:
-            return parts
-        codes, scales, offsets, bits = parts
+            return c
         fix = lambda a: None if a is None else np.ascontiguousarray(_unpermute(a, self.unpermute_heads))  # noqa: E731
-        return fix(codes), fix(scales), fix(offsets), bits
+        return Codes(fix(c.q), fix(c.scales), fix(c.offsets), c.block)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -1,10 +1,14 @@
 """Weight formats, each a `QuantizationConfig` + `LinearMethod` (see `base.py`).
 
 `--quantization` takes one of `QUANTIZATION_METHODS`:
-  auto  - `gguf` for a GGUF file on CPU in float32 when the C++ kernel builds, else `none`
-  none  - dense weights in the compute dtype (other GGUF types are dequantized at load)
-  gguf  - keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (`gguf.py`)
-  int8  - quantize every linear layer to per-row int8 on load (`int8.py`, CPU)
+  auto     - for a GGUF file on CPU in float32 when the C++ kernel builds: `gguf-q8`, or `gguf` when
+             the dtype was asked for explicitly (`--dtype float32`: the exact mode); else `none`
+  none     - dense weights in the compute dtype (other GGUF types are dequantized at load)
+  gguf     - keep a GGUF file's quantized blocks packed, float32 activations: exactly the file's
+             weights, the same results as transformers on the dequantized file (`gguf.py`)
+  gguf-q8  - the same packed weights, activations rounded to int8 per 32 values for few-token steps
+             (decode) so the kernel multiplies integers, as llama.cpp does: faster, not exact
+  int8     - quantize every linear layer to per-row int8 on load (`int8.py`, CPU)
 """
 
 from __future__ import annotations
@@ -13,15 +17,16 @@ import torch
 
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8")
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf-q8", "int8")
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config",
            "resolve_quantization"]
 
 
 def resolve_quantization(quantization: str | None, checkpoint_kind: str, device: torch.device,
-                         dtype: torch.dtype) -> str:
-    """The weight format to run, "auto" resolved: "none", "gguf" or "int8"."""
+                         dtype: torch.dtype, exact: bool = False) -> str:
+    """The weight format to run, "auto" resolved (`exact`: the dtype was chosen explicitly, so a GGUF
+    file runs in the exact mode)."""
     from tokenmill.kernels import block_quant
 
     if quantization in (None, "none", "int8"):
@@ -30,22 +35,22 @@ def resolve_quantization(quantization: str | None, checkpoint_kind: str, device:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
     native = checkpoint_kind == "gguf" and device.type == "cpu" and dtype == torch.float32
     if quantization == "auto":
-        return "gguf" if native and block_quant.load() is not None else "none"
+        return ("gguf" if exact else "gguf-q8") if native and block_quant.load() is not None else "none"
     if not native:
-        raise ValueError("quantization 'gguf' runs a GGUF file's own blocks on CPU in float32; "
+        raise ValueError(f"quantization '{quantization}' runs a GGUF file's own blocks on CPU in float32; "
                          f"got a {checkpoint_kind} model on {device.type} in {dtype}")
     if block_quant.load() is None:
-        raise ValueError("quantization 'gguf' needs the C++ CPU kernel, which could not be built here "
+        raise ValueError(f"quantization '{quantization}' needs the C++ CPU kernel, which could not be built here "
                          "(see the warning above); use --quantization none")
-    return "gguf"
+    return quantization
 
 
 def get_quantization_config(method: str, checkpoint, device: torch.device) -> QuantizationConfig:
     """The config for a resolved method name; `checkpoint` is the open GGUF or HF checkpoint."""
-    if method == "gguf":
+    if method in ("gguf", "gguf-q8"):
         from tokenmill.quantization.gguf import GGUFConfig
 
-        return GGUFConfig(checkpoint.tensor_types())
+        return GGUFConfig(checkpoint.tensor_types(), int8_activations=method == "gguf-q8")
     if method == "int8":
         from tokenmill.quantization.int8 import Int8Config
 

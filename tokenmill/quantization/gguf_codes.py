@@ -1,0 +1,84 @@
+"""GGUF quantized tensors unpacked into integer codes with a float32 scale and offset per block: the
+weight is exactly code * scale + offset, the value gguf's dequantization gives (K-quants: the
+super-block's float16 scale times each sub-block's 6-bit (or int8) scale, folded into one float32).
+Checked bit for bit against `gguf.quants.dequantize` in the tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SUPER = 256  # values in a K-quant super-block
+
+
+@dataclass
+class Codes:
+    """One tensor's weights as codes [N, K] (int16 values) times scales [N, K / block], plus offsets
+    [N, K / block] (None: zero)."""
+
+    q: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    block: int
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """A 32-value block's 16 bytes -> its values: low nibbles are values 0..15, high ones 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: 12 bytes -> eight 6-bit scales and eight 6-bit mins."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def unpack(qtype: str, raw: np.ndarray, rows: int) -> Codes:
+    """The codes of a `qtype` tensor whose bytes are `raw` ([rows, bytes per row])."""
+    if qtype in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"):
+        size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}[qtype]
+        b = raw.reshape(rows, -1, size)
+        d = _f16(b[..., 0:2])
+        m = _f16(b[..., 2:4]) if qtype in ("Q4_1", "Q5_1") else None
+        if qtype == "Q8_0":
+            return Codes(b[..., 2:].view(np.int8).astype(np.int16).reshape(rows, -1), d, None, 32)
+        qs = b[..., -16:]  # the block's last 16 bytes hold the low four bits
+        q = _nibbles(qs).astype(np.int16)  # [rows, blocks, 32]
+        if qtype in ("Q5_0", "Q5_1"):
+            hbytes = b[..., 2:6] if qtype == "Q5_0" else b[..., 4:8]
+            high = np.unpackbits(np.ascontiguousarray(hbytes), axis=-1, bitorder="little")
+            q |= high.astype(np.int16) << 4
+        if qtype == "Q4_0":
+            q -= 8
+        elif qtype == "Q5_0":
+            q -= 16
+        return Codes(q.reshape(rows, -1), d, m, 32)
+    if qtype in ("Q4_K", "Q5_K"):
+        size = 144 if qtype == "Q4_K" else 176
+        b = raw.reshape(rows, -1, size)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        qs = b[..., -128:].reshape(rows, -1, 4, 32)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(rows, -1, 8, 32).astype(np.int16)
+        if qtype == "Q5_K":
+            qh = b[..., 16:48].reshape(rows, -1, 1, 32)
+            q |= ((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1).astype(np.int16) << 4
+        scales = (d[..., None] * sc).reshape(rows, -1)
+        offsets = -(dmin[..., None] * mn).reshape(rows, -1)
+        return Codes(q.reshape(rows, -1), scales, offsets, 32)
+    if qtype == "Q6_K":
+        b = raw.reshape(rows, -1, 210)
+        ql, qh = b[..., 0:128].reshape(rows, -1, 2, 1, 64), b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [.., 2, 2, 64]
+        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03  # [.., 2, 4, 32]
+        q = (low.reshape(rows, -1, 8, 32).astype(np.int16) | (high.reshape(rows, -1, 8, 32).astype(np.int16) << 4)) - 32
+        scales = (_f16(b[..., 208:210])[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(rows, -1)
+        return Codes(q.reshape(rows, -1), scales, None, 16)
+    raise ValueError(f"GGUF type {qtype} has no packed layout")
