@@ -2,7 +2,7 @@
 
 Decode attention reads each sequence's K/V straight from its cache blocks through the block table:
 no gather copy, no padding to the longest sequence. One (sequence, kv head) pair per task, OpenMP
-across tasks (a pair's query heads split over threads when there are fewer pairs than threads). With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector
+across tasks (a pair's query heads split into several tasks when there are few pairs per thread). With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector
 exp, and the weighted sum of values keeps 64 output dims in registers (it is memory-bound at large
 batches: every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
 a soft-cap squashes the scores (cap * tanh(s / cap)) before the softmax. Values may be narrower than
@@ -176,10 +176,10 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
 
-  // Fewer (sequence, kv head) pairs than threads (one stream over a latent cache's single kv head):
-  // each pair's query heads are split so that every thread has work.
+  // Few (sequence, kv head) pairs for the threads (one stream; a latent cache's single kv head): each
+  // pair's query heads are split so that there are at least two tasks per thread to balance.
   const int64_t pairs = B * KVH;
-  const int64_t splits = std::min<int64_t>(G, std::max<int64_t>(1, (at::get_num_threads() + pairs - 1) / pairs));
+  const int64_t splits = std::min<int64_t>(G, std::max<int64_t>(1, (2 * at::get_num_threads() + pairs - 1) / pairs));
   const int64_t per = (G + splits - 1) / splits;
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
