@@ -143,12 +143,12 @@ def test_gguf_blocks_match_transformers(tmp_path, name):
         assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 24))
 
 
-def test_gguf_files_run_int8_activations_by_default(tmp_path):
-    """No flags: a GGUF file runs gguf-q8 (decode activations rounded to int8), which tracks the exact
-    mode closely but is not it; --dtype float32 gives the exact mode."""
+def test_gguf_q8_tracks_the_exact_mode(tmp_path):
+    """--quantization gguf-q8 (activations rounded to int8) stays close to the default exact mode
+    (gguf) but is not it."""
     write_tiny_gguf(make_tiny_model("llama-gqa-untied", tmp_path), tmp_path / "m.gguf", MIXED)
     path = str(tmp_path / "m.gguf")
-    fast, exact = load_model(path), load_model(path, dtype="float32")
+    fast, exact = load_model(path, quantization="gguf-q8"), load_model(path)
     assert (fast.quantization, exact.quantization) == ("gguf-q8", "gguf")
     fast_runner, exact_runner = make_runner(fast), make_runner(exact)
     rng = random.Random(3)

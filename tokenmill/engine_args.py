@@ -16,18 +16,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=f"model to load: an alias ({DEFAULT_MODEL}), a .gguf file, or an HF checkpoint directory "
                         "with config.json and *.safetensors; never downloaded (default: %(default)s)")
     m.add_argument("--dtype", default="auto",
-                   help="compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA; a GGUF file "
-                        "on CPU runs the fast gguf-q8 mode), float32 (on CPU the exact mode: a GGUF file gives "
-                        "transformers' results on the dequantized file), bfloat16 or float16 (default: %(default)s)")
+                   help="compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, "
+                        "bfloat16 or float16 (default: %(default)s)")
     m.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default: %(default)s)")
     m.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="auto",
                    help="weight format: gguf = keep a GGUF file's quantized blocks (Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/"
                         "Q4_K/Q5_K/Q6_K) packed and dequantize inside the matmul (CPU, float32; exactly the file's "
                         "weights, 3-7x fewer bytes per decode step); gguf-q8 = the same with decode activations "
-                        "rounded to int8 per 32 values and integer dot products, as llama.cpp (faster, not exact); "
-                        "none = dense weights; int8 = per-row int8 weights with bf16 activations on CPU (faster, "
-                        "not exact); auto = gguf-q8 for a GGUF file on CPU (gguf with an explicit --dtype "
-                        "float32), else none (default: %(default)s)")
+                        "rounded to int8 per 32 values and integer dot products, as llama.cpp (faster decode; not "
+                        "exact, and outputs can change with batching and prefix hits); none = dense weights; int8 "
+                        "= per-row int8 weights with bf16 activations on CPU (faster, not exact); auto = gguf "
+                        "for a GGUF file on CPU in float32, else none (default: %(default)s)")
     m.add_argument("--seed", type=int, default=0,
                    help="global random seed; a request's own 'seed' overrides it (default: %(default)s)")
     m.add_argument("--max-model-len", type=int, default=sched.max_model_len,
