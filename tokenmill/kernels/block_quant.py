@@ -88,6 +88,18 @@ inline float code_at(const uint8_t* block, int j) {
   return static_cast<float>(reinterpret_cast<const int8_t*>(block)[j]);
 }
 
+// Each row's total plus the offsets' share (offset of block b times that row's sum over block b),
+// stored at out[r * out_stride].
+template <int ROWS>
+inline void store_rows(float* total, const float* offsets, const float* xsum, int64_t nb, float* out,
+                       int64_t out_stride) {
+  for (int r = 0; r < ROWS; ++r) {
+    if (offsets)
+      for (int64_t b = 0; b < nb; ++b) total[r] += offsets[b] * xsum[r * nb + b];
+    out[r * out_stride] = total[r];
+  }
+}
+
 // Up to four activation rows against one weight row: sum over blocks of d * (x . q), plus the
 // offsets' share m * sum(x) (xsum holds each row's per-block sums).
 template <int BITS, int BS, int ROWS>
@@ -126,11 +138,7 @@ inline void rows_dot(const float* x, int64_t K, const uint8_t* codes, const floa
       total[r] += scales[g] * s;
     }
 #endif
-  for (int r = 0; r < ROWS; ++r) {
-    if (offsets)
-      for (int64_t g = 0; g < nb; ++g) total[r] += offsets[g] * xsum[r * nb + g];
-    out[r * out_stride] = total[r];
-  }
+  store_rows<ROWS>(total, offsets, xsum, nb, out, out_stride);
 }
 
 template <int BITS, int BS>
@@ -261,11 +269,7 @@ inline void rows_dot_q8(const int8_t* xq, const float* dx, int64_t K, const uint
     }
   }
 #endif
-  for (int r = 0; r < ROWS; ++r) {
-    if (offsets)
-      for (int64_t b = 0; b < nw; ++b) total[r] += offsets[b] * xsum[r * nw + b];
-    out[r * out_stride] = total[r];
-  }
+  store_rows<ROWS>(total, offsets, xsum, nw, out, out_stride);
 }
 
 template <int BITS, int BS>
