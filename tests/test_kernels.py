@@ -115,7 +115,7 @@ def test_a_build_lock_left_by_a_killed_process_is_cleared():
 
     if fused_ops.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
-    lock = kernels._build_root() / f"tokenmill_fused_ops_{kernels._cpu_tag()}" / "lock"
+    lock = kernels._build_root() / f"tokenmill_cpu_{kernels._cpu_tag()}" / "lock"
     lock.touch()
     code = "from tokenmill.kernels import fused_ops; assert fused_ops.load() is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a hang, not a speed limit

@@ -58,9 +58,9 @@ def test_greedy_matches_transformers_in_one_flat_batch(tiny):
 def test_torch_fallback_matches_transformers(tmp_path, monkeypatch, name):
     """Where the C++ kernels cannot be built (no compiler), plain torch ops give the same results
     (a latent MLA cache included)."""
-    from tokenmill.kernels import block_quant, fused_ops, paged_attention
+    from tokenmill.kernels import block_quant, decode_step, fused_ops, paged_attention
 
-    for module in (block_quant, fused_ops, paged_attention):
+    for module in (block_quant, decode_step, fused_ops, paged_attention):
         monkeypatch.setattr(module, "load", lambda: None)
     hf = make_tiny_model(name, tmp_path)
     runner = make_runner(load_model(str(tmp_path)))
@@ -73,6 +73,60 @@ def test_torch_fallback_matches_transformers(tmp_path, monkeypatch, name):
     ours = run_core(make_core(str(tmp_path)), batch, GREEDY)
     for i, ids in enumerate(batch):
         assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 32))
+
+
+def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
+    """Each prompt but its last token prefilled on its own, then one decode step of every last token
+    together: that step's final hidden states."""
+    bs, pools = runner.kv_cache_config.block_size, len(runner.kv_cache_config.pool_blocks)
+    tables, start = [], 0
+    for ids in batch:
+        n = -(-len(ids) // bs)
+        tables.append([list(range(start, start + n))] * pools)
+        start += n
+    with torch.inference_mode():
+        for ids, table in zip(batch, tables):
+            if len(ids) > 1:
+                runner.forward(np.array(ids[:-1]), np.array([len(ids) - 1]), np.array([0]), [table])
+        hidden, _ = runner.forward(np.array([ids[-1] for ids in batch]), np.ones(len(batch), dtype=np.int64),
+                                   np.array([len(ids) - 1 for ids in batch]), tables)
+    return hidden
+
+
+@pytest.mark.parametrize("name,quantization", [("llama-gqa-untied", "none"), ("qwen2-bias", "none"),
+                                               ("llama-mqa-tied", "gguf"), ("qwen2-bias", "gguf-q8")])
+def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypatch, name, quantization):
+    """A decode-only step of plain layers runs as one C++ loop (`kernels.decode_step`) that must give
+    exactly the module-by-module forward's hidden states (dense, GGUF blocks exact and int8)."""
+    from tokenmill.kernels import decode_step
+
+    if decode_step.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    hf = make_tiny_model(name, tmp_path)
+    path = str(tmp_path)
+    if quantization != "none":
+        write_tiny_gguf(hf, tmp_path / "m.gguf", {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_0",
+                                                  "attn_output": "Q8_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_1",
+                                                  "ffn_down": "Q4_0", "output": "Q8_0", "token_embd": "Q8_0"})
+        path = str(tmp_path / "m.gguf")
+    rng = random.Random(5)
+    batch = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 3, 17, 40, 90)]
+    compiled = make_runner(load_model(path, quantization=quantization, dtype="float32"))
+    fast = decode_step_hidden(compiled, batch)
+    assert compiled.model.model.compiled_decode[1] is not None  # the step ran compiled
+    monkeypatch.setattr(decode_step.CompiledDecode, "build", classmethod(lambda cls, parts: None))
+    layers = make_runner(load_model(path, quantization=quantization, dtype="float32"))
+    assert torch.equal(fast, decode_step_hidden(layers, batch))
+    assert layers.model.model.compiled_decode[1] is None
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "qwen3", "mixtral", "gemma3", "phi3-window-partial"])
+def test_compiled_decode_step_leaves_layers_it_lacks_to_the_model(tmp_path, name):
+    """Sliding windows, q/k norms, experts, Gemma's layers, partial rotary: the model's own forward."""
+    make_tiny_model(name, tmp_path)
+    runner = make_runner(load_model(str(tmp_path), dtype="float32"))
+    decode_step_hidden(runner, [[1, 2, 3], [4, 5]])
+    assert getattr(runner.model.model, "compiled_decode", (None, None))[1] is None
 
 
 def test_config_fields_are_read(tiny):

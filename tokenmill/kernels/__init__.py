@@ -1,8 +1,9 @@
 """C++ CPU kernels, compiled on first use with the system compiler (`torch.utils.cpp_extension`).
 
-Each kernel module keeps its source next to a Python wrapper; `build()` compiles it once per CPU
-kind (`-march=native`) and returns None when that is impossible here (no compiler, no OpenMP), so
-callers fall back to plain torch ops.
+Each kernel module keeps its source next to a Python wrapper; `cpu_kernels()` compiles them all as
+one extension (one translation unit, so the compiled decode step calls the very functions the
+Python wrappers call), once per CPU kind (`-march=native`), and returns None when that is
+impossible here (no compiler, no OpenMP), so callers fall back to plain torch ops.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _built: dict[str, object] = {}
+
+
+def cpu_kernels():
+    """The extension holding every kernel module's functions, or None when it cannot be built here.
+    Built with -ffp-contract=off: no multiply-add is fused unless the source writes one."""
+    from tokenmill.kernels import block_quant, decode_step, fused_ops, paged_attention
+
+    modules = (block_quant, fused_ops, paged_attention, decode_step)
+    return build("cpu", "\n".join(m._SOURCE for m in modules), [f for m in modules for f in m.FUNCTIONS],
+                 extra_cflags=("-ffp-contract=off",))
 
 
 def build(name: str, source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()):

@@ -5,7 +5,7 @@ blocks (Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and the K-quants Q4_K/Q5_K/Q6_K). The weights 
 dequantized inside the matmul, so a decode step reads 3-7x fewer weight bytes while computing on
 the very float32 weights that `gguf.dequantize` gives (the scale * code products are exact in
 float32: a float16 scale times a 6-bit sub-scale times a code of at most 8 bits fits 24 bits; the
-kernel is built with -ffp-contract=off so nothing else is fused).
+kernels are built with -ffp-contract=off so nothing else is fused).
 
 Layout:
   4 bits (block 32): codes uint8 [N, K/2]; in each 16-byte block, byte j holds value j (low nibble)
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels import build
+from tokenmill.kernels import cpu_kernels
 
 BLOCK = 32
 
@@ -329,10 +329,12 @@ void block_quant_dequantize(torch::Tensor codes, torch::Tensor scales, c10::opti
 """
 
 
+FUNCTIONS = ["block_quant_matmul", "block_quant_matmul_q8", "block_quant_dequantize"]
+
+
 def load():
     """The compiled extension, or None when it cannot be built here."""
-    return build("block_quant", _SOURCE, ["block_quant_matmul", "block_quant_matmul_q8", "block_quant_dequantize"],
-                 extra_cflags=["-ffp-contract=off"])
+    return cpu_kernels()
 
 
 def block_size(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels import build
+from tokenmill.kernels import cpu_kernels
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -88,9 +88,12 @@ void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
 """
 
 
+FUNCTIONS = ["add_rms_norm", "rotary_inplace", "silu_and_mul"]
+
+
 def load():
     """The compiled extension, or None when it cannot be built here."""
-    return build("fused_ops", _SOURCE, ["add_rms_norm", "rotary_inplace", "silu_and_mul"])
+    return cpu_kernels()
 
 
 def applies(x: torch.Tensor) -> bool:

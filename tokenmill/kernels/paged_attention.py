@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels import build
+from tokenmill.kernels import cpu_kernels
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -206,9 +206,12 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 """
 
 
+FUNCTIONS = ["paged_decode_attention", "write_kv"]
+
+
 def load():
     """The compiled extension, or None when it cannot be built here."""
-    return build("cpu_attention", _SOURCE, ["paged_decode_attention", "write_kv"])
+    return cpu_kernels()
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -20,9 +20,11 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.kernels.decode_step import CompiledDecode, LayerParts
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.layers.forward_context import get_forward_context
 from tokenmill.layers.fused_moe import FusedMoE, Routing, check_expert_counts
 from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                      RowParallelLinear)
@@ -180,6 +182,14 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def decode_parts(self) -> LayerParts | None:
+        """This layer for the compiled decode step, or None when it has parts the step lacks."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(mlp) is not LlamaMLP or mlp.act_and_mul is not silu_and_mul or hasattr(attn, "q_norm"):
+            return None
+        return LayerParts(self.input_layernorm, attn.qkv_proj, attn.rotary, attn.attn, attn.o_proj,
+                          self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj)
+
 
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers (`build_layers`: other families with the same residual stream
@@ -190,6 +200,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.build_layers(config, quant_config, max_positions))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.compiled_decode: tuple[torch.Tensor | None, CompiledDecode | None] = (None, None)  # (for cache, step)
 
     def build_layers(self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int) -> list[nn.Module]:
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
@@ -199,10 +210,29 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        step, meta = self._compiled_decode(hidden)
+        if step is not None:
+            hidden, residual = step(positions, hidden, residual, meta)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _compiled_decode(self, hidden: torch.Tensor) -> tuple[CompiledDecode | None, object]:
+        """The compiled decode step (built on the first step after the KV cache is bound) when it
+        runs every layer and this step is decodes only; else (None, None)."""
+        attn = getattr(getattr(self.layers[0], "self_attn", None), "attn", None)
+        if attn is None or attn.kv_cache is None:
+            return None, None
+        built_for, step = self.compiled_decode
+        if built_for is not attn.kv_cache:
+            step = CompiledDecode.build([getattr(layer, "decode_parts", lambda: None)() for layer in self.layers])
+            self.compiled_decode = (attn.kv_cache, step)
+        if step is None:
+            return None, None
+        meta = get_forward_context().attn_metadata[step.kv_group]
+        return (step, meta) if step.applies(hidden, attn.kv_cache, meta) else (None, None)
 
 
 class LlamaForCausalLM(nn.Module):

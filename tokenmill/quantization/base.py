@@ -8,6 +8,7 @@ weight storage from then on:
     load(layer, weight, ...)        copy one checkpoint tensor (or one shard of a fused layer) in
     process_after_loading(layer)    repack once every tensor is in (e.g. quantize on load)
     apply(layer, x, bias)           the matmul
+    decode_operands(layer)          the same matmul as the compiled decode step calls it (optional)
 
 The layer itself keeps what every format shares: sizes, the bias, and how checkpoint shards and
 tensor-parallel ranks map onto its rows and columns (`tokenmill.layers.linear`).
@@ -39,6 +40,12 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., input_size] -> [..., output_size]."""
+
+    def decode_operands(self, layer: nn.Module) -> tuple[int, int, list[torch.Tensor | None], int | None] | None:
+        """How the compiled decode step (`tokenmill.kernels.decode_step`) runs this layer's `apply`:
+        (kind, bits, [weight or codes, scales, offsets], most tokens per call or None), or None
+        when it cannot (the model's own forward runs then)."""
+        return None
 
 
 class QuantizationConfig(ABC):

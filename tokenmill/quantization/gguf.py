@@ -116,6 +116,10 @@ class BlockQuantLinearMethod(LinearMethod):
             out += bias
         return out.view(*x.shape[:-1], out.shape[-1])
 
+    def decode_operands(self, layer):
+        return (2 if self.int8_activations else 1, self.bits, [layer.codes, layer.scales, layer.offsets],
+                FUSED_MAX_TOKENS)
+
 
 class GGUFConfig(QuantizationConfig):
     """Per layer: packed when every shard of the layer has a packed type (in the widest layout among

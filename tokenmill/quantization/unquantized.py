@@ -29,6 +29,10 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         return F.linear(x, layer.weight, bias)
 
+    def decode_operands(self, layer):
+        w = layer.weight
+        return (0, 0, [w, None, None], None) if w.dtype == torch.float32 and w.device.type == "cpu" else None
+
 
 class UnquantizedConfig(QuantizationConfig):
     name = "none"

@@ -1,0 +1,184 @@
+"""The decode step of a stack of plain pre-norm decoder layers in one C++ call, on CPU float32.
+
+A decode step of a small model is thousands of tiny kernel calls: SmolLM2-135M runs 30 layers of
+about ten each per token, and from Python every call costs more in module dispatch, argument
+checks and temporaries than the kernel itself (about 40% of a token's time). This loop makes the
+same calls from C++, layer by layer, to the very functions the Python path calls (they are compiled
+into the same extension, `tokenmill.kernels.cpu_kernels`), in the same order on the same inputs,
+so its results are bit-identical to the module-by-module forward:
+
+    RMSNorm(x + residual) -> qkv (+ bias) -> rotate q, k (rotate-half) -> write k, v to their slots
+    -> paged decode attention -> o_proj -> RMSNorm(+ residual) -> gate_up -> silu * up -> down
+
+Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
+blocks with float or int8 activations); a layer with anything else (a window, a soft-cap, q/k
+norms, experts, other activations, tensor parallelism) keeps the model's own forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.kernels import cpu_kernels
+
+_SOURCE = r"""
+namespace decode_step {
+
+// A linear layer: kind 0 dense (w [N, K]), 1 blocks with float activations, 2 blocks with int8
+// activations (w: codes); absent tensors are empty.
+struct Linear {
+  torch::Tensor w, scales, offsets, bias;
+  int64_t kind, bits;
+};
+
+inline c10::optional<torch::Tensor> present(const torch::Tensor& t) {
+  return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+// As the Python path: F.linear for dense weights; the block kernel, then `out += bias`.
+torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
+  if (l.kind == 0) return at::linear(x, l.w, present(l.bias));
+  auto out = torch::empty({x.size(0), l.w.size(0)}, x.options());
+  const int64_t block = l.w.size(1) * 8 / l.bits / l.scales.size(1);
+  if (l.kind == 1) block_quant_matmul(x, l.w, l.scales, present(l.offsets), l.bits, block, out);
+  else block_quant_matmul_q8(x, l.w, l.scales, present(l.offsets), l.bits, block, out);
+  if (l.bias.numel()) out += l.bias;
+  return out;
+}
+
+}  // namespace decode_step
+
+// hidden: [T, hidden] (every token a decode); residual: the stream so far (absent before the first
+// layer). Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, then
+// (w, scales, offsets, bias) of qkv, o, gate_up, down; `ints` holds (kind, bits) of those four.
+// Returns {hidden, residual} after the last layer (the final norm is the caller's).
+std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
+                                         torch::Tensor positions, torch::Tensor slots,
+                                         torch::Tensor block_tables, torch::Tensor context_lens,
+                                         torch::Tensor cos_sin, std::vector<torch::Tensor> tensors,
+                                         std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
+                                         int64_t head_dim, double eps, double scale) {
+  using decode_step::Linear;
+  const int64_t T = hidden.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
+  const size_t layers = tensors.size() / 20;
+  torch::Tensor res = residual ? *residual : torch::Tensor();
+  for (size_t i = 0; i < layers; ++i) {
+    const torch::Tensor* t = tensors.data() + 20 * i;
+    const int64_t* k = ints.data() + 8 * i;
+    Linear qkv_proj{t[4], t[5], t[6], t[7], k[0], k[1]}, o_proj{t[8], t[9], t[10], t[11], k[2], k[3]};
+    Linear gate_up_proj{t[12], t[13], t[14], t[15], k[4], k[5]}, down_proj{t[16], t[17], t[18], t[19], k[6], k[7]};
+
+    auto normed = torch::empty_like(hidden);
+    add_rms_norm(hidden, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, t[0], eps, normed);
+    res = hidden;
+    auto qkv = decode_step::linear(qkv_proj, normed).view({T, H + 2 * KVH, D});
+    rotary_inplace(qkv.narrow(1, 0, H + KVH), positions, cos_sin);
+    write_kv(qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH), t[2], t[3], slots);
+    auto attn = torch::empty({T, H, D}, hidden.options());
+    paged_decode_attention(qkv.narrow(1, 0, H).contiguous(), t[2], t[3], block_tables, context_lens, scale, 0, 0.0,
+                           attn);
+    auto o = decode_step::linear(o_proj, attn.view({T, H * D}));
+
+    normed = torch::empty_like(o);
+    add_rms_norm(o, res, t[1], eps, normed);
+    res = o;
+    auto gate_up = decode_step::linear(gate_up_proj, normed);
+    auto act = torch::empty({T, gate_up.size(1) / 2}, hidden.options());
+    silu_and_mul(gate_up, act);
+    hidden = decode_step::linear(down_proj, act);
+  }
+  return {hidden, res};
+}
+"""
+
+FUNCTIONS = ["decode_layers"]
+
+
+def load():
+    """The compiled extension, or None when it cannot be built here."""
+    return cpu_kernels()
+
+
+@dataclass
+class LayerParts:
+    """One decoder layer as the compiled step runs it (the modules of the model's own layer)."""
+
+    input_norm: nn.Module  # RMSNorm
+    qkv_proj: nn.Module
+    rotary: nn.Module  # RotaryEmbedding
+    attn: nn.Module  # Attention
+    o_proj: nn.Module
+    post_norm: nn.Module  # RMSNorm
+    gate_up_proj: nn.Module
+    down_proj: nn.Module
+
+
+_NONE = torch.empty(0)
+
+
+def _linear_operands(linear: nn.Module) -> tuple[list[torch.Tensor], list[int], int | None] | None:
+    """(tensors, ints, the most tokens its kernel takes) of one linear layer, or None if unsupported."""
+    if getattr(linear, "tp_size", 1) != 1:
+        return None
+    operands = linear.quant_method.decode_operands(linear)
+    if operands is None:
+        return None
+    kind, bits, tensors, max_tokens = operands
+    bias = linear.bias if linear.bias is not None else _NONE
+    return [t if t is not None else _NONE for t in tensors] + [bias], [kind, bits], max_tokens
+
+
+class CompiledDecode:
+    """Runs a stack of `LayerParts` for steps of decode tokens only (see the module docstring)."""
+
+    def __init__(self, parts: list[LayerParts], tensors: list[torch.Tensor], ints: list[int],
+                 max_tokens: int | None) -> None:
+        first = parts[0]
+        self.kv_cache = first.attn.kv_cache  # the first layer's cache when this was built
+        self.kv_group, self.rotary = first.attn.kv_group, first.rotary
+        self.tensors, self.ints, self.max_tokens = tensors, ints, max_tokens
+        self.num_heads, self.num_kv_heads, self.head_dim = first.attn.num_heads, first.attn.num_kv_heads, first.attn.head_dim
+        self.eps, self.scale = first.input_norm.eps, first.attn.scale
+
+    @classmethod
+    def build(cls, parts: list[LayerParts | None]) -> CompiledDecode | None:
+        """The compiled step for these layers, or None when some layer has a part it does not run."""
+        if not parts or any(p is None for p in parts) or load() is None:
+            return None
+        first = parts[0].attn
+        tensors, ints, limits = [], [], []
+        for p in parts:
+            a = p.attn
+            same = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.kv_group, p.rotary) == \
+                (first.num_heads, first.num_kv_heads, first.head_dim, first.scale, first.kv_group, parts[0].rotary)
+            if (not same or {p.input_norm.eps, p.post_norm.eps} != {parts[0].input_norm.eps} or a.kv_cache is None
+                    or a.kv_cache.dtype != torch.float32 or a.kv_cache.device.type != "cpu"
+                    or getattr(a.backend, "name", None) != "cpu-paged" or a.sliding_window or a.logits_soft_cap
+                    or a.latent_rope_dim is not None or p.rotary.interleaved or p.rotary.rotary_dim != a.head_dim):
+                return None
+            linears = [_linear_operands(m) for m in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj)]
+            if any(op is None for op in linears):
+                return None
+            tensors += [p.input_norm.weight, p.post_norm.weight, a.kv_cache[0], a.kv_cache[1]]
+            for lt, li, limit in linears:
+                tensors += lt
+                ints += li
+                limits += [limit] if limit else []
+        return cls(parts, tensors, ints, min(limits) if limits else None)
+
+    def applies(self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, meta) -> bool:
+        """Whether this step (all decodes, few enough tokens for every kernel) can run compiled."""
+        return (kv_cache is self.kv_cache and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+                and not meta.prefills and meta.num_decodes == hidden.shape[0]
+                and (self.max_tokens is None or hidden.shape[0] <= self.max_tokens))
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 meta) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = load().decode_layers(
+            hidden, residual, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+            self.rotary._table(hidden), self.tensors, self.ints, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.eps, self.scale)
+        return hidden, residual
