@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +122,20 @@ def test_a_build_lock_left_by_a_killed_process_is_cleared():
     code = "from tokenmill.kernels import fused_ops; assert fused_ops.load() is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a hang, not a speed limit
     assert not lock.exists()
+
+
+def test_the_portable_build_passes_the_kernel_tests():
+    """Built for plain x86-64 (no AVX2/FMA: the scalar paths a CPU without them runs), the kernels pass
+    the same tests against their torch references: the attention and elementwise kernels, the block
+    matmuls (float and int8 activations) and the compiled decode step."""
+    if os.environ.get("TOKENMILL_CPU_ARCH") or fused_ops.load() is None:
+        pytest.skip("already the portable build, or no compiler here")
+    tests = Path(__file__).parent
+    selection = [str(tests / "test_kernels.py"), str(tests / "test_quantization.py"), str(tests / "test_models.py"),
+                 "-k", "(test_kernels and not portable and not lock) or block_quant_linear or int8_activation_kernel "
+                       "or compiled_decode_step_is_bit_identical"]
+    env = {**os.environ, "TOKENMILL_CPU_ARCH": "x86-64"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection], env=env,
+                         capture_output=True, text=True, timeout=1800)  # a hang, not a speed limit
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-2000:]

@@ -24,7 +24,7 @@ ASK = [{"role": "user", "content": "Pick a color and a shade."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory, "reasoning", "--reasoning-parser", "qwen3", "--num-kv-blocks", "200",
+    yield from running_server(tmp_path_factory, "reasoning", "--dtype", "float32", "--reasoning-parser", "qwen3", "--num-kv-blocks", "200",
                               "--max-model-len", "1024", "--log-interval", "0")
 
 

@@ -27,8 +27,9 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--num-kv-blocks", str(NUM_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
-                        "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--log-interval", "1").start()
+    # the exact mode: these tests compare outputs across batchings, streaming and prefix hits
+    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--dtype", "float32", "--num-kv-blocks", str(NUM_BLOCKS),
+                        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--log-interval", "1").start()
     try:
         core = srv.core_pid()
         yield srv

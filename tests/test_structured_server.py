@@ -41,7 +41,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and what time 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory, "structured", "--num-kv-blocks", "400", "--max-model-len", "1024",
+    yield from running_server(tmp_path_factory, "structured", "--dtype", "float32", "--num-kv-blocks", "400", "--max-model-len", "1024",
                               "--max-num-seqs", "32", "--log-interval", "0")
 
 

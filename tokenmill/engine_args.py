@@ -17,7 +17,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "with config.json and *.safetensors; never downloaded (default: %(default)s)")
     m.add_argument("--dtype", default="auto",
                    help="compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, "
-                        "bfloat16 or float16 (default: %(default)s)")
+                        "bfloat16 or float16; an explicit float32 also picks the exact GGUF mode (see "
+                        "--quantization) (default: %(default)s)")
     m.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default: %(default)s)")
     m.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="auto",
                    help="weight format: gguf = keep a GGUF file's quantized blocks (Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/"
@@ -25,8 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "weights, 3-7x fewer bytes per decode step); gguf-q8 = the same with decode activations "
                         "rounded to int8 per 32 values and integer dot products, as llama.cpp (faster decode; not "
                         "exact, and outputs can change with batching and prefix hits); none = dense weights; int8 "
-                        "= per-row int8 weights with bf16 activations on CPU (faster, not exact); auto = gguf "
-                        "for a GGUF file on CPU in float32, else none (default: %(default)s)")
+                        "= per-row int8 weights with bf16 activations on CPU (faster, not exact); auto = for a "
+                        "GGUF file on CPU gguf-q8, or gguf (exact) when --dtype float32 is given; else none "
+                        "(default: %(default)s)")
     m.add_argument("--seed", type=int, default=0,
                    help="global random seed; a request's own 'seed' overrides it (default: %(default)s)")
     m.add_argument("--max-model-len", type=int, default=sched.max_model_len,

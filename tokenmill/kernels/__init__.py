@@ -45,14 +45,15 @@ def build(name: str, source: str, functions: list[str], extra_cflags: tuple[str,
         try:
             from torch.utils.cpp_extension import load_inline
 
-            full_name = f"tokenmill_{name}_{_cpu_tag()}"  # -march=native: one build per CPU kind
+            arch = target_arch()
+            full_name = f"tokenmill_{name}_{_cpu_tag()}" + ("" if arch == "native" else f"_{arch.replace('-', '_')}")
             build_dir = _build_root() / full_name
             with _exclusive(build_dir):
                 module = load_inline(
                     name=full_name,
                     cpp_sources=source,
                     functions=functions,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                    extra_cflags=["-O3", f"-march={arch}", "-fopenmp", *extra_cflags],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir),
                     verbose=False,
@@ -61,6 +62,13 @@ def build(name: str, source: str, functions: list[str], extra_cflags: tuple[str,
             logger.warning("CPU kernel %s unavailable (%s); using torch ops instead", name, e)
     _built[name] = module
     return module
+
+
+def target_arch() -> str:
+    """The -march the kernels are built for: `native` (every instruction set this CPU has: AVX2 and
+    FMA select the vector paths), or $TOKENMILL_CPU_ARCH, e.g. `x86-64` for the portable scalar
+    paths (what a CPU without AVX2 runs; the tests build it to check those paths too)."""
+    return os.environ.get("TOKENMILL_CPU_ARCH", "native")
 
 
 def _build_root() -> Path:

@@ -94,8 +94,18 @@ template <int ROWS>
 inline void store_rows(float* total, const float* offsets, const float* xsum, int64_t nb, float* out,
                        int64_t out_stride) {
   for (int r = 0; r < ROWS; ++r) {
-    if (offsets)
-      for (int64_t b = 0; b < nb; ++b) total[r] += offsets[b] * xsum[r * nb + b];
+    if (offsets) {
+      const float* xs = xsum + r * nb;
+      float share = 0.f;
+      int64_t b = 0;
+#ifdef TM_SIMD
+      Vec acc = vzero();  // eight blocks at a time: a scalar chain of adds would be latency-bound
+      for (; b + 8 <= nb; b += 8) acc = vfma(vload(offsets + b), vload(xs + b), acc);
+      share = hsum(acc);
+#endif
+      for (; b < nb; ++b) share += offsets[b] * xs[b];
+      total[r] += share;
+    }
     out[r * out_stride] = total[r];
   }
 }
@@ -233,9 +243,9 @@ inline void rows_dot_q8(const int8_t* xq, const float* dx, int64_t K, const uint
   float total[ROWS];
 #ifdef TM_SIMD
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < nb; ++g) {
+  __m256 acc[ROWS], acc2[ROWS];  // even and odd blocks accumulate apart: two dependency chains, not one
+  for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = _mm256_setzero_ps();
+  auto block = [&](int64_t g, __m256* into) {
     __m256i w;
     if (BITS == 4) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
@@ -252,10 +262,16 @@ inline void rows_dot_q8(const int8_t* xq, const float* dx, int64_t K, const uint
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * 32));
       if (BITS == 8) x = _mm256_sign_epi8(x, w);
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_set1_ps(dx[r * nb + g])), acc[r]);
+      into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_set1_ps(dx[r * nb + g])), into[r]);
     }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= nb; g += 2) {
+    block(g, acc);
+    block(g + 1, acc2);
   }
-  for (int r = 0; r < ROWS; ++r) total[r] = hsum(acc[r]);
+  if (g < nb) block(g, acc);
+  for (int r = 0; r < ROWS; ++r) total[r] = hsum(_mm256_add_ps(acc[r], acc2[r]));
 #else
   for (int r = 0; r < ROWS; ++r) {
     total[r] = 0.f;

@@ -65,7 +65,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str
     ckpt = open_checkpoint(source)
     config = ckpt.config
     torch_dtype = resolve_dtype(dtype, dev, config.torch_dtype)
-    method = resolve_quantization(quantization, source.kind, dev, torch_dtype)
+    method = resolve_quantization(quantization, source.kind, dev, torch_dtype, exact=dtype != "auto")
     quant_config = get_quantization_config(method, ckpt, dev)
     net = build_model(config, quant_config, torch_dtype, dev, max_positions)
     with torch.no_grad():

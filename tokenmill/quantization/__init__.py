@@ -1,14 +1,15 @@
 """Weight formats, each a `QuantizationConfig` + `LinearMethod` (see `base.py`).
 
 `--quantization` takes one of `QUANTIZATION_METHODS`:
-  auto     - `gguf` for a GGUF file on CPU in float32 when the C++ kernel builds, else `none`
+  auto     - for a GGUF file on CPU when the C++ kernel builds: `gguf-q8` (the fast mode) with the
+             default dtype, `gguf` (the exact mode) with an explicit `--dtype float32`; else `none`
   none     - dense weights in the compute dtype (other GGUF types are dequantized at load)
   gguf     - keep a GGUF file's quantized blocks packed, float32 activations: exactly the file's
              weights, the same results as transformers on the dequantized file (`gguf.py`)
   gguf-q8  - the same packed weights, activations rounded to int8 per 32 values so the kernel multiplies
              integers, as llama.cpp does: faster, not exact, and not batch-invariant (the rounding
              turns float-order differences between batchings, chunkings and prefix hits into
-             different tokens now and then), so it is opt-in
+             different tokens now and then, as in llama.cpp and vLLM)
   int8     - quantize every linear layer to per-row int8 on load (`int8.py`, CPU)
 """
 
@@ -25,8 +26,8 @@ __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_qu
 
 
 def resolve_quantization(quantization: str | None, checkpoint_kind: str, device: torch.device,
-                         dtype: torch.dtype) -> str:
-    """The weight format to run, "auto" resolved."""
+                         dtype: torch.dtype, exact: bool = False) -> str:
+    """The weight format to run, "auto" resolved (`exact`: the dtype was asked for, not defaulted)."""
     from tokenmill.kernels import block_quant
 
     if quantization in (None, "none", "int8"):
@@ -35,7 +36,9 @@ def resolve_quantization(quantization: str | None, checkpoint_kind: str, device:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
     native = checkpoint_kind == "gguf" and device.type == "cpu" and dtype == torch.float32
     if quantization == "auto":
-        return "gguf" if native and block_quant.load() is not None else "none"
+        if not native or block_quant.load() is None:
+            return "none"
+        return "gguf" if exact else "gguf-q8"
     if not native:
         raise ValueError(f"quantization '{quantization}' runs a GGUF file's own blocks on CPU in float32; "
                          f"got a {checkpoint_kind} model on {device.type} in {dtype}")
