@@ -29,11 +29,12 @@ def model_path(name: str) -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
-def tokenmill_speeds(path: Path, prompt: list[int], n: int, repeats: int,
-                     quantization: str = "auto") -> tuple[float, float, str]:
+def tokenmill_speeds(path: Path, prompt: list[int], n: int, repeats: int, quantization: str = "auto",
+                     kv_cache_dtype: str = "auto") -> tuple[float, float, str]:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(str(path), num_kv_blocks=(len(prompt) + n) // 16 + 4, quantization=quantization)
+    llm = LLM(str(path), num_kv_blocks=(len(prompt) + n) // 16 + 4, quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     prefill, decode = [], []
     for _ in range(repeats + 1):  # the first run warms up
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens to decode per run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quantizations", default="auto", help="comma-separated --quantization values to run")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="tokenmill's --kv-cache-dtype (default: %(default)s)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -76,8 +78,9 @@ def main() -> None:
         hp, hd = (float("nan"),) * 2 if args.no_transformers else transformers_speeds(path, prompt, args.tokens,
                                                                                         args.repeats)
         for quantization in args.quantizations.split(","):
-            tp, td, quant = tokenmill_speeds(path, prompt, args.tokens, args.repeats, quantization)
-            print(f"{name:<22} {quant:<18} {tp:>14.1f} {hp:>11.1f} {td:>13.1f} {hd:>10.1f} {td / hd:>12.2f}x",
+            tp, td, quant = tokenmill_speeds(path, prompt, args.tokens, args.repeats, quantization,
+                                             args.kv_cache_dtype)
+            print(f"{Path(name).name:<22} {quant:<18} {tp:>14.1f} {hp:>11.1f} {td:>13.1f} {hd:>10.1f} {td / hd:>12.2f}x",
                   flush=True)
 
 

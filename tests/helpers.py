@@ -106,9 +106,9 @@ def make_core(model: str, num_blocks: int = 512, block_size: int = 16, max_num_b
     return EngineCore(config, UniProcExecutor(config, loaded or load_model(model)), set(eos_token_ids))
 
 
-def make_runner(loaded, num_blocks: int = 32):
+def make_runner(loaded, num_blocks: int = 32, cache_dtype: str = "auto"):
     """A model runner over `loaded` (a LoadedModel) with a KV cache of `num_blocks` blocks."""
-    executor = UniProcExecutor(EngineConfig(cache=CacheConfig(num_blocks=num_blocks)), loaded)
+    executor = UniProcExecutor(EngineConfig(cache=CacheConfig(num_blocks=num_blocks, cache_dtype=cache_dtype)), loaded)
     executor.initialize_kv_cache()
     return executor.runner
 

@@ -18,14 +18,16 @@ from tokenmill.kernels import fused_ops, paged_attention
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 72])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("window, soft_cap", [(None, None), (24, None), (None, 2.0), (9, 1.5)])
-def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap, cache_dtype):
+    """Against softmax(q k^T) v in float32 on the cache's values (16-bit caches widened as they are read)."""
     torch.manual_seed(0)
     kv_heads, block_size, num_blocks = 2, 16, 64
     heads = kv_heads * group
     lengths = torch.tensor([1, 7, 8, 9, 16, 33, 200])
     blocks_needed = (lengths + block_size - 1) // block_size
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(cache_dtype)
     perm = torch.randperm(num_blocks)  # blocks scattered through the pool, as the cache manager leaves them
     tables = torch.zeros(len(lengths), int(blocks_needed.max()), dtype=torch.long)
     used = 0
@@ -34,6 +36,7 @@ def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap):
         used += n
     q = torch.randn(len(lengths), heads, head_dim)
     out = paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.3, window, soft_cap)
+    k_cache, v_cache = k_cache.float(), v_cache.float()
     for i, length in enumerate(lengths.tolist()):
         start = max(0, length - window) if window else 0  # a window sees only the last `window` tokens
         keys = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[start:length].transpose(0, 1)
@@ -67,14 +70,16 @@ def test_paged_decode_attention_reads_a_latent_cache(latent, rope, lengths):
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_write_kv_stores_rows_at_their_slots():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_write_kv_stores_rows_at_their_slots(cache_dtype):
+    """Copied (float32) or rounded as torch's .to() rounds (16-bit caches)."""
     qkv = torch.randn(5, 4 + 2 * 2, 8)  # 4 query heads, 2 kv heads: k and v are strided views
     k, v = qkv[:, 4:6], qkv[:, 6:8]
-    k_cache, v_cache = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+    k_cache, v_cache = torch.zeros(3, 4, 2, 8, dtype=cache_dtype), torch.zeros(3, 4, 2, 8, dtype=cache_dtype)
     slots = torch.tensor([11, 0, 5, 6, 3])
     paged_attention.write_kv(k, v, k_cache, v_cache, slots)
-    torch.testing.assert_close(k_cache.view(-1, 2, 8)[slots], k, rtol=0, atol=0)
-    torch.testing.assert_close(v_cache.view(-1, 2, 8)[slots], v, rtol=0, atol=0)
+    torch.testing.assert_close(k_cache.view(-1, 2, 8)[slots], k.to(cache_dtype), rtol=0, atol=0)
+    torch.testing.assert_close(v_cache.view(-1, 2, 8)[slots], v.to(cache_dtype), rtol=0, atol=0)
     untouched = torch.ones(12, dtype=torch.bool)
     untouched[slots] = False
     assert k_cache.view(-1, 2, 8)[untouched].abs().sum() == 0

@@ -93,11 +93,13 @@ def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
     return hidden
 
 
-@pytest.mark.parametrize("name,quantization", [("llama-gqa-untied", "none"), ("qwen2-bias", "none"),
-                                               ("llama-mqa-tied", "gguf"), ("qwen2-bias", "gguf-q8")])
-def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypatch, name, quantization):
+@pytest.mark.parametrize("name,quantization,cache_dtype", [
+    ("llama-gqa-untied", "none", "auto"), ("qwen2-bias", "none", "bfloat16"), ("llama-mqa-tied", "gguf", "auto"),
+    ("qwen2-bias", "gguf-q8", "float16")])
+def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypatch, name, quantization, cache_dtype):
     """A decode-only step of plain layers runs as one C++ loop (`kernels.decode_step`) that must give
-    exactly the module-by-module forward's hidden states (dense, GGUF blocks exact and int8)."""
+    exactly the module-by-module forward's hidden states (dense, GGUF blocks exact and int8; float32
+    and 16-bit KV caches)."""
     from tokenmill.kernels import decode_step
 
     if decode_step.load() is None:
@@ -111,11 +113,11 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
         path = str(tmp_path / "m.gguf")
     rng = random.Random(5)
     batch = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 3, 17, 40, 90)]
-    compiled = make_runner(load_model(path, quantization=quantization, dtype="float32"))
+    compiled = make_runner(load_model(path, quantization=quantization, dtype="float32"), cache_dtype=cache_dtype)
     fast = decode_step_hidden(compiled, batch)
     assert compiled.model.model.compiled_decode[1] is not None  # the step ran compiled
     monkeypatch.setattr(decode_step.CompiledDecode, "build", classmethod(lambda cls, parts: None))
-    layers = make_runner(load_model(path, quantization=quantization, dtype="float32"))
+    layers = make_runner(load_model(path, quantization=quantization, dtype="float32"), cache_dtype=cache_dtype)
     assert torch.equal(fast, decode_step_hidden(layers, batch))
     assert layers.model.model.compiled_decode[1] is None
 

@@ -43,7 +43,7 @@ def main() -> None:
             writer.add_tensor(t.name, np.asarray(t.data).reshape(shape), raw_dtype=t.tensor_type)
             continue
         values = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-        writer.add_tensor(t.name, quantize(values, target), raw_shape=shape, raw_dtype=target)
+        writer.add_tensor(t.name, quantize(values, target), raw_dtype=target)  # rows of block bytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=True)

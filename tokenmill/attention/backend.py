@@ -45,11 +45,13 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> AttentionBackend:
-    """The compiled paged kernel on CPU when compute and cache are float32 and it builds, else torch ops."""
+    """The compiled paged kernel on CPU when compute is float32 (the cache float32, float16 or bfloat16)
+    and it builds, else torch ops."""
     from tokenmill.attention.cpu_paged import CpuPagedBackend
     from tokenmill.attention.torch_sdpa import TorchSDPABackend
     from tokenmill.kernels import paged_attention
 
-    if device.type == "cpu" and dtype == cache_dtype == torch.float32 and paged_attention.load() is not None:
+    if (device.type == "cpu" and dtype == torch.float32 and cache_dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and paged_attention.load() is not None):
         return CpuPagedBackend()
     return TorchSDPABackend()

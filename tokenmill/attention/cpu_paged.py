@@ -1,6 +1,6 @@
-"""CPU float32: decode reads K/V straight from the blocks with a compiled kernel (no gather copy,
-no padding; sliding windows, soft-caps and latent MLA caches too), and the step's K/V are written in one
-call; prompt chunks use the torch path."""
+"""CPU float32 compute: decode reads K/V straight from the blocks with a compiled kernel (no gather copy,
+no padding; sliding windows, soft-caps and latent MLA caches too; float32, float16 or bfloat16 caches),
+and the step's K/V are written in one call; prompt chunks use the torch path."""
 
 from __future__ import annotations
 

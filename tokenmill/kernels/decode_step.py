@@ -155,7 +155,8 @@ class CompiledDecode:
             same = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.kv_group, p.rotary) == \
                 (first.num_heads, first.num_kv_heads, first.head_dim, first.scale, first.kv_group, parts[0].rotary)
             if (not same or {p.input_norm.eps, p.post_norm.eps} != {parts[0].input_norm.eps} or a.kv_cache is None
-                    or a.kv_cache.dtype != torch.float32 or a.kv_cache.device.type != "cpu"
+                    or a.kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+                    or a.kv_cache.device.type != "cpu"
                     or getattr(a.backend, "name", None) != "cpu-paged" or a.sliding_window or a.logits_soft_cap
                     or a.latent_rope_dim is not None or p.rotary.interleaved or p.rotary.rotary_dim != a.head_dim):
                 return None

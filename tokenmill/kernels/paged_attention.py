@@ -1,7 +1,8 @@
 """A C++ paged-attention kernel for decode on CPU, compiled on first use (see `tokenmill.kernels`).
 
 Decode attention reads each sequence's K/V straight from its cache blocks through the block table:
-no gather copy, no padding to the longest sequence. One (sequence, kv head) pair per task, OpenMP
+no gather copy, no padding to the longest sequence; float16 and bfloat16 caches are widened to float32
+as they are read (F16C; half the bytes of a float32 cache). One (sequence, kv head) pair per task, OpenMP
 across tasks (a pair's query heads split into several tasks when there are few pairs per thread). With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector
 exp, and the weighted sum of values keeps 64 output dims in registers (it is memory-bound at large
 batches: every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
@@ -24,23 +25,42 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-// k, v: [T, KVH, D] with a contiguous last dim (views into the fused qkv output);
-// k_cache, v_cache: [num_blocks, block_size, KVH, D] contiguous; slots: [T] int64 (block * block_size + offset).
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
-  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+// k, v: [T, KVH, D] float32 with a contiguous last dim (views into the fused qkv output);
+// k_cache, v_cache: [num_blocks, block_size, KVH, D] contiguous, float32 (copied) or float16 / bfloat16
+// (rounded to nearest even, as torch's .to() does); slots: [T] int64 (block * block_size + offset).
+template <typename T>
+void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   const torch::Tensor& slots) {
+  const int64_t n = k.size(0), KVH = k.size(1), D = k.size(2);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
+  T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+  for (int64_t t = 0; t < n; ++t)
     for (int64_t h = 0; h < KVH; ++h) {
-      std::memcpy(kc + (sp[t] * KVH + h) * D, kp + t * k.stride(0) + h * k.stride(1), D * sizeof(float));
-      std::memcpy(vc + (sp[t] * KVH + h) * D, vp + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
+      const float *ks = kp + t * k.stride(0) + h * k.stride(1), *vs = vp + t * v.stride(0) + h * v.stride(1);
+      T *kd = kc + (sp[t] * KVH + h) * D, *vd = vc + (sp[t] * KVH + h) * D;
+      if (std::is_same<T, float>::value) {
+        std::memcpy(kd, ks, D * sizeof(float));
+        std::memcpy(vd, vs, D * sizeof(float));
+      } else {
+        for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<T>(ks[d]);
+        for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<T>(vs[d]);
+      }
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  switch (k_cache.scalar_type()) {
+    case at::kHalf: return write_kv_impl<c10::Half>(k, v, k_cache, v_cache, slots);
+    case at::kBFloat16: return write_kv_impl<c10::BFloat16>(k, v, k_cache, v_cache, slots);
+    default: return write_kv_impl<float>(k, v, k_cache, v_cache, slots);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 // e^x for 8 floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial for e^r; ~1 ulp).
@@ -67,7 +87,22 @@ inline __m256 hsum8(const __m256 a[8]) {
   const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
   return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
-#define TM_SIMD 1
+#define TM_ATTN_SIMD 1
+#endif
+
+// Cache elements: float32, or float16 / bfloat16 read as float32.
+inline float to_f32(float x) { return x; }
+inline float to_f32(c10::Half x) { return static_cast<float>(x); }
+inline float to_f32(c10::BFloat16 x) { return static_cast<float>(x); }
+#ifdef TM_ATTN_SIMD
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {  // a bfloat16 is the top half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 #endif
 
 // cap * tanh(s / cap) over n scores (Gemma 2's attention soft-cap); cap <= 0: unchanged.
@@ -82,10 +117,10 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 template <typename Row>
 void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float scale, float cap, Row key, Row value,
             float* s, float* o) {
-#ifdef TM_SIMD
+#ifdef TM_ATTN_SIMD
   if (D % 8 == 0 && DV % 8 == 0) {
     for (int64_t t0 = 0; t0 < L; t0 += 8) {  // scores, eight tokens at a time
-      const float* k[8];
+      decltype(key(0)) k[8];
       for (int j = 0; j < 8; ++j) k[j] = key(std::min(t0 + j, L - 1));
       for (int64_t j = t0 + 16; j < std::min(t0 + 24, L); ++j)  // memory-bound: ask for rows ahead
         for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(key(j) + d);
@@ -94,7 +129,7 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
         for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
           const __m256 qv = _mm256_loadu_ps(q + g * D + d);
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), acc[j]);
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
         }
         alignas(32) float out8[8];
         _mm256_store_ps(out8, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
@@ -127,10 +162,10 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
         for (int j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t t = 0; t < L; ++t) {
           const __m256 w = _mm256_set1_ps(s[g * L + t]);
-          const float* v = value(t) + d0;
+          const auto* v = value(t) + d0;
           if (t + 8 < L)
             for (int64_t d = 0; d < std::min<int64_t>(64, DV - d0); d += 16) __builtin_prefetch(value(t + 8) + d0 + d);
-          for (int j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+          for (int j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
         }
         for (int j = 0; j < nv; ++j) _mm256_storeu_ps(o + g * DV + d0 + 8 * j, acc[j]);
       }
@@ -139,9 +174,9 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
 #endif
   for (int64_t t = 0; t < L; ++t)
     for (int64_t g = 0; g < G; ++g) {
-      const float* k = key(t);
+      const auto* k = key(t);
       float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * k[d];
+      for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_f32(k[d]);
       s[g * L + t] = dot * scale;
     }
   soft_cap(s, G * L, cap);
@@ -156,22 +191,23 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
   std::fill(o, o + G * DV, 0.f);
   for (int64_t t = 0; t < L; ++t)
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += s[g * L + t] * value(t)[d];
+      for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += s[g * L + t] * to_f32(value(t)[d]);
 }
 
 // q: [B, H, D]; k_cache: [num_blocks, block_size, KVH, D], v_cache: [num_blocks, block_size, KVH, DV] (rows
 // may be strided: a view into the key rows); block_tables: [B, max_blocks] int64; context_lens: [B] int64;
-// out: [B, H, DV]. All float32, last dims contiguous. window > 0: only the last `window` tokens are
-// attended; soft_cap > 0: scores are soft-capped.
-void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                            int64_t window, double soft_cap_value, torch::Tensor out) {
+// out: [B, H, DV]. q and out float32; the caches float32, float16 or bfloat16 (both alike); last dims
+// contiguous. window > 0: only the last `window` tokens are attended; soft_cap > 0: scores are soft-capped.
+template <typename T>
+void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                       int64_t window, double soft_cap_value, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), DV = v_cache.size(3);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -189,7 +225,7 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
       if (heads <= 0) continue;
       const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - start;
       const int64_t* table = tables + b * max_blocks;
-      auto row = [&](const float* cache, int64_t slot_stride, int64_t head_stride) {
+      auto row = [&](const T* cache, int64_t slot_stride, int64_t head_stride) {
         return [=](int64_t t) {
           t += start;
           return cache + (table[t / BS] * BS + t % BS) * slot_stride + kvh * head_stride;
@@ -202,6 +238,22 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
              scores.data(), op + first * DV);
     }
   });
+}
+
+void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                            int64_t window, double soft_cap_value, torch::Tensor out) {
+  switch (k_cache.scalar_type()) {
+    case at::kHalf:
+      return paged_decode_impl<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                          soft_cap_value, out);
+    case at::kBFloat16:
+      return paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                              soft_cap_value, out);
+    default:
+      return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                      soft_cap_value, out);
+  }
 }
 """
 
