@@ -144,13 +144,15 @@ def test_gguf_blocks_match_transformers(tmp_path, name):
 
 
 def test_gguf_q8_tracks_the_exact_mode(tmp_path):
-    """The default for a GGUF file on CPU, gguf-q8 (activations rounded to int8), stays close to the
-    exact mode (gguf, chosen by an explicit float32) but is not it."""
+    """The default for a GGUF file on CPU, gguf-q8 (activations rounded to int8, a float16 KV cache),
+    stays close to the exact mode (gguf, chosen by an explicit float32) but is not it."""
     write_tiny_gguf(make_tiny_model("llama-gqa-untied", tmp_path), tmp_path / "m.gguf", MIXED)
     path = str(tmp_path / "m.gguf")
     fast, exact = load_model(path), load_model(path, dtype="float32")
     assert (fast.quantization, exact.quantization) == ("gguf-q8", "gguf")
     fast_runner, exact_runner = make_runner(fast), make_runner(exact)
+    # the fast mode also stores K/V in float16 by default (llama.cpp's default); the exact mode in float32
+    assert (fast_runner.cache_dtype, exact_runner.cache_dtype) == (torch.float16, torch.float32)
     rng = random.Random(3)
     agree = total = 0
     for n in (1, 4, 9, 16):  # steps of at most 16 tokens take the int8 path

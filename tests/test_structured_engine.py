@@ -96,7 +96,8 @@ num ::= [1-9] [0-9]{0,2}
 
 @pytest.fixture(scope="module")
 def engine():
-    config = EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=512),
+    # the exact mode: tests compare outputs across batchings and against the exact `default_model`
+    config = EngineConfig(model=MODEL, dtype="float32", cache=CacheConfig(num_blocks=512),
                           scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64))
     return LLMEngine(config)
 

@@ -126,7 +126,7 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides kv_cache_memory_gib when set
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"  # keyed per process; or "sha256" (same in every process), "builtin"
-    cache_dtype: str = "auto"  # dtype of stored K/V; "auto" = the compute dtype
+    cache_dtype: str = "auto"  # dtype of stored K/V; "auto": see resolve_cache_dtype
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -225,6 +225,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dty
     return chosen
 
 
-def resolve_cache_dtype(cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype K/V are stored in: the compute dtype for 'auto', else the one named."""
-    return compute_dtype if cache_dtype == "auto" else _DTYPES[cache_dtype]
+def resolve_cache_dtype(cache_dtype: str, compute_dtype: torch.dtype, quantization: str = "none") -> torch.dtype:
+    """The dtype K/V are stored in: the one named, or for 'auto' float16 under the fast GGUF mode
+    (`gguf-q8`, not exact anyway: half the bytes per token, as llama.cpp's default cache), else the
+    compute dtype."""
+    if cache_dtype != "auto":
+        return _DTYPES[cache_dtype]
+    return torch.float16 if quantization == "gguf-q8" else compute_dtype

@@ -39,9 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--num-kv-blocks", type=int, default=cache.num_blocks,
                    help="exact number of KV cache blocks (overrides --kv-cache-memory)")
     c.add_argument("--kv-cache-dtype", default=cache.cache_dtype,
-                   help="dtype the KV cache stores keys and values in: auto (the compute dtype), float32, bfloat16 "
-                        "or float16; bfloat16 under float32 compute halves the cache per token (attention then "
-                        "runs on torch ops, not the CPU paged kernel) (default: %(default)s)")
+                   help="dtype the KV cache stores keys and values in: auto (float16 with the default gguf-q8 "
+                        "weights, else the compute dtype), float32, bfloat16 or float16; a 16-bit cache under "
+                        "float32 compute halves the bytes per token (default: %(default)s)")
     c.add_argument("--block-size", type=int, default=cache.block_size,
                    help="tokens per KV cache block (default: %(default)s)")
     c.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,

@@ -9,45 +9,55 @@ import time
 
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.loader.source import DEFAULT_MODEL
+from tokenmill.quantization import QUANTIZATION_METHODS
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"model: an alias ({DEFAULT_MODEL}), a .gguf file or an HF checkpoint directory "
                              "(default: %(default)s)")
-    parser.add_argument("--dtype", default="auto", help="dtype to report KV sizes for (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", help="compute dtype to report for (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default: %(default)s)")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_METHODS,
+                        help="weight format to report for, resolved as `serve` resolves it (default: %(default)s)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV cache dtype to report sizes for; auto as `serve` resolves it (default: %(default)s)")
 
 
 def cmd_info(args: argparse.Namespace) -> None:
     import torch
 
-    from tokenmill.config import resolve_device, resolve_dtype
+    from tokenmill.config import resolve_cache_dtype, resolve_device, resolve_dtype
     from tokenmill.layers.attention import Attention
     from tokenmill.layers.fused_moe import FusedMoE
     from tokenmill.layers.mla import MLAAttention
     from tokenmill.loader import build_model, open_checkpoint
     from tokenmill.loader.source import resolve_model
+    from tokenmill.quantization import resolve_quantization
     from tokenmill.quantization.unquantized import UnquantizedConfig
 
     source = resolve_model(args.model)
     ckpt = open_checkpoint(source)
     c = ckpt.config
-    dtype = resolve_dtype(args.dtype, resolve_device(args.device), c.torch_dtype)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, c.torch_dtype)
+    method = resolve_quantization(args.quantization, source.kind, device, dtype, exact=args.dtype != "auto")
+    cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, dtype, method)
     model = build_model(c, UnquantizedConfig(), dtype, torch.device("meta"))  # shapes only, no memory
     params = sum(p.numel() for p in model.parameters())
     moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
     attention = [m for m in model.modules() if isinstance(m, Attention)]
-    kv_bytes = sum(m.kv_spec(dtype).bytes_per_token for m in attention)
+    kv_bytes = sum(m.kv_spec(cache_dtype).bytes_per_token for m in attention)
     windows = {m.sliding_window for m in attention}
     rows = [
         ("model", source.name), ("file", str(source.path)), ("format", source.kind),
         ("architecture", c.architecture), ("parameters", _count(params)), ("dtype", str(dtype)),
+        ("weights", method),
         ("layers", c.num_hidden_layers), ("hidden size", c.hidden_size), ("heads", c.num_attention_heads),
         ("kv heads", c.num_key_value_heads), ("head dim", c.head_dim), ("vocab", c.vocab_size),
         ("context length", c.max_position_embeddings), ("rope theta", c.rope_theta),
         ("rope scaling", c.rope_scaling or "none"), ("tied embeddings", c.tie_word_embeddings),
-        ("KV bytes per token", f"{kv_bytes} ({dtype})"),
+        ("KV bytes per token", f"{kv_bytes} ({cache_dtype})"),
     ]
     if windows - {None}:
         window = min(windows - {None})
@@ -55,7 +65,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         rows.append(("sliding window", f"{window} tokens in {windowed} of {len(attention)} layers"))
         # out-of-window blocks return to their pool: a window layer holds the window and a partial block
         # each side (block size 16) plus the prefill chunk
-        windowed_bytes = sum(m.kv_spec(dtype).bytes_per_token for m in attention if m.sliding_window is not None)
+        windowed_bytes = sum(m.kv_spec(cache_dtype).bytes_per_token for m in attention if m.sliding_window is not None)
         bound = (window + 2 * 16) * windowed_bytes
         if None not in windows:
             rows.append(("KV bytes per sequence", f"at most ~{bound} (window + 2 blocks) plus the prefill chunk"))
@@ -64,7 +74,7 @@ def cmd_info(args: argparse.Namespace) -> None:
                                                   f"+ at most ~{bound} (window layers)"))
     mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
     if mla:
-        expanded = sum(m.expanded_kv_bytes_per_token(dtype) for m in mla)
+        expanded = sum(m.expanded_kv_bytes_per_token(cache_dtype) for m in mla)
         rows.append(("KV layout", f"latent (MLA): {mla[0].kv_lora_rank} + {mla[0].rope_dim} rope values per token "
                                   f"and layer; full per-head K/V would be {expanded} bytes per token "
                                   f"({expanded / kv_bytes:.1f}x)"))

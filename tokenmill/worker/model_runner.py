@@ -34,7 +34,7 @@ class ModelRunner:
         self.model = loaded.model
         self.model_config = loaded.config
         self.device, self.dtype = loaded.device, loaded.dtype
-        self.cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, self.dtype)
+        self.cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, self.dtype, loaded.quantization)
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core we may use, for intra-op work
