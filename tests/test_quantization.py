@@ -56,10 +56,13 @@ def test_block_quant_linear_computes_on_the_gguf_weights(qtype):
     assert isinstance(layer.quant_method, BlockQuantLinearMethod)
     layer.weight_loader("weight", weight)
     layer.weight_loader("bias", torch.randn(96))
-    bits = layer.quant_method.bits
-    assert bits == (4 if qtype in ("Q4_0", "Q4_1", "Q4_K") else 8)  # packed, not widened
+    method = layer.quant_method
+    assert method.bits == {"Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(qtype, 4)  # packed, not widened
+    weight_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.high, layer.scales, layer.offsets,
+                                                               layer.supers) if t is not None)
+    assert weight_bytes <= 96 * cols * (method.bits + 1.25) / 8  # about the file's own bits a weight
     # bit for bit what gguf's dequantize gives
-    assert torch.equal(block_quant.dequantize(layer.codes, layer.scales, layer.offsets, bits), ref)
+    assert torch.equal(block_quant.dequantize(method.blocks(layer)), ref)
     for rows in (1, 3, 4, 5, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1, 40):  # the fused kernel, then dequantize + GEMM
         x = torch.randn(rows, cols)
         want = x @ ref.T + layer.bias
@@ -82,7 +85,7 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype):
     (4-bit codes, 8-bit codes in blocks of 32 and of 16), and so does its large-batch GEMM path; both
     stay within ~1% of the exact product."""
     rng = np.random.default_rng(2)
-    cols = 512
+    cols = 512 if qtype.endswith("_K") else 480  # 15 groups of 32: pairs of groups, then one alone
     weight, ref = random_gguf_tensor(qtype, 80, cols, rng)
     layer = ReplicatedLinear(cols, 80, quant_config=GGUFConfig({"w.weight": qtype}, int8_activations=True), prefix="w")
     layer.weight_loader("weight", weight)
@@ -95,10 +98,12 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype):
         assert ((out - exact).norm() / exact.norm()).item() < 0.02
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q4_0", "Q5_1"), ("Q6_K", "Q8_0")])
-def test_fused_layers_of_mixed_types_take_the_widest_layout(types):
+@pytest.mark.parametrize("types,bits", [(("Q4_K", "Q6_K"), 6), (("Q4_0", "Q5_1"), 5), (("Q6_K", "Q8_0"), 8),
+                                        (("Q4_0", "Q4_K"), 4), (("Q5_0", "Q6_K"), 6)])
+def test_fused_layers_of_mixed_types_take_the_widest_layout(types, bits):
     """q/k in Q4_K and v in Q6_K (as Q4_K_M files mix them): the fused layer holds every shard in
-    8-bit codes in blocks of the smallest size, still exactly the file's weights."""
+    the widest codes, in blocks of the smallest size, the centers as offsets where they differ —
+    still exactly the file's weights, in both kernels."""
     from tokenmill.layers.linear import MergedColumnParallelLinear
 
     rng = np.random.default_rng(1)
@@ -108,12 +113,15 @@ def test_fused_layers_of_mixed_types_take_the_widest_layout(types):
     layer = MergedColumnParallelLinear(512, [32, 64], quant_config=config, prefix="w.gate_up_proj")
     for shard, (weight, _) in enumerate(parts):
         layer.weight_loader("weight", weight, shard)
-    layout = layer.quant_method.layout
-    assert layout.bits == 8 and layout.block == (16 if "Q6_K" in types else 32)
+    method = layer.quant_method
+    assert method.layout.bits == bits and method.layout.block == (16 if "Q6_K" in types else 32)
     ref = torch.cat([r for _, r in parts])
-    assert torch.equal(block_quant.dequantize(layer.codes, layer.scales, layer.offsets, 8), ref)
+    assert torch.equal(block_quant.dequantize(method.blocks(layer)), ref)
     x = torch.randn(3, 512)
     want = x @ ref.T
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+    method.int8_activations = True
+    want = q8_reference(x, ref)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 
 

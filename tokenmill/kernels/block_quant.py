@@ -1,21 +1,28 @@
-"""Matmul on block-quantized weights with float32 activations, on CPU: w = scale * code + offset per
-block of 16 or 32 values, the layout `tokenmill.quantization.gguf` builds from a GGUF file's own
-blocks (Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and the K-quants Q4_K/Q5_K/Q6_K). The weights stay packed (4 or
-8 bits a code plus a float32 scale, and offset, per block, instead of 32 bits a weight) and are
-dequantized inside the matmul, so a decode step reads 3-7x fewer weight bytes while computing on
-the very float32 weights that `gguf.dequantize` gives (the scale * code products are exact in
-float32: a float16 scale times a 6-bit sub-scale times a code of at most 8 bits fits 24 bits; the
-kernels are built with -ffp-contract=off so nothing else is fused).
+"""Matmul on block-quantized weights, on CPU: w = scale * (code - center) + offset per block of 16
+or 32 values, the layout `tokenmill.quantization.gguf` builds from a GGUF file's own blocks (Q4_0,
+Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K) in about as many bits as the file holds
+them. The weights are dequantized inside the matmul, so a decode step reads ~5-6x fewer weight bytes
+than float32 while computing on the very float32 weights that `gguf.dequantize` gives: every scale
+and offset is a float16 value, times its super-block's float32 scale (or min) for K-quants, and
+those products, times a code, are exact in float32 (an 11-bit mantissa times an 8-bit sub-scale
+times a code of at most 8 bits fits 24 bits); the kernels are built with -ffp-contract=off so nothing
+else is fused.
 
-Layout:
-  4 bits (block 32): codes uint8 [N, K/2]; in each 16-byte block, byte j holds value j (low nibble)
-          and value j+16 (high nibble), as in GGUF; scales, offsets float32 [N, K/32].
-  8 bits (block 32 or 16): codes int8 [N, K]; scales float32 [N, K/block]; offsets optional.
+Layout (`Blocks`), per weight row of K values:
+  codes  4, 5, 6 bits: uint8 [N, K/2], the low four bits: in each 16-byte group byte j holds value
+         j (low nibble) and value j+16 (high nibble), as in GGUF; 8 bits: int8 [N, K], signed.
+  high   5 bits: uint8 [N, K/8], 4 bytes a 32-value group, bit j the fifth bit of value j;
+         6 bits: uint8 [N, K/4], 8 bytes a group, byte k bits 2i..2i+1 the top bits of value 8i+k.
+  scales float16 [N, K/block]; offsets float16 [N, K/block] or none;
+  supers float32 [N, K/256, 2] or none: (scale, min) of each 256 values, multiplying scales, offsets.
+  center the codes' zero (Q4_0: 8, Q5_0: 16, Q6_K: 32), 0 for 8-bit codes.
 `matmul` handles few rows of activations (decode) by dequantizing each weight row in registers;
 `dequantize` writes the float32 weight for large batches, which then go to torch's GEMM.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,20 +35,20 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TM_SIMD 1
 #endif
 
 namespace {
 
-constexpr int64_t kPrefetchRows = 8;
+constexpr int64_t kPrefetchRows = 8, kSuper = 256;
 
 #ifdef TM_SIMD
-using Vec = __m256;  // AVX2: a block of 32 values is four vectors, of 16 two
+using Vec = __m256;
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vset1(float a) { return _mm256_set1_ps(a); }
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
@@ -54,39 +61,162 @@ inline float hsum(Vec v) {
   return _mm_cvtss_f32(h);
 }
 
-// The BS codes of one block as floats (q, not yet scaled); 4-bit blocks are always 32 values.
-template <int BITS, int BS>
-inline void decode_block(const uint8_t* codes, Vec* f) {
-  __m128i a, b;
-  if (BS == 16) {
-    a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
-    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
-  } else if (BITS == 4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    a = _mm_and_si128(raw, mask);                     // values 0..15
-    b = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);  // values 16..31
-    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a));
-    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8)));
-    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
-  } else {
-    a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16));
-    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
-    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
-    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+#endif
+
+// A packed weight (see the Python module's docstring); pointers to row 0.
+struct Blocks {
+  const uint8_t* codes;
+  const uint8_t* high;
+  const c10::Half* scales;
+  const c10::Half* offsets;
+  const float* supers;
+  int64_t N, K, nb, bs, center;
+  int64_t code_bytes, high_bytes, supers_per_row;  // per row
+
+  Blocks(const torch::Tensor& c, const c10::optional<torch::Tensor>& h, const torch::Tensor& s,
+         const c10::optional<torch::Tensor>& o, const c10::optional<torch::Tensor>& su, int64_t bits, int64_t block,
+         int64_t centre)
+      : codes(reinterpret_cast<const uint8_t*>(c.data_ptr())),
+        high(h ? reinterpret_cast<const uint8_t*>(h->data_ptr()) : nullptr),
+        scales(s.data_ptr<c10::Half>()),
+        offsets(o ? o->data_ptr<c10::Half>() : nullptr),
+        supers(su ? su->data_ptr<float>() : nullptr),
+        N(c.size(0)), K(c.size(1) * (bits == 8 ? 1 : 2)), nb(s.size(1)), bs(block), center(centre),
+        code_bytes(c.size(1)), high_bytes(h ? h->size(1) : 0), supers_per_row(su ? su->size(1) : 0) {}
+
+  // Row n's scale and offset per block as float32 (stored value times its super-block's). `fold`: the
+  // offsets also take -center * scale (for kernels that keep codes unsigned); `dx` (one activation
+  // row's scale per 32 values): the scales are then multiplied by it. `xs` (that row's sums per block):
+  // instead of writing o, adds the offsets' share (sum of o * xs) to *share. Returns whether there are offsets.
+  bool expand(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
+    const c10::Half* sh = scales + n * nb;
+    const c10::Half* oh = offsets ? offsets + n * nb : nullptr;
+    const float* sup = supers ? supers + n * supers_per_row * 2 : nullptr;
+    const bool folded = fold && center, any = oh || folded;
+    const float c = static_cast<float>(center);
+    int64_t b = 0;
+    float sum = 0.f;
+#ifdef TM_SIMD
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8) {  // eight blocks sit in one super-block (K-quants have whole ones)
+      const float* p = sup ? sup + (b * bs / kSuper) * 2 : nullptr;
+      __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sh + b)));
+      if (p) sv = _mm256_mul_ps(sv, _mm256_set1_ps(p[0]));
+      __m256 ov = _mm256_setzero_ps();
+      if (oh) {
+        ov = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + b)));
+        if (p) ov = _mm256_mul_ps(ov, _mm256_set1_ps(p[1]));
+      }
+      if (folded) ov = _mm256_sub_ps(ov, _mm256_mul_ps(_mm256_set1_ps(c), sv));
+      if (dx)
+        sv = _mm256_mul_ps(sv, bs == 32 ? _mm256_loadu_ps(dx + b)
+                                        : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(dx + b / 2)),
+                                                                   _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+      _mm256_storeu_ps(s + b, sv);
+      if (any && xs) acc = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + b), acc);
+      else if (any) _mm256_storeu_ps(o + b, ov);
+    }
+    sum = hsum(acc);
+#endif
+    for (; b < nb; ++b) {
+      const float* p = sup ? sup + (b * bs / kSuper) * 2 : nullptr;
+      s[b] = p ? static_cast<float>(sh[b]) * p[0] : static_cast<float>(sh[b]);
+      float ob = 0.f;
+      if (oh) ob = p ? static_cast<float>(oh[b]) * p[1] : static_cast<float>(oh[b]);
+      if (folded) ob -= c * s[b];
+      if (any && xs) sum += ob * xs[b];
+      else if (any) o[b] = ob;
+      if (dx) s[b] *= dx[b * bs / 32];
+    }
+    if (xs) *share = sum;
+    return any;
+  }
+};
+
+// Value i of a row: unsigned for 4-6 bits, signed for 8. The top bits of groups 2p and 2p+1 (L = 0,
+// 1) share one record of the high plane: 5 bits, 8 bytes, bit 16 * (2h + L) + j for value 16h + j;
+// 6 bits, 16 bytes, byte j bits 2L + 4h (two of them) for value 16h + j.
+template <int BITS>
+inline int code_at(const uint8_t* codes, const uint8_t* high, int64_t i) {
+  if (BITS == 8) return reinterpret_cast<const int8_t*>(codes)[i];
+  const int64_t g = i / 32, v = i % 32, L = g % 2, h = v / 16, j = v % 16;
+  int u = v < 16 ? (codes[g * 16 + j] & 0x0F) : (codes[g * 16 + j] >> 4);
+  if (BITS == 5) {
+    const int64_t bit = 16 * (2 * h + L) + j;
+    u |= ((high[(g / 2) * 8 + bit / 8] >> (bit % 8)) & 1) << 4;
+  }
+  if (BITS == 6) u |= ((high[(g / 2) * 16 + j] >> (2 * L + 4 * h)) & 3) << 4;
+  return u;
+}
+
+#ifdef TM_SIMD
+// The fifth bits of 32 values, in bytes at bit 4: byte i of each 128-bit lane tests bit i % 8 of the
+// byte of `word` that `pick` names for it.
+inline __m256i fifth_bits(long long word, __m256i pick) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi64x(word), pick);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+inline __m256i pick_bytes(char a, char b, char c, char d) {
+  return _mm256_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b, c, c, c, c, c, c, c, c, d, d, d, d, d, d, d, d);
+}
+
+// The 32 codes of group g of a row, value j in byte j.
+template <int BITS>
+inline __m256i unpack32(const uint8_t* codes, const uint8_t* high, int64_t g) {
+  if (BITS == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * 32));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+  const int L = static_cast<int>(g % 2);
+  if (BITS == 5) {
+    long long word;
+    std::memcpy(&word, high + (g / 2) * 8, 8);
+    v = _mm256_or_si256(v, fifth_bits(word, L ? pick_bytes(2, 3, 6, 7) : pick_bytes(0, 1, 4, 5)));
+  } else if (BITS == 6) {  // values 0-15 from bits 2L, values 16-31 from bits 2L + 4, of the record's bytes
+    const __m256i rec = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + (g / 2) * 16)));
+    const __m256i top = _mm256_srlv_epi32(rec, _mm256_setr_epi32(2 * L, 2 * L, 2 * L, 2 * L, 2 * L + 4, 2 * L + 4,
+                                                                 2 * L + 4, 2 * L + 4));
+    v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(3)), 4));
+  }
+  return v;
+}
+
+// Groups 2p and 2p+1 (4-6 bits) as two vectors: lo holds values 0-15 of group 2p then of group 2p+1,
+// hi their values 16-31 (the order `quantize_rows` gives paired activations).
+template <int BITS>
+inline void unpack_pair(const uint8_t* codes, const uint8_t* high, int64_t p, __m256i& lo, __m256i& hi) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(raw, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+  if (BITS == 5) {
+    long long word;
+    std::memcpy(&word, high + p * 8, 8);
+    lo = _mm256_or_si256(lo, fifth_bits(word, pick_bytes(0, 1, 2, 3)));
+    hi = _mm256_or_si256(hi, fifth_bits(word, pick_bytes(4, 5, 6, 7)));
+  } else if (BITS == 6) {  // lane L: bits 2L (lo) and 2L + 4 (hi) to bits 4-5; the bits shifted in from a neighbour are masked off
+    const __m256i rec = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + p * 16)));
+    const __m256i m = _mm256_set1_epi8(0x30);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sllv_epi32(rec, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), m));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(rec, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), m));
+  }
+}
+
+// The 32 codes of group g minus the center, as four float vectors (values 0-7, 8-15, 16-23, 24-31).
+template <int BITS>
+inline void decode32(const uint8_t* codes, const uint8_t* high, int64_t g, float center, Vec* f) {
+  const __m256i v = unpack32<BITS>(codes, high, g);
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int i = 0; i < 4; ++i) {
+    const __m256i wide = BITS == 8 ? _mm256_cvtepi8_epi32(part[i]) : _mm256_cvtepu8_epi32(part[i]);
+    f[i] = _mm256_cvtepi32_ps(wide);
+    if (BITS != 8) f[i] = _mm256_sub_ps(f[i], vset1(center));
   }
 }
 #endif
-
-template <int BITS>
-inline float code_at(const uint8_t* block, int j) {
-  if (BITS == 4) return static_cast<float>(j < 16 ? (block[j] & 0x0F) : (block[j - 16] >> 4));
-  return static_cast<float>(reinterpret_cast<const int8_t*>(block)[j]);
-}
 
 // Each row's total plus the offsets' share (offset of block b times that row's sum over block b),
 // stored at out[r * out_stride].
@@ -110,112 +240,121 @@ inline void store_rows(float* total, const float* offsets, const float* xsum, in
   }
 }
 
-// Up to four activation rows against one weight row: sum over blocks of d * (x . q), plus the
-// offsets' share m * sum(x) (xsum holds each row's per-block sums).
+// Up to four activation rows against one weight row: sum over blocks of s * (x . (q - center)), plus
+// the offsets' share (xsum holds each row's per-block sums).
 template <int BITS, int BS, int ROWS>
-inline void rows_dot(const float* x, int64_t K, const uint8_t* codes, const float* scales, const float* offsets,
-                     const float* xsum, float* out, int64_t out_stride) {
-  const int64_t nb = K / BS, bytes = BITS * BS / 8;
+inline void rows_dot(const float* x, int64_t K, const uint8_t* codes, const uint8_t* high, const float* s,
+                     const float* o, float center, const float* xsum, float* out, int64_t out_stride) {
+  const int64_t groups = K / 32, nb = K / BS;
 #ifdef TM_SIMD
-  constexpr int kParts = BS / 8, lanes = 8;
-  Vec acc[ROWS], acc2[ROWS];  // even and odd blocks accumulate apart: two dependency chains, not one
+  Vec acc[ROWS], acc2[ROWS];  // two dependency chains, not one: even and odd blocks of 32 (halves of 16)
   for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = vzero();
-  auto block = [&](int64_t g, Vec* into) {
-    Vec f[kParts];
-    decode_block<BITS, BS>(codes + g * bytes, f);
-    const Vec d = vset1(scales[g]);
+  auto group = [&](int64_t g, Vec* into) {
+    Vec f[4];
+    decode32<BITS>(codes, high, g, center, f);
     for (int r = 0; r < ROWS; ++r) {
-      const float* xb = x + r * K + g * BS;
-      Vec s = vmul(vload(xb), f[0]);
-      for (int i = 1; i < kParts; ++i) s = vfma(vload(xb + i * lanes), f[i], s);
-      into[r] = vfma(s, d, into[r]);
+      const float* xb = x + r * K + g * 32;
+      if (BS == 32) {
+        Vec d = vmul(vload(xb), f[0]);
+        for (int i = 1; i < 4; ++i) d = vfma(vload(xb + i * 8), f[i], d);
+        into[r] = vfma(d, vset1(s[g]), into[r]);
+      } else {
+        const Vec a = vfma(vload(xb + 8), f[1], vmul(vload(xb), f[0]));
+        const Vec b = vfma(vload(xb + 24), f[3], vmul(vload(xb + 16), f[2]));
+        acc[r] = vfma(a, vset1(s[2 * g]), acc[r]);
+        acc2[r] = vfma(b, vset1(s[2 * g + 1]), acc2[r]);
+      }
     }
   };
   int64_t g = 0;
-  for (; g + 2 <= nb; g += 2) {
-    block(g, acc);
-    block(g + 1, acc2);
+  for (; g + 2 <= groups; g += 2) {
+    group(g, acc);
+    group(g + 1, acc2);
   }
-  if (g < nb) block(g, acc);
+  if (g < groups) group(g, acc);
   float total[ROWS];
   for (int r = 0; r < ROWS; ++r) total[r] = hsum(vadd(acc[r], acc2[r]));
 #else
   float total[ROWS] = {};
-  for (int64_t g = 0; g < nb; ++g)
+  for (int64_t b = 0; b < nb; ++b)
     for (int r = 0; r < ROWS; ++r) {
-      float s = 0.f;
-      for (int j = 0; j < BS; ++j) s += x[r * K + g * BS + j] * code_at<BITS>(codes + g * bytes, j);
-      total[r] += scales[g] * s;
+      float d = 0.f;
+      for (int64_t j = b * BS; j < (b + 1) * BS; ++j)
+        d += x[r * K + j] * (static_cast<float>(code_at<BITS>(codes, high, j)) - center);
+      total[r] += s[b] * d;
     }
 #endif
-  store_rows<ROWS>(total, offsets, xsum, nb, out, out_stride);
+  store_rows<ROWS>(total, o, xsum, nb, out, out_stride);
+}
+
+// Calls row(n, codes, high, s, o, share) for every weight row n, in parallel, with the rows' scales and
+// offsets expanded (`fold`, `dx`, `xs`: see Blocks::expand; o null without offsets or with xs), rows
+// ahead prefetched.
+template <typename Row>
+void for_each_row(const Blocks& w, bool fold, const float* dx, const float* xs, const Row& row) {
+  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(w.nb), o(w.nb);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* c = w.codes + n * w.code_bytes;
+      const uint8_t* h = w.high ? w.high + n * w.high_bytes : nullptr;
+      if (n + kPrefetchRows < end) {  // decode is memory-bound: ask for rows ahead of time
+        for (int64_t b = 0; b < w.code_bytes; b += 64) __builtin_prefetch(c + kPrefetchRows * w.code_bytes + b);
+        for (int64_t b = 0; b < w.high_bytes; b += 64) __builtin_prefetch(h + kPrefetchRows * w.high_bytes + b);
+      }
+      float share = 0.f;
+      const bool has_offsets = w.expand(n, fold, dx, xs, s.data(), o.data(), &share);
+      row(n, c, h, s.data(), has_offsets && !xs ? o.data() : nullptr, share);
+    }
+  });
 }
 
 template <int BITS, int BS>
-void matmul_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                 const c10::optional<torch::Tensor>& offsets, torch::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / BS;
+void matmul_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out) {
+  const int64_t M = x.size(0), K = w.K, N = w.N, nb = w.nb;
   const float* xp = x.data_ptr<float>();
-  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets ? offsets->data_ptr<float>() : nullptr;
   float* outp = out.data_ptr<float>();
-  const int64_t row_bytes = K * BITS / 8;
   std::vector<float> xsum(M * nb, 0.f);
-  if (op)
+  if (w.offsets)
     for (int64_t i = 0; i < M * nb; ++i)
       for (int64_t j = 0; j < BS; ++j) xsum[i] += xp[i * BS + j];
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* c = cp + n * row_bytes;
-      const float *s = sp + n * nb, *o = op ? op + n * nb : nullptr;
-      if (n + kPrefetchRows < end) {  // decode is memory-bound: ask for rows ahead of time
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(c + kPrefetchRows * row_bytes + b);
-        for (int64_t b = 0; b < nb; b += 16) {
-          __builtin_prefetch(s + kPrefetchRows * nb + b);
-          if (o) __builtin_prefetch(o + kPrefetchRows * nb + b);
-        }
-      }
-      int64_t i = 0;
-      for (; i + 4 <= M; i += 4)
-        rows_dot<BITS, BS, 4>(xp + i * K, K, c, s, o, xsum.data() + i * nb, outp + i * N + n, N);
-      for (; i < M; ++i)
-        rows_dot<BITS, BS, 1>(xp + i * K, K, c, s, o, xsum.data() + i * nb, outp + i * N + n, N);
-    }
+  const float center = static_cast<float>(w.center);
+  for_each_row(w, false, nullptr, nullptr, [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float* o, float) {
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4)
+      rows_dot<BITS, BS, 4>(xp + i * K, K, c, h, s, o, center, xsum.data() + i * nb, outp + i * N + n, N);
+    for (; i < M; ++i)
+      rows_dot<BITS, BS, 1>(xp + i * K, K, c, h, s, o, center, xsum.data() + i * nb, outp + i * N + n, N);
   });
 }
 
-// The float32 weight, value by value as gguf computes it: d * q rounded, then + m.
+// The float32 weight, value by value as gguf computes it: s * (q - center) rounded, then + o.
 template <int BITS, int BS>
-void dequantize_impl(const torch::Tensor& codes, const torch::Tensor& scales,
-                     const c10::optional<torch::Tensor>& offsets, torch::Tensor& out) {
-  const int64_t N = out.size(0), K = out.size(1), nb = K / BS, bytes = BITS * BS / 8;
-  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets ? offsets->data_ptr<float>() : nullptr;
+void dequantize_impl(const Blocks& w, torch::Tensor& out) {
   float* outp = out.data_ptr<float>();
-  at::parallel_for(0, N * nb, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* block = cp + b * bytes;
-      const float d = sp[b], m = op ? op[b] : 0.f;
-      float* w = outp + b * BS;
+  const float center = static_cast<float>(w.center);
+  for_each_row(w, false, nullptr, nullptr, [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float* o, float) {
+    float* row = outp + n * w.K;
 #ifdef TM_SIMD
-      Vec f[BS / 8];
-      decode_block<BITS, BS>(block, f);
-      for (int i = 0; i < BS / 8; ++i) vstore(w + i * 8, vadd(vmul(f[i], vset1(d)), vset1(m)));
-#else
-      for (int j = 0; j < BS; ++j) w[j] = code_at<BITS>(block, j) * d + m;
-#endif
+    for (int64_t g = 0; g < w.K / 32; ++g) {
+      Vec f[4];
+      decode32<BITS>(c, h, g, center, f);
+      for (int i = 0; i < 4; ++i) {
+        const int64_t b = (g * 32 + i * 8) / BS;
+        _mm256_storeu_ps(row + g * 32 + i * 8, vadd(vmul(f[i], vset1(s[b])), vset1(o ? o[b] : 0.f)));
+      }
     }
+#else
+    for (int64_t j = 0; j < w.K; ++j)
+      row[j] = (static_cast<float>(code_at<BITS>(c, h, j)) - center) * s[j / BS] + (o ? o[j / BS] : 0.f);
+#endif
   });
-  (void)N;
 }
 
 // --- int8 activations (llama.cpp's scheme): each 32-value block of an activation row becomes int8
 // codes with one float scale (max |x| / 127), and a weight block's dot product is an integer sum
-// times both scales; the offsets meet the rounded activations too, so the result is the rounded
-// activations times the exact weights (what `round_activations` + a float GEMM computes). Not exact;
-// several times fewer instructions per weight than decoding it to float.
+// times both scales; the offsets (and the codes' center) meet the rounded activations too, so the
+// result is the rounded activations times the exact weights (what `round_activations` + a float GEMM
+// computes). Not exact; several times fewer instructions per weight than decoding it to float.
 
 // x [M, K] -> xq int8 [M, K], dx [M, K/32] (scale per 32 values), xs [M, K/BS] (sums of the rounded values).
 template <int BS>
@@ -235,112 +374,172 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
   }
 }
 
-// Up to four int8 activation rows against one weight row.
-template <int BITS, int BS, int ROWS>
-inline void rows_dot_q8(const int8_t* xq, const float* dx, int64_t K, const uint8_t* codes, const float* scales,
-                        const float* offsets, const float* xsum, float* out, int64_t out_stride) {
-  const int64_t nb = K / 32, nw = K / BS;
+#ifdef TM_SIMD
+// Two floats at p as lanes (a, a, a, a, b, b, b, b).
+inline __m256 pair_lanes(const float* p) {
+  const __m256 two = _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
+  return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// Whether the vector kernel reads the activations of group pairs interleaved (see unpack_pair).
+constexpr bool paired(int bits) { return bits < 8; }
+
+// Each full pair of 32-value groups of each row [g0 0-31, g1 0-31] -> [g0 0-15, g1 0-15, g0 16-31, g1 16-31].
+void interleave_pairs(int8_t* xq, int64_t M, int64_t K) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t p = 0; 2 * p + 2 <= K / 32; ++p) {
+      int8_t* q = xq + r * K + p * 64;
+      int8_t tmp[16];
+      std::memcpy(tmp, q + 16, 16);
+      std::memcpy(q + 16, q + 32, 16);
+      std::memcpy(q + 32, tmp, 16);
+    }
+}
+#else
+constexpr bool paired(int) { return false; }
+#endif
+
+// Up to four int8 activation rows against one weight row (offsets carry the center: codes unsigned).
+// SCALED (one row): s already holds the weight scales times the row's scales.
+template <int BITS, int BS, int ROWS, bool SCALED = false>
+inline void rows_dot_q8(const int8_t* xq, const float* dx, int64_t K, const uint8_t* codes, const uint8_t* high,
+                        const float* s, const float* o, const float* xsum, float* out, int64_t out_stride) {
+  const int64_t groups = K / 32, nw = K / BS;
   float total[ROWS];
 #ifdef TM_SIMD
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[ROWS], acc2[ROWS];  // even and odd blocks accumulate apart: two dependency chains, not one
+  __m256 acc[ROWS], acc2[ROWS];  // two dependency chains, not one
   for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = _mm256_setzero_ps();
-  auto block = [&](int64_t g, __m256* into) {
-    __m256i w;
-    if (BITS == 4) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-    } else {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * 32));
-    }
-    // lanes 0-3 hold values 0..15 of the block, lanes 4-7 values 16..31 (a 16-block each for BS 16)
-    const __m256 ws = BS == 32 ? _mm256_set1_ps(scales[g])
-                               : _mm256_set_m128(_mm_set1_ps(scales[2 * g + 1]), _mm_set1_ps(scales[2 * g]));
-    const __m256i wabs = BITS == 4 ? w : _mm256_sign_epi8(w, w);  // maddubs multiplies unsigned by signed
+  auto group = [&](int64_t g, __m256* into) {  // one group, activations in natural order
+    const __m256i w = unpack32<BITS>(codes, high, g);
+    // lanes 0-3 hold values 0..15 of the group, lanes 4-7 values 16..31 (a 16-block each for BS 16)
+    const __m256 ws = BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
+    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;  // maddubs multiplies unsigned by signed
     for (int r = 0; r < ROWS; ++r) {
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * 32));
       if (BITS == 8) x = _mm256_sign_epi8(x, w);
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
-      into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_set1_ps(dx[r * nb + g])), into[r]);
+      const __m256 scale = SCALED ? ws : _mm256_mul_ps(ws, _mm256_set1_ps(dx[r * groups + g]));
+      into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, into[r]);
     }
   };
   int64_t g = 0;
-  for (; g + 2 <= nb; g += 2) {
-    block(g, acc);
-    block(g + 1, acc2);
+  if (paired(BITS)) {  // two groups a step: lanes 0-3 from group g, 4-7 from g + 1
+    for (; g + 2 <= groups; g += 2) {
+      __m256i lo, hi;
+      unpack_pair<BITS>(codes, high, g / 2, lo, hi);
+      __m256 wlo, whi;  // the scale of each lane's values (BS 16: lo and hi are blocks of their own)
+      if (BS == 32) {
+        wlo = whi = pair_lanes(s + g);
+      } else {
+        const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s + 2 * g));
+        wlo = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+        whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xp = xq + r * K + g * 32;
+        const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
+        const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
+        const __m256 dxv = SCALED ? _mm256_set1_ps(1.f) : pair_lanes(dx + r * groups + g);
+        __m256* into = (g / 2) % 2 ? acc2 : acc;
+        if (BS == 32) {  // codes below 64 times |x| <= 127: four products fit an int16
+          const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones);
+          into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), SCALED ? wlo : _mm256_mul_ps(wlo, dxv), into[r]);
+        } else {
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones)),
+                                   SCALED ? wlo : _mm256_mul_ps(wlo, dxv), acc[r]);
+          acc2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones)),
+                                    SCALED ? whi : _mm256_mul_ps(whi, dxv), acc2[r]);
+        }
+      }
+    }
+  } else {
+    for (; g + 2 <= groups; g += 2) {
+      group(g, acc);
+      group(g + 1, acc2);
+    }
   }
-  if (g < nb) block(g, acc);
+  if (g < groups) group(g, acc);
   for (int r = 0; r < ROWS; ++r) total[r] = hsum(_mm256_add_ps(acc[r], acc2[r]));
 #else
   for (int r = 0; r < ROWS; ++r) {
     total[r] = 0.f;
     for (int64_t b = 0; b < nw; ++b) {
-      const uint8_t* block = codes + (b * BS / 32) * (32 * BITS / 8);  // the 32-value block holding it
-      const int first = static_cast<int>(b * BS % 32);
       int32_t dot = 0;
-      for (int j = 0; j < BS; ++j)
-        dot += static_cast<int32_t>(code_at<BITS>(block, first + j)) * xq[r * K + b * BS + j];
-      total[r] += static_cast<float>(dot) * scales[b] * dx[r * nb + b * BS / 32];
+      for (int64_t j = b * BS; j < (b + 1) * BS; ++j) dot += code_at<BITS>(codes, high, j) * xq[r * K + j];
+      total[r] += SCALED ? static_cast<float>(dot) * s[b] : static_cast<float>(dot) * s[b] * dx[r * groups + b * BS / 32];
     }
   }
 #endif
-  store_rows<ROWS>(total, offsets, xsum, nw, out, out_stride);
+  store_rows<ROWS>(total, o, xsum, nw, out, out_stride);
 }
 
 template <int BITS, int BS>
-void matmul_q8_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                    const c10::optional<torch::Tensor>& offsets, torch::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nw = K / BS;
+void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out) {
+  const int64_t M = x.size(0), K = w.K, N = w.N, nw = w.nb, groups = K / 32;
   std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * K / 32), xs(M * nw);
+  std::vector<float> dx(M * groups), xs(M * nw);
   quantize_rows<BS>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
-  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets ? offsets->data_ptr<float>() : nullptr;
+#ifdef TM_SIMD
+  if (paired(BITS)) interleave_pairs(xq.data(), M, K);
+#endif
   float* outp = out.data_ptr<float>();
-  const int64_t row_bytes = K * BITS / 8, nb = K / 32;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* c = cp + n * row_bytes;
-      const float *s = sp + n * nw, *o = op ? op + n * nw : nullptr;
-      if (n + kPrefetchRows < end)
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(c + kPrefetchRows * row_bytes + b);
-      int64_t i = 0;
-      for (; i + 4 <= M; i += 4)
-        rows_dot_q8<BITS, BS, 4>(xq.data() + i * K, dx.data() + i * nb, K, c, s, o, xs.data() + i * nw,
-                                 outp + i * N + n, N);
-      for (; i < M; ++i)
-        rows_dot_q8<BITS, BS, 1>(xq.data() + i * K, dx.data() + i * nb, K, c, s, o, xs.data() + i * nw,
-                                 outp + i * N + n, N);
-    }
+  if (M == 1) {  // the activation scales go into the weight scales once per row
+    for_each_row(w, true, dx.data(), xs.data(), [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s,
+                                                    const float*, float share) {
+      rows_dot_q8<BITS, BS, 1, true>(xq.data(), dx.data(), K, c, h, s, nullptr, xs.data(), outp + n, N);
+      outp[n] += share;
+    });
+    return;
+  }
+  for_each_row(w, true, nullptr, nullptr, [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float* o, float) {
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4)
+      rows_dot_q8<BITS, BS, 4>(xq.data() + i * K, dx.data() + i * groups, K, c, h, s, o, xs.data() + i * nw,
+                               outp + i * N + n, N);
+    for (; i < M; ++i)
+      rows_dot_q8<BITS, BS, 1>(xq.data() + i * K, dx.data() + i * groups, K, c, h, s, o, xs.data() + i * nw,
+                               outp + i * N + n, N);
   });
 }
 
+// One call per (bits, block) the layouts have: 4, 5 bits in blocks of 32, 6 in blocks of 16, 8 in either.
+template <template <int, int> class Op, typename... Args>
+void dispatch(int64_t bits, int64_t block, Args&&... args) {
+  if (bits == 4 && block == 32) Op<4, 32>::run(args...);
+  else if (bits == 5 && block == 32) Op<5, 32>::run(args...);
+  else if (bits == 6 && block == 16) Op<6, 16>::run(args...);
+  else if (bits == 8 && block == 32) Op<8, 32>::run(args...);
+  else if (bits == 8 && block == 16) Op<8, 16>::run(args...);
+  else TORCH_CHECK(false, "no block kernel for ", bits, "-bit codes in blocks of ", block);
+}
+
+template <int B, int S> struct MatmulOp { static void run(const torch::Tensor& x, const Blocks& w, torch::Tensor& o) { matmul_impl<B, S>(x, w, o); } };
+template <int B, int S> struct MatmulQ8Op { static void run(const torch::Tensor& x, const Blocks& w, torch::Tensor& o) { matmul_q8_impl<B, S>(x, w, o); } };
+template <int B, int S> struct DequantizeOp { static void run(const Blocks& w, torch::Tensor& o) { dequantize_impl<B, S>(w, o); } };
+
 }  // namespace
 
-// x: [M, K] float32; out: [M, N] float32. (bits, block): (4, 32), (8, 32) or (8, 16).
-void block_quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                        c10::optional<torch::Tensor> offsets, int64_t bits, int64_t block, torch::Tensor out) {
-  if (bits == 4) matmul_impl<4, 32>(x, codes, scales, offsets, out);
-  else if (block == 32) matmul_impl<8, 32>(x, codes, scales, offsets, out);
-  else matmul_impl<8, 16>(x, codes, scales, offsets, out);
+// x: [M, K] float32; out: [M, N] float32; the weight as `Blocks` lays it out.
+void block_quant_matmul(torch::Tensor x, torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
+                        c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
+                        int64_t block, int64_t center, torch::Tensor out) {
+  dispatch<MatmulOp>(bits, block, x, Blocks(codes, high, scales, offsets, supers, bits, block, center), out);
 }
 
 // The same product with the activations rounded to int8 per 32 values (see matmul_q8_impl).
-void block_quant_matmul_q8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                           c10::optional<torch::Tensor> offsets, int64_t bits, int64_t block, torch::Tensor out) {
-  if (bits == 4) matmul_q8_impl<4, 32>(x, codes, scales, offsets, out);
-  else if (block == 32) matmul_q8_impl<8, 32>(x, codes, scales, offsets, out);
-  else matmul_q8_impl<8, 16>(x, codes, scales, offsets, out);
+void block_quant_matmul_q8(torch::Tensor x, torch::Tensor codes, c10::optional<torch::Tensor> high,
+                           torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+                           c10::optional<torch::Tensor> supers, int64_t bits, int64_t block, int64_t center,
+                           torch::Tensor out) {
+  dispatch<MatmulQ8Op>(bits, block, x, Blocks(codes, high, scales, offsets, supers, bits, block, center), out);
 }
 
 // out: [N, K] float32, the dequantized weight.
-void block_quant_dequantize(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
-                            int64_t bits, int64_t block, torch::Tensor out) {
-  if (bits == 4) dequantize_impl<4, 32>(codes, scales, offsets, out);
-  else if (block == 32) dequantize_impl<8, 32>(codes, scales, offsets, out);
-  else dequantize_impl<8, 16>(codes, scales, offsets, out);
+void block_quant_dequantize(torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
+                            c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
+                            int64_t block, int64_t center, torch::Tensor out) {
+  dispatch<DequantizeOp>(bits, block, Blocks(codes, high, scales, offsets, supers, bits, block, center), out);
 }
 """
 
@@ -353,15 +552,34 @@ def load():
     return cpu_kernels()
 
 
-def block_size(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> int:
-    return codes.shape[1] * 8 // bits // scales.shape[1]
+@dataclass(frozen=True)
+class Blocks:
+    """A packed weight as the kernels take it (the layout in the module docstring)."""
+
+    codes: torch.Tensor
+    high: torch.Tensor | None
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    supers: torch.Tensor | None
+    bits: int
+    center: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * (1 if self.bits == 8 else 2)
+
+    @property
+    def block(self) -> int:
+        return self.shape[1] // self.scales.shape[1]
+
+    def args(self) -> tuple:
+        return (self.codes, self.high, self.scales, self.offsets, self.supers, self.bits, self.block, self.center)
 
 
-def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-           bits: int) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: Blocks) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ dequantized weight [N, K].T -> [M, N]."""
-    out = torch.empty(x.shape[0], codes.shape[0], dtype=torch.float32)
-    load().block_quant_matmul(x, codes, scales, offsets, bits, block_size(codes, scales, bits), out)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    load().block_quant_matmul(x, *w.args(), out)
     return out
 
 
@@ -374,11 +592,10 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * d).view(x.shape)
 
 
-def matmul_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-              bits: int) -> torch.Tensor:
+def matmul_q8(x: torch.Tensor, w: Blocks) -> torch.Tensor:
     """`matmul` of `round_activations(x)` with integer dot products (close to `matmul`, not exact)."""
-    out = torch.empty(x.shape[0], codes.shape[0], dtype=torch.float32)
-    load().block_quant_matmul_q8(x, codes, scales, offsets, bits, block_size(codes, scales, bits), out)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    load().block_quant_matmul_q8(x, *w.args(), out)
     return out
 
 
@@ -393,10 +610,9 @@ def workspace(rows: int, cols: int) -> torch.Tensor:
     return _workspace[: rows * cols].view(rows, cols)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(w: Blocks, out: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weight [N, K] (into `out` when given)."""
     if out is None:
-        out = torch.empty(codes.shape[0], codes.shape[1] * 8 // bits, dtype=torch.float32)
-    load().block_quant_dequantize(codes, scales, offsets, bits, block_size(codes, scales, bits), out)
+        out = torch.empty(*w.shape, dtype=torch.float32)
+    load().block_quant_dequantize(*w.args(), out)
     return out

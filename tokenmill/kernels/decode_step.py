@@ -28,10 +28,10 @@ _SOURCE = r"""
 namespace decode_step {
 
 // A linear layer: kind 0 dense (w [N, K]), 1 blocks with float activations, 2 blocks with int8
-// activations (w: codes); absent tensors are empty.
+// activations (w: codes, then the rest of `block_quant.Blocks`); absent tensors are empty.
 struct Linear {
-  torch::Tensor w, scales, offsets, bias;
-  int64_t kind, bits;
+  torch::Tensor w, high, scales, offsets, supers, bias;
+  int64_t kind, bits, center;
 };
 
 inline c10::optional<torch::Tensor> present(const torch::Tensor& t) {
@@ -42,9 +42,9 @@ inline c10::optional<torch::Tensor> present(const torch::Tensor& t) {
 torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
   if (l.kind == 0) return at::linear(x, l.w, present(l.bias));
   auto out = torch::empty({x.size(0), l.w.size(0)}, x.options());
-  const int64_t block = l.w.size(1) * 8 / l.bits / l.scales.size(1);
-  if (l.kind == 1) block_quant_matmul(x, l.w, l.scales, present(l.offsets), l.bits, block, out);
-  else block_quant_matmul_q8(x, l.w, l.scales, present(l.offsets), l.bits, block, out);
+  const int64_t block = l.w.size(1) * (l.bits == 8 ? 1 : 2) / l.scales.size(1);
+  auto kernel = l.kind == 1 ? block_quant_matmul : block_quant_matmul_q8;
+  kernel(x, l.w, present(l.high), l.scales, present(l.offsets), present(l.supers), l.bits, block, l.center, out);
   if (l.bias.numel()) out += l.bias;
   return out;
 }
@@ -53,7 +53,8 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
 
 // hidden: [T, hidden] (every token a decode); residual: the stream so far (absent before the first
 // layer). Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, then
-// (w, scales, offsets, bias) of qkv, o, gate_up, down; `ints` holds (kind, bits) of those four.
+// (w, high, scales, offsets, supers, bias) of qkv, o, gate_up, down; `ints` holds (kind, bits,
+// center) of those four.
 // Returns {hidden, residual} after the last layer (the final norm is the caller's).
 std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                          torch::Tensor positions, torch::Tensor slots,
@@ -63,13 +64,17 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<tor
                                          int64_t head_dim, double eps, double scale) {
   using decode_step::Linear;
   const int64_t T = hidden.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
-  const size_t layers = tensors.size() / 20;
+  constexpr size_t kTensors = 4 + 4 * 6, kInts = 4 * 3;
+  const size_t layers = tensors.size() / kTensors;
   torch::Tensor res = residual ? *residual : torch::Tensor();
   for (size_t i = 0; i < layers; ++i) {
-    const torch::Tensor* t = tensors.data() + 20 * i;
-    const int64_t* k = ints.data() + 8 * i;
-    Linear qkv_proj{t[4], t[5], t[6], t[7], k[0], k[1]}, o_proj{t[8], t[9], t[10], t[11], k[2], k[3]};
-    Linear gate_up_proj{t[12], t[13], t[14], t[15], k[4], k[5]}, down_proj{t[16], t[17], t[18], t[19], k[6], k[7]};
+    const torch::Tensor* t = tensors.data() + kTensors * i;
+    const int64_t* k = ints.data() + kInts * i;
+    auto make = [&](int j) {
+      const torch::Tensor* l = t + 4 + 6 * j;
+      return Linear{l[0], l[1], l[2], l[3], l[4], l[5], k[3 * j], k[3 * j + 1], k[3 * j + 2]};
+    };
+    const Linear qkv_proj = make(0), o_proj = make(1), gate_up_proj = make(2), down_proj = make(3);
 
     auto normed = torch::empty_like(hidden);
     add_rms_norm(hidden, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, t[0], eps, normed);
@@ -126,9 +131,9 @@ def _linear_operands(linear: nn.Module) -> tuple[list[torch.Tensor], list[int], 
     operands = linear.quant_method.decode_operands(linear)
     if operands is None:
         return None
-    kind, bits, tensors, max_tokens = operands
+    kind, bits, center, tensors, max_tokens = operands
     bias = linear.bias if linear.bias is not None else _NONE
-    return [t if t is not None else _NONE for t in tensors] + [bias], [kind, bits], max_tokens
+    return [t if t is not None else _NONE for t in tensors] + [bias], [kind, bits, center], max_tokens
 
 
 class CompiledDecode:

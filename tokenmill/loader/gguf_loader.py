@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +104,7 @@ class GGUFWeight:
         if not self.unpermute_heads:
             return c
         fix = lambda a: None if a is None else np.ascontiguousarray(_unpermute(a, self.unpermute_heads))  # noqa: E731
-        return Codes(fix(c.q), fix(c.scales), fix(c.offsets), c.block)
+        return replace(c, q=fix(c.q), scales=fix(c.scales), offsets=fix(c.offsets), supers=fix(c.supers))
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

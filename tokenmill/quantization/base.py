@@ -41,10 +41,10 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., input_size] -> [..., output_size]."""
 
-    def decode_operands(self, layer: nn.Module) -> tuple[int, int, list[torch.Tensor | None], int | None] | None:
+    def decode_operands(self, layer: nn.Module) -> tuple[int, int, int, list[torch.Tensor | None], int | None] | None:
         """How the compiled decode step (`tokenmill.kernels.decode_step`) runs this layer's `apply`:
-        (kind, bits, [weight or codes, scales, offsets], most tokens per call or None), or None
-        when it cannot (the model's own forward runs then)."""
+        (kind, bits, center, [weight or codes, high, scales, offsets, supers], most tokens per call
+        or None), or None when it cannot (the model's own forward runs then)."""
         return None
 
 

@@ -1,20 +1,15 @@
-"""`gguf` (the default for GGUF files on CPU in float32): linear layers keep the file's quantized
-weights packed — Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K — and the matmul
-dequantizes inside the kernel (`tokenmill.kernels.block_quant`), so the model computes on the same
-float32 weights as the dequantized checkpoint while a decode step reads 3-7x fewer bytes.
+"""`gguf` (the exact mode for GGUF files on CPU) and `gguf-q8` (the default): linear layers keep the
+file's quantized weights packed — Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K —
+and the matmul dequantizes inside the kernel (`tokenmill.kernels.block_quant`), so the model computes
+on the same float32 weights as the dequantized checkpoint while a decode step reads 5-6x fewer bytes.
 
-Every type becomes w = scale * code + offset per block (`BlockLayout`): 4-bit codes in blocks of 32
-where the codes fit 0..15 (Q4_0, Q4_1, Q4_K: a K-quant's 6-bit sub-scales and mins are folded into
-per-block float32 scales and offsets), 8-bit codes otherwise (Q8_0, Q5_*, Q5_K; Q6_K in blocks of
-16, its sub-block size). The folded scales are exact float32 products, so nothing changes value.
-A fused layer whose shards come in different types takes the widest layout among them (a 4-bit
-shard widened to 8-bit codes, a 32-block's scale repeated over two 16-blocks), again exactly.
+Every type becomes w = scale * (code - center) + offset per block (`BlockLayout`, stored as
+`block_quant.Blocks`): codes of 4, 5 or 6 bits (a nibble plane plus a plane of the top bits) or 8,
+float16 scales and offsets per block of 32 (Q6_K: 16), and for K-quants the super-block's float32
+scale and min beside them — about as many bits as the file's own blocks, every value exact.
+A fused layer whose shards come in different types takes the widest layout among them (more code
+bits, the smaller block, an offset where the shards' centers differ), again exactly.
 Other types (Q2_K, Q3_K, floats) stay dense: dequantized at load.
-
-The layer stores (the kernel's layout):
-  4 bits: codes uint8 [N, K/2], in each 16-byte block byte j holds value j (low nibble) and value
-          j+16 (high nibble), as in GGUF; scales and offsets float32 [N, K/32];
-  8 bits: codes int8 [N, K]; scales float32 [N, K/block]; offsets float32 or none.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import torch
 
 from tokenmill.kernels import block_quant
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
-from tokenmill.quantization.gguf_codes import Codes
+from tokenmill.quantization.gguf_codes import SUPER, Codes
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 # batches up to this many tokens run the fused kernel; larger ones dequantize once and use torch's GEMM
@@ -35,37 +30,74 @@ FUSED_MAX_TOKENS = 16
 
 @dataclass(frozen=True)
 class BlockLayout:
-    bits: int  # 4 or 8 per code
+    bits: int  # 4, 5, 6 or 8 per code
     block: int  # values per scale: 32, or 16
     offsets: bool
+    center: int = 0  # the codes' zero (8-bit codes are signed: 0)
+    supers: bool = False  # K-quant super-block scales
 
     def widest(self, other: BlockLayout) -> BlockLayout:
-        return BlockLayout(max(self.bits, other.bits), min(self.block, other.block), self.offsets or other.offsets)
+        bits = max(self.bits, other.bits)
+        same = self.center == other.center or bits == 8
+        return BlockLayout(bits, min(self.block, other.block), self.offsets or other.offsets or not same,
+                           self.center if same and bits < 8 else 0, self.supers or other.supers)
 
 
-# each packed GGUF type's own layout (Q4_0's codes are stored 0..15 with offset -8 * scale)
+# each packed GGUF type's own layout
 LAYOUTS = {
-    "Q4_0": BlockLayout(4, 32, True), "Q4_1": BlockLayout(4, 32, True), "Q4_K": BlockLayout(4, 32, True),
-    "Q8_0": BlockLayout(8, 32, False), "Q5_0": BlockLayout(8, 32, False), "Q5_1": BlockLayout(8, 32, True),
-    "Q5_K": BlockLayout(8, 32, True), "Q6_K": BlockLayout(8, 16, False),
+    "Q4_0": BlockLayout(4, 32, False, 8), "Q4_1": BlockLayout(4, 32, True), "Q8_0": BlockLayout(8, 32, False),
+    "Q5_0": BlockLayout(5, 32, False, 16), "Q5_1": BlockLayout(5, 32, True),
+    "Q4_K": BlockLayout(4, 32, True, supers=True), "Q5_K": BlockLayout(5, 32, True, supers=True),
+    "Q6_K": BlockLayout(6, 16, False, 32, supers=True),
 }
 
 
-def pack(codes: Codes, layout: BlockLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """`codes` in `layout`: (codes uint8 [N, K/2] or int8 [N, K], scales, offsets) for the kernel."""
-    q, scales, offsets = codes.q, codes.scales, codes.offsets
+def _half(a: np.ndarray) -> np.ndarray:
+    h = a.astype(np.float16)
+    if not np.array_equal(h.astype(np.float32), a):
+        raise ValueError("block scales do not fit float16 exactly")
+    return h
+
+
+def pack(codes: Codes, layout: BlockLayout) -> dict[str, np.ndarray | None]:
+    """`codes` in `layout`: the arrays of `block_quant.Blocks` (codes, high, scales, offsets, supers)."""
+    q, scales, offsets, supers = codes.q, codes.scales, codes.offsets, codes.supers
+    rows, cols = q.shape
+    if layout.supers and supers is None:  # a legacy type beside K-quants: super-blocks of one
+        supers = np.ones((rows, -(-cols // SUPER), 2), dtype=np.float32)
+    if layout.bits < 8 and codes.center != layout.center:  # different centers: the code's center becomes an offset
+        if offsets is not None and codes.center:
+            raise ValueError("a block type with both a center and offsets")
+        if codes.supers is not None and offsets is None:  # the offsets take the scales' super-block factor
+            supers = supers.copy()
+            supers[..., 1] = supers[..., 0]
+        offsets = (offsets if offsets is not None else 0) - codes.center * scales
+        q = q + codes.center - layout.center
     if layout.block < codes.block:  # one scale (and offset) per smaller block
         repeat = codes.block // layout.block
         scales = np.repeat(scales, repeat, axis=1)
         offsets = None if offsets is None else np.repeat(offsets, repeat, axis=1)
     if layout.offsets and offsets is None:
         offsets = np.zeros_like(scales)
+    out = {"codes": None, "high": None, "scales": _half(scales), "offsets": None if offsets is None else _half(offsets),
+           "supers": None if supers is None else supers.astype(np.float32)}
     if layout.bits == 8:
-        return q.astype(np.int8), scales, offsets
-    if q.min(initial=0) < 0:  # Q4_0: code - 8 stored as code with an offset of -8 * scale (exact)
-        q, offsets = q + 8, offsets - 8 * scales
-    nibbles = q.astype(np.uint8).reshape(q.shape[0], -1, 2, 16)
-    return (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(q.shape[0], -1), scales, offsets
+        out["codes"] = q.astype(np.int8)
+        return out
+    u = (q + layout.center).astype(np.uint8).reshape(rows, -1, 32)
+    low = u & 0x0F
+    out["codes"] = (low[..., :16] | (low[..., 16:] << 4)).reshape(rows, -1)
+    if layout.bits in (5, 6):  # groups 2p, 2p+1 share a record: [pair, L, h, j] for value 16h + j of group 2p + L
+        top = np.zeros((rows, -(-u.shape[1] // 2) * 2, 32), dtype=np.uint8)
+        top[:, : u.shape[1]] = u >> 4
+        top = top.reshape(rows, -1, 2, 2, 16)
+        if layout.bits == 5:  # bit 16 * (2h + L) + j of 8 bytes
+            out["high"] = np.packbits(top.swapaxes(2, 3).reshape(rows, -1, 64), axis=-1, bitorder="little")
+        else:  # byte j, bits 2L + 4h
+            shifts = (2 * np.arange(2)[:, None] + 4 * np.arange(2)[None, :]).astype(np.uint8)[..., None]
+            out["high"] = (top << shifts).sum(axis=(2, 3), dtype=np.uint8)
+        out["high"] = out["high"].reshape(rows, -1)
+    return out
 
 
 class BlockQuantLinearMethod(LinearMethod):
@@ -80,35 +112,43 @@ class BlockQuantLinearMethod(LinearMethod):
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         if input_size % 32:
             raise ValueError(f"{layer.prefix}: {input_size} columns are not whole blocks of 32")
-        rows, nb = sum(output_sizes), input_size // self.layout.block
-        codes = torch.empty(rows, input_size // 2, dtype=torch.uint8) if self.bits == 4 else \
-            torch.empty(rows, input_size, dtype=torch.int8)
-        layer.register_buffer("codes", codes)
-        layer.register_buffer("scales", torch.empty(rows, nb, dtype=torch.float32))
-        layer.register_buffer("offsets", torch.empty(rows, nb, dtype=torch.float32) if self.layout.offsets else None)
+        if self.layout.supers and input_size % SUPER:
+            raise ValueError(f"{layer.prefix}: {input_size} columns are not whole K-quant super-blocks of {SUPER}")
+        rows, nb, bits = sum(output_sizes), input_size // self.layout.block, self.bits
+        layer.register_buffer("codes", torch.empty(rows, input_size, dtype=torch.int8) if bits == 8 else
+                              torch.empty(rows, input_size // 2, dtype=torch.uint8))
+        pairs = -(-input_size // 64)  # the top bits of two 32-value groups share a record of 8 or 16 bytes
+        layer.register_buffer("high", torch.empty(rows, pairs * (8 if bits == 5 else 16), dtype=torch.uint8)
+                              if bits in (5, 6) else None)
+        layer.register_buffer("scales", torch.empty(rows, nb, dtype=torch.float16))
+        layer.register_buffer("offsets", torch.empty(rows, nb, dtype=torch.float16) if self.layout.offsets else None)
+        layer.register_buffer("supers", torch.empty(rows, input_size // SUPER, 2) if self.layout.supers else None)
 
     def load(self, layer, weight, rows, src_rows, src_cols):
         if src_cols != slice(None):
             raise ValueError("GGUF blocks cannot be split by columns (tensor parallelism) yet")
         codes = weight.codes()
-        if codes.block % self.layout.block or LAYOUTS[weight.qtype.name].bits > self.bits:
+        if codes.block % self.layout.block or LAYOUTS[weight.qtype.name].widest(self.layout) != self.layout:
             raise ValueError(f"holds {weight.qtype.name} blocks, which do not fit the layer's {self.layout}")
-        for dest, src in zip((layer.codes, layer.scales, layer.offsets), pack(codes, self.layout)):
+        for name, src in pack(codes, self.layout).items():
+            dest = getattr(layer, name)
             if dest is not None:
                 src = torch.from_numpy(np.ascontiguousarray(src[src_rows])).view(dest.dtype)
                 if tuple(dest[rows].shape) != tuple(src.shape):
                     raise ValueError(f"has blocks of shape {tuple(src.shape)}, expected {tuple(dest[rows].shape)}")
                 dest[rows].copy_(src)
 
+    def blocks(self, layer) -> block_quant.Blocks:
+        return block_quant.Blocks(layer.codes, layer.high, layer.scales, layer.offsets, layer.supers, self.bits,
+                                  self.layout.center)
+
     def apply(self, layer, x, bias):
         flat = x.reshape(-1, x.shape[-1]).contiguous()
+        w = self.blocks(layer)
         if flat.shape[0] <= FUSED_MAX_TOKENS:
-            matmul = block_quant.matmul_q8 if self.int8_activations else block_quant.matmul
-            out = matmul(flat, layer.codes, layer.scales, layer.offsets, self.bits)
+            out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
         else:
-            n, k = layer.codes.shape[0], layer.codes.shape[1] * 8 // self.bits
-            weight = block_quant.dequantize(layer.codes, layer.scales, layer.offsets, self.bits,
-                                            out=block_quant.workspace(n, k))
+            weight = block_quant.dequantize(w, out=block_quant.workspace(*w.shape))
             if self.int8_activations:  # the same rounding as the kernel: a token's result never depends on its batch
                 flat = block_quant.round_activations(flat)
             out = flat @ weight.t()
@@ -117,8 +157,8 @@ class BlockQuantLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def decode_operands(self, layer):
-        return (2 if self.int8_activations else 1, self.bits, [layer.codes, layer.scales, layer.offsets],
-                FUSED_MAX_TOKENS)
+        return (2 if self.int8_activations else 1, self.bits, self.layout.center,
+                [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers], FUSED_MAX_TOKENS)
 
 
 class GGUFConfig(QuantizationConfig):

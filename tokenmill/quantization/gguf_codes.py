@@ -1,7 +1,8 @@
-"""GGUF quantized tensors unpacked into integer codes with a float32 scale and offset per block: the
-weight is exactly code * scale + offset, the value gguf's dequantization gives (K-quants: the
-super-block's float16 scale times each sub-block's 6-bit (or int8) scale, folded into one float32).
-Checked bit for bit against `gguf.quants.dequantize` in the tests."""
+"""GGUF quantized tensors unpacked into integer codes with a scale and offset per block: the weight is
+exactly code * scale + offset, the value gguf's dequantization gives. A K-quant keeps its two levels:
+each sub-block's 6-bit (or int8) scale and min, and the super-block's float16 scale and min
+(`supers`); the products are exact in float32. Checked bit for bit against `gguf.quants.dequantize`
+in the tests."""
 
 from __future__ import annotations
 
@@ -14,13 +15,29 @@ SUPER = 256  # values in a K-quant super-block
 
 @dataclass
 class Codes:
-    """One tensor's weights as codes [N, K] (int16 values) times scales [N, K / block], plus offsets
-    [N, K / block] (None: zero)."""
+    """One tensor's weights as codes [N, K] (int16 values in -center .. 2**bits - center - 1) times
+    scales [N, K / block], plus offsets [N, K / block] (None: zero). With `supers` [N, K / 256, 2]
+    (K-quants), scales and offsets are small integers (as float32) to multiply by each super-block's
+    scale (supers[..., 0]) and min (supers[..., 1]); `full_scales`/`full_offsets` give the products."""
 
     q: np.ndarray
     scales: np.ndarray
     offsets: np.ndarray | None
     block: int
+    bits: int
+    center: int = 0
+    supers: np.ndarray | None = None
+
+    def _per_block(self, which: int) -> np.ndarray:
+        return np.repeat(self.supers[..., which], SUPER // self.block, axis=1)
+
+    def full_scales(self) -> np.ndarray:
+        return self.scales if self.supers is None else self.scales * self._per_block(0)
+
+    def full_offsets(self) -> np.ndarray | None:
+        if self.offsets is None or self.supers is None:
+            return self.offsets
+        return self.offsets * self._per_block(1)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -48,18 +65,15 @@ def unpack(qtype: str, raw: np.ndarray, rows: int) -> Codes:
         d = _f16(b[..., 0:2])
         m = _f16(b[..., 2:4]) if qtype in ("Q4_1", "Q5_1") else None
         if qtype == "Q8_0":
-            return Codes(b[..., 2:].view(np.int8).astype(np.int16).reshape(rows, -1), d, None, 32)
+            return Codes(b[..., 2:].view(np.int8).astype(np.int16).reshape(rows, -1), d, None, 32, 8)
         qs = b[..., -16:]  # the block's last 16 bytes hold the low four bits
         q = _nibbles(qs).astype(np.int16)  # [rows, blocks, 32]
         if qtype in ("Q5_0", "Q5_1"):
             hbytes = b[..., 2:6] if qtype == "Q5_0" else b[..., 4:8]
             high = np.unpackbits(np.ascontiguousarray(hbytes), axis=-1, bitorder="little")
             q |= high.astype(np.int16) << 4
-        if qtype == "Q4_0":
-            q -= 8
-        elif qtype == "Q5_0":
-            q -= 16
-        return Codes(q.reshape(rows, -1), d, m, 32)
+        center = {"Q4_0": 8, "Q5_0": 16}.get(qtype, 0)
+        return Codes(q.reshape(rows, -1) - center, d, m, 32, 5 if qtype.startswith("Q5") else 4, center)
     if qtype in ("Q4_K", "Q5_K"):
         size = 144 if qtype == "Q4_K" else 176
         b = raw.reshape(rows, -1, size)
@@ -70,15 +84,15 @@ def unpack(qtype: str, raw: np.ndarray, rows: int) -> Codes:
         if qtype == "Q5_K":
             qh = b[..., 16:48].reshape(rows, -1, 1, 32)
             q |= ((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1).astype(np.int16) << 4
-        scales = (d[..., None] * sc).reshape(rows, -1)
-        offsets = -(dmin[..., None] * mn).reshape(rows, -1)
-        return Codes(q.reshape(rows, -1), scales, offsets, 32)
+        return Codes(q.reshape(rows, -1), sc.reshape(rows, -1), -mn.reshape(rows, -1), 32,
+                     4 if qtype == "Q4_K" else 5, 0, np.stack([d, dmin], axis=-1))
     if qtype == "Q6_K":
         b = raw.reshape(rows, -1, 210)
         ql, qh = b[..., 0:128].reshape(rows, -1, 2, 1, 64), b[..., 128:192].reshape(rows, -1, 2, 1, 32)
         low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [.., 2, 2, 64]
         high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03  # [.., 2, 4, 32]
         q = (low.reshape(rows, -1, 8, 32).astype(np.int16) | (high.reshape(rows, -1, 8, 32).astype(np.int16) << 4)) - 32
-        scales = (_f16(b[..., 208:210])[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(rows, -1)
-        return Codes(q.reshape(rows, -1), scales, None, 16)
+        d = _f16(b[..., 208:210])
+        scales = b[..., 192:208].view(np.int8).astype(np.float32).reshape(rows, -1)
+        return Codes(q.reshape(rows, -1), scales, None, 16, 6, 32, np.stack([d, np.zeros_like(d)], axis=-1))
     raise ValueError(f"GGUF type {qtype} has no packed layout")
