@@ -134,15 +134,16 @@ struct Blocks {
 };
 
 // Value i of a row: unsigned for 4-6 bits, signed for 8. The top bits of groups 2p and 2p+1 (L = 0,
-// 1) share one record of the high plane: 5 bits, 8 bytes, bit 16 * (2h + L) + j for value 16h + j;
-// 6 bits, 16 bytes, byte j bits 2L + 4h (two of them) for value 16h + j.
+// 1) share one record of the high plane, laid out for `unpack_pair`; value 16h + j of group L sits
+// in byte 16L + j = 8q + k of the pair's lo (h = 0) or hi (h = 1) vector. 5 bits: 8 bytes, bit
+// 8k + 4 + q (lo) or 8k + q (hi); 6 bits: 16 bytes, bits 2L + 4h (two) of byte j.
 template <int BITS>
 inline int code_at(const uint8_t* codes, const uint8_t* high, int64_t i) {
   if (BITS == 8) return reinterpret_cast<const int8_t*>(codes)[i];
   const int64_t g = i / 32, v = i % 32, L = g % 2, h = v / 16, j = v % 16;
   int u = v < 16 ? (codes[g * 16 + j] & 0x0F) : (codes[g * 16 + j] >> 4);
   if (BITS == 5) {
-    const int64_t bit = 16 * (2 * h + L) + j;
+    const int64_t q = (16 * L + j) / 8, k = j % 8, bit = 8 * k + q + (h ? 0 : 4);
     u |= ((high[(g / 2) * 8 + bit / 8] >> (bit % 8)) & 1) << 4;
   }
   if (BITS == 6) u |= ((high[(g / 2) * 16 + j] >> (2 * L + 4 * h)) & 3) << 4;
@@ -150,18 +151,6 @@ inline int code_at(const uint8_t* codes, const uint8_t* high, int64_t i) {
 }
 
 #ifdef TM_SIMD
-// The fifth bits of 32 values, in bytes at bit 4: byte i of each 128-bit lane tests bit i % 8 of the
-// byte of `word` that `pick` names for it.
-inline __m256i fifth_bits(long long word, __m256i pick) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi64x(word), pick);
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-}
-
-inline __m256i pick_bytes(char a, char b, char c, char d) {
-  return _mm256_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b, c, c, c, c, c, c, c, c, d, d, d, d, d, d, d, d);
-}
-
 // The 32 codes of group g of a row, value j in byte j.
 template <int BITS>
 inline __m256i unpack32(const uint8_t* codes, const uint8_t* high, int64_t g) {
@@ -170,10 +159,13 @@ inline __m256i unpack32(const uint8_t* codes, const uint8_t* high, int64_t g) {
   const __m128i m4 = _mm_set1_epi8(0x0F);
   __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
   const int L = static_cast<int>(g % 2);
-  if (BITS == 5) {
+  if (BITS == 5) {  // 64-bit lanes 0-1 shift right (lo bits), 2-3 left (hi bits); a count of 64 gives 0
     long long word;
     std::memcpy(&word, high + (g / 2) * 8, 8);
-    v = _mm256_or_si256(v, fifth_bits(word, L ? pick_bytes(2, 3, 6, 7) : pick_bytes(0, 1, 4, 5)));
+    const __m256i w = _mm256_set1_epi64x(word);
+    const __m256i top = _mm256_or_si256(_mm256_srlv_epi64(w, _mm256_setr_epi64x(2 * L, 2 * L + 1, 64, 64)),
+                                        _mm256_sllv_epi64(w, _mm256_setr_epi64x(64, 64, 4 - 2 * L, 3 - 2 * L)));
+    v = _mm256_or_si256(v, _mm256_and_si256(top, _mm256_set1_epi8(0x10)));
   } else if (BITS == 6) {  // values 0-15 from bits 2L, values 16-31 from bits 2L + 4, of the record's bytes
     const __m256i rec = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + (g / 2) * 16)));
     const __m256i top = _mm256_srlv_epi32(rec, _mm256_setr_epi32(2 * L, 2 * L, 2 * L, 2 * L, 2 * L + 4, 2 * L + 4,
@@ -191,11 +183,13 @@ inline void unpack_pair(const uint8_t* codes, const uint8_t* high, int64_t p, __
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   lo = _mm256_and_si256(raw, m4);
   hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-  if (BITS == 5) {
+  if (BITS == 5) {  // 64-bit lane q: lo takes bits 8k + 4 + q (right by q), hi bits 8k + q (left by 4 - q)
     long long word;
     std::memcpy(&word, high + p * 8, 8);
-    lo = _mm256_or_si256(lo, fifth_bits(word, pick_bytes(0, 1, 2, 3)));
-    hi = _mm256_or_si256(hi, fifth_bits(word, pick_bytes(4, 5, 6, 7)));
+    const __m256i w = _mm256_set1_epi64x(word);
+    const __m256i m = _mm256_set1_epi8(0x10);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srlv_epi64(w, _mm256_setr_epi64x(0, 1, 2, 3)), m));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_sllv_epi64(w, _mm256_setr_epi64x(4, 3, 2, 1)), m));
   } else if (BITS == 6) {  // lane L: bits 2L (lo) and 2L + 4 (hi) to bits 4-5; the bits shifted in from a neighbour are masked off
     const __m256i rec = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + p * 16)));
     const __m256i m = _mm256_set1_epi8(0x30);
@@ -423,35 +417,43 @@ inline void rows_dot_q8(const int8_t* xq, const float* dx, int64_t K, const uint
       into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, into[r]);
     }
   };
-  int64_t g = 0;
-  if (paired(BITS)) {  // two groups a step: lanes 0-3 from group g, 4-7 from g + 1
-    for (; g + 2 <= groups; g += 2) {
-      __m256i lo, hi;
-      unpack_pair<BITS>(codes, high, g / 2, lo, hi);
-      __m256 wlo, whi;  // the scale of each lane's values (BS 16: lo and hi are blocks of their own)
-      if (BS == 32) {
-        wlo = whi = pair_lanes(s + g);
+  // two groups at once (paired layouts): lanes 0-3 from group g, 4-7 from g + 1
+  auto pair = [&](int64_t g, __m256* into) {
+    __m256i lo, hi;
+    unpack_pair<BITS>(codes, high, g / 2, lo, hi);
+    __m256 wlo, whi;  // the scale of each lane's values (BS 16: lo and hi are blocks of their own)
+    if (BS == 32) {
+      wlo = whi = pair_lanes(s + g);
+    } else {
+      const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s + 2 * g));
+      wlo = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+      whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const int8_t* xp = xq + r * K + g * 32;
+      const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
+      const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
+      const __m256 dxv = SCALED ? _mm256_set1_ps(1.f) : pair_lanes(dx + r * groups + g);
+      if (BS == 32) {  // codes below 64 times |x| <= 127: four products fit an int16
+        const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones);
+        into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), SCALED ? wlo : _mm256_mul_ps(wlo, dxv), into[r]);
       } else {
-        const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s + 2 * g));
-        wlo = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
-        whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones)),
+                                 SCALED ? wlo : _mm256_mul_ps(wlo, dxv), acc[r]);
+        acc2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones)),
+                                  SCALED ? whi : _mm256_mul_ps(whi, dxv), acc2[r]);
       }
-      for (int r = 0; r < ROWS; ++r) {
-        const int8_t* xp = xq + r * K + g * 32;
-        const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
-        const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
-        const __m256 dxv = SCALED ? _mm256_set1_ps(1.f) : pair_lanes(dx + r * groups + g);
-        __m256* into = (g / 2) % 2 ? acc2 : acc;
-        if (BS == 32) {  // codes below 64 times |x| <= 127: four products fit an int16
-          const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones);
-          into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), SCALED ? wlo : _mm256_mul_ps(wlo, dxv), into[r]);
-        } else {
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones)),
-                                   SCALED ? wlo : _mm256_mul_ps(wlo, dxv), acc[r]);
-          acc2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones)),
-                                    SCALED ? whi : _mm256_mul_ps(whi, dxv), acc2[r]);
-        }
-      }
+    }
+  };
+  int64_t g = 0;
+  if (paired(BITS)) {
+    for (; g + 4 <= groups; g += 4) {
+      pair(g, acc);
+      pair(g + 2, acc2);
+    }
+    if (g + 2 <= groups) {
+      pair(g, acc);
+      g += 2;
     }
   } else {
     for (; g + 2 <= groups; g += 2) {

@@ -91,8 +91,13 @@ def pack(codes: Codes, layout: BlockLayout) -> dict[str, np.ndarray | None]:
         top = np.zeros((rows, -(-u.shape[1] // 2) * 2, 32), dtype=np.uint8)
         top[:, : u.shape[1]] = u >> 4
         top = top.reshape(rows, -1, 2, 2, 16)
-        if layout.bits == 5:  # bit 16 * (2h + L) + j of 8 bytes
-            out["high"] = np.packbits(top.swapaxes(2, 3).reshape(rows, -1, 64), axis=-1, bitorder="little")
+        if layout.bits == 5:  # value 16h + j of group L: byte i = 16L + j of vector h, bit 8(i % 8) + i // 8 (+4 for h = 0)
+            vec = top.swapaxes(2, 3).reshape(rows, -1, 2, 32)
+            i = np.arange(32)
+            bits = np.zeros((rows, vec.shape[1], 64), dtype=np.uint8)
+            bits[..., 8 * (i % 8) + i // 8 + 4] = vec[:, :, 0]
+            bits[..., 8 * (i % 8) + i // 8] = vec[:, :, 1]
+            out["high"] = np.packbits(bits, axis=-1, bitorder="little")
         else:  # byte j, bits 2L + 4h
             shifts = (2 * np.arange(2)[:, None] + 4 * np.arange(2)[None, :]).astype(np.uint8)[..., None]
             out["high"] = (top << shifts).sum(axis=(2, 3), dtype=np.uint8)
