@@ -57,10 +57,7 @@ def test_block_quant_linear_computes_on_the_gguf_weights(qtype):
     layer.weight_loader("weight", weight)
     layer.weight_loader("bias", torch.randn(96))
     method = layer.quant_method
-    assert method.bits == {"Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(qtype, 4)  # packed, not widened
-    weight_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.high, layer.scales, layer.offsets,
-                                                               layer.supers) if t is not None)
-    assert weight_bytes <= 96 * cols * (method.bits + 1.25) / 8  # about the file's own bits a weight
+    assert method.bits == (4 if qtype in ("Q4_0", "Q4_1", "Q4_K") else 8)  # exact mode: 5-, 6-bit codes as 8
     # bit for bit what gguf's dequantize gives
     assert torch.equal(block_quant.dequantize(method.blocks(layer)), ref)
     for rows in (1, 3, 4, 5, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1, 40):  # the fused kernel, then dequantize + GEMM
@@ -82,13 +79,18 @@ def q8_reference(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", PACKED)
 def test_int8_activation_kernel_matches_its_torch_reference(qtype):
     """gguf-q8's integer dot products equal the same rounding written in torch, on every layout
-    (4-bit codes, 8-bit codes in blocks of 32 and of 16), and so does its large-batch GEMM path; both
-    stay within ~1% of the exact product."""
+    (4-, 5-, 6- and 8-bit codes, blocks of 32 and of 16), held in about the file's own bits, and so
+    does its large-batch GEMM path; both stay within ~1% of the exact product."""
     rng = np.random.default_rng(2)
     cols = 512 if qtype.endswith("_K") else 480  # 15 groups of 32: pairs of groups, then one alone
     weight, ref = random_gguf_tensor(qtype, 80, cols, rng)
     layer = ReplicatedLinear(cols, 80, quant_config=GGUFConfig({"w.weight": qtype}, int8_activations=True), prefix="w")
     layer.weight_loader("weight", weight)
+    method = layer.quant_method
+    assert method.bits == {"Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(qtype, 4)  # packed, not widened
+    weight_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.high, layer.scales, layer.offsets,
+                                                               layer.supers) if t is not None)
+    assert weight_bytes <= 80 * cols * (method.bits + 1.25) / 8  # about the file's own bits a weight
     for rows in (1, 3, 4, 7, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1, 40):  # the integer kernel, then the GEMM
         x = torch.randn(rows, cols)
         out = layer(x)
@@ -103,26 +105,29 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype):
 def test_fused_layers_of_mixed_types_take_the_widest_layout(types, bits):
     """q/k in Q4_K and v in Q6_K (as Q4_K_M files mix them): the fused layer holds every shard in
     the widest codes, in blocks of the smallest size, the centers as offsets where they differ —
-    still exactly the file's weights, in both kernels."""
+    still exactly the file's weights, in both kernels (gguf-q8's layout, float16 scales; the exact
+    mode's, float32 scales and 8-bit codes for 5 and 6 bits)."""
     from tokenmill.layers.linear import MergedColumnParallelLinear
 
     rng = np.random.default_rng(1)
     parts = [random_gguf_tensor(t, 32 * (i + 1), 512, rng) for i, t in enumerate(types)]
-    config = GGUFConfig({"w.gate_proj.weight": types[0], "w.up_proj.weight": types[1]})
-    config.packed_modules = {"gate_up_proj": ["gate_proj", "up_proj"]}
-    layer = MergedColumnParallelLinear(512, [32, 64], quant_config=config, prefix="w.gate_up_proj")
-    for shard, (weight, _) in enumerate(parts):
-        layer.weight_loader("weight", weight, shard)
-    method = layer.quant_method
-    assert method.layout.bits == bits and method.layout.block == (16 if "Q6_K" in types else 32)
     ref = torch.cat([r for _, r in parts])
-    assert torch.equal(block_quant.dequantize(method.blocks(layer)), ref)
     x = torch.randn(3, 512)
-    want = x @ ref.T
-    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
-    method.int8_activations = True
-    want = q8_reference(x, ref)
-    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+    for int8_activations in (True, False):
+        config = GGUFConfig({"w.gate_proj.weight": types[0], "w.up_proj.weight": types[1]}, int8_activations)
+        config.packed_modules = {"gate_up_proj": ["gate_proj", "up_proj"]}
+        layer = MergedColumnParallelLinear(512, [32, 64], quant_config=config, prefix="w.gate_up_proj")
+        for shard, (weight, _) in enumerate(parts):
+            layer.weight_loader("weight", weight, shard)
+        method = layer.quant_method
+        want_bits = bits if int8_activations or bits == 4 else 8
+        assert method.layout.bits == want_bits and method.layout.block == (16 if "Q6_K" in types else 32)
+        assert torch.equal(block_quant.dequantize(method.blocks(layer)), ref)
+        want = x @ ref.T  # the float kernel, on either layout
+        torch.testing.assert_close(block_quant.matmul(x, method.blocks(layer)), want, rtol=1e-5,
+                                   atol=1e-5 * max(1.0, want.abs().max().item()))
+        want = q8_reference(x, ref) if int8_activations else want
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "llama-mqa-tied", "qwen2-bias"])

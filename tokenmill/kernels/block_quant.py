@@ -15,6 +15,8 @@ Layout (`Blocks`), per weight row of K values:
          6 bits: uint8 [N, K/4], 8 bytes a group, byte k bits 2i..2i+1 the top bits of value 8i+k.
   scales float16 [N, K/block]; offsets float16 [N, K/block] or none;
   supers float32 [N, K/256, 2] or none: (scale, min) of each 256 values, multiplying scales, offsets.
+         (Or scales and offsets in float32, the products already taken, and no supers: the exact
+         mode's choice, whose float kernel then reads them in place: speed over bytes.)
   center the codes' zero (Q4_0: 8, Q5_0: 16, Q6_K: 32), 0 for 8-bit codes.
 `matmul` handles few rows of activations (decode) by dequantizing each weight row in registers;
 `dequantize` writes the float32 weight for large batches, which then go to torch's GEMM.
@@ -63,12 +65,23 @@ inline float hsum(Vec v) {
 
 #endif
 
+// A float16 value as float (F16C's one-instruction conversion where the vector paths are built).
+inline float to_float(c10::Half h) {
+#ifdef TM_SIMD
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
 // A packed weight (see the Python module's docstring); pointers to row 0.
 struct Blocks {
   const uint8_t* codes;
   const uint8_t* high;
-  const c10::Half* scales;
+  const c10::Half* scales;  // float16 storage, or:
   const c10::Half* offsets;
+  const float* scales32;  // float32 storage (already times any super-block factor)
+  const float* offsets32;
   const float* supers;
   int64_t N, K, nb, bs, center;
   int64_t code_bytes, high_bytes, supers_per_row;  // per row
@@ -78,8 +91,10 @@ struct Blocks {
          int64_t centre)
       : codes(reinterpret_cast<const uint8_t*>(c.data_ptr())),
         high(h ? reinterpret_cast<const uint8_t*>(h->data_ptr()) : nullptr),
-        scales(s.data_ptr<c10::Half>()),
-        offsets(o ? o->data_ptr<c10::Half>() : nullptr),
+        scales(s.scalar_type() == at::kHalf ? s.data_ptr<c10::Half>() : nullptr),
+        offsets(o && o->scalar_type() == at::kHalf ? o->data_ptr<c10::Half>() : nullptr),
+        scales32(s.scalar_type() == at::kFloat ? s.data_ptr<float>() : nullptr),
+        offsets32(o && o->scalar_type() == at::kFloat ? o->data_ptr<float>() : nullptr),
         supers(su ? su->data_ptr<float>() : nullptr),
         N(c.size(0)), K(c.size(1) * (bits == 8 ? 1 : 2)), nb(s.size(1)), bs(block), center(centre),
         code_bytes(c.size(1)), high_bytes(h ? h->size(1) : 0), supers_per_row(su ? su->size(1) : 0) {}
@@ -89,6 +104,7 @@ struct Blocks {
   // row's scale per 32 values): the scales are then multiplied by it. `xs` (that row's sums per block):
   // instead of writing o, adds the offsets' share (sum of o * xs) to *share. Returns whether there are offsets.
   bool expand(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
+    if (scales32) return expand32(n, fold, dx, xs, s, o, share);
     const c10::Half* sh = scales + n * nb;
     const c10::Half* oh = offsets ? offsets + n * nb : nullptr;
     const float* sup = supers ? supers + n * supers_per_row * 2 : nullptr;
@@ -120,9 +136,9 @@ struct Blocks {
 #endif
     for (; b < nb; ++b) {
       const float* p = sup ? sup + (b * bs / kSuper) * 2 : nullptr;
-      s[b] = p ? static_cast<float>(sh[b]) * p[0] : static_cast<float>(sh[b]);
+      s[b] = p ? to_float(sh[b]) * p[0] : to_float(sh[b]);
       float ob = 0.f;
-      if (oh) ob = p ? static_cast<float>(oh[b]) * p[1] : static_cast<float>(oh[b]);
+      if (oh) ob = p ? to_float(oh[b]) * p[1] : to_float(oh[b]);
       if (folded) ob -= c * s[b];
       if (any && xs) sum += ob * xs[b];
       else if (any) o[b] = ob;
@@ -131,6 +147,25 @@ struct Blocks {
     if (xs) *share = sum;
     return any;
   }
+
+  // expand for float32 storage (what the exact mode keeps: its kernel then reads the rows in place).
+  bool expand32(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
+    const float* sr = scales32 + n * nb;
+    const float* orow = offsets32 ? offsets32 + n * nb : nullptr;
+    const bool folded = fold && center, any = orow || folded;
+    float sum = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float ob = (orow ? orow[b] : 0.f) - (folded ? static_cast<float>(center) * sr[b] : 0.f);
+      if (any && xs) sum += ob * xs[b];
+      else if (any) o[b] = ob;
+      s[b] = dx ? sr[b] * dx[b * bs / 32] : sr[b];
+    }
+    if (xs) *share = sum;
+    return any;
+  }
+
+  // Whether row n's stored scales and offsets can be read as they are (no expand needed).
+  bool in_place(bool fold, const float* dx) const { return scales32 && !dx && !(fold && center); }
 };
 
 // Value i of a row: unsigned for 4-6 bits, signed for 8. The top bits of groups 2p and 2p+1 (L = 0,
@@ -200,15 +235,21 @@ inline void unpack_pair(const uint8_t* codes, const uint8_t* high, int64_t p, __
 
 // The 32 codes of group g minus the center, as four float vectors (values 0-7, 8-15, 16-23, 24-31).
 template <int BITS>
-inline void decode32(const uint8_t* codes, const uint8_t* high, int64_t g, float center, Vec* f) {
-  const __m256i v = unpack32<BITS>(codes, high, g);
-  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-  for (int i = 0; i < 4; ++i) {
-    const __m256i wide = BITS == 8 ? _mm256_cvtepi8_epi32(part[i]) : _mm256_cvtepu8_epi32(part[i]);
-    f[i] = _mm256_cvtepi32_ps(wide);
-    if (BITS != 8) f[i] = _mm256_sub_ps(f[i], vset1(center));
+inline void decode32(const uint8_t* codes, const uint8_t* high, int64_t g, __m256i center, Vec* f) {
+  __m128i lo, hi;
+  if (BITS == 4) {  // the two nibble halves as they are, no 256-bit round trip
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
+    const __m128i m4 = _mm_set1_epi8(0x0F), c = _mm256_castsi256_si128(center);
+    lo = _mm_sub_epi8(_mm_and_si128(raw, m4), c);
+    hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), c);
+  } else {
+    __m256i v = unpack32<BITS>(codes, high, g);
+    if (BITS != 8) v = _mm256_sub_epi8(v, center);  // codes below 64, centers up to 32: int8, exactly
+    lo = _mm256_castsi256_si128(v);
+    hi = _mm256_extracti128_si256(v, 1);
   }
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int i = 0; i < 4; ++i) f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i]));
 }
 #endif
 
@@ -241,11 +282,12 @@ inline void rows_dot(const float* x, int64_t K, const uint8_t* codes, const uint
                      const float* o, float center, const float* xsum, float* out, int64_t out_stride) {
   const int64_t groups = K / 32, nb = K / BS;
 #ifdef TM_SIMD
+  const __m256i cv = _mm256_set1_epi8(static_cast<char>(center));
   Vec acc[ROWS], acc2[ROWS];  // two dependency chains, not one: even and odd blocks of 32 (halves of 16)
   for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = vzero();
   auto group = [&](int64_t g, Vec* into) {
     Vec f[4];
-    decode32<BITS>(codes, high, g, center, f);
+    decode32<BITS>(codes, high, g, cv, f);
     for (int r = 0; r < ROWS; ++r) {
       const float* xb = x + r * K + g * 32;
       if (BS == 32) {
@@ -296,6 +338,10 @@ void for_each_row(const Blocks& w, bool fold, const float* dx, const float* xs, 
         for (int64_t b = 0; b < w.high_bytes; b += 64) __builtin_prefetch(h + kPrefetchRows * w.high_bytes + b);
       }
       float share = 0.f;
+      if (w.in_place(fold, dx) && !xs) {
+        row(n, c, h, w.scales32 + n * w.nb, w.offsets32 ? w.offsets32 + n * w.nb : nullptr, share);
+        continue;
+      }
       const bool has_offsets = w.expand(n, fold, dx, xs, s.data(), o.data(), &share);
       row(n, c, h, s.data(), has_offsets && !xs ? o.data() : nullptr, share);
     }
@@ -308,7 +354,7 @@ void matmul_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out) {
   const float* xp = x.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   std::vector<float> xsum(M * nb, 0.f);
-  if (w.offsets)
+  if (w.offsets || w.offsets32)
     for (int64_t i = 0; i < M * nb; ++i)
       for (int64_t j = 0; j < BS; ++j) xsum[i] += xp[i * BS + j];
   const float center = static_cast<float>(w.center);
@@ -329,9 +375,10 @@ void dequantize_impl(const Blocks& w, torch::Tensor& out) {
   for_each_row(w, false, nullptr, nullptr, [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float* o, float) {
     float* row = outp + n * w.K;
 #ifdef TM_SIMD
+    const __m256i cv = _mm256_set1_epi8(static_cast<char>(center));
     for (int64_t g = 0; g < w.K / 32; ++g) {
       Vec f[4];
-      decode32<BITS>(c, h, g, center, f);
+      decode32<BITS>(c, h, g, cv, f);
       for (int i = 0; i < 4; ++i) {
         const int64_t b = (g * 32 + i * 8) / BS;
         _mm256_storeu_ps(row + g * 32 + i * 8, vadd(vmul(f[i], vset1(s[b])), vset1(o ? o[b] : 0.f)));

@@ -14,6 +14,7 @@ Other types (Q2_K, Q3_K, floats) stay dense: dequantized at load.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,16 +60,20 @@ def _half(a: np.ndarray) -> np.ndarray:
     return h
 
 
-def pack(codes: Codes, layout: BlockLayout) -> dict[str, np.ndarray | None]:
-    """`codes` in `layout`: the arrays of `block_quant.Blocks` (codes, high, scales, offsets, supers)."""
+def pack(codes: Codes, layout: BlockLayout, half: bool = True) -> dict[str, np.ndarray | None]:
+    """`codes` in `layout`: the arrays of `block_quant.Blocks` (codes, high, scales, offsets, supers);
+    `half` False: float32 scales and offsets with the super-block factors taken, no supers."""
     q, scales, offsets, supers = codes.q, codes.scales, codes.offsets, codes.supers
     rows, cols = q.shape
+    if not half:
+        scales, offsets, supers = codes.full_scales(), codes.full_offsets(), None
+        layout = dataclasses.replace(layout, supers=False)
     if layout.supers and supers is None:  # a legacy type beside K-quants: super-blocks of one
         supers = np.ones((rows, -(-cols // SUPER), 2), dtype=np.float32)
     if layout.bits < 8 and codes.center != layout.center:  # different centers: the code's center becomes an offset
         if offsets is not None and codes.center:
             raise ValueError("a block type with both a center and offsets")
-        if codes.supers is not None and offsets is None:  # the offsets take the scales' super-block factor
+        if supers is not None and offsets is None:  # the offsets take the scales' super-block factor
             supers = supers.copy()
             supers[..., 1] = supers[..., 0]
         offsets = (offsets if offsets is not None else 0) - codes.center * scales
@@ -79,7 +84,8 @@ def pack(codes: Codes, layout: BlockLayout) -> dict[str, np.ndarray | None]:
         offsets = None if offsets is None else np.repeat(offsets, repeat, axis=1)
     if layout.offsets and offsets is None:
         offsets = np.zeros_like(scales)
-    out = {"codes": None, "high": None, "scales": _half(scales), "offsets": None if offsets is None else _half(offsets),
+    to = _half if half else (lambda a: a.astype(np.float32))  # noqa: E731
+    out = {"codes": None, "high": None, "scales": to(scales), "offsets": None if offsets is None else to(offsets),
            "supers": None if supers is None else supers.astype(np.float32)}
     if layout.bits == 8:
         out["codes"] = q.astype(np.int8)
@@ -111,6 +117,8 @@ class BlockQuantLinearMethod(LinearMethod):
     (so a token's result does not depend on the batch it is in). Otherwise float32 activations, exact."""
 
     def __init__(self, layout: BlockLayout, int8_activations: bool = False) -> None:
+        if not int8_activations and layout.bits in (5, 6):  # the float kernel decodes 8-bit codes faster
+            layout = layout.widest(BlockLayout(8, layout.block, False))
         self.layout, self.int8_activations = layout, int8_activations
         self.bits = layout.bits
 
@@ -125,9 +133,14 @@ class BlockQuantLinearMethod(LinearMethod):
         pairs = -(-input_size // 64)  # the top bits of two 32-value groups share a record of 8 or 16 bytes
         layer.register_buffer("high", torch.empty(rows, pairs * (8 if bits == 5 else 16), dtype=torch.uint8)
                               if bits in (5, 6) else None)
-        layer.register_buffer("scales", torch.empty(rows, nb, dtype=torch.float16))
-        layer.register_buffer("offsets", torch.empty(rows, nb, dtype=torch.float16) if self.layout.offsets else None)
-        layer.register_buffer("supers", torch.empty(rows, input_size // SUPER, 2) if self.layout.supers else None)
+        # float16 scales (+ super-blocks) under int8 activations: fewer bytes for the memory-bound kernel;
+        # the exact mode's float kernel is compute-bound and reads float32 scales in place
+        half = self.int8_activations
+        dtype = torch.float16 if half else torch.float32
+        layer.register_buffer("scales", torch.empty(rows, nb, dtype=dtype))
+        layer.register_buffer("offsets", torch.empty(rows, nb, dtype=dtype) if self.layout.offsets else None)
+        layer.register_buffer("supers", torch.empty(rows, input_size // SUPER, 2)
+                              if self.layout.supers and half else None)
 
     def load(self, layer, weight, rows, src_rows, src_cols):
         if src_cols != slice(None):
@@ -135,7 +148,7 @@ class BlockQuantLinearMethod(LinearMethod):
         codes = weight.codes()
         if codes.block % self.layout.block or LAYOUTS[weight.qtype.name].widest(self.layout) != self.layout:
             raise ValueError(f"holds {weight.qtype.name} blocks, which do not fit the layer's {self.layout}")
-        for name, src in pack(codes, self.layout).items():
+        for name, src in pack(codes, self.layout, half=self.int8_activations).items():
             dest = getattr(layer, name)
             if dest is not None:
                 src = torch.from_numpy(np.ascontiguousarray(src[src_rows])).view(dest.dtype)
