@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tokenmill.eval.tasks import Scored, evaluate, load_task, texts_to_score
+from tokenmill.eval.tasks import CORPUS, Scored, corpus_items, evaluate, load_task, texts_to_score
 
 
 def write(tmp_path, lines: list) -> str:
@@ -67,3 +67,13 @@ def test_perplexity_over_every_scored_token():
     result = evaluate("perplexity", items, scored)
     assert math.isclose(result["token_perplexity"], math.exp(6.0 / 3))
     assert math.isclose(result["word_perplexity"], math.exp(6.0 / 3))  # three words
+
+
+def test_the_corpus_is_cut_into_whole_lines_in_order():
+    items = corpus_items(chunk_chars=1500)
+    text = CORPUS.read_text()
+    assert "".join(i["text"] for i in items) == text and len(items) > 10
+    assert all(len(i["text"]) <= 1500 or i["text"].count("\n") <= 1 for i in items)
+    assert all(i["text"].endswith("\n") for i in items[:-1])
+    with pytest.raises(ValueError, match="chunk_chars must be positive"):
+        corpus_items(chunk_chars=0)

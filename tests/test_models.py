@@ -95,18 +95,18 @@ def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
 
 @pytest.mark.parametrize("name,quantization,cache_dtype", [
     ("llama-gqa-untied", "none", "auto"), ("qwen2-bias", "none", "bfloat16"), ("llama-mqa-tied", "gguf", "auto"),
-    ("qwen2-bias", "gguf-q8", "float16")])
+    ("qwen2-bias", "gguf-q8", "float16"), ("llama-gqa-untied", "int4", "auto")])
 def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypatch, name, quantization, cache_dtype):
     """A decode-only step of plain layers runs as one C++ loop (`kernels.decode_step`) that must give
-    exactly the module-by-module forward's hidden states (dense, GGUF blocks exact and int8; float32
-    and 16-bit KV caches)."""
+    exactly the module-by-module forward's hidden states (dense, GGUF blocks exact and int8, int4
+    quantized on load; float32 and 16-bit KV caches)."""
     from tokenmill.kernels import decode_step
 
     if decode_step.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
     hf = make_tiny_model(name, tmp_path)
     path = str(tmp_path)
-    if quantization != "none":
+    if quantization.startswith("gguf"):
         write_tiny_gguf(hf, tmp_path / "m.gguf", {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_0",
                                                   "attn_output": "Q8_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_1",
                                                   "ffn_down": "Q4_0", "output": "Q8_0", "token_embd": "Q8_0"})

@@ -1,5 +1,5 @@
 """Quantized weights: GGUF blocks kept as they are (the same weights, checked against transformers
-on the dequantized file), and opt-in int8 (close to the float32 model)."""
+on the dequantized file). On-load int8/int4 and AWQ/GPTQ checkpoints: tests/test_int_quant.py."""
 
 from __future__ import annotations
 
@@ -8,18 +8,16 @@ import random
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from helpers import (all_logits, assert_same_greedy, greedy_reference, make_core, make_runner, make_tiny_model,
                      run_core, write_tiny_gguf)
 from tokenmill.config import EngineConfig
 from tokenmill.kernels import block_quant
-from tokenmill.layers.linear import LinearBase, ReplicatedLinear
+from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.loader import load_model
 from tokenmill.loader.gguf_loader import GGUFWeight
 from tokenmill.quantization import resolve_quantization
 from tokenmill.quantization.gguf import FUSED_MAX_TOKENS, BlockQuantLinearMethod, GGUFConfig
-from tokenmill.quantization.int8 import Int8Config, Int8LinearMethod
 from tokenmill.sampling_params import SamplingParams
 
 # a mix of block types per tensor, as llama.cpp's mixed quantizations do; ffn_gate and ffn_up differ
@@ -187,7 +185,7 @@ def test_gguf_quantization_choices(tmp_path):
     assert load_model(str(tmp_path), quantization="auto").quantization == "none"  # an HF directory
     with pytest.raises(ValueError, match="quantization 'gguf' runs a GGUF file's own blocks"):
         load_model(str(tmp_path), quantization="gguf")
-    with pytest.raises(ValueError, match="quantization 'gguf' runs a GGUF file's own blocks"):
+    with pytest.raises(ValueError, match="quantization 'gguf' runs the block kernels on CPU in float32; got cpu in"):
         load_model(path, dtype="bfloat16", quantization="gguf")
     with pytest.raises(ValueError, match="quantization 'gguf-q8' runs a GGUF file's own blocks"):
         load_model(str(tmp_path), quantization="gguf-q8")
@@ -195,31 +193,12 @@ def test_gguf_quantization_choices(tmp_path):
         EngineConfig(quantization="q3")
 
 
-def test_int8_linear_is_close_to_float():
-    torch.manual_seed(0)
-    linear = nn.Linear(256, 384, bias=True)
-    q = ReplicatedLinear(256, 384, bias=True, quant_config=Int8Config(torch.device("cpu")), prefix="q")
-    q.weight_loader("weight", linear.weight.detach())
-    q.weight_loader("bias", linear.bias.detach())
-    q.quant_method.process_after_loading(q)
-    assert q.qweight.dtype == torch.int8 and q.qweight.shape == (384, 256) and not hasattr(q, "weight")
-    x = torch.randn(7, 256)
-    ref, out = linear(x), q(x)
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert ((out - ref).norm() / ref.norm()).item() < 0.02
-
-
-@pytest.mark.parametrize("kwargs", [dict(quantization="int8"), dict(dtype="bfloat16")], ids=["int8", "bfloat16"])
-def test_lower_precision_tracks_the_float_model(tmp_path, kwargs):
-    """int8 weights, or bfloat16 compute (torch attention path, bf16 KV cache), through the engine."""
+def test_bfloat16_tracks_the_float_model(tmp_path):
+    """bfloat16 compute (torch attention path, bf16 KV cache), through the engine."""
     make_tiny_model("qwen2-bias", tmp_path)
     ref = load_model(str(tmp_path))
-    quant = load_model(str(tmp_path), **kwargs)
-    if "quantization" in kwargs:
-        linears = [m for m in quant.model.modules() if isinstance(m, LinearBase)]
-        assert linears and all(isinstance(m.quant_method, Int8LinearMethod) for m in linears)
-    else:
-        assert quant.dtype == torch.bfloat16 and quant.model.lm_head.weight.dtype == torch.bfloat16
+    quant = load_model(str(tmp_path), dtype="bfloat16")
+    assert quant.dtype == torch.bfloat16 and quant.model.lm_head.weight.dtype == torch.bfloat16
     prompts = [[(7 * i + j) % 256 for j in range(40)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a = run_core(make_core(str(tmp_path), loaded=ref), prompts, params)
@@ -231,5 +210,5 @@ def test_lower_precision_tracks_the_float_model(tmp_path, kwargs):
 def test_quantization_errors():
     with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, gguf-q8, int8"):
         resolve_quantization("int3", "hf", torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="not available on cuda"):
-        Int8Config(torch.device("cuda"))
+    with pytest.raises(ValueError, match="quantization 'int4' runs the block kernels on CPU in float32"):
+        resolve_quantization("int4", "hf", torch.device("cpu"), torch.bfloat16)

@@ -5,6 +5,7 @@ vLLM's prompt_logprobs, streamed and not, checked against transformers on the sa
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -113,6 +114,26 @@ def test_openapi_describes_every_endpoint_and_field(server):
     body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["$ref"].endswith("/CompletionRequest")
     assert "swagger" in httpx.get(f"{server.url}/docs").text.lower()
+
+
+def test_tokenmill_eval_perplexity_of_the_shipped_corpus(server, hf_default_model, tokenizer, tmp_path):
+    """`tokenmill eval perplexity` (the corpus tokenmill ships, first chunks) against transformers."""
+    from tokenmill.eval.tasks import corpus_items
+
+    out = tmp_path / "ppl.json"
+    subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "eval", "perplexity", "--limit", "2",
+                    "--chunk-chars", "600", "--base-url", f"{server.url}/v1", "--output", str(out)],
+                   check=True, timeout=600)
+    result = json.loads(out.read_text())
+    total = tokens = 0
+    for item in corpus_items(chunk_chars=600)[:2]:
+        ids = tokenizer.encode(item["text"])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf_default_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        total += sum(lp[j - 1, ids[j]].item() for j in range(1, len(ids)))
+        tokens += len(ids) - 1
+    assert result["kind"] == "perplexity" and result["items"] == 2
+    assert abs(math.log(result["token_perplexity"]) - (-total / tokens)) < 1e-4
 
 
 def run_eval_cli(server, items: list[dict], tmp_path) -> dict:

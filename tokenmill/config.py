@@ -172,6 +172,8 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     quantization: str = "auto"  # one of tokenmill.quantization.QUANTIZATION_METHODS
+    quantization_group_size: int | None = None  # int8 / int4 on load: columns per scale (None: the method's default)
+    quantization_symmetric: bool | None = None  # int8 / int4 on load: no per-group minimum (None: int8 yes, int4 no)
     grammar_timeout: float = 30.0  # seconds a structured-output grammar may take to compile
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -185,6 +187,11 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")
+        if self.quantization_group_size is not None and self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}")
+        if self.quantization not in ("int8", "int4") and (self.quantization_group_size or self.quantization_symmetric is not None):
+            raise ValueError("quantization_group_size and quantization_symmetric apply to --quantization int8 / "
+                             f"int4, not {self.quantization!r}")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

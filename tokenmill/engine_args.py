@@ -25,10 +25,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "Q4_K/Q5_K/Q6_K) packed and dequantize inside the matmul (CPU, float32; exactly the file's "
                         "weights, 3-7x fewer bytes per decode step); gguf-q8 = the same with decode activations "
                         "rounded to int8 per 32 values and integer dot products, as llama.cpp (faster decode; not "
-                        "exact, and outputs can change with batching and prefix hits); none = dense weights; int8 "
-                        "= per-row int8 weights with bf16 activations on CPU (faster, not exact); auto = for a "
-                        "GGUF file on CPU gguf-q8, or gguf (exact) when --dtype float32 is given; else none "
-                        "(default: %(default)s)")
+                        "exact, and outputs can change with batching and prefix hits); none = dense weights; "
+                        "int8 / int4 = quantize a dense HF checkpoint on load (int8 per output row, int4 per "
+                        "group, see --quantization-group-size); awq / gptq = an AutoAWQ / AutoGPTQ checkpoint "
+                        "(read from its quantization_config); the integer methods run like gguf-q8, or with float32 "
+                        "activations (exactly the quantized weights) when --dtype float32 is given; auto = the "
+                        "checkpoint's own format: for a GGUF file on CPU gguf-q8 (gguf with --dtype float32), "
+                        "awq/gptq for such checkpoints, else none (default: %(default)s)")
+    m.add_argument("--quantization-group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="int8 / int4: input columns sharing one scale (default: int4 32, int8 one per output row)")
+    m.add_argument("--quantization-symmetric", action=argparse.BooleanOptionalAction, default=None,
+                   help="int8 / int4: codes symmetric around zero (one scale per group) or asymmetric (a scale and "
+                        "a minimum per group, a closer fit for skewed groups) (default: int8 symmetric, int4 "
+                        "asymmetric)")
     m.add_argument("--seed", type=int, default=0,
                    help="global random seed; a request's own 'seed' overrides it (default: %(default)s)")
     m.add_argument("--max-model-len", type=int, default=sched.max_model_len,
@@ -68,6 +77,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size, quantization_symmetric=args.quantization_symmetric,
         grammar_timeout=args.grammar_timeout,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,

@@ -66,6 +66,28 @@ def load_task(path: str | Path, kind: str = "auto") -> tuple[str, list[dict]]:
     return kind, items
 
 
+CORPUS = Path(__file__).with_name("corpus.txt")  # shipped: `tokenmill eval perplexity` needs no download
+
+
+def corpus_items(path: str | Path | None = None, chunk_chars: int = 2000) -> list[dict]:
+    """A text file as perplexity items: consecutive chunks of whole lines, each about `chunk_chars`
+    characters (a line longer than that is a chunk of its own); the shipped corpus by default."""
+    if chunk_chars <= 0:
+        raise ValueError(f"chunk_chars must be positive, got {chunk_chars}")
+    text = Path(path or CORPUS).read_text()
+    items, chunk = [], ""
+    for line in text.splitlines(keepends=True):
+        if chunk and len(chunk) + len(line) > chunk_chars:
+            items.append({"text": chunk})
+            chunk = ""
+        chunk += line
+    if chunk.strip():
+        items.append({"text": chunk})
+    if not items:
+        raise ValueError(f"{path}: no text")
+    return items
+
+
 def texts_to_score(kind: str, items: list[dict]) -> list[tuple[str, int]]:
     """(text, where the scored part starts) for every text the task needs scored."""
     if kind == "perplexity":

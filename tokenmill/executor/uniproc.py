@@ -18,7 +18,8 @@ class UniProcExecutor(Executor):
         self.config = config
         if loaded is None:
             loaded = load_model(config.model, config.dtype, config.device, max_positions=config.scheduler.max_model_len,
-                                quantization=config.quantization)
+                                quantization=config.quantization, group_size=config.quantization_group_size,
+                                symmetric=config.quantization_symmetric)
         self.model_config, self.source = loaded.config, loaded.source
         self.dtype, self.device, self.quantization = loaded.dtype, loaded.device, loaded.quantization
         self.runner = ModelRunner(loaded, config)

@@ -52,7 +52,7 @@ class LinearBase(nn.Module):
         return len(self.output_sizes)
 
     def weight_loader(self, kind: str, weight, shard: int | None = None) -> None:
-        """Load checkpoint tensor `weight` ("weight" or "bias") into shard `shard` of this layer; with
+        """Load checkpoint tensor `weight` ("weight", "bias" or a part its weight format reads) into shard `shard` of this layer; with
         shard None into every shard of a fused layer (a checkpoint that stores them fused, as Phi-3)."""
         if shard is None and self.num_shards > 1:
             for i in range(self.num_shards):
@@ -71,7 +71,10 @@ class LinearBase(nn.Module):
             return
         cols, col_start = self._input_partition()
         src_cols = _ALL if cols == self.input_size else slice(col_start, col_start + cols)
-        self.quant_method.load(self, weight, rows, src_rows, src_cols)
+        if kind == "weight":
+            self.quant_method.load(self, weight, rows, src_rows, src_cols)
+        else:
+            self.quant_method.load_part(self, kind, weight, rows, src_rows, src_cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)

@@ -28,7 +28,7 @@ class LoadedModel:
     source: ModelSource
     dtype: torch.dtype
     device: torch.device
-    quantization: str  # what was applied: "none", "gguf", "gguf-q8" or "int8"
+    quantization: str  # what was applied: a name of tokenmill.quantization.QUANTIZATION_METHODS, not "auto"
 
 
 def open_checkpoint(source: ModelSource) -> GGUFCheckpoint | HFCheckpoint:
@@ -56,17 +56,20 @@ def build_model(config: ModelConfig, quant_config: QuantizationConfig, dtype: to
 
 
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               max_positions: int | None = None, quantization: str = "auto") -> LoadedModel:
+               max_positions: int | None = None, quantization: str = "auto", group_size: int | None = None,
+               symmetric: bool | None = None) -> LoadedModel:
     """Load `model` (alias, .gguf file or HF directory) onto `device` in `dtype` with the weight format
-    `quantization` (see `tokenmill.quantization`)."""
+    `quantization` (see `tokenmill.quantization`; `group_size` and `symmetric` for int8/int4)."""
     start = time.perf_counter()
     source = resolve_model(model)
     dev = resolve_device(device)
     ckpt = open_checkpoint(source)
     config = ckpt.config
     torch_dtype = resolve_dtype(dtype, dev, config.torch_dtype)
-    method = resolve_quantization(quantization, source.kind, dev, torch_dtype, exact=dtype != "auto")
-    quant_config = get_quantization_config(method, ckpt, dev)
+    exact = dtype != "auto"
+    method = resolve_quantization(quantization, source.kind, dev, torch_dtype, exact,
+                                  getattr(ckpt, "quant_method", None))
+    quant_config = get_quantization_config(method, ckpt, dev, exact, group_size, symmetric)
     net = build_model(config, quant_config, torch_dtype, dev, max_positions)
     with torch.no_grad():
         net.load_weights(ckpt.weights())

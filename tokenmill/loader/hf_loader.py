@@ -24,7 +24,22 @@ class HFCheckpoint:
         except json.JSONDecodeError as e:
             raise ValueError(f"{config_path} is not valid JSON: {e}") from None
         self.config = config_from_hf_dict(raw)
+        self.quantization_config: dict | None = raw.get("quantization_config")
+        if self.quantization_config is not None and not isinstance(self.quantization_config, dict):
+            raise ValueError(f"{config_path}: quantization_config must be an object")
         self.files = self._weight_files()
+
+    @property
+    def quant_method(self) -> str | None:
+        """The checkpoint's quantization method (its quantization_config's quant_method), if any."""
+        return None if self.quantization_config is None else str(self.quantization_config.get("quant_method"))
+
+    def tensor_names(self) -> set[str]:
+        names: set[str] = set()
+        for path in self.files:
+            with safe_open(str(path), framework="pt") as f:
+                names.update(f.keys())
+        return names
 
     def _weight_files(self) -> list[Path]:
         index = self.directory / "model.safetensors.index.json"

@@ -59,7 +59,7 @@ def expected_tensors(model: nn.Module) -> set[str]:
     expected = set()
     for mname, module in model.named_modules():
         if isinstance(module, LinearBase):
-            kinds = [] if isinstance(module, LMHead) and module.tied else ["weight"]
+            kinds = [] if isinstance(module, LMHead) and module.tied else list(module.quant_method.checkpoint_kinds)
             kinds += ["bias"] if module.bias is not None else []
             for kind in kinds:
                 shards = [None] if module.num_shards == 1 else range(module.num_shards)
@@ -79,7 +79,7 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]]) -> 
         for mname, kind, shard in checkpoint_targets(model, name):
             module = modules.get(mname)
             keys = _covered(module, mname, kind, shard) if module is not None else set()
-            if not keys or not keys <= expected:
+            if not keys or not (keys <= expected or _optional(module, kind)):
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
             try:
                 if hasattr(module, "weight_loader"):
@@ -92,6 +92,11 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]]) -> 
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:4])}")
+
+
+def _optional(module: nn.Module | None, kind: str) -> bool:
+    """Whether `kind` is a tensor the module's weight format accepts but does not require."""
+    return kind in getattr(getattr(module, "quant_method", None), "optional_kinds", ())
 
 
 def _covered(module: nn.Module | None, mname: str, kind: str, shard: Shard) -> set[str]:

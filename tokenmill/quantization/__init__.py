@@ -1,8 +1,10 @@
 """Weight formats, each a `QuantizationConfig` + `LinearMethod` (see `base.py`).
 
 `--quantization` takes one of `QUANTIZATION_METHODS`:
-  auto     - for a GGUF file on CPU when the C++ kernel builds: `gguf-q8` (the fast mode) with the
-             default dtype, `gguf` (the exact mode) with an explicit `--dtype float32`; else `none`
+  auto     - a checkpoint's own format: for a GGUF file on CPU when the C++ kernel builds `gguf-q8`
+             (the fast mode) with the default dtype, `gguf` (the exact mode) with an explicit
+             `--dtype float32`; for an HF checkpoint with a `quantization_config` its method
+             (awq, gptq); else `none`
   none     - dense weights in the compute dtype (other GGUF types are dequantized at load)
   gguf     - keep a GGUF file's quantized blocks packed, float32 activations: exactly the file's
              weights, the same results as transformers on the dequantized file (`gguf.py`)
@@ -10,7 +12,12 @@
              integers, as llama.cpp does: faster, not exact, and not batch-invariant (the rounding
              turns float-order differences between batchings, chunkings and prefix hits into
              different tokens now and then, as in llama.cpp and vLLM)
-  int8     - quantize every linear layer to per-row int8 on load (`int8.py`, CPU)
+  int8     - a dense checkpoint quantized on load to int8 per output row (`int_quant.py`)
+  int4     - the same to int4 per group of 32/64/128 columns, symmetric or with a minimum
+  awq      - an AutoAWQ checkpoint (4 bits), unpacked into the same blocks (`awq_gptq.py`)
+  gptq     - an AutoGPTQ checkpoint (4 or 8 bits, with or without act-order)
+The integer methods (int8 .. gptq) run the block kernels on CPU like gguf-q8 (int8 activations),
+or like gguf (float32 activations, exactly the quantized weights) with an explicit `--dtype float32`.
 """
 
 from __future__ import annotations
@@ -19,45 +26,72 @@ import torch
 
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf-q8", "int8")
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf-q8", "int8", "int4", "awq", "gptq")
+CHECKPOINT_METHODS = ("awq", "gptq")  # read from an HF checkpoint's quantization_config
+ON_LOAD_METHODS = ("int8", "int4")  # applied to a dense checkpoint
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config",
            "resolve_quantization"]
 
 
 def resolve_quantization(quantization: str | None, checkpoint_kind: str, device: torch.device,
-                         dtype: torch.dtype, exact: bool = False) -> str:
-    """The weight format to run, "auto" resolved (`exact`: the dtype was asked for, not defaulted)."""
+                         dtype: torch.dtype, exact: bool = False, checkpoint_method: str | None = None) -> str:
+    """The weight format to run, "auto" resolved (`exact`: the dtype was asked for, not defaulted;
+    `checkpoint_method`: the `quant_method` of an HF checkpoint's quantization_config)."""
     from tokenmill.kernels import block_quant
 
-    if quantization in (None, "none", "int8"):
-        return quantization or "none"
+    quantization = quantization or "none"
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
-    native = checkpoint_kind == "gguf" and device.type == "cpu" and dtype == torch.float32
+    if checkpoint_method is not None:
+        if checkpoint_method not in CHECKPOINT_METHODS:
+            raise ValueError(f"the checkpoint's quantization_config has quant_method {checkpoint_method!r}, which is "
+                             f"not supported (supported: {', '.join(CHECKPOINT_METHODS)})")
+        if quantization not in ("auto", checkpoint_method):
+            raise ValueError(f"--quantization {quantization} disagrees with the checkpoint's quantization_config "
+                             f"(quant_method {checkpoint_method!r}); use --quantization auto or {checkpoint_method}")
+        quantization = checkpoint_method
+    elif quantization in CHECKPOINT_METHODS:
+        raise ValueError(f"--quantization {quantization} reads a checkpoint quantized with {quantization.upper()}; "
+                         "this one has no quantization_config")
+    if quantization in ON_LOAD_METHODS and checkpoint_kind != "hf":
+        raise ValueError(f"--quantization {quantization} quantizes a dense HF checkpoint on load; a GGUF file keeps "
+                         "its own blocks (--quantization auto)")
+    if quantization == "none":
+        return quantization
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32
     if quantization == "auto":
-        if not native or block_quant.load() is None:
+        if checkpoint_kind != "gguf" or not cpu_float32 or block_quant.load() is None:
             return "none"
         return "gguf" if exact else "gguf-q8"
-    if not native:
+    if quantization in ("gguf", "gguf-q8") and checkpoint_kind != "gguf":
         raise ValueError(f"quantization '{quantization}' runs a GGUF file's own blocks on CPU in float32; "
-                         f"got a {checkpoint_kind} model on {device.type} in {dtype}")
+                         f"got a {checkpoint_kind} model")
+    if not cpu_float32:
+        raise ValueError(f"quantization '{quantization}' runs the block kernels on CPU in float32; got {device.type} "
+                         f"in {dtype} (a GPU kernel for it is not written yet)")
     if block_quant.load() is None:
         raise ValueError(f"quantization '{quantization}' needs the C++ CPU kernel, which could not be built here "
                          "(see the warning above); use --quantization none")
     return quantization
 
 
-def get_quantization_config(method: str, checkpoint, device: torch.device) -> QuantizationConfig:
-    """The config for a resolved method name; `checkpoint` is the open GGUF or HF checkpoint."""
+def get_quantization_config(method: str, checkpoint, device: torch.device, exact: bool = False,
+                            group_size: int | None = None, symmetric: bool | None = None) -> QuantizationConfig:
+    """The config for a resolved method name; `checkpoint` is the open GGUF or HF checkpoint; `exact`:
+    float32 activations for the integer methods; `group_size`, `symmetric`: for int8/int4."""
     if method in ("gguf", "gguf-q8"):
         from tokenmill.quantization.gguf import GGUFConfig
 
         return GGUFConfig(checkpoint.tensor_types(), int8_activations=method == "gguf-q8")
-    if method == "int8":
-        from tokenmill.quantization.int8 import Int8Config
+    if method in ON_LOAD_METHODS:
+        from tokenmill.quantization.int_quant import IntQuantConfig
 
-        return Int8Config(device)
+        return IntQuantConfig(int(method[3:]), group_size, symmetric, int8_activations=not exact)
+    if method in CHECKPOINT_METHODS:
+        from tokenmill.quantization.awq_gptq import AWQGPTQConfig
+
+        return AWQGPTQConfig(method, checkpoint.quantization_config, checkpoint.tensor_names(), exact)
     from tokenmill.quantization.unquantized import UnquantizedConfig
 
     return UnquantizedConfig()

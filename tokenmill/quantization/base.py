@@ -6,6 +6,8 @@ weight storage from then on:
 
     create_weights(layer, ...)      register the parameters/buffers the format stores
     load(layer, weight, ...)        copy one checkpoint tensor (or one shard of a fused layer) in
+    load_part(layer, kind, ...)     the same for a format stored as several tensors per layer
+                                    (`checkpoint_kinds`, e.g. AWQ's qweight, qzeros, scales)
     process_after_loading(layer)    repack once every tensor is in (e.g. quantize on load)
     apply(layer, x, bias)           the matmul
     decode_operands(layer)          the same matmul as the compiled decode step calls it (optional)
@@ -23,6 +25,11 @@ from torch import nn
 
 
 class LinearMethod(ABC):
+    # the checkpoint tensors of a layer (per fused shard) besides its bias: all must arrive, and the
+    # optional ones may (e.g. GPTQ's g_idx, which act-order checkpoints need and others carry anyway)
+    checkpoint_kinds: tuple[str, ...] = ("weight",)
+    optional_kinds: tuple[str, ...] = ()
+
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -33,6 +40,13 @@ class LinearMethod(ABC):
     def load(self, layer: nn.Module, weight, rows: slice, src_rows: slice, src_cols: slice) -> None:
         """Copy rows `src_rows`, columns `src_cols` of checkpoint tensor `weight` (a tensor, or the
         loader's packed form of it) into the layer's rows `rows`."""
+
+    def load_part(self, layer: nn.Module, kind: str, weight: torch.Tensor, rows: slice, src_rows: slice,
+                  src_cols: slice) -> None:
+        """Take checkpoint tensor `kind` (one of `checkpoint_kinds` other than "weight", or of
+        `optional_kinds`) for the layer's rows `rows`; formats that need every part of a shard
+        before they can pack it keep them until `process_after_loading`."""
+        raise ValueError(f"is a {kind!r} tensor, which this weight format does not read")
 
     def process_after_loading(self, layer: nn.Module) -> None:
         """Called once after every checkpoint tensor of the model was loaded."""

@@ -60,9 +60,10 @@ def _half(a: np.ndarray) -> np.ndarray:
     return h
 
 
-def pack(codes: Codes, layout: BlockLayout, half: bool = True) -> dict[str, np.ndarray | None]:
+def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool = False) -> dict[str, np.ndarray | None]:
     """`codes` in `layout`: the arrays of `block_quant.Blocks` (codes, high, scales, offsets, supers);
-    `half` False: float32 scales and offsets with the super-block factors taken, no supers."""
+    `half` False: float32 scales and offsets with the super-block factors taken, no supers;
+    `round_half`: float16 scales and offsets may round (else they must be exact)."""
     q, scales, offsets, supers = codes.q, codes.scales, codes.offsets, codes.supers
     rows, cols = q.shape
     if not half:
@@ -84,7 +85,7 @@ def pack(codes: Codes, layout: BlockLayout, half: bool = True) -> dict[str, np.n
         offsets = None if offsets is None else np.repeat(offsets, repeat, axis=1)
     if layout.offsets and offsets is None:
         offsets = np.zeros_like(scales)
-    to = _half if half else (lambda a: a.astype(np.float32))  # noqa: E731
+    to = (lambda a: a.astype(np.float16 if half else np.float32)) if round_half or not half else _half  # noqa: E731
     out = {"codes": None, "high": None, "scales": to(scales), "offsets": None if offsets is None else to(offsets),
            "supers": None if supers is None else supers.astype(np.float32)}
     if layout.bits == 8:
@@ -116,11 +117,15 @@ class BlockQuantLinearMethod(LinearMethod):
     multiply integers (`block_quant.matmul_q8`), larger ones run the float GEMM on the rounded values
     (so a token's result does not depend on the batch it is in). Otherwise float32 activations, exact."""
 
-    def __init__(self, layout: BlockLayout, int8_activations: bool = False) -> None:
+    def __init__(self, layout: BlockLayout, int8_activations: bool = False, half: bool | None = None) -> None:
         if not int8_activations and layout.bits in (5, 6):  # the float kernel decodes 8-bit codes faster
             layout = layout.widest(BlockLayout(8, layout.block, False))
         self.layout, self.int8_activations = layout, int8_activations
         self.bits = layout.bits
+        # float16 scales (+ super-blocks) under int8 activations: fewer bytes for the memory-bound kernel;
+        # the exact mode's float kernel is compute-bound and reads float32 scales in place. `half`
+        # False keeps float32 scales in either mode (for scales float16 cannot hold, e.g. powers of two)
+        self.half = int8_activations if half is None else half
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         if input_size % 32:
@@ -133,9 +138,7 @@ class BlockQuantLinearMethod(LinearMethod):
         pairs = -(-input_size // 64)  # the top bits of two 32-value groups share a record of 8 or 16 bytes
         layer.register_buffer("high", torch.empty(rows, pairs * (8 if bits == 5 else 16), dtype=torch.uint8)
                               if bits in (5, 6) else None)
-        # float16 scales (+ super-blocks) under int8 activations: fewer bytes for the memory-bound kernel;
-        # the exact mode's float kernel is compute-bound and reads float32 scales in place
-        half = self.int8_activations
+        half = self.half
         dtype = torch.float16 if half else torch.float32
         layer.register_buffer("scales", torch.empty(rows, nb, dtype=dtype))
         layer.register_buffer("offsets", torch.empty(rows, nb, dtype=dtype) if self.layout.offsets else None)
@@ -148,7 +151,12 @@ class BlockQuantLinearMethod(LinearMethod):
         codes = weight.codes()
         if codes.block % self.layout.block or LAYOUTS[weight.qtype.name].widest(self.layout) != self.layout:
             raise ValueError(f"holds {weight.qtype.name} blocks, which do not fit the layer's {self.layout}")
-        for name, src in pack(codes, self.layout, half=self.int8_activations).items():
+        self.write(layer, codes, rows, src_rows)
+
+    def write(self, layer, codes: Codes, rows: slice, src_rows: slice = slice(None), round_half: bool = False) -> None:
+        """Pack rows `src_rows` of `codes` into the layer's rows `rows` (codes whose blocks are a
+        multiple of the layout's block: their scales repeat per block); `round_half`: see `pack`."""
+        for name, src in pack(codes, self.layout, self.half, round_half).items():
             dest = getattr(layer, name)
             if dest is not None:
                 src = torch.from_numpy(np.ascontiguousarray(src[src_rows])).view(dest.dtype)
