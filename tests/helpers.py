@@ -96,12 +96,14 @@ def make_tiny_model(name: str, directory, **overrides) -> transformers.PreTraine
 
 def make_core(model: str, num_blocks: int = 512, block_size: int = 16, max_num_batched_tokens: int = 512,
               max_num_seqs: int = 64, eos_token_ids=(), max_model_len: int | None = None,
-              loaded=None, prefix_caching: bool = True, policy: str = "fcfs", cache_dtype: str = "auto") -> EngineCore:
+              loaded=None, prefix_caching: bool = True, policy: str = "fcfs", cache_dtype: str = "auto",
+              speculative=None) -> EngineCore:
     config = EngineConfig(
         model=model, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                        enable_prefix_caching=prefix_caching, cache_dtype=cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, policy=policy),
+        speculative=speculative,
     )
     return EngineCore(config, UniProcExecutor(config, loaded or load_model(model)), set(eos_token_ids))
 

@@ -7,6 +7,8 @@ architecture (`ModelConfig`, and each model file's subclass of it) is read from 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -163,6 +165,54 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config`, JSON with these fields, as vLLM's): each decode
+    step of an eligible request also verifies up to `num_speculative_tokens` drafted tokens.
+    `ngram`: the tokens after the latest earlier match of the sequence's last n tokens, n from
+    `prompt_lookup_max` down to `prompt_lookup_min`. Nothing is drafted while more than
+    `disable_by_batch_size` requests run (a full batch gains little from verifying drafts)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.num_speculative_tokens > 15:
+            raise ValueError("speculative_config.num_speculative_tokens must be at most 15 (a verify step of at most "
+                             f"16 tokens), got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """From `--speculative-config` (a JSON object); unknown fields are an error naming them."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**raw)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs. `model` is an alias, a .gguf file or an HF directory."""
@@ -177,6 +227,7 @@ class EngineConfig:
     grammar_timeout: float = 30.0  # seconds a structured-output grammar may take to compile
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         resolve_device(self.device)

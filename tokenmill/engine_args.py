@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.config import PREFIX_CACHE_HASHES, CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import PREFIX_CACHE_HASHES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.loader.source import DEFAULT_MODEL
 from tokenmill.quantization import QUANTIZATION_METHODS
 
@@ -69,6 +69,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a structured-output grammar (JSON schema, regex, EBNF) may take to compile, in "
                         "a worker process that is killed when it runs over; the request is then rejected "
                         "(HTTP 400) (default: %(default)s)")
+    c.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's flag: a JSON object with method (ngram: draft the tokens "
+                        "that followed the latest earlier match of the last n tokens), num_speculative_tokens "
+                        "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
+                        "disable_by_batch_size (draft nothing while more requests run, default 4); the output "
+                        "distribution is unchanged (greedy: the same tokens). Requests with penalties, logit_bias, "
+                        "min_tokens, logprobs or structured output, and those with \"speculative\": false, decode "
+                        "without it. Default: off")
     c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.policy,
                    help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
                         "first (default: %(default)s)")
@@ -82,6 +90,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                           prefix_cache_hash=args.prefix_cache_hash, cache_dtype=args.kv_cache_dtype),
+        speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, policy=args.scheduling_policy),
     )

@@ -55,6 +55,7 @@ class SamplingParams:
     structured_output: StructuredOutputSpec | None = None
     reasoning: ReasoningSpec | None = None
     logit_bias: dict[int, float] | None = None  # added to the logits of these token ids, in [-100, 100]
+    speculative: bool = True  # False: never draft tokens for this request (when the engine speculates)
 
     def __post_init__(self) -> None:
         # Normalise.
@@ -114,7 +115,7 @@ class SamplingParams:
             value = getattr(self, field)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 bad(field, f"must be an int in [0, {MAX_LOGPROBS}] or None")
-        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculative"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be a bool")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):

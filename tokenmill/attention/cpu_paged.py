@@ -1,11 +1,18 @@
 """CPU float32 compute: decode reads K/V straight from the blocks with a compiled kernel (no gather copy,
 no padding; sliding windows, soft-caps and latent MLA caches too; float32, float16 or bfloat16 caches),
-and the step's K/V are written in one call; prompt chunks use the torch path."""
+and the step's K/V are written in one call; a short chunk after cached tokens (a speculative verify
+step) runs as one decode per new token over the same blocks; other prompt chunks use the torch path."""
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
+from tokenmill.attention.metadata import CommonAttentionMetadata
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.kernels import paged_attention
+
+SHORT_CHUNK = 16  # new tokens up to which a chunk after cached ones runs as per-token decodes
 
 
 class CpuPagedBackend(TorchSDPABackend):
@@ -17,6 +24,32 @@ class CpuPagedBackend(TorchSDPABackend):
             paged_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
         else:
             super()._write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None):
+        """When every chunk of the step is short and follows cached tokens (decodes and speculative
+        verify steps), every new token becomes a decode row of its own: the step then runs as one
+        decode batch (and the compiled decode step applies)."""
+        d = common.num_decodes
+        new = np.diff(common.query_start_loc)[d:]
+        if d == common.num_reqs or new.max() > SHORT_CHUNK or not common.num_computed_tokens[d:].all():
+            return super().build_metadata(common, sliding_window)
+        req = np.repeat(np.arange(common.num_reqs), np.diff(common.query_start_loc))
+        positions = np.arange(len(req)) - common.query_start_loc[req] + common.num_computed_tokens[req]
+        rows = CommonAttentionMetadata(len(req), np.arange(len(req) + 1), positions, positions + 1,
+                                       common.block_table[req], common.slot_mapping, common.block_size, common.device)
+        return super().build_metadata(rows, sliding_window)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, p, meta, scale, soft_cap=None):
+        """A short chunk after cached tokens (a speculative verify step, a small prompt chunk): each
+        new token is a decode of its own over the same blocks, with its own context length."""
+        n = p.end - p.start
+        if p.block_table is None or n > SHORT_CHUNK:
+            return super()._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap)
+        total = p.mask.shape[1]
+        lens = torch.arange(total - n + 1, total + 1, device=q.device)
+        tables = p.block_table[None].expand(n, -1).contiguous()
+        return paged_attention.paged_decode_attention(q[p.start : p.end].contiguous(), k_cache, v_cache, tables, lens,
+                                                      scale, meta.sliding_window, soft_cap)
 
     def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None):
         return paged_attention.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,

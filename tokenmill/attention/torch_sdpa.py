@@ -87,16 +87,20 @@ class TorchSDPABackend(AttentionBackend):
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, soft_cap)
         for p in meta.prefills:
-            qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-            if p.block_table is None:
-                ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
-                vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            else:
-                ks, vs = _gather_kv(k_cache, v_cache, p.block_table[None], q.dtype, latent)
-                ks, vs = ks[:, :, : p.mask.shape[1]], vs[:, :, : p.mask.shape[1]]
-            o = _attend(qs, ks, vs, p.mask, scale, soft_cap)
-            out[p.start : p.end] = o[0].transpose(0, 1)
+            out[p.start : p.end] = self._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap)
         return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillMetadata, meta, scale, soft_cap=None):
+        """One prompt chunk's (or verify step's) attention: [n, H, hd]."""
+        latent = v_cache.data_ptr() == k_cache.data_ptr()
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        if p.block_table is None:
+            ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        else:
+            ks, vs = _gather_kv(k_cache, v_cache, p.block_table[None], q.dtype, latent)
+            ks, vs = ks[:, :, : p.mask.shape[1]], vs[:, :, : p.mask.shape[1]]
+        return _attend(qs, ks, vs, p.mask, scale, soft_cap)[0].transpose(0, 1)
 
     def _write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         """The step's keys and values into their slots (v None: a latent cache, keys only)."""

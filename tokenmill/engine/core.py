@@ -25,6 +25,8 @@ from tokenmill.engine.request import EngineCoreRequest, Request, RequestStatus
 from tokenmill.engine.scheduler import RequestUpdate, Scheduler
 from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from tokenmill.executor import Executor
+from tokenmill.spec_decode import eligible
+from tokenmill.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,10 @@ class EngineStats:
     grammar_compile_seconds: float = 0.0  # their total compile time
     grammar_cache_hits: int = 0
     expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE layer index -> tokens per expert
+    spec_drafts: int = 0  # speculative decoding: verify steps
+    spec_draft_tokens: int = 0  # drafted tokens verified
+    spec_accepted_tokens: int = 0  # of which accepted
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # accepted drafts by position 1..k
 
 
 class RequestRejected(ValueError):
@@ -76,6 +82,8 @@ class EngineCore:
         self._tokenizer_data = tokenizer_data
         self._structured = None  # StructuredOutputManager, built on first use
         self.compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
+        spec = config.speculative
+        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
 
     @property
     def structured(self):
@@ -188,6 +196,10 @@ class EngineCore:
         stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting) + len(self.compiling),
                             self.kv.usage, self.scheduler.num_preemptions, self.kv.prefix_queries,
                             self.kv.prefix_hits, expert_tokens=self.executor.expert_load())
+        spec = self.scheduler.spec_stats
+        stats.spec_drafts, stats.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+        stats.spec_accepted_tokens, stats.spec_accepted_per_position = spec.num_accepted_tokens, list(
+            spec.accepted_per_position)
         if self._structured is not None:
             c = self._structured.compiler.stats
             stats.grammar_compiles, stats.grammar_compile_seconds = c.num_compiles, c.compile_seconds
@@ -216,7 +228,22 @@ class EngineCore:
             return failed + [self._fail(rid, "the engine failed while running this request")
                              for rid in list(sched.num_scheduled_tokens)]
         updates = self.scheduler.update_from_output(sched, output)
+        if self.proposer is not None:
+            self._propose()
         return failed + [self._output(u) for u in updates]
+
+    def _propose(self) -> None:
+        """Drafts for the next step of each running request that decodes and may speculate (none
+        while more than `disable_by_batch_size` requests run)."""
+        spec = self.config.speculative
+        if len(self.scheduler.running) > spec.disable_by_batch_size:
+            return
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens != 1 or not eligible(request.params):
+                continue
+            left = (request.max_tokens or self.max_model_len) - len(request.output_token_ids) - 1
+            room = min(spec.num_speculative_tokens, left, self.max_model_len - request.num_tokens)
+            request.spec_token_ids = self.proposer.propose(request.prompt_token_ids + request.output_token_ids, room)
 
     def _attach_grammar(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
         """Set the structured-output masks of the constrained requests that sample this step. A request

@@ -93,6 +93,7 @@ class Request(TokenSequence):
         self.num_preemptions = 0
         self.times = RequestTimes(core_request.arrival_time)
         self.structured = None  # StructuredState of a constrained request (set by the engine core)
+        self.spec_token_ids: list[int] = []  # drafted tokens to verify in its next step (speculative decoding)
         # logprob entries of the prompt tokens, filled chunk by chunk (the first token has none); sent once
         self.prompt_logprobs = [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
@@ -40,6 +40,24 @@ class RequestUpdate:
     prompt_logprobs: list | None = None  # with its first update, if it asked
 
 
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding so far: verify steps, drafted and accepted tokens, acceptances by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheCoordinator, max_model_len: int) -> None:
         self.config = config
@@ -51,6 +69,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._in_runner: set[str] = set()  # requests the model runner holds state for
         self._finished_ids: set[str] = set()  # finished since the last schedule()
+        self.spec_stats = SpecDecodingStats()
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -64,12 +83,15 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
-        scheduled: list[tuple[Request, int, list[int]]] = []  # (request, new tokens, blocks it had per pool)
+        # (request, new tokens, blocks it had per pool, drafted tokens among the new ones)
+        scheduled: list[tuple[Request, int, list[int], list[int]]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = request.spec_token_ids[: budget - 1] if num_new == 1 else []
+            num_new += len(drafts)
             had = [len(table) for table in self.kv.block_ids(request.request_id)]
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.waiting.victim(self.running)
@@ -82,16 +104,20 @@ class Scheduler:
                 if position < i:  # it was scheduled earlier in this step: the loop index shifts
                     i -= 1
             else:
-                scheduled.append((request, num_new, had))
+                scheduled.append((request, num_new, had, drafts))
                 budget -= num_new
                 i += 1
         # requests scheduled earlier in this step may have been preempted after
-        for request, num_new, had in scheduled:
+        for request, num_new, had, drafts in scheduled:
             if request.status == RequestStatus.RUNNING:
                 tables = self.kv.block_ids(request.request_id)
                 out.cached_requests.append(CachedRequestData(
                     request.request_id, [t[n:] for t, n in zip(tables, had)], request.num_computed_tokens))
                 out.num_scheduled_tokens[request.request_id] = num_new
+                if drafts:
+                    out.spec_token_ids[request.request_id] = drafts
+        for request in self.running:
+            request.spec_token_ids = []  # verified this step, or stale: new drafts follow the step
 
         # admit waiting requests only when nobody had to give way this step
         while len(self.waiting) and budget > 0 and not out.preempted_request_ids \
@@ -136,7 +162,13 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
+            drafts = sched.spec_token_ids.get(rid)
+            if drafts:  # the KV of rejected drafts stays behind in its slots, to be overwritten
+                num_accepted = len(output.sampled_token_ids.get(rid, ())) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_stats.record(len(drafts), num_accepted)
+            else:
+                self.kv.cache_full_blocks(request)
             if rid in output.prompt_logprobs and request.prompt_logprobs is not None:
                 first, entries = output.prompt_logprobs[rid]
                 request.prompt_logprobs[first : first + len(entries)] = entries
@@ -157,6 +189,9 @@ class Scheduler:
                     status, error = RequestStatus.FINISHED_ABORTED, "the structured-output grammar failed"
                 if status is not None:
                     break
+            if drafts:  # its accepted tokens are appended now (fewer if one of them ended it)
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                self.kv.cache_full_blocks(request)
             logprobs = output.logprobs.get(rid)
             updates.append(RequestUpdate(request, accepted, logprobs[: len(accepted)] if logprobs else None, status,
                                          error, self._take_prompt_logprobs(request)))
@@ -183,6 +218,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

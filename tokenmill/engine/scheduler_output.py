@@ -52,6 +52,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> new tokens this step
     finished_request_ids: set[str] = field(default_factory=set)  # finished since the last step: drop them
     preempted_request_ids: list[str] = field(default_factory=list)  # gave way this step (state kept)
+    # drafted tokens to verify, per speculating request: its scheduled tokens are its next token + these
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     grammar: GrammarBitmask | None = None  # set by the engine core after scheduling
 
     @property

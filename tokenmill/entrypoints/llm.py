@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -26,7 +26,8 @@ class LLM:
                  quantization: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  kv_cache_memory: float = 1.0, num_kv_blocks: int | None = None, block_size: int = 16,
-                 kv_cache_dtype: str = "auto", engine_config: EngineConfig | None = None) -> None:
+                 kv_cache_dtype: str = "auto", speculative_config: dict | None = None,
+                 engine_config: EngineConfig | None = None) -> None:
         """The keyword arguments build the engine's configuration; `engine_config` gives all of it instead."""
         config = engine_config or EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, quantization=quantization,
@@ -34,6 +35,7 @@ class LLM:
                               cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
+            speculative=SpeculativeConfig(**speculative_config) if speculative_config else None,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

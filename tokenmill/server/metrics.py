@@ -65,6 +65,12 @@ class ServerMetrics:
                                         "Structured-output grammars compiled (grammar cache misses).")
         self.grammar_compile_seconds = counter("structured_output_compile_seconds",
                                                "Total time spent compiling structured-output grammars.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verify steps of a request.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: drafted tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens accepted.")
+        self.spec_per_position = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                         "Speculative decoding: drafted tokens accepted, by draft position (0 first).",
+                                         ["model_name", "position"], registry=r)
         self.engine_restarts = counter("engine_restarts", "Times the engine core was restarted after it died or hung.")
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
@@ -121,6 +127,14 @@ class ServerMetrics:
         self._inc_delta(self.prefix_hits, s, "prefix_cache_hits")
         self._inc_delta(self.grammar_compiles, s, "grammar_compiles")
         self._inc_delta(self.grammar_compile_seconds, s, "grammar_compile_seconds")
+        self._inc_delta(self.spec_drafts, s, "spec_drafts")
+        self._inc_delta(self.spec_draft_tokens, s, "spec_draft_tokens")
+        self._inc_delta(self.spec_accepted, s, "spec_accepted_tokens")
+        before = self._last_stats.get("spec_accepted_per_position") or []
+        for pos, count in enumerate(s.get("spec_accepted_per_position") or []):
+            delta = count - (before[pos] if pos < len(before) else 0)
+            if delta > 0:
+                self.spec_per_position.labels(self._model_name, str(pos)).inc(delta)
         self._on_expert_tokens(s.get("expert_tokens") or {}, self._last_stats.get("expert_tokens") or {})
         self._last_stats = s
 

@@ -93,6 +93,7 @@ class _SamplingRequest(_Body):
     priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
     prompt_logprobs: int | None = None  # vLLM: logprobs (top-N) of every prompt token, in the response
     cache_salt: str | None = None  # prefix-cache blocks are only shared between requests with the same salt
+    speculative: bool = True  # false: no drafted tokens for this request (when the server speculates)
     # structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* names
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -152,7 +153,7 @@ class _SamplingRequest(_Body):
                   "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
                   "include_stop_str_in_output": self.include_stop_str_in_output,
                   "structured_output": structured_output, "logit_bias": self._logit_bias(),
-                  "prompt_logprobs": prompt_logprobs}
+                  "prompt_logprobs": prompt_logprobs, "speculative": self.speculative}
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         if not -(2**63) <= self.priority < 2**63:

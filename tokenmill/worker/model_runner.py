@@ -1,7 +1,8 @@
 """Model runner: owns the model, its paged KV cache and each request's state between steps. One step:
 apply the scheduler's changes, lay the scheduled tokens out as one flat batch (decodes first),
 describe it once for attention, run the forward pass, mask (structured output) and sample the
-requests that reach the end of their tokens, and return their new token ids."""
+requests that reach the end of their tokens — or verify the drafted tokens of speculating ones
+(`rejection_sampler`) — and return their new token ids."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tokenmill.layers.forward_context import ForwardContext, set_forward_context
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.rejection_sampler import verify
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
 
@@ -98,16 +100,25 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         num_new = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-        input_ids = np.fromiter((t for s, c, n in zip(states, num_computed, num_new) for t in s.token_slice(c, c + n)),
+        drafts = sched.spec_token_ids
+        input_ids = np.fromiter((t for r, s, c, n in zip(req_ids, states, num_computed, num_new)
+                                 for t in (s.token_slice(c, c + 1) + drafts[r] if r in drafts else s.token_slice(c, c + n))),
                                 dtype=np.int64, count=int(num_new.sum()))
         hidden, common = self.forward(input_ids, num_new, num_computed, [s.block_ids for s in states])
         result = ModelRunnerOutput()
         self._prompt_logprobs(result, hidden, common, states)
-        rows = [i for i, (s, n) in enumerate(zip(states, num_new)) if s.samples_after(int(n))]
+        rows = [i for i, (r, s, n) in enumerate(zip(req_ids, states, num_new)) if s.samples_after(int(n)) and r not in drafts]
         if rows:
             last = torch.from_numpy(common.query_start_loc[1:][rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last]).float()
             self._sample(result, logits, [states[i] for i in rows], sched.grammar)
+        for i, r in enumerate(req_ids):
+            if r in drafts:  # logits after its last token and after each draft
+                end = int(common.query_start_loc[i + 1])
+                logits = self.model.compute_logits(hidden[end - len(drafts[r]) - 1 : end]).float()
+                tokens = verify(logits, drafts[r], states[i].params, states[i].generator)
+                states[i].output_token_ids.extend(tokens)
+                result.sampled_token_ids[r] = tokens
         return result
 
     def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,

@@ -1,0 +1,196 @@
+"""Speculative decoding (n-gram proposer): greedy output identical to decoding without it, sampling
+with the target's distribution (chi-square), rollback that leaves the KV pool whole, opt-outs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import httpx
+import pytest
+import torch
+
+from helpers import make_core, make_tiny_model, run_core
+from test_server_utils import MODEL, model_available, running_server
+from tokenmill.config import SpeculativeConfig
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.worker.rejection_sampler import target_probs, verify
+
+SPEC = SpeculativeConfig(num_speculative_tokens=5, disable_by_batch_size=64)
+
+
+def test_ngram_proposer_drafts_what_followed_the_last_n_tokens():
+    p = NgramProposer(2, 3)
+    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3], 3) == [4, 5, 9]  # "2 3" seen before, followed by 4 5 9
+    assert p.propose([7, 1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # the 3-gram "1 2 3" wins over shorter ones
+    assert p.propose([1, 2, 3, 4], 3) == []  # no n-gram recurs
+    assert p.propose([5, 5, 5, 5], 3) == [5]  # the latest match with 3 tokens after it is missing: the earliest
+    assert p.propose([1, 2, 1, 2], 0) == []
+
+
+def chi_square_critical(df: int, z: float = 3.29) -> float:
+    """The chi-square quantile for p ~ 0.0005 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, int]:
+    """Pearson's statistic over the tokens expected at least 5 times (the rest pooled)."""
+    expected = probs * n
+    keep = expected >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
+    exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
+    nonzero = exp > 0
+    return float(((obs[nonzero] - exp[nonzero]) ** 2 / exp[nonzero]).sum()), int(nonzero.sum()) - 1
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=12),
+                                    SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "top-k", "top-p"])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    """The first emitted token is distributed as p_1 whatever the draft; after an accepted first draft
+    the second is distributed as p_2."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 40, generator=gen) * 2
+    probs = target_probs(logits, params)
+    drafts = [int(probs[0].argmax()), int(probs[1].argsort()[-2])]  # a likely first draft, a so-so second
+    n = 20000
+    first, second = torch.zeros(40), torch.zeros(40)
+    for _ in range(n):
+        out = verify(logits, drafts, params, gen)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second[out[1]] += 1
+    stat, df = chi_square(first, probs[0], n)
+    assert stat < chi_square_critical(df)
+    stat, df = chi_square(second, probs[1], int(first[drafts[0]]))
+    assert stat < chi_square_critical(df)
+
+
+def test_greedy_verification_accepts_the_argmax_run():
+    logits = torch.full((4, 10), -5.0)
+    for i, t in enumerate([3, 4, 5, 6]):
+        logits[i, t] = 5.0
+    greedy = SamplingParams(temperature=0)
+    assert verify(logits, [3, 4, 5], greedy, None) == [3, 4, 5, 6]  # all accepted + the bonus token
+    assert verify(logits, [3, 9, 5], greedy, None) == [3, 4]  # stops at the first mismatch
+
+
+def repetitive_prompts(n: int, length: int = 48) -> list[list[int]]:
+    rng = random.Random(2)
+    prompts = []
+    for _ in range(n):
+        motif = [rng.randrange(256) for _ in range(rng.randrange(3, 9))]
+        prompts.append((motif * (length // len(motif) + 1))[:length])
+    return prompts
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias", "mistral-window", "gemma2"])
+def test_greedy_output_is_identical_with_speculation(tmp_path, name):
+    """Decodes verified in batches with others, sliding windows and soft-caps included; requests that
+    may not speculate (logprobs, penalties, opted out) run beside them unchanged."""
+    make_tiny_model(name, tmp_path)
+    prompts = repetitive_prompts(6)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5)]
+    plain = run_core(make_core(str(tmp_path), block_size=8), prompts, params)
+    core = make_core(str(tmp_path), block_size=8, speculative=SPEC)
+    drafted = set()
+    spec = run_core(core, prompts, params, on_step=lambda c: drafted.update(c.last_schedule.spec_token_ids))
+    assert spec == plain
+    stats = core.scheduler.spec_stats
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert drafted and drafted <= {"0", "1", "2"}  # only the eligible requests drafted
+    assert core.kv.num_free_blocks == core.kv.num_blocks  # rollback and finishing returned every block
+
+
+def test_speculation_with_prefix_caching_preemption_and_a_small_pool(tmp_path):
+    """Shared prefixes (blocks cached from verified tokens only), a pool so small that requests are
+    preempted: the same greedy tokens, and every block back at the end."""
+    make_tiny_model("llama-gqa-untied", tmp_path)
+    base = repetitive_prompts(1, 40)[0]
+    prompts = [base + [i, i + 1] for i in range(5)]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = run_core(make_core(str(tmp_path), block_size=4, num_blocks=48), prompts, greedy)
+    core = make_core(str(tmp_path), block_size=4, num_blocks=48, speculative=SPEC)
+    assert run_core(core, prompts, greedy) == plain
+    assert core.scheduler.num_preemptions > 0 and core.scheduler.spec_stats.num_accepted_tokens > 0
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+    again = run_core(core, prompts[:2], greedy)  # served from the prefix cache now
+    assert again == {k: plain[k] for k in ("0", "1")}
+
+
+def test_seeded_sampling_is_reproducible_and_stops_are_kept(tmp_path):
+    make_tiny_model("llama-gqa-untied", tmp_path)
+    prompts = repetitive_prompts(3)
+    core = make_core(str(tmp_path), speculative=SPEC)
+    seeded = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=30, ignore_eos=True) for i in range(3)]
+    a, b = run_core(core, prompts, seeded), run_core(core, prompts, seeded)
+    assert a == b and all(len(v) == 30 for v in a.values())
+    greedy = run_core(core, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))["0"]
+    stop_at = greedy.index(greedy[12])  # a stop token inside a run of accepted drafts ends the output there
+    stopped = run_core(core, prompts[:1], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[greedy[12]]))
+    assert stopped["0"] == greedy[: stop_at + 1]
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_under_load_nothing_is_drafted(tmp_path):
+    make_tiny_model("llama-gqa-untied", tmp_path)
+    core = make_core(str(tmp_path), speculative=SpeculativeConfig(disable_by_batch_size=2))
+    loaded_steps = []
+
+    def check(c):
+        if len(c.scheduler.running) > 2:
+            loaded_steps.append(c)
+            assert not any(r.spec_token_ids for r in c.scheduler.running)
+
+    run_core(core, repetitive_prompts(4), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+             on_step=check)
+    assert loaded_steps and core.scheduler.spec_stats.num_drafts == 0
+
+
+def test_speculative_config_errors():
+    with pytest.raises(ValueError, match="speculative_config.method must be one of ngram"):
+        SpeculativeConfig(method="medusa2")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be a positive integer"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="unknown fields num_spec"):
+        SpeculativeConfig.from_json('{"num_spec": 3}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SpeculativeConfig.from_json("{method: ngram}")
+    assert SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory):
+    if not model_available():
+        pytest.skip(f"{MODEL} is not installed")
+    yield from running_server(tmp_path_factory, "spec", "--dtype", "float32", "--num-kv-blocks", "256",
+                              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 6}')
+
+
+def test_server_speculates_with_the_same_greedy_text_and_reports_it(spec_server):
+    """The default model through the real server with the official client: the same greedy text as
+    without speculation (in-process, exact mode), the acceptance counters in /metrics, and a request
+    that opts out drafts nothing."""
+    from tokenmill import LLM
+
+    code = open(__file__).read()[:1500]
+    prompt = f"Here is a Python file:\n{code}\nThe same file again, unchanged:\n{code[:200]}"
+    client = spec_server.openai_client()
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=64, temperature=0).choices[0].text
+    metrics = httpx.get(f"{spec_server.url}/metrics").text
+    accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("tokenmill:spec_decode_num_accepted_tokens_total")]
+    assert accepted and accepted[0] > 0
+    assert "tokenmill:spec_decode_num_accepted_tokens_per_pos_total" in metrics
+    want = LLM(MODEL, dtype="float32").generate([prompt], SamplingParams(temperature=0, max_tokens=64),
+                                                use_tqdm=False)[0].outputs[0].text
+    assert got == want
+    opted_out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                          extra_body={"speculative": False}).choices[0].text
+    after = httpx.get(f"{spec_server.url}/metrics").text
+    assert [line for line in after.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")] == \
+        [line for line in metrics.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")]
+    assert opted_out == want[: len(opted_out)]
