@@ -8,7 +8,7 @@ and the input of the on-load methods. The GGUF file itself runs too (gguf-q8, it
 Per configuration, in a fresh process: token perplexity on the corpus tokenmill ships
 (`tokenmill eval perplexity`, --ppl-chunks chunks) and its delta vs float32; bytes of all weights
 held (parameters and buffers, shared ones once); KV bytes per token; single-stream decode tok/s after a
-256-token prompt; output tok/s of 16 concurrent requests of 200 prompt tokens x 128 out. `--write`
+256-token prompt; output tok/s of 16 concurrent requests of 200 prompt tokens x --out-tokens. `--write`
 puts the tables into BENCHMARKS.md between the quantization-table markers.
 """
 
@@ -53,7 +53,7 @@ def model_file(name: str) -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
-def measure(model: str, options: dict, ppl_chunks: int) -> dict:
+def measure(model: str, options: dict, ppl_chunks: int, out_tokens: int) -> dict:
     """One configuration, in this process."""
     import torch
 
@@ -79,15 +79,16 @@ def measure(model: str, options: dict, ppl_chunks: int) -> dict:
     decode = (len(m.token_times) - 1) / (m.token_times[-1] - m.token_times[0])
     prompts = [{"prompt_token_ids": ids[2000 + 200 * i: 2200 + 200 * i]} for i in range(16)]
     start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True), use_tqdm=False)
     throughput = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     return {"ppl": ppl, "weight_bytes": sum(tensors.values()), "kv_bytes": kv_bytes, "decode": decode,
             "throughput": throughput, "applied": executor.quantization, "cache_dtype": str(executor.runner.cache_dtype)}
 
 
-def run_one(model: str, options: dict, ppl_chunks: int) -> dict:
+def run_one(model: str, options: dict, ppl_chunks: int, out_tokens: int) -> dict:
     """`measure` in a fresh process (a clean heap and kernel state per configuration)."""
-    cmd = [sys.executable, __file__, "--one", json.dumps({"model": model, "options": options, "ppl": ppl_chunks})]
+    cmd = [sys.executable, __file__, "--one", json.dumps({"model": model, "options": options, "ppl": ppl_chunks,
+                                                         "out": out_tokens})]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -111,12 +112,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b", help="comma-separated model names")
     ap.add_argument("--ppl-chunks", type=int, default=12, help="corpus chunks (~2,000 characters) to score")
+    ap.add_argument("--out-tokens", type=int, default=128, help="tokens per request in the 16-concurrent run")
     ap.add_argument("--write", action="store_true", help="put the tables into BENCHMARKS.md")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one configuration, JSON
     args = ap.parse_args()
     if args.one:
         job = json.loads(args.one)
-        print(json.dumps(measure(job["model"], job["options"], job["ppl"])))
+        print(json.dumps(measure(job["model"], job["options"], job["ppl"], job["out"])))
         return
     tables = []
     for name in args.models.split(","):
@@ -128,13 +130,13 @@ def main() -> None:
             configs = [(w, "auto", src, o) for w, src, o in WEIGHTS] + \
                       [("float32", kv, "hf", {"kv_cache_dtype": kv}) for kv in KV_DTYPES]
             for weights, kv, src, options in configs:
-                r = run_one(hf_dir if src == "hf" else str(gguf), dict(options), args.ppl_chunks)
+                r = run_one(hf_dir if src == "hf" else str(gguf), dict(options), args.ppl_chunks, args.out_tokens)
                 kv_label = kv if "error" in r else r["cache_dtype"].removeprefix("torch.")
                 rows.append((weights, kv_label, r))
                 print(weights, kv_label, r, flush=True)
         tables.append(table(f"{name} ({gguf.name})", rows))
     text = (f"{BEGIN}\n`.venv/bin/python benchmarks/quantization.py --models {args.models} --ppl-chunks "
-            f"{args.ppl_chunks}` — {platform.processor() or platform.machine()}, 2 threads, "
+            f"{args.ppl_chunks} --out-tokens {args.out_tokens}` — {platform.processor() or platform.machine()}, 2 threads, "
             f"{datetime.date.today()}\n\n" + "\n\n".join(tables) + f"\n{END}")
     print(text)
     if args.write:

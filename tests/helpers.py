@@ -124,6 +124,21 @@ def all_logits(runner, ids: list[int]) -> torch.Tensor:
         return runner.model.compute_logits(hidden).float()
 
 
+def top1_agreement(ref, quant) -> tuple[float, float]:
+    """Top-1 agreement and the largest relative logit error of two loaded models over a fixed text
+    (teacher-forced): the bounded quality measure of lossy weight formats."""
+    ref_runner, quant_runner = make_runner(ref), make_runner(quant)
+    agree = total = 0
+    errors = []
+    for i in range(4):
+        ids = [(7 * i + 3 * j) % 256 for j in range(48)]
+        a, b = all_logits(ref_runner, ids), all_logits(quant_runner, ids)
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(ids)
+        errors.append(((a - b).norm() / a.norm()).item())
+    return agree / total, max(errors)
+
+
 def run_core(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
              on_step=None) -> dict[str, list[int]]:
     """Run prompts to completion through the engine core; returns generated ids by request id."""

@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from helpers import all_logits, make_core, make_runner, make_tiny_model, run_core
+from helpers import all_logits, make_core, make_runner, make_tiny_model, run_core, top1_agreement
 from tokenmill.config import EngineConfig
 from tokenmill.kernels import block_quant
 from tokenmill.layers.linear import LinearBase, ReplicatedLinear
@@ -65,20 +65,6 @@ def test_group_size_must_divide_the_layer():
         EngineConfig(quantization="none", quantization_group_size=32)
 
 
-def _agreement(ref, quant) -> tuple[float, float]:
-    """Top-1 agreement and relative logit error of two loaded models over a fixed text (teacher-forced)."""
-    ref_runner, quant_runner = make_runner(ref), make_runner(quant)
-    agree = total = 0
-    errors = []
-    for i in range(4):
-        ids = [(7 * i + 3 * j) % 256 for j in range(48)]
-        a, b = all_logits(ref_runner, ids), all_logits(quant_runner, ids)
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += len(ids)
-        errors.append(((a - b).norm() / a.norm()).item())
-    return agree / total, max(errors)
-
-
 # (load_model arguments, least top-1 agreement, largest relative logit error) on a random tiny model,
 # whose near-flat logits make top-1 fragile: real models (BENCHMARKS.md, perplexity) lose far less
 ON_LOAD = {"int8": (dict(quantization="int8"), 0.9, 0.05), "int4": (dict(quantization="int4"), 0.5, 0.3),
@@ -96,7 +82,7 @@ def test_on_load_quantization_tracks_the_float_model(tmp_path, variant):
     assert linears and all(isinstance(m.quant_method, QuantizeOnLoadMethod) for m in linears)
     assert quant.model.lm_head.quant_method.bits == 8  # the head keeps 8 bits under int4
     assert all(m.quant_method.int8_activations == (kwargs.get("dtype") is None) for m in linears)
-    agree, error = _agreement(ref, quant)
+    agree, error = top1_agreement(ref, quant)
     assert agree >= least_agreement and error < largest_error
     out = run_core(make_core(str(tmp_path), loaded=quant), [[1, 2, 3, 4]],
                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

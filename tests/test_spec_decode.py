@@ -17,7 +17,8 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.worker.rejection_sampler import target_probs, verify
 
-SPEC = SpeculativeConfig(num_speculative_tokens=5, disable_by_batch_size=64)
+# every eligible request drafts (no sizing by acceptance): the tests check what verification does
+SPEC = SpeculativeConfig(num_speculative_tokens=5, disable_by_batch_size=64, min_acceptance=0.0)
 
 
 def test_ngram_proposer_drafts_what_followed_the_last_n_tokens():
@@ -194,3 +195,27 @@ def test_server_speculates_with_the_same_greedy_text_and_reports_it(spec_server)
     assert [line for line in after.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")] == \
         [line for line in metrics.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")]
     assert opted_out == want[: len(opted_out)]
+
+
+def test_draft_length_follows_the_acceptance_rate():
+    from tokenmill.spec_decode import draft_length
+
+    assert draft_length(1.0, 0.4, 6) == 6
+    assert draft_length(0.8, 0.4, 6) == 4  # 0.8 ** 4 = 0.41, 0.8 ** 5 = 0.33
+    assert draft_length(0.3, 0.4, 6) == 0
+    assert draft_length(0.9, 0.0, 3) == 3
+
+
+def test_drafts_are_sized_by_acceptance(tmp_path):
+    """Requests whose drafts are rejected draft less (the same tokens either way)."""
+    make_tiny_model("llama-gqa-untied", tmp_path)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(40)] for _ in range(2)]  # little to look up
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    always, sized = make_core(str(tmp_path), speculative=SPEC), make_core(
+        str(tmp_path), speculative=SpeculativeConfig(num_speculative_tokens=5))
+    assert run_core(always, prompts, greedy) == run_core(sized, prompts, greedy)
+    a, s = always.scheduler.spec_stats, sized.scheduler.spec_stats
+    assert a.num_draft_tokens > 0 and s.num_draft_tokens < a.num_draft_tokens
+    if s.num_draft_tokens:
+        assert s.num_accepted_tokens / s.num_draft_tokens >= a.num_accepted_tokens / a.num_draft_tokens

@@ -29,6 +29,11 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+# what the KV cache may store besides those: one byte per value and a scale per token and kv head
+# (tokenmill.attention.kv_quant); "fp8" is e4m3, as in vLLM
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = ("auto", *_KV_DTYPES)  # the names --kv-cache-dtype takes
 
 
 @dataclass
@@ -128,7 +133,7 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides kv_cache_memory_gib when set
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"  # keyed per process; or "sha256" (same in every process), "builtin"
-    cache_dtype: str = "auto"  # dtype of stored K/V; "auto": see resolve_cache_dtype
+    cache_dtype: str = "auto"  # dtype of stored K/V (int8 / fp8: quantized); "auto": see resolve_cache_dtype
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -140,9 +145,7 @@ class CacheConfig:
         if self.prefix_cache_hash not in PREFIX_CACHE_HASHES:
             raise ValueError(f"prefix_cache_hash must be one of {', '.join(PREFIX_CACHE_HASHES)}, "
                              f"got {self.prefix_cache_hash!r}")
-        if self.cache_dtype != "auto" and self.cache_dtype not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, "
-                             f"got {self.cache_dtype!r}")
+        resolve_cache_dtype(self.cache_dtype, torch.float32)  # raises for an unknown name
 
 
 @dataclass
@@ -174,22 +177,35 @@ class SpeculativeConfig:
     step of an eligible request also verifies up to `num_speculative_tokens` drafted tokens.
     `ngram`: the tokens after the latest earlier match of the sequence's last n tokens, n from
     `prompt_lookup_max` down to `prompt_lookup_min`. Nothing is drafted while more than
-    `disable_by_batch_size` requests run (a full batch gains little from verifying drafts)."""
+    `disable_by_batch_size` requests run (a full batch gains little from verifying drafts), and a
+    step's decodes plus drafts stay within `max_verify_tokens` (on CPU the quantized kernels multiply
+    up to 16 rows in one pass over the weights; a larger step dequantizes them). Drafts are sized per
+    request by its recent acceptance rate a (an average over its verify steps): position i is drafted
+    only while a**i >= 1 - (1 - `min_acceptance`) / B with B requests running — a verified token
+    costs about half a single-stream decode step on a 2-core CPU (a small fraction on a memory-bound
+    GPU), and in a batch of B a token is worth only 1/B of a step, so unlikely drafts cost more than
+    they save; a request that drafts nothing drifts back to trying. `min_acceptance` 0 turns the
+    sizing off (always up to `num_speculative_tokens`)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 4
+    max_verify_tokens: int = 16
+    min_acceptance: float = 0.5
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                     "max_verify_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
+            raise ValueError(f"speculative_config.min_acceptance must be in [0, 1), got {self.min_acceptance!r}")
         if self.num_speculative_tokens > 15:
             raise ValueError("speculative_config.num_speculative_tokens must be at most 15 (a verify step of at most "
                              f"16 tokens), got {self.num_speculative_tokens}")
@@ -286,7 +302,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dty
 def resolve_cache_dtype(cache_dtype: str, compute_dtype: torch.dtype, quantization: str = "none") -> torch.dtype:
     """The dtype K/V are stored in: the one named, or for 'auto' float16 under the fast GGUF mode
     (`gguf-q8`, not exact anyway: half the bytes per token, as llama.cpp's default cache), else the
-    compute dtype."""
+    compute dtype. int8 and fp8 caches are quantized (see tokenmill.attention.kv_quant)."""
     if cache_dtype != "auto":
-        return _DTYPES[cache_dtype]
+        if cache_dtype not in _KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {', '.join(sorted(_KV_DTYPES))}, "
+                             f"got {cache_dtype!r}")
+        return _KV_DTYPES[cache_dtype]
     return torch.float16 if quantization == "gguf-q8" else compute_dtype

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.config import PREFIX_CACHE_HASHES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import (KV_CACHE_DTYPES, PREFIX_CACHE_HASHES, CacheConfig, EngineConfig, SchedulerConfig,
+                              SpeculativeConfig)
 from tokenmill.loader.source import DEFAULT_MODEL
 from tokenmill.quantization import QUANTIZATION_METHODS
 
@@ -28,10 +29,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "exact, and outputs can change with batching and prefix hits); none = dense weights; "
                         "int8 / int4 = quantize a dense HF checkpoint on load (int8 per output row, int4 per "
                         "group, see --quantization-group-size); awq / gptq = an AutoAWQ / AutoGPTQ checkpoint "
-                        "(read from its quantization_config); the integer methods run like gguf-q8, or with float32 "
+                        "(read from its quantization_config); fp8 = float8 e4m3 weights (a dense checkpoint "
+                        "quantized on load per output row, or an fp8 checkpoint's own blocks; CPU float32 or CUDA); "
+                        "mxfp4 / nvfp4 = quantize a dense HF checkpoint on load to FP4 (e2m1 with a power-of-two "
+                        "scale per 32 / an e4m3 scale per 16 values), run like int8; "
+                        "the integer methods run like gguf-q8, or with float32 "
                         "activations (exactly the quantized weights) when --dtype float32 is given; auto = the "
                         "checkpoint's own format: for a GGUF file on CPU gguf-q8 (gguf with --dtype float32), "
-                        "awq/gptq for such checkpoints, else none (default: %(default)s)")
+                        "awq/gptq/fp8 for such checkpoints, else none (default: %(default)s)")
     m.add_argument("--quantization-group-size", type=int, choices=(32, 64, 128), default=None,
                    help="int8 / int4: input columns sharing one scale (default: int4 32, int8 one per output row)")
     m.add_argument("--quantization-symmetric", action=argparse.BooleanOptionalAction, default=None,
@@ -47,10 +52,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="memory for the paged KV cache in GiB; sets the number of blocks (default: %(default)s)")
     c.add_argument("--num-kv-blocks", type=int, default=cache.num_blocks,
                    help="exact number of KV cache blocks (overrides --kv-cache-memory)")
-    c.add_argument("--kv-cache-dtype", default=cache.cache_dtype,
+    c.add_argument("--kv-cache-dtype", default=cache.cache_dtype, choices=KV_CACHE_DTYPES, metavar="DTYPE",
                    help="dtype the KV cache stores keys and values in: auto (float16 with the default gguf-q8 "
                         "weights, else the compute dtype), float32, bfloat16 or float16; a 16-bit cache under "
-                        "float32 compute halves the bytes per token (default: %(default)s)")
+                        "float32 compute halves the bytes per token. int8, fp8_e4m3 (alias fp8) and fp8_e5m2 store "
+                        "one byte per value plus a scale per token and kv head (about 1.9x the tokens of a 16-bit "
+                        "cache at a little accuracy; not for MLA models) (default: %(default)s)")
     c.add_argument("--block-size", type=int, default=cache.block_size,
                    help="tokens per KV cache block (default: %(default)s)")
     c.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,
@@ -73,7 +80,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="speculative decoding, as vLLM's flag: a JSON object with method (ngram: draft the tokens "
                         "that followed the latest earlier match of the last n tokens), num_speculative_tokens "
                         "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
-                        "disable_by_batch_size (draft nothing while more requests run, default 4); the output "
+                        "disable_by_batch_size (draft nothing while more requests run, default 4) and max_verify_tokens "
+                        "(decodes + drafts in one step, default 16: the rows the CPU quantized kernels take in one "
+                        "pass); the output "
                         "distribution is unchanged (greedy: the same tokens). Requests with penalties, logit_bias, "
                         "min_tokens, logprobs or structured output, and those with \"speculative\": false, decode "
                         "without it. Default: off")

@@ -3,8 +3,10 @@
 A backend owns the shape of a layer's KV cache, turns the runner's `CommonAttentionMetadata` into
 its own per-step metadata (once per step, shared by its layers), and runs attention: write the
 step's new K/V into the layer's cache at `slot_mapping`, then attend over cached + new tokens under
-the causal mask. Backends: `torch_sdpa` (plain PyTorch, CPU and CUDA) and `cpu_paged` (a compiled
-paged decode kernel, CPU float32). GPU kernels plug in here.
+the causal mask. An int8 / fp8 cache has a scales tensor beside it (`tokenmill.attention.kv_quant`):
+the backend quantizes as it writes and dequantizes as it reads. Backends: `torch_sdpa` (plain
+PyTorch, CPU and CUDA) and `cpu_paged` (a compiled paged decode kernel, CPU float32). GPU kernels plug
+in here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class AttentionBackend(ABC):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, spec: AttentionSpec) -> tuple[int, ...]:
         """One layer's cache: K and V of every slot of every block (a latent spec: one tensor, values
-        read from its first features)."""
+        read from its first features). A quantized cache's scales: this shape without the last dim."""
         return (spec.num_tensors, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
 
     def check_layer(self, layer) -> None:
@@ -39,19 +41,19 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta,
-                scale: float, soft_cap: float | None = None) -> torch.Tensor:
+                scale: float, soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Write the new K/V into `kv_cache`, attend (scores soft-capped: cap * tanh(s / cap), if set).
-        q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
+        q: [T, H, D]; k, v: [T, KVH, D]; kv_scales: an int8 / fp8 cache's scales. Returns [T, H, D]."""
 
 
 def get_attention_backend(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> AttentionBackend:
-    """The compiled paged kernel on CPU when compute is float32 (the cache float32, float16 or bfloat16)
-    and it builds, else torch ops."""
+    """The compiled paged kernel on CPU when compute is float32 (the cache float32, float16, bfloat16,
+    int8 or fp8) and it builds, else torch ops."""
     from tokenmill.attention.cpu_paged import CpuPagedBackend
     from tokenmill.attention.torch_sdpa import TorchSDPABackend
     from tokenmill.kernels import paged_attention
 
-    if (device.type == "cpu" and dtype == torch.float32 and cache_dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if (device.type == "cpu" and dtype == torch.float32 and cache_dtype in paged_attention.CACHE_DTYPES
             and paged_attention.load() is not None):
         return CpuPagedBackend()
     return TorchSDPABackend()

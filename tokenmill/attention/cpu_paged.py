@@ -1,7 +1,9 @@
 """CPU float32 compute: decode reads K/V straight from the blocks with a compiled kernel (no gather copy,
-no padding; sliding windows, soft-caps and latent MLA caches too; float32, float16 or bfloat16 caches),
-and the step's K/V are written in one call; a short chunk after cached tokens (a speculative verify
-step) runs as one decode per new token over the same blocks; other prompt chunks use the torch path."""
+no padding; sliding windows, soft-caps and latent MLA caches too; float32, float16 or bfloat16 caches,
+and int8 / fp8 ones with their scales, dequantized as they are read), and the step's K/V are written
+in one call (a quantized cache: by the torch path's quantizer); a short chunk after cached tokens (a
+speculative verify step) runs as one decode per new token over the same blocks; other prompt chunks
+use the torch path."""
 
 from __future__ import annotations
 
@@ -19,11 +21,11 @@ class CpuPagedBackend(TorchSDPABackend):
     name = "cpu-paged"
     needs_decode_mask = False
 
-    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        if v is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
+    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None):
+        if kv_scales is None and v is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
             paged_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
         else:
-            super()._write_kv(k, v, k_cache, v_cache, slot_mapping)
+            super()._write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
     def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None):
         """When every chunk of the step is short and follows cached tokens (decodes and speculative
@@ -39,18 +41,19 @@ class CpuPagedBackend(TorchSDPABackend):
                                        common.block_table[req], common.slot_mapping, common.block_size, common.device)
         return super().build_metadata(rows, sliding_window)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p, meta, scale, soft_cap=None):
+    def _prefill(self, q, k, v, k_cache, v_cache, p, meta, scale, soft_cap=None, kv_scales=None):
         """A short chunk after cached tokens (a speculative verify step, a small prompt chunk): each
         new token is a decode of its own over the same blocks, with its own context length."""
         n = p.end - p.start
         if p.block_table is None or n > SHORT_CHUNK:
-            return super()._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap)
+            return super()._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap, kv_scales)
         total = p.mask.shape[1]
         lens = torch.arange(total - n + 1, total + 1, device=q.device)
         tables = p.block_table[None].expand(n, -1).contiguous()
         return paged_attention.paged_decode_attention(q[p.start : p.end].contiguous(), k_cache, v_cache, tables, lens,
-                                                      scale, meta.sliding_window, soft_cap)
+                                                      scale, meta.sliding_window, soft_cap, kv_scales)
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None):
+    def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None, kv_scales=None):
         return paged_attention.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_context_lens, scale, meta.sliding_window, soft_cap)
+                                                      meta.decode_context_lens, scale, meta.sliding_window, soft_cap,
+                                                      kv_scales)

@@ -7,6 +7,8 @@ all groups (a request's block table addresses the same block ids in every layer)
 the sum of its layers' bytes. Layers of another shape or dtype become further groups. Multi-head latent
 attention (DeepSeek's MLA) declares an `MLAAttentionSpec`: one compressed latent per token (plus its
 rotary part) serves as the key of every head and, in its first `kv_lora_rank` features, the value.
+An int8 / fp8 cache (`tokenmill.attention.kv_quant`) also stores a scale per K and V row: its bytes per
+token count them, so the pool holds as many blocks as fit with their scales.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention.kv_quant import SCALE_DTYPE, is_quantized
 from tokenmill.config import CacheConfig
 
 
@@ -28,7 +31,8 @@ class AttentionSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_tensors * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        row = self.head_dim * self.dtype.itemsize + (SCALE_DTYPE.itemsize if is_quantized(self.dtype) else 0)
+        return self.num_tensors * self.num_kv_heads * row
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,11 @@ class KVCacheConfig:
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def tokens_per_gib(self) -> int:
+        """Tokens of every layer's K/V that fit in 1 GiB."""
+        return 2**30 // self.bytes_per_token
 
 
 def group_specs(specs: dict[str, AttentionSpec]) -> list[KVCacheGroup]:

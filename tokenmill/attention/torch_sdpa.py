@@ -6,6 +6,8 @@ nothing is cached, else over its gathered blocks under a causal mask offset by t
 A sliding window narrows every mask to the last `window` positions; a logit soft-cap replaces SDPA
 by the same computation written out (scores capped before the softmax). A latent cache (MLA: one
 tensor, `kv_cache.shape[0] == 1`) stores only the keys; the values are their leading features.
+An int8 / fp8 cache is quantized row by row as it is written and its gathered blocks are dequantized
+with their scales (`kv_quant`); every op here runs on any device.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention import kv_quant
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import CommonAttentionMetadata
 
@@ -75,42 +78,49 @@ class TorchSDPABackend(AttentionBackend):
             prefills.append(PrefillMetadata(start, end, table, mask))
         return TorchAttentionMetadata(common.slot_mapping, d, decode_tables, decode_lens, decode_mask, prefills, w)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None):
         latent = kv_cache.shape[0] == 1
         k_cache = kv_cache[0]
         v_cache = k_cache[..., : v.shape[-1]] if latent else kv_cache[1]
-        self._write_kv(k, None if latent else v, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv(k, None if latent else v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         d = meta.num_decodes
         if not meta.prefills:
-            return self._decode(q, k_cache, v_cache, meta, scale, soft_cap)
+            return self._decode(q, k_cache, v_cache, meta, scale, soft_cap, kv_scales)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if d:
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, soft_cap)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, soft_cap, kv_scales)
         for p in meta.prefills:
-            out[p.start : p.end] = self._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap)
+            out[p.start : p.end] = self._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap, kv_scales)
         return out
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillMetadata, meta, scale, soft_cap=None):
-        """One prompt chunk's (or verify step's) attention: [n, H, hd]."""
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillMetadata, meta, scale, soft_cap=None, kv_scales=None):
+        """One prompt chunk's (or verify step's) attention: [n, H, hd]. With nothing cached it attends
+        the chunk's own K/V as computed (unquantized, as the float path does)."""
         latent = v_cache.data_ptr() == k_cache.data_ptr()
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
         if p.block_table is None:
             ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
             vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
         else:
-            ks, vs = _gather_kv(k_cache, v_cache, p.block_table[None], q.dtype, latent)
+            ks, vs = _gather_kv(k_cache, v_cache, p.block_table[None], q.dtype, latent, kv_scales)
             ks, vs = ks[:, :, : p.mask.shape[1]], vs[:, :, : p.mask.shape[1]]
         return _attend(qs, ks, vs, p.mask, scale, soft_cap)[0].transpose(0, 1)
 
-    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        """The step's keys and values into their slots (v None: a latent cache, keys only)."""
+    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None):
+        """The step's keys and values into their slots (v None: a latent cache, keys only; quantized
+        with their scales into `kv_scales` if given)."""
+        if kv_scales is not None:
+            kv_quant.write(k, k_cache, kv_scales[0], slot_mapping)
+            kv_quant.write(v, v_cache, kv_scales[1], slot_mapping)
+            return
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         if v is not None:
             v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None):
+    def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None, kv_scales=None):
         latent = v_cache.data_ptr() == k_cache.data_ptr()
-        keys, values = _gather_kv(k_cache, v_cache, meta.decode_block_tables, q.dtype, latent)  # [D, KVH, L, hd]
+        # keys, values: [D, KVH, L, hd]
+        keys, values = _gather_kv(k_cache, v_cache, meta.decode_block_tables, q.dtype, latent, kv_scales)
         return _attend(q.unsqueeze(2), keys, values, meta.decode_mask, scale, soft_cap).squeeze(2)
 
 
@@ -132,15 +142,23 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,
-               latent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               latent: bool, kv_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the blocks in `block_tables` (a latent cache is gathered once: values are
-    the keys' leading features)."""
-    keys = _gather(k_cache, block_tables, dtype)
-    return keys, keys[..., : v_cache.shape[-1]] if latent else _gather(v_cache, block_tables, dtype)
+    the keys' leading features; a quantized one dequantized with `kv_scales`)."""
+    k_scales, v_scales = (None, None) if kv_scales is None else kv_scales
+    keys = _gather(k_cache, block_tables, dtype, k_scales)
+    return keys, keys[..., : v_cache.shape[-1]] if latent else _gather(v_cache, block_tables, dtype, v_scales)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[num_blocks, bs, KVH, hd] cache + [B, nb] tables -> [B, KVH, nb * bs, hd] in `dtype`."""
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,
+            scales: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_blocks, bs, KVH, hd] cache + [B, nb] tables -> [B, KVH, nb * bs, hd] in `dtype` (a quantized
+    cache times its [num_blocks, bs, KVH] scales)."""
     b, nb = block_tables.shape
-    blocks = cache.index_select(0, block_tables.reshape(-1))  # whole blocks: row copies, not per element
+    flat = block_tables.reshape(-1)
+    if scales is None:
+        blocks = cache.index_select(0, flat)  # whole blocks: row copies, not per element
+    else:  # through bytes: fp8 index_select is not on every device
+        blocks = kv_quant.dequantize(cache.view(torch.uint8).index_select(0, flat).view(cache.dtype),
+                                     scales.index_select(0, flat), dtype)
     return blocks.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2).to(dtype)

@@ -21,11 +21,11 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
 from tokenmill.engine.kv_cache_manager import HASH_FUNCTIONS, KVCacheManager
 from tokenmill.engine.outputs import EngineCoreOutput
-from tokenmill.engine.request import EngineCoreRequest, Request, RequestStatus
+from tokenmill.engine.request import SPEC_PRIOR, EngineCoreRequest, Request, RequestStatus
 from tokenmill.engine.scheduler import RequestUpdate, Scheduler
 from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from tokenmill.executor import Executor
-from tokenmill.spec_decode import eligible
+from tokenmill.spec_decode import draft_length, eligible
 from tokenmill.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -235,15 +235,24 @@ class EngineCore:
     def _propose(self) -> None:
         """Drafts for the next step of each running request that decodes and may speculate (none
         while more than `disable_by_batch_size` requests run)."""
-        spec = self.config.speculative
-        if len(self.scheduler.running) > spec.disable_by_batch_size:
+        spec, running = self.config.speculative, self.scheduler.running
+        if not running or len(running) > spec.disable_by_batch_size:
             return
-        for request in self.scheduler.running:
+        budget = spec.max_verify_tokens - len(running)  # drafts that fit beside one token per request
+        # a draft costs about the same share of a step in a batch of B while a token is worth 1/B of it
+        threshold = 1 - (1 - spec.min_acceptance) / len(running) if spec.min_acceptance else 0.0
+        for request in running:
+            if budget <= 0:
+                break
             if request.num_tokens - request.num_computed_tokens != 1 or not eligible(request.params):
                 continue
             left = (request.max_tokens or self.max_model_len) - len(request.output_token_ids) - 1
-            room = min(spec.num_speculative_tokens, left, self.max_model_len - request.num_tokens)
+            worth = draft_length(request.spec_acceptance, threshold, spec.num_speculative_tokens)
+            room = min(worth, left, self.max_model_len - request.num_tokens, budget)
             request.spec_token_ids = self.proposer.propose(request.prompt_token_ids + request.output_token_ids, room)
+            budget -= len(request.spec_token_ids)
+            if not request.spec_token_ids:  # nothing to verify: the estimate drifts back towards trying
+                request.spec_acceptance += 0.1 * (SPEC_PRIOR - request.spec_acceptance)
 
     def _attach_grammar(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
         """Set the structured-output masks of the constrained requests that sample this step. A request

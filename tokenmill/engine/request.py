@@ -22,6 +22,9 @@ class EngineCoreRequest:
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
 
 
+SPEC_PRIOR = 0.9  # the acceptance rate a request starts with, and drifts back to while it drafts nothing
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -94,6 +97,7 @@ class Request(TokenSequence):
         self.times = RequestTimes(core_request.arrival_time)
         self.structured = None  # StructuredState of a constrained request (set by the engine core)
         self.spec_token_ids: list[int] = []  # drafted tokens to verify in its next step (speculative decoding)
+        self.spec_acceptance = SPEC_PRIOR  # its recent rate of accepted drafts (an estimate per draft position)
         # logprob entries of the prompt tokens, filled chunk by chunk (the first token has none); sent once
         self.prompt_logprobs = [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None
 

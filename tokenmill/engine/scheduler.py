@@ -167,6 +167,9 @@ class Scheduler:
                 num_accepted = len(output.sampled_token_ids.get(rid, ())) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_stats.record(len(drafts), num_accepted)
+                # a of k drafts accepted, a rejection ending the run: a per-position rate of a / (a + 1); all: 1
+                observed = 1.0 if num_accepted == len(drafts) else num_accepted / (num_accepted + 1)
+                request.spec_acceptance = 0.5 * request.spec_acceptance + 0.5 * observed
             else:
                 self.kv.cache_full_blocks(request)
             if rid in output.prompt_logprobs and request.prompt_logprobs is not None:

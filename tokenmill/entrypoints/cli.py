@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from tokenmill.config import KV_CACHE_DTYPES
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.loader.source import DEFAULT_MODEL
 from tokenmill.quantization import QUANTIZATION_METHODS
@@ -20,8 +21,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_METHODS,
                         help="weight format to report for, resolved as `serve` resolves it (default: %(default)s)")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="KV cache dtype to report sizes for; auto as `serve` resolves it (default: %(default)s)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, metavar="DTYPE",
+                        help="KV cache dtype to report sizes for, as `serve` takes it (int8 / fp8_e4m3 / fp8_e5m2: "
+                             "quantized, with scales); auto as `serve` resolves it (default: %(default)s)")
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -58,6 +60,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         ("context length", c.max_position_embeddings), ("rope theta", c.rope_theta),
         ("rope scaling", c.rope_scaling or "none"), ("tied embeddings", c.tie_word_embeddings),
         ("KV bytes per token", f"{kv_bytes} ({cache_dtype})"),
+        ("KV tokens per GiB", _kv_tokens_per_gib(attention, cache_dtype)),
     ]
     if windows - {None}:
         window = min(windows - {None})
@@ -85,6 +88,22 @@ def cmd_info(args: argparse.Namespace) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _kv_tokens_per_gib(attention: list, chosen) -> str:
+    """Tokens of KV cache in 1 GiB with the chosen cache dtype, then with each kind of cache (every layer
+    counted per token: a sliding-window model fits more)."""
+    import torch
+
+    def per_gib(dtype: torch.dtype) -> str:
+        try:
+            return f"{2**30 // sum(m.kv_spec(dtype).bytes_per_token for m in attention):,}"
+        except ValueError:  # a quantized cache for latent (MLA) attention
+            return "unsupported"
+
+    kinds = {"float32": torch.float32, "float16/bfloat16": torch.float16, "int8": torch.int8,
+             "fp8": torch.float8_e4m3fn}
+    return f"{per_gib(chosen)} ({chosen}); " + ", ".join(f"{name} {per_gib(dt)}" for name, dt in kinds.items())
 
 
 def _count(n: int) -> str:

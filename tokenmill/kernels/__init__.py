@@ -25,9 +25,9 @@ _built: dict[str, object] = {}
 def cpu_kernels():
     """The extension holding every kernel module's functions, or None when it cannot be built here.
     Built with -ffp-contract=off: no multiply-add is fused unless the source writes one."""
-    from tokenmill.kernels import block_quant, decode_step, fused_ops, paged_attention
+    from tokenmill.kernels import block_quant, decode_step, fp8_matmul, fused_ops, paged_attention
 
-    modules = (block_quant, fused_ops, paged_attention, decode_step)
+    modules = (block_quant, fused_ops, paged_attention, decode_step, fp8_matmul)
     return build("cpu", "\n".join(m._SOURCE for m in modules), [f for m in modules for f in m.FUNCTIONS],
                  extra_cflags=("-ffp-contract=off",))
 

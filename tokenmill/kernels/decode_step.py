@@ -12,7 +12,8 @@ so its results are bit-identical to the module-by-module forward:
 
 Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
 blocks with float or int8 activations); a layer with anything else (a window, a soft-cap, q/k
-norms, experts, other activations, tensor parallelism) keeps the model's own forward.
+norms, experts, other activations, tensor parallelism, an int8 / fp8 KV cache) keeps the model's own
+forward.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Decode attention reads each sequence's K/V straight from its cache blocks through the block table:
 no gather copy, no padding to the longest sequence; float16 and bfloat16 caches are widened to float32
-as they are read (F16C; half the bytes of a float32 cache). One (sequence, kv head) pair per task, OpenMP
+as they are read (F16C; half the bytes of a float32 cache), int8 and fp8 (e4m3, e5m2) ones too, one
+byte per value, their per-token scales (`tokenmill.attention.kv_quant`) folded into each token's score
+and value weight: dequantized in registers, never copied. One (sequence, kv head) pair per task, OpenMP
 across tasks (a pair's query heads split into several tasks when there are few pairs per thread). With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector
 exp, and the weighted sum of values keeps 64 output dims in registers (it is memory-bound at large
 batches: every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
@@ -56,8 +58,19 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   switch (k_cache.scalar_type()) {
     case at::kHalf: return write_kv_impl<c10::Half>(k, v, k_cache, v_cache, slots);
     case at::kBFloat16: return write_kv_impl<c10::BFloat16>(k, v, k_cache, v_cache, slots);
-    default: return write_kv_impl<float>(k, v, k_cache, v_cache, slots);
+    default:
+      TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "write_kv: a float32, float16 or bfloat16 cache");
+      return write_kv_impl<float>(k, v, k_cache, v_cache, slots);
   }
+}
+
+// An fp8 byte (sign, E exponent bits, M mantissa bits) as float32, subnormals included: computed as
+// mantissa * 2^(exponent - bias - M), so no float32 subnormal appears (denormals-are-zero would flush it).
+template <int E, int M>
+inline float fp8_to_f32(uint8_t b) {
+  const int e = (b >> M) & ((1 << E) - 1), m = b & ((1 << M) - 1);
+  const float v = std::ldexp(static_cast<float>(e ? m | (1 << M) : m), std::max(e, 1) - ((1 << (E - 1)) - 1) - M);
+  return b & 0x80 ? -v : v;
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -90,10 +103,13 @@ inline __m256 hsum8(const __m256 a[8]) {
 #define TM_ATTN_SIMD 1
 #endif
 
-// Cache elements: float32, or float16 / bfloat16 read as float32.
+// Cache elements: float32, or float16 / bfloat16 / int8 / fp8 read as float32 (int8 and fp8 before their scale).
 inline float to_f32(float x) { return x; }
 inline float to_f32(c10::Half x) { return static_cast<float>(x); }
 inline float to_f32(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f32(int8_t x) { return x; }
+inline float to_f32(c10::Float8_e4m3fn x) { return fp8_to_f32<4, 3>(x.x); }
+inline float to_f32(c10::Float8_e5m2 x) { return fp8_to_f32<5, 2>(x.x); }
 #ifdef TM_ATTN_SIMD
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) {
@@ -103,6 +119,23 @@ inline __m256 load8(const c10::BFloat16* p) {  // a bfloat16 is the top half of 
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <int E, int M>  // fp8_to_f32 on eight bytes
+inline __m256 fp8x8(const void* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i e = _mm256_and_si256(_mm256_srli_epi32(b, M), _mm256_set1_epi32((1 << E) - 1));
+  const __m256i normal = _mm256_andnot_si256(_mm256_cmpeq_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(1 << M));
+  const __m256i mant = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32((1 << M) - 1)), normal);
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(1)),
+                                                          _mm256_set1_epi32(127 - ((1 << (E - 1)) - 1) - M)), 23);
+  const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(mant), _mm256_castsi256_ps(pow2));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* p) { return fp8x8<4, 3>(p); }
+inline __m256 load8(const c10::Float8_e5m2* p) { return fp8x8<5, 2>(p); }
 #endif
 
 // cap * tanh(s / cap) over n scores (Gemma 2's attention soft-cap); cap <= 0: unchanged.
@@ -112,16 +145,17 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 }
 
 // One (sequence, kv head): the G query heads that share it attend over L cached tokens.
-// key(t), value(t) point at token t's key row (D features) and value row (DV); s: [G, L] scratch;
-// o: [G, DV] output.
-template <typename Row>
+// key(t), value(t) point at token t's key row (D features) and value row (DV); key_scale(t),
+// value_scale(t) are the rows' scales (1 unless quantized); s: [G, L] scratch; o: [G, DV] output.
+template <typename Row, typename Scale>
 void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float scale, float cap, Row key, Row value,
-            float* s, float* o) {
+            Scale key_scale, Scale value_scale, float* s, float* o) {
 #ifdef TM_ATTN_SIMD
   if (D % 8 == 0 && DV % 8 == 0) {
     for (int64_t t0 = 0; t0 < L; t0 += 8) {  // scores, eight tokens at a time
       decltype(key(0)) k[8];
-      for (int j = 0; j < 8; ++j) k[j] = key(std::min(t0 + j, L - 1));
+      alignas(32) float ks[8];
+      for (int j = 0; j < 8; ++j) k[j] = key(std::min(t0 + j, L - 1)), ks[j] = key_scale(std::min(t0 + j, L - 1));
       for (int64_t j = t0 + 16; j < std::min(t0 + 24, L); ++j)  // memory-bound: ask for rows ahead
         for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(key(j) + d);
       for (int64_t g = 0; g < G; ++g) {
@@ -132,7 +166,7 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
           for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
         }
         alignas(32) float out8[8];
-        _mm256_store_ps(out8, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+        _mm256_store_ps(out8, _mm256_mul_ps(_mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)), _mm256_load_ps(ks)));
         for (int64_t j = 0; j < std::min<int64_t>(8, L - t0); ++j) s[g * L + t0 + j] = out8[j];
       }
     }
@@ -161,7 +195,7 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
         __m256 acc[8];
         for (int j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t t = 0; t < L; ++t) {
-          const __m256 w = _mm256_set1_ps(s[g * L + t]);
+          const __m256 w = _mm256_set1_ps(s[g * L + t] * value_scale(t));
           const auto* v = value(t) + d0;
           if (t + 8 < L)
             for (int64_t d = 0; d < std::min<int64_t>(64, DV - d0); d += 16) __builtin_prefetch(value(t + 8) + d0 + d);
@@ -177,7 +211,7 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
       const auto* k = key(t);
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_f32(k[d]);
-      s[g * L + t] = dot * scale;
+      s[g * L + t] = dot * scale * key_scale(t);
     }
   soft_cap(s, G * L, cap);
   for (int64_t g = 0; g < G; ++g) {
@@ -190,18 +224,22 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
   }
   std::fill(o, o + G * DV, 0.f);
   for (int64_t t = 0; t < L; ++t)
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += s[g * L + t] * to_f32(value(t)[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = s[g * L + t] * value_scale(t);
+      for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += w * to_f32(value(t)[d]);
+    }
 }
 
 // q: [B, H, D]; k_cache: [num_blocks, block_size, KVH, D], v_cache: [num_blocks, block_size, KVH, DV] (rows
 // may be strided: a view into the key rows); block_tables: [B, max_blocks] int64; context_lens: [B] int64;
-// out: [B, H, DV]. q and out float32; the caches float32, float16 or bfloat16 (both alike); last dims
-// contiguous. window > 0: only the last `window` tokens are attended; soft_cap > 0: scores are soft-capped.
+// out: [B, H, DV]. q and out float32; the caches float32, float16, bfloat16, int8 or fp8 (both alike); last
+// dims contiguous; k_scales, v_scales (int8 / fp8): [num_blocks, block_size, KVH] bfloat16, else null.
+// window > 0: only the last `window` tokens are attended; soft_cap > 0: scores are soft-capped.
 template <typename T>
 void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                       int64_t window, double soft_cap_value, torch::Tensor& out) {
+                       int64_t window, double soft_cap_value, torch::Tensor& out, const c10::BFloat16* k_scales,
+                       const c10::BFloat16* v_scales) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), DV = v_cache.size(3);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t max_blocks = block_tables.size(1);
@@ -231,34 +269,55 @@ void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, con
           return cache + (table[t / BS] * BS + t % BS) * slot_stride + kvh * head_stride;
         };
       };
+      auto scale_of = [&](const c10::BFloat16* scales) {
+        return [=](int64_t t) {
+          t += start;
+          return scales ? static_cast<float>(scales[(table[t / BS] * BS + t % BS) * KVH + kvh]) : 1.f;
+        };
+      };
       scores.resize(heads * L);
       const int64_t first = b * H + kvh * G + g0;  // the first query head of this task
       attend(qp + first * D, heads, D, DV, L, static_cast<float>(scale), static_cast<float>(soft_cap_value),
              row(kp, k_cache.stride(1), k_cache.stride(2)), row(vp, v_cache.stride(1), v_cache.stride(2)),
-             scores.data(), op + first * DV);
+             scale_of(k_scales), scale_of(v_scales), scores.data(), op + first * DV);
     }
   });
 }
 
 void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                            int64_t window, double soft_cap_value, torch::Tensor out) {
+                            int64_t window, double soft_cap_value, torch::Tensor out,
+                            c10::optional<torch::Tensor> k_scales = c10::nullopt,
+                            c10::optional<torch::Tensor> v_scales = c10::nullopt) {
+  const bool quantized = k_cache.element_size() == 1;
+  TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()), "scales come with int8 / fp8 caches only");
+  const c10::BFloat16* ks = nullptr;
+  const c10::BFloat16* vs = nullptr;
+  if (quantized) {
+    TORCH_CHECK(k_scales->scalar_type() == at::kBFloat16 && k_scales->is_contiguous() && v_scales->is_contiguous(),
+                "scales: contiguous bfloat16");
+    ks = k_scales->data_ptr<c10::BFloat16>(), vs = v_scales->data_ptr<c10::BFloat16>();
+  }
+  auto run = [&](auto element) {
+    paged_decode_impl<decltype(element)>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                         soft_cap_value, out, ks, vs);
+  };
   switch (k_cache.scalar_type()) {
-    case at::kHalf:
-      return paged_decode_impl<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
-                                          soft_cap_value, out);
-    case at::kBFloat16:
-      return paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
-                                              soft_cap_value, out);
+    case at::kHalf: return run(c10::Half());
+    case at::kBFloat16: return run(c10::BFloat16());
+    case at::kChar: return run(int8_t());
+    case at::ScalarType::Float8_e4m3fn: return run(c10::Float8_e4m3fn());
+    case at::ScalarType::Float8_e5m2: return run(c10::Float8_e5m2());
     default:
-      return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
-                                      soft_cap_value, out);
+      TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "paged_decode_attention: unsupported cache dtype");
+      return run(float());
   }
 }
 """
 
 
 FUNCTIONS = ["paged_decode_attention", "write_kv"]
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def load():
@@ -274,8 +333,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                           window: int | None = None, soft_cap: float | None = None,
+                           kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of q [B, H, D] over each sequence's blocks; `kv_scales` [2, blocks, block_size, KVH]
+    for an int8 / fp8 cache."""
     out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+    k_scales, v_scales = (None, None) if kv_scales is None else kv_scales
     load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window or 0,
-                                  soft_cap or 0.0, out)
+                                  soft_cap or 0.0, out, k_scales, v_scales)
     return out

@@ -2,13 +2,15 @@
 KV cache (`kv_spec`), is bound to its cache tensor and backend by the model runner (which finds
 these modules by type), and runs the backend on the step's metadata. With `latent_rope_dim` set it is
 multi-head latent attention in its absorbed form: one shared key row per token (`head_dim` features,
-the last `latent_rope_dim` of them rotated) whose leading features are also the value."""
+the last `latent_rope_dim` of them rotated) whose leading features are also the value. A quantized
+(int8 / fp8) cache comes with its scales tensor (`kv_scales`); latent caches cannot be quantized yet."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from tokenmill.attention.kv_quant import QUANT_NAMES, is_quantized
 from tokenmill.attention.kv_spec import AttentionSpec, MLAAttentionSpec
 from tokenmill.layers.forward_context import get_forward_context
 
@@ -24,20 +26,24 @@ class Attention(nn.Module):
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.layer_name = prefix
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # [2, blocks, block_size, kv heads] for an int8 / fp8 cache
         self.backend = None
         self.kv_group = 0
 
     def kv_spec(self, cache_dtype: torch.dtype) -> AttentionSpec:
         if self.latent_rope_dim is not None:
+            if is_quantized(cache_dtype):
+                raise ValueError(f"kv_cache_dtype {QUANT_NAMES[cache_dtype]} is not supported for MLA models yet")
             return MLAAttentionSpec(1, self.head_dim, cache_dtype, self.sliding_window, self.latent_rope_dim)
         return AttentionSpec(self.num_kv_heads, self.head_dim, cache_dtype, self.sliding_window)
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor, backend, kv_group: int) -> None:
+    def bind_kv_cache(self, kv_cache: torch.Tensor, backend, kv_group: int,
+                      kv_scales: torch.Tensor | None = None) -> None:
         backend.check_layer(self)
-        self.kv_cache, self.backend, self.kv_group = kv_cache, backend, kv_group
+        self.kv_cache, self.backend, self.kv_group, self.kv_scales = kv_cache, backend, kv_group, kv_scales
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, D]; k, v: [T, kv heads, D] -> [T, heads, D] (latent: v is k's leading
         features, a view of it, and the output has v's width)."""
         meta = get_forward_context().attn_metadata[self.kv_group]
-        return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.logits_soft_cap)
+        return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.logits_soft_cap, self.kv_scales)

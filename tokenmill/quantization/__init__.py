@@ -4,7 +4,7 @@
   auto     - a checkpoint's own format: for a GGUF file on CPU when the C++ kernel builds `gguf-q8`
              (the fast mode) with the default dtype, `gguf` (the exact mode) with an explicit
              `--dtype float32`; for an HF checkpoint with a `quantization_config` its method
-             (awq, gptq); else `none`
+             (awq, gptq, fp8); else `none`
   none     - dense weights in the compute dtype (other GGUF types are dequantized at load)
   gguf     - keep a GGUF file's quantized blocks packed, float32 activations: exactly the file's
              weights, the same results as transformers on the dequantized file (`gguf.py`)
@@ -16,7 +16,12 @@
   int4     - the same to int4 per group of 32/64/128 columns, symmetric or with a minimum
   awq      - an AutoAWQ checkpoint (4 bits), unpacked into the same blocks (`awq_gptq.py`)
   gptq     - an AutoGPTQ checkpoint (4 or 8 bits, with or without act-order)
-The integer methods (int8 .. gptq) run the block kernels on CPU like gguf-q8 (int8 activations),
+  fp8      - float8 e4m3 weights with float32 scales (`fp8.py`): a dense checkpoint quantized on load
+             per output row, or an fp8 checkpoint (128x128 block scales as DeepSeek-V3, or per tensor /
+             channel); its own C++ kernel on CPU (float32 activations), torch._scaled_mm on CUDA 8.9+
+  mxfp4    - a dense checkpoint quantized on load to FP4 e2m1 with a power-of-two scale per 32 values
+  nvfp4    - the same with an e4m3 scale per 16 values and a float32 one per tensor (`fp4.py`)
+The integer methods (int8 .. gptq) and FP4 run the block kernels on CPU like gguf-q8 (int8 activations),
 or like gguf (float32 activations, exactly the quantized weights) with an explicit `--dtype float32`.
 """
 
@@ -26,9 +31,9 @@ import torch
 
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf-q8", "int8", "int4", "awq", "gptq")
-CHECKPOINT_METHODS = ("awq", "gptq")  # read from an HF checkpoint's quantization_config
-ON_LOAD_METHODS = ("int8", "int4")  # applied to a dense checkpoint
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf-q8", "int8", "int4", "awq", "gptq", "fp8", "mxfp4", "nvfp4")
+CHECKPOINT_METHODS = ("awq", "gptq", "fp8")  # read from an HF checkpoint's quantization_config
+ON_LOAD_METHODS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")  # applied to a dense checkpoint (fp8: either)
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config",
            "resolve_quantization"]
@@ -51,13 +56,18 @@ def resolve_quantization(quantization: str | None, checkpoint_kind: str, device:
             raise ValueError(f"--quantization {quantization} disagrees with the checkpoint's quantization_config "
                              f"(quant_method {checkpoint_method!r}); use --quantization auto or {checkpoint_method}")
         quantization = checkpoint_method
-    elif quantization in CHECKPOINT_METHODS:
+    elif quantization in CHECKPOINT_METHODS and quantization not in ON_LOAD_METHODS:
         raise ValueError(f"--quantization {quantization} reads a checkpoint quantized with {quantization.upper()}; "
                          "this one has no quantization_config")
     if quantization in ON_LOAD_METHODS and checkpoint_kind != "hf":
         raise ValueError(f"--quantization {quantization} quantizes a dense HF checkpoint on load; a GGUF file keeps "
                          "its own blocks (--quantization auto)")
     if quantization == "none":
+        return quantization
+    if quantization == "fp8":  # CPU (its own kernel) or CUDA
+        from tokenmill.quantization.fp8 import check_device
+
+        check_device(device, dtype)
         return quantization
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     if quantization == "auto":
@@ -84,6 +94,16 @@ def get_quantization_config(method: str, checkpoint, device: torch.device, exact
         from tokenmill.quantization.gguf import GGUFConfig
 
         return GGUFConfig(checkpoint.tensor_types(), int8_activations=method == "gguf-q8")
+    if method == "fp8":
+        from tokenmill.quantization.fp8 import FP8Config
+
+        if getattr(checkpoint, "quant_method", None) == "fp8":
+            return FP8Config(checkpoint.quantization_config, checkpoint.tensor_names())
+        return FP8Config()
+    if method in ("mxfp4", "nvfp4"):
+        from tokenmill.quantization.fp4 import FP4Config
+
+        return FP4Config(method, int8_activations=not exact)
     if method in ON_LOAD_METHODS:
         from tokenmill.quantization.int_quant import IntQuantConfig
 

@@ -22,3 +22,11 @@ def eligible(params: SamplingParams) -> bool:
     return (params.speculative and params.structured_output is None and params.logprobs is None
             and params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
             and not params.logit_bias and params.min_tokens == 0)
+
+
+def draft_length(acceptance: float, min_acceptance: float, most: int) -> int:
+    """Drafts worth verifying: positions i (1-based) while acceptance**i >= min_acceptance, at most `most`."""
+    n, reach = 0, acceptance
+    while n < most and reach >= min_acceptance:
+        n, reach = n + 1, reach * acceptance
+    return n

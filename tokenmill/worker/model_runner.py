@@ -2,7 +2,8 @@
 apply the scheduler's changes, lay the scheduled tokens out as one flat batch (decodes first),
 describe it once for attention, run the forward pass, mask (structured output) and sample the
 requests that reach the end of their tokens — or verify the drafted tokens of speculating ones
-(`rejection_sampler`) — and return their new token ids."""
+(`rejection_sampler`) — and return their new token ids. An int8 / fp8 KV cache gets a scales tensor
+per group beside it (`tokenmill.attention.kv_quant`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import get_attention_backend
+from tokenmill.attention.kv_quant import SCALE_DTYPE, is_quantized
 from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig
 from tokenmill.attention.metadata import CommonAttentionMetadata, build_common_metadata
 from tokenmill.config import EngineConfig, resolve_cache_dtype
@@ -50,6 +52,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: list[torch.Tensor] = []  # one tensor per KV-cache group: [layers, *backend shape]
+        self.kv_scales: list[torch.Tensor | None] = []  # per group, quantized caches: [layers, *shape[:-1]]
 
     # ---- KV cache ---------------------------------------------------------------------------------
 
@@ -57,17 +60,24 @@ class ModelRunner:
         return {name: layer.kv_spec(self.cache_dtype) for name, layer in self.attention_layers.items()}
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
-        """Allocate each group's cache in the backend's shape and bind every attention layer to its part."""
+        """Allocate each group's cache in the backend's shape (and a quantized one's scales) and bind every
+        attention layer to its part."""
         self.kv_cache_config = config
         self.group_keys = [(group.pool, group.spec.sliding_window) for group in config.groups]
         for g, group in enumerate(config.groups):
             shape = self.backend.kv_cache_shape(config.pool_blocks[group.pool], config.block_size, group.spec)
             cache = torch.zeros(len(group.layer_names), *shape, dtype=group.spec.dtype, device=self.device)
+            scales = (torch.zeros(len(group.layer_names), *shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+                      if is_quantized(group.spec.dtype) else None)
             self.kv_caches.append(cache)
+            self.kv_scales.append(scales)
             for i, name in enumerate(group.layer_names):
-                self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g)
-        logger.info("KV cache: %s blocks of %d tokens = %d tokens (%.2f GiB, %s, attention %s)",
-                    " + ".join(map(str, config.pool_blocks)), config.block_size, config.capacity_tokens, config.total_bytes / 2**30, self.cache_dtype,
+                layer_scales = None if scales is None else scales[i]
+                self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g, layer_scales)
+        logger.info("KV cache: %s blocks of %d tokens = %d tokens (%.2f GiB, %s: %d bytes and %d tokens per GiB, "
+                    "attention %s)", " + ".join(map(str, config.pool_blocks)), config.block_size,
+                    config.capacity_tokens, config.total_bytes / 2**30, self.cache_dtype, config.bytes_per_token,
+                    config.tokens_per_gib,
                     self.backend.name)
 
     def expert_load(self) -> dict[int, list[int]]:

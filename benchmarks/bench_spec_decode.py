@@ -1,0 +1,108 @@
+"""Speculative decoding on vs off, same run: output tok/s at 1, 4 and 16 concurrent requests, on a
+code-editing workload (the prompt holds a source file, the answer rewrites it) and open chat.
+
+    .venv/bin/python benchmarks/bench_spec_decode.py [--models smollm2-135m,qwen2.5-coder-1.5b]
+        [--spec '{"method": "ngram", "num_speculative_tokens": 4}'] [--concurrency 1,4,16] [--tokens 128]
+
+Greedy decoding (the spec-on text is checked to equal the spec-off text). Two rates: output tok/s
+of the whole batch (prefill included) and the median request's decode tok/s after its first token. Each configuration loads
+the model once and runs every workload and concurrency after a warm-up request; requests of one
+batch are submitted together (offline, `LLM.generate`), so at concurrency c every step holds up to c
+decodes. Acceptance: drafted and accepted tokens and the mean tokens per verify step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+from quantization import model_file  # this script's neighbour (benchmarks/ is on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ["tokenmill/engine/scheduler.py", "tokenmill/engine/kv_cache_manager.py", "tokenmill/worker/sampler.py",
+           "tokenmill/engine/request.py"]
+QUESTIONS = ["Why is the sky blue?", "What makes a good cup of coffee?", "How do vaccines work?",
+             "What should I see on a first trip to Rome?", "Explain what a hash table is.",
+             "How do I start learning to paint?", "What causes the seasons on Earth?",
+             "Give me tips for a job interview."]
+
+
+def code_prompts(n: int) -> list[str]:
+    out = []
+    for i in range(n):
+        text = (ROOT / SOURCES[i % len(SOURCES)]).read_text()
+        start = (i // len(SOURCES)) * 700 % max(1, len(text) - 1600)
+        code = text[start : start + 1500]
+        out.append(f"```python\n{code}\n```\nThe same code with every `request` renamed to `req`:\n```python\n")
+    return out
+
+
+def chat_prompts(n: int) -> list[str]:
+    return [f"Question: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:" for i in range(n)]
+
+
+def run(llm, prompts: list[str], tokens: int) -> tuple[float, float, list[str]]:
+    """(output tok/s of the whole batch, prefill included; median decode tok/s of a request after
+    its first token; the texts)."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    # token_times holds one time per step that produced tokens (several with speculation)
+    decode = sorted((len(o.outputs[0].token_ids) - 1) / (o.metrics.token_times[-1] - o.metrics.token_times[0])
+                    for o in outs)
+    return (sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, decode[len(decode) // 2],
+            [o.outputs[0].text for o in outs])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
+    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args()
+    import torch
+
+    from tokenmill import LLM
+
+    torch.set_num_threads(2)
+    spec = json.loads(args.spec)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(f"# {platform.processor() or platform.machine()}, 2 threads; {args.tokens} tokens per request, greedy; "
+          f"spec {args.spec}")
+    print(f"{'model':<22} {'workload':<10} {'conc':>4} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} "
+          f"{'off decode':>10} {'on decode':>9} {'speedup':>8} {'accept':>7} {'tok/step':>9} same")
+    for name in args.models.split(","):
+        path = str(model_file(name))
+        results = {}
+        for on in (False, True):
+            llm = LLM(path, speculative_config=spec if on else None, max_model_len=4096, kv_cache_memory=2.0)
+            run(llm, chat_prompts(1), 8)  # warm up
+            for workload, make in (("code-edit", code_prompts), ("chat", chat_prompts)):
+                for c in levels:
+                    stats = llm.engine.core.scheduler.spec_stats
+                    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+                    rate, decode, texts = run(llm, make(c), args.tokens)
+                    delta = [b - a for a, b in zip(before, (stats.num_drafts, stats.num_draft_tokens,
+                                                            stats.num_accepted_tokens))]
+                    results[(workload, c, on)] = (rate, decode, texts, delta)
+            del llm
+        for workload in ("code-edit", "chat"):
+            for c in levels:
+                off, dec_off, texts_off, _ = results[(workload, c, False)]
+                on, dec_on, texts_on, (steps, drafted, accepted) = results[(workload, c, True)]
+                accept = f"{accepted / drafted:.0%}" if drafted else "-"
+                per_step = f"{(accepted + steps) / steps:.2f}" if steps else "-"
+                print(f"{name:<22} {workload:<10} {c:>4} {off:>10.1f} {on:>9.1f} {on / off:>7.2f}x {dec_off:>10.1f} "
+                      f"{dec_on:>9.1f} {dec_on / dec_off:>7.2f}x {accept:>7} {per_step:>9} {texts_on == texts_off}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

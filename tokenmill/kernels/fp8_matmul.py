@@ -1,0 +1,165 @@
+"""Matmul on float8 e4m3 weights, on CPU: w = e4m3(byte) * scale, one float32 scale per output row
+and group of `group` input columns (group = K: per channel; 128: the fine-grained checkpoints'
+128x128 blocks, each block's scale repeated over its rows). The weights are dequantized inside the
+matmul: each weight value becomes exactly the float32 `weight.float() * scale` (one rounding) that
+`dequantize` writes and torch would compute, so the kernel reads 1 byte per weight instead of 4.
+
+Layout, per weight row of K values:
+  weight  uint8 [N, K]: the float8_e4m3fn bytes (a `torch.float8_e4m3fn` tensor viewed as uint8).
+  scales  float32 [N, ceil(K / group)].
+An e4m3 byte converts exactly with paged_attention's fp8 conversion (mantissa times a power of two
+built in the exponent bits, so no float32 subnormal is ever formed and the model runner's
+flush-to-zero setting cannot drop e4m3 subnormals). NaN (bytes 0x7F, 0xFF) converts to +-480
+instead: quantizers never write it.
+`matmul` handles few rows of activations (decode): each weight row is read once per 4 activation
+rows, converted in registers (AVX2 when built for it, else a scalar path) and accumulated; larger
+batches `dequantize` into a float32 workspace and run torch's GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kernels import cpu_kernels
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#ifdef TM_ATTN_SIMD  // AVX2 + FMA + F16C, as paged_attention's fp8 conversion (defined before this module)
+#define TM_FP8_SIMD 1
+#endif
+
+namespace tm_fp8 {
+
+// One e4m3 byte as float, exactly: paged_attention's fp8 conversion (integer exponent arithmetic, so
+// no float32 subnormal appears for the runner's flush-to-zero to drop).
+inline float e4m3_to_float(uint8_t b) { return fp8_to_f32<4, 3>(b); }
+
+#ifdef TM_FP8_SIMD
+// Eight e4m3 bytes at p as eight floats, exactly.
+inline __m256 e4m3x8(const uint8_t* p) { return fp8x8<4, 3>(p); }
+
+inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
+// out[r * N] = x[r] . (w * s) for ROWS activation rows (x row stride K), one weight row w of K bytes
+// with scales s per `group` columns.
+template <int ROWS>
+void rows_dot(const float* x, int64_t K, const uint8_t* w, const float* s, int64_t group, float* out, int64_t N) {
+  float total[ROWS] = {};
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, ++gi) {
+    const int64_t g1 = std::min(K, g0 + group);
+    const float scale = s[gi];
+    int64_t j = g0;
+#ifdef TM_FP8_SIMD
+    if (g1 - g0 >= 8) {
+      const __m256 sv = _mm256_set1_ps(scale);
+      __m256 acc[ROWS];
+      for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+      for (; j + 8 <= g1; j += 8) {
+        const __m256 wv = _mm256_mul_ps(e4m3x8(w + j), sv);
+        for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + j), wv, acc[r]);
+      }
+      for (int r = 0; r < ROWS; ++r) total[r] += hsum(acc[r]);
+    }
+#endif
+    for (; j < g1; ++j) {
+      const float wj = e4m3_to_float(w[j]) * scale;
+      for (int r = 0; r < ROWS; ++r) total[r] += x[r * K + j] * wj;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r * N] = total[r];
+}
+
+void check(const torch::Tensor& weight, const torch::Tensor& scales, int64_t group) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kByte && weight.is_contiguous(),
+              "fp8 weight: a contiguous uint8 [N, K] tensor");
+  TORCH_CHECK(group > 0 && scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+              scales.size(0) == weight.size(0) && scales.size(1) == (weight.size(1) + group - 1) / group,
+              "fp8 scales: a contiguous float32 [N, ceil(K / group)] tensor");
+}
+
+}  // namespace tm_fp8
+
+// x: [M, K] float32 (contiguous); out: [M, N] float32 = x @ (weight * scales).T
+void fp8_matmul(torch::Tensor x, torch::Tensor weight, torch::Tensor scales, int64_t group, torch::Tensor out) {
+  tm_fp8::check(weight, scales, group);
+  const int64_t M = x.size(0), K = weight.size(1), N = weight.size(0), G = scales.size(1);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) == K, "fp8_matmul: x [M, K] float32");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.size(0) == M && out.size(1) == N,
+              "fp8_matmul: out [M, N] float32");
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* w = wp + n * K;
+      if (n + 8 < end)
+        for (int64_t b = 0; b < K; b += 64) __builtin_prefetch(w + 8 * K + b);
+      int64_t i = 0;
+      for (; i + 4 <= M; i += 4) tm_fp8::rows_dot<4>(xp + i * K, K, w, sp + n * G, group, op + i * N + n, N);
+      for (; i < M; ++i) tm_fp8::rows_dot<1>(xp + i * K, K, w, sp + n * G, group, op + i * N + n, N);
+    }
+  });
+}
+
+// out: [N, K] float32, weight * scales (each value one float32 product).
+void fp8_dequantize(torch::Tensor weight, torch::Tensor scales, int64_t group, torch::Tensor out) {
+  tm_fp8::check(weight, scales, group);
+  const int64_t K = weight.size(1), N = weight.size(0), G = scales.size(1);
+  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.size(0) == N && out.size(1) == K,
+              "fp8_dequantize: out [N, K] float32");
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* w = wp + n * K;
+      float* o = op + n * K;
+      for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, ++gi) {
+        const int64_t g1 = std::min(K, g0 + group);
+        const float scale = sp[n * G + gi];
+        int64_t j = g0;
+#ifdef TM_FP8_SIMD
+        const __m256 sv = _mm256_set1_ps(scale);
+        for (; j + 8 <= g1; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(tm_fp8::e4m3x8(w + j), sv));
+#endif
+        for (; j < g1; ++j) o[j] = tm_fp8::e4m3_to_float(w[j]) * scale;
+      }
+    }
+  });
+}
+"""
+
+FUNCTIONS = ["fp8_matmul", "fp8_dequantize"]
+
+
+def load():
+    """The compiled extension, or None when it cannot be built here."""
+    return cpu_kernels()
+
+
+def _bytes(weight: torch.Tensor) -> torch.Tensor:
+    return weight.view(torch.uint8) if weight.dtype == torch.float8_e4m3fn else weight
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) @ (weight [N, K] e4m3 * scales [N, ceil(K / group)]).T -> [M, N]."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    load().fp8_matmul(x, _bytes(weight), scales, group, out)
+    return out
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weight [N, K] (into `out` when given)."""
+    if out is None:
+        out = torch.empty(*weight.shape, dtype=torch.float32)
+    load().fp8_dequantize(_bytes(weight), scales, group, out)
+    return out

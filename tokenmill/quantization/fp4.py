@@ -1,0 +1,100 @@
+"""`mxfp4` and `nvfp4`: a dense checkpoint's linear weights quantized on load to FP4 (e2m1: the values
+0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) times a scale per block of input columns:
+
+- MXFP4 (OCP Microscaling): blocks of 32, an E8M0 scale (a power of two) per block,
+  2^(floor(log2(absmax)) - 2) as the spec chooses it (values past 6 saturate to 6).
+- NVFP4: blocks of 16, a float8 e4m3 scale per block times a float32 scale per tensor (per
+  checkpoint tensor of a fused layer): global = absmax / (448 * 6), block = e4m3(absmax_block / 6 /
+  global).
+Values round to the nearest e2m1 value (ties to even, as the specs say).
+
+Twice an e2m1 value is an integer (0, 1, 2, 3, 4, 6, 8, 12), so an FP4 weight is exactly an 8-bit
+code (+-2 * e2m1) times (block scale / 2): the weights are stored as `Codes` in `BlockLayout(8, 32
+or 16)` with float32 scales (powers of two like 2^-20 do not fit float16) and run on the block
+kernels (`tokenmill.kernels.block_quant`), dequantized inside the matmul to exactly code * scale.
+That holds 8 bits a code plus 4 bytes a block (9 / 10 bits a weight for 32 / 16), not the formats'
+4.25 / 4.5: the bytes of int8, the error of FP4 (a 4-bit code kernel is the follow-up). Activations
+as for int8/int4: rounded to int8 per 32 values by default, float32 with an explicit
+`--dtype float32`. The LM head keeps 8 bits per channel (int8, as under int4). Input columns must
+be whole blocks of 32 (the block kernels' unit, for either format).
+Checkpoints already in MXFP4 / NVFP4 (GPT-OSS `*_blocks`/`*_scales`, compressed-tensors nvfp4)
+are not read yet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.quantization.base import LinearMethod, QuantizationConfig, dense
+from tokenmill.quantization.gguf import BlockLayout, BlockQuantLinearMethod
+from tokenmill.quantization.gguf_codes import Codes
+from tokenmill.quantization.int_quant import QuantizeOnLoadMethod
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2
+BLOCKS = {"mxfp4": 32, "nvfp4": 16}
+E4M3_MAX, E2M1_MAX = 448.0, 6.0
+
+
+def round_e2m1(u: torch.Tensor) -> torch.Tensor:
+    """`u` (float32) rounded to the nearest e2m1 value, ties to the even one (grid index even), past
+    6 saturated: returned as the integer codes 2 * e2m1 (int16), signed."""
+    a = u.abs()
+    idx = torch.bucketize(a, _MIDPOINTS)  # a tie falls to the lower neighbour
+    tie = a == _MIDPOINTS[idx.clamp(max=len(_MIDPOINTS) - 1)]
+    idx = idx + (tie & (idx % 2 == 1)).long()  # ...unless that one is odd
+    codes = (2 * E2M1[idx]).to(torch.int16)
+    return torch.where(u < 0, -codes, codes)
+
+
+def block_scales(w: torch.Tensor, method: str) -> torch.Tensor:
+    """The scale of every block, [N, K / block] float32: the factor each e2m1 value multiplies."""
+    amax = w.abs().amax(-1)
+    if method == "mxfp4":
+        _, exponent = torch.frexp(amax)  # amax = m * 2^exponent, m in [0.5, 1): floor(log2) = exponent - 1
+        e = torch.where(amax > 0, exponent - 1 - 2, torch.zeros_like(exponent)).clamp(-125, 127)
+        return torch.ldexp(torch.ones_like(amax), e)
+    tensor_amax = float(amax.max()) if amax.numel() else 0.0
+    glob = torch.tensor(tensor_amax / (E4M3_MAX * E2M1_MAX) if tensor_amax > 0 else 1.0, dtype=torch.float32)
+    s = (amax / E2M1_MAX / glob).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return s * glob
+
+
+def quantize(weight: torch.Tensor, method: str) -> Codes:
+    """`weight` [N, K] in `method`'s FP4 as 8-bit `Codes`: q = 2 * e2m1 value, scales = block scale / 2."""
+    block = BLOCKS[method]
+    rows, cols = weight.shape
+    w = weight.detach().float().reshape(rows, cols // block, block)
+    scale = block_scales(w, method)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale[..., None] > 0, round_e2m1(w / safe[..., None]), torch.zeros_like(w, dtype=torch.int16))
+    return Codes(q.reshape(rows, cols).numpy(), (scale / 2).numpy().astype(np.float32), None, block, 8)
+
+
+class FP4LinearMethod(BlockQuantLinearMethod):
+    def __init__(self, method: str, int8_activations: bool) -> None:
+        super().__init__(BlockLayout(8, BLOCKS[method], False), int8_activations, half=False)
+        self.method = method
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        if input_size % 32:
+            raise ValueError(f"{layer.prefix}: --quantization {self.method} needs input columns in whole blocks of 32 "
+                             f"(the block kernels' unit); this layer has {input_size}")
+        super().create_weights(layer, input_size, output_sizes, params_dtype)
+
+    def load(self, layer, weight, rows, src_rows, src_cols):
+        self.write(layer, quantize(dense(weight)[src_rows, src_cols], self.method), rows)
+
+
+class FP4Config(QuantizationConfig):
+    def __init__(self, method: str, int8_activations: bool) -> None:
+        super().__init__()
+        if method not in BLOCKS:
+            raise ValueError(f"FP4 methods are {', '.join(BLOCKS)}; got {method!r}")
+        self.name, self.int8_activations = method, int8_activations
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        if prefix.endswith("lm_head"):
+            return QuantizeOnLoadMethod(8, None, True, self.int8_activations)
+        return FP4LinearMethod(self.name, self.int8_activations)
