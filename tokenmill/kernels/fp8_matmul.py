@@ -77,49 +77,58 @@ void rows_dot(const float* x, int64_t K, const uint8_t* w, const float* s, int64
   for (int r = 0; r < ROWS; ++r) out[r * N] = total[r];
 }
 
-void check(const torch::Tensor& weight, const torch::Tensor& scales, int64_t group) {
+// A weight and its scales, checked: row n's bytes at w + n * K, its scales at s + n * G.
+struct Weight {
+  const uint8_t* w;
+  const float* s;
+  int64_t N, K, G, group;
+};
+
+Weight weight_of(const torch::Tensor& weight, const torch::Tensor& scales, int64_t group) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kByte && weight.is_contiguous(),
               "fp8 weight: a contiguous uint8 [N, K] tensor");
   TORCH_CHECK(group > 0 && scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
               scales.size(0) == weight.size(0) && scales.size(1) == (weight.size(1) + group - 1) / group,
               "fp8 scales: a contiguous float32 [N, ceil(K / group)] tensor");
+  return {weight.data_ptr<uint8_t>(), scales.data_ptr<float>(), weight.size(0), weight.size(1), scales.size(1), group};
+}
+
+// A contiguous float32 [rows, cols] tensor's data, or an error naming it.
+template <typename T>
+T* floats(const torch::Tensor& t, int64_t rows, int64_t cols, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == rows &&
+              t.size(1) == cols, what, ": a contiguous float32 [", rows, ", ", cols, "] tensor");
+  return t.data_ptr<float>();
 }
 
 }  // namespace tm_fp8
 
 // x: [M, K] float32 (contiguous); out: [M, N] float32 = x @ (weight * scales).T
 void fp8_matmul(torch::Tensor x, torch::Tensor weight, torch::Tensor scales, int64_t group, torch::Tensor out) {
-  tm_fp8::check(weight, scales, group);
-  const int64_t M = x.size(0), K = weight.size(1), N = weight.size(0), G = scales.size(1);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) == K, "fp8_matmul: x [M, K] float32");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.size(0) == M && out.size(1) == N,
-              "fp8_matmul: out [M, N] float32");
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const tm_fp8::Weight W = tm_fp8::weight_of(weight, scales, group);
+  const int64_t M = x.size(0), K = W.K, N = W.N;
+  const float* xp = tm_fp8::floats<const float>(x, M, K, "fp8_matmul x");
+  float* op = tm_fp8::floats<float>(out, M, N, "fp8_matmul out");
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* w = wp + n * K;
+      const uint8_t* w = W.w + n * K;
       if (n + 8 < end)
         for (int64_t b = 0; b < K; b += 64) __builtin_prefetch(w + 8 * K + b);
       int64_t i = 0;
-      for (; i + 4 <= M; i += 4) tm_fp8::rows_dot<4>(xp + i * K, K, w, sp + n * G, group, op + i * N + n, N);
-      for (; i < M; ++i) tm_fp8::rows_dot<1>(xp + i * K, K, w, sp + n * G, group, op + i * N + n, N);
+      for (; i + 4 <= M; i += 4) tm_fp8::rows_dot<4>(xp + i * K, K, w, W.s + n * W.G, group, op + i * N + n, N);
+      for (; i < M; ++i) tm_fp8::rows_dot<1>(xp + i * K, K, w, W.s + n * W.G, group, op + i * N + n, N);
     }
   });
 }
 
 // out: [N, K] float32, weight * scales (each value one float32 product).
 void fp8_dequantize(torch::Tensor weight, torch::Tensor scales, int64_t group, torch::Tensor out) {
-  tm_fp8::check(weight, scales, group);
-  const int64_t K = weight.size(1), N = weight.size(0), G = scales.size(1);
-  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && out.size(0) == N && out.size(1) == K,
-              "fp8_dequantize: out [N, K] float32");
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  const tm_fp8::Weight W = tm_fp8::weight_of(weight, scales, group);
+  const int64_t K = W.K, G = W.G;
+  const uint8_t* wp = W.w;
+  const float* sp = W.s;
+  float* op = tm_fp8::floats<float>(out, W.N, K, "fp8_dequantize out");
+  at::parallel_for(0, W.N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* w = wp + n * K;
       float* o = op + n * K;
