@@ -1,48 +1,80 @@
-"""The block-quantized matmul kernels on one weight shape, per GGUF type: time per call and weights/s.
+"""The block-quantized matmul kernels on one weight shape, per GGUF type: time per call and weights/s,
+optionally against the kernels of an earlier git revision built side by side (same weights, same run).
 
     .venv/bin/python benchmarks/bench_block_kernels.py [--types Q4_K,Q5_0,Q6_K,Q8_0] [--shape 17920x1536]
-        [--rows 1] [--copies 12] [--mode q8|float]
+        [--rows 1[,16,...]] [--copies 12] [--mode q8|float] [--against REV]
 
 Random blocks of each type (as the tests build them) packed as `tokenmill.quantization.gguf` packs
 them for gguf-q8 (`--mode q8`, int8 activations) or the exact mode (`--mode float`). `--copies`
 weights are cycled so that each call reads its weight from memory, as a decode step does (one copy:
-from cache). Medians of --repeats passes over all copies.
+from cache). Medians of --repeats passes over all copies. `--against REV`: the same calls on the
+kernels of `git show REV:tokenmill/kernels/block_quant.py` (with this tree's other kernels), and the
+ratio; `--rows` then also reports the float32 GEMM on the dequantized weight (what larger steps ran).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 
 from test_quantization import random_gguf_tensor  # noqa: E402  (the tests' block builder)
+from tokenmill import kernels  # noqa: E402
 from tokenmill.kernels import block_quant  # noqa: E402
 from tokenmill.layers.linear import ReplicatedLinear  # noqa: E402
 from tokenmill.quantization.gguf import GGUFConfig  # noqa: E402
+
+
+def kernels_at(rev: str):
+    """The CPU extension with block_quant.py as it was at git revision `rev`."""
+    from tokenmill.kernels import decode_step, fp8_matmul, fused_ops, paged_attention
+
+    source = subprocess.check_output(["git", "show", f"{rev}:tokenmill/kernels/block_quant.py"], cwd=ROOT, text=True)
+    old = types.ModuleType("block_quant_at_rev")
+    sys.modules[old.__name__] = old  # its dataclasses look their module up
+    exec(compile(source, f"block_quant@{rev}", "exec"), old.__dict__)
+    modules = (old, fused_ops, paged_attention, decode_step, fp8_matmul)
+    return kernels.build(f"cpu_at_{rev}", "\n".join(m._SOURCE for m in modules),
+                         [f for m in modules for f in m.FUNCTIONS], extra_cflags=("-ffp-contract=off",))
+
+
+def median_time(call, copies, x, out, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first pass warms up
+        start = time.perf_counter()
+        for w in copies:
+            call(x, *w.args(), out)
+        times.append((time.perf_counter() - start) / len(copies))
+    return statistics.median(times[1:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="Q4_K,Q5_0,Q6_K,Q8_0", help="comma-separated GGUF types")
     ap.add_argument("--shape", default="17920x1536", help="weight rows x columns (default: %(default)s)")
-    ap.add_argument("--rows", type=int, default=1, help="activation rows per call (default: %(default)s)")
+    ap.add_argument("--rows", default="1", help="activation rows per call, comma-separated (default: %(default)s)")
     ap.add_argument("--copies", type=int, default=12, help="weights cycled through (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=9, help="passes over all copies (default: %(default)s)")
     ap.add_argument("--mode", choices=["q8", "float"], default="q8", help="gguf-q8 or the exact mode's kernel")
+    ap.add_argument("--against", metavar="REV", help="also time the kernels of this git revision")
     args = ap.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
-    x = torch.randn(args.rows, k)
-    out = torch.empty(args.rows, n)
-    print(f"# {args.mode} kernel, {n}x{k}, {args.rows} activation row(s), {args.copies} copies, "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'type':6s} {'bits':>4s} {'us/call':>9s} {'G weights/s':>12s} {'GB/s':>6s}")
+    name = "block_quant_matmul_q8" if args.mode == "q8" else "block_quant_matmul"
+    builds = [("now", block_quant.load())] + ([(args.against, kernels_at(args.against))] if args.against else [])
+    print(f"# {args.mode} kernel, {n}x{k}, {args.copies} copies, {torch.get_num_threads()} threads; G MAC/s = "
+          "weights x rows / time")
+    head = f"{'type':6s} {'rows':>5s} " + " ".join(f"{label + ' us':>12s} {'G MAC/s':>8s}" for label, _ in builds)
+    print(head + ("  ratio  GEMM us  G MAC/s" if args.against else "  GB/s"))
     for qtype in args.types.split(","):
         weight, _ = random_gguf_tensor(qtype, n, k, np.random.default_rng(0))
         config = GGUFConfig({"w.weight": qtype}, int8_activations=args.mode == "q8")
@@ -52,15 +84,22 @@ def main() -> None:
             layer.weight_loader("weight", weight)
             copies.append(layer.quant_method.blocks(layer))
         nbytes = sum(t.numel() * t.element_size() for t in copies[0].args()[:5] if t is not None)
-        call = block_quant.load().block_quant_matmul_q8 if args.mode == "q8" else block_quant.load().block_quant_matmul
-        times = []
-        for rep in range(args.repeats + 1):  # the first pass warms up
-            start = time.perf_counter()
-            for w in copies:
-                call(x, *w.args(), out)
-            times.append((time.perf_counter() - start) / len(copies))
-        t = statistics.median(times[1:])
-        print(f"{qtype:6s} {copies[0].bits:4d} {t * 1e6:9.0f} {n * k * args.rows / t / 1e9:12.1f} {nbytes / t / 1e9:6.1f}")
+        for rows in map(int, args.rows.split(",")):
+            x, out = torch.randn(rows, k), torch.empty(rows, n)
+            times = [median_time(getattr(ext, name), copies, x, out, args.repeats) for _, ext in builds]
+            line = f"{qtype:6s} {rows:5d} " + " ".join(f"{t * 1e6:12.0f} {n * k * rows / t / 1e9:8.1f}" for t in times)
+            if args.against:
+                dense = block_quant.workspace(n, k)
+
+                def gemm(xx, *w_args):  # what steps past the fused kernel's limit ran: dequantize, then GEMM
+                    block_quant.load().block_quant_dequantize(*w_args[:8], dense)
+                    return xx @ dense.t()
+
+                g = median_time(gemm, copies, x, out, max(1, args.repeats // 3))
+                line += f"  {times[1] / times[0]:5.2f}x {g * 1e6:8.0f} {n * k * rows / g / 1e9:8.1f}"
+            else:
+                line += f"  {nbytes / times[0] / 1e9:5.1f}"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,15 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype):
     weight_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.high, layer.scales, layer.offsets,
                                                                layer.supers) if t is not None)
     assert weight_bytes <= 80 * cols * (method.bits + 1.25) / 8  # about the file's own bits a weight
-    for rows in (1, 3, 4, 7, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1, 40):  # the integer kernel, then the GEMM
+    # the integer kernel: one row, tiles of 8 rows and partial ones, blocks of 256 rows; then (for 6-8
+    # bits, or on CPUs with a faster float GEMM) dequantize + GEMM on the same rounded activations
+    for rows in (1, 3, 4, 7, 8, 17, 40, 300):
+        x = torch.randn(rows, cols)
+        out = block_quant.matmul_q8(x, method.blocks(layer))
+        want = q8_reference(x, ref)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+    limit = method.fused_max_tokens
+    for rows in (1, 40) if limit is None else (limit, limit + 1):
         x = torch.randn(rows, cols)
         out = layer(x)
         want = q8_reference(x, ref)

@@ -179,7 +179,8 @@ class SpeculativeConfig:
     `prompt_lookup_max` down to `prompt_lookup_min`. Nothing is drafted while more than
     `disable_by_batch_size` requests run (a full batch gains little from verifying drafts), and a
     step's decodes plus drafts stay within `max_verify_tokens` (on CPU the quantized kernels multiply
-    up to 16 rows in one pass over the weights; a larger step dequantizes them). Drafts are sized per
+    register tiles of 8 rows per pass over the weights: a step much past 16 rows costs ~linearly
+    more). Drafts are sized per
     request by its recent acceptance rate a (an average over its verify steps): position i is drafted
     only while a**i >= 1 - (1 - `min_acceptance`) / B with B requests running — a verified token
     costs about half a single-stream decode step on a 2-core CPU (a small fraction on a memory-bound
@@ -230,6 +231,20 @@ class SpeculativeConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How one engine spreads over processes: `tensor_parallel_size` ranks, each a process on this host
+    holding its share of every layer (heads, MLP columns, vocabulary), joined by torch.distributed
+    (gloo on CPU, NCCL on CUDA with one GPU per rank). On CPU each rank is bound to its share of the cores."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs. `model` is an alias, a .gguf file or an HF directory."""
 
@@ -244,6 +259,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         resolve_device(self.device)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.config import (KV_CACHE_DTYPES, PREFIX_CACHE_HASHES, CacheConfig, EngineConfig, SchedulerConfig,
-                              SpeculativeConfig)
+from tokenmill.config import (KV_CACHE_DTYPES, PREFIX_CACHE_HASHES, CacheConfig, EngineConfig, ParallelConfig,
+                              SchedulerConfig, SpeculativeConfig)
 from tokenmill.loader.source import DEFAULT_MODEL
 from tokenmill.quantization import QUANTIZATION_METHODS
 
@@ -81,11 +81,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "that followed the latest earlier match of the last n tokens), num_speculative_tokens "
                         "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
                         "disable_by_batch_size (draft nothing while more requests run, default 4) and max_verify_tokens "
-                        "(decodes + drafts in one step, default 16: the rows the CPU quantized kernels take in one "
-                        "pass); the output "
+                        "(decodes + drafts in one step, default 16: two of the CPU int8 kernel's 8-row tiles); the output "
                         "distribution is unchanged (greedy: the same tokens). Requests with penalties, logit_bias, "
                         "min_tokens, logprobs or structured output, and those with \"speculative\": false, decode "
                         "without it. Default: off")
+    c.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split every layer over N processes on this host (attention heads, MLP columns and the "
+                        "vocabulary; one all-reduce after attention and one after the MLP), joined by "
+                        "torch.distributed: gloo on CPU (each rank bound to its share of the cores), NCCL on CUDA "
+                        "(one GPU per rank). Not for MoE or MLA models yet (default: %(default)s)")
     c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.policy,
                    help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
                         "first (default: %(default)s)")
@@ -100,6 +104,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                           prefix_cache_hash=args.prefix_cache_hash, cache_dtype=args.kv_cache_dtype),
         speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, policy=args.scheduling_policy),
     )

@@ -8,7 +8,7 @@ import time
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutput, child_request_id
-from tokenmill.executor import UniProcExecutor
+from tokenmill.executor import executor_for
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import load_tokenizer
 
@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        executor = UniProcExecutor(config)
+        executor = executor_for(config)
         self.model_config = executor.model_config
         self.model_name = executor.source.name
         self.tokenizer = load_tokenizer(executor.source)

@@ -1,4 +1,4 @@
-"""The `tokenmill` command: info, generate, serve, bench."""
+"""The `tokenmill` command: info, generate, serve, router, bench, eval."""
 
 from __future__ import annotations
 
@@ -161,12 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
-    """`serve`, `bench` and `eval` live in their own packages."""
+    """`serve`, `router`, `bench` and `eval` live in their own packages."""
     from tokenmill.bench.cli import add_bench_parser
     from tokenmill.eval.cli import add_eval_parser
+    from tokenmill.router.cli import add_router_parser
     from tokenmill.server.cli import add_serve_parser
 
     add_serve_parser(sub)
+    add_router_parser(sub)
     add_bench_parser(sub)
     add_eval_parser(sub)
 

@@ -1,8 +1,18 @@
 """Executors run the model for the engine core: `Executor` is the interface, `UniProcExecutor`
-runs one model runner in the core's own process. A multi-process executor (one worker per
-tensor-parallel rank over torch.distributed) implements the same three calls."""
+runs one model runner in the core's own process, `MultiprocExecutor` one per tensor-parallel rank
+(the driver in the core's process, workers in their own) over torch.distributed."""
 
+from tokenmill.config import EngineConfig
 from tokenmill.executor.abstract import Executor
+from tokenmill.executor.multiproc import MultiprocExecutor
 from tokenmill.executor.uniproc import UniProcExecutor
 
-__all__ = ["Executor", "UniProcExecutor"]
+
+def executor_for(config: EngineConfig) -> Executor:
+    """The executor `config.parallel` asks for (loads the model)."""
+    if config.parallel.tensor_parallel_size > 1:
+        return MultiprocExecutor(config)
+    return UniProcExecutor(config)
+
+
+__all__ = ["Executor", "MultiprocExecutor", "UniProcExecutor", "executor_for"]

@@ -6,10 +6,11 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from tokenmill.attention.kv_spec import KVCacheConfig
+from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig, make_kv_cache_config
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
+from tokenmill.loader import LoadedModel, load_model
 from tokenmill.loader.source import ModelSource
 
 
@@ -39,3 +40,20 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step on every worker; the sampled tokens (from the driver worker)."""
+
+    def check_health(self) -> None:
+        """Raise (saying why) if a worker this executor needs is gone."""
+
+
+def load_configured_model(config: EngineConfig) -> LoadedModel:
+    """The model `config` names, as it asks (dtype, device, weight format), on this process's
+    tensor-parallel rank."""
+    return load_model(config.model, config.dtype, config.device, max_positions=config.scheduler.max_model_len,
+                      quantization=config.quantization, group_size=config.quantization_group_size,
+                      symmetric=config.quantization_symmetric)
+
+
+def size_kv_cache(config: EngineConfig, specs: dict[str, AttentionSpec]) -> KVCacheConfig:
+    """The paged KV cache for layers with these specs, as the cache and scheduler configs ask."""
+    sched = config.scheduler
+    return make_kv_cache_config(specs, config.cache, sched.max_num_seqs, sched.max_num_batched_tokens)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from tokenmill.attention.kv_spec import KVCacheConfig, make_kv_cache_config
+from tokenmill.attention.kv_spec import KVCacheConfig
 from tokenmill.config import EngineConfig
 from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
-from tokenmill.executor.abstract import Executor
-from tokenmill.loader import LoadedModel, load_model
+from tokenmill.executor.abstract import Executor, load_configured_model, size_kv_cache
+from tokenmill.loader import LoadedModel
 from tokenmill.worker.model_runner import ModelRunner
 
 
@@ -17,17 +17,14 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         if loaded is None:
-            loaded = load_model(config.model, config.dtype, config.device, max_positions=config.scheduler.max_model_len,
-                                quantization=config.quantization, group_size=config.quantization_group_size,
-                                symmetric=config.quantization_symmetric)
+            loaded = load_configured_model(config)
         self.model_config, self.source = loaded.config, loaded.source
         self.dtype, self.device, self.quantization = loaded.dtype, loaded.device, loaded.quantization
         self.runner = ModelRunner(loaded, config)
 
     def initialize_kv_cache(self) -> KVCacheConfig:
-        sched = self.config.scheduler
-        kv_config = make_kv_cache_config(self.runner.kv_cache_specs(), self.config.cache, sched.max_num_seqs,
-                                         sched.max_num_batched_tokens)
+        kv_config = size_kv_cache(self.config, self.runner.kv_cache_specs())
+        self._share("kv", kv_config)
         self.runner.initialize_kv_cache(kv_config)
         self.runner.warm_up()
         return kv_config
@@ -36,4 +33,8 @@ class UniProcExecutor(Executor):
         return self.runner.expert_load()
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._share("step", sched)
         return self.runner.execute(sched)
+
+    def _share(self, kind: str, payload: object) -> None:
+        """Hand what this runner is about to run to the other ranks' runners (there are none here)."""

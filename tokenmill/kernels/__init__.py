@@ -96,12 +96,17 @@ def _exclusive(build_dir: Path):
             fcntl.flock(guard, fcntl.LOCK_UN)
 
 
-def _cpu_tag() -> str:
-    """A short tag of this CPU's instruction sets, so a build cached for one CPU is never loaded on another."""
-    flags = ""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        pass
+        line = ""
+    return frozenset(line.partition(":")[2].split())
+
+
+def _cpu_tag() -> str:
+    """A short tag of this CPU's instruction sets, so a build cached for one CPU is never loaded on another."""
+    flags = " ".join(sorted(cpu_flags()))
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]

@@ -19,7 +19,9 @@ Layout (`Blocks`), per weight row of K values:
          mode's choice, whose float kernel then reads them in place: speed over bytes.)
   center the codes' zero (Q4_0: 8, Q5_0: 16, Q6_K: 32), 0 for 8-bit codes.
 `matmul` handles few rows of activations (decode) by dequantizing each weight row in registers;
-`dequantize` writes the float32 weight for large batches, which then go to torch's GEMM.
+`matmul_q8` (int8 activations) takes one row as a memory-bound pass and more as register tiles of 8
+rows against each weight row (fast at every batch size for 4-5-bit codes); `dequantize` writes the
+float32 weight for large batches, which then go to torch's GEMM.
 """
 
 from __future__ import annotations
@@ -398,21 +400,45 @@ void dequantize_impl(const Blocks& w, torch::Tensor& out) {
 // computes). Not exact; several times fewer instructions per weight than decoding it to float.
 
 // x [M, K] -> xq int8 [M, K], dx [M, K/32] (scale per 32 values), xs [M, K/BS] (sums of the rounded values).
+// The vector path rounds as nearbyint does (the default rounding mode: half to even).
 template <int BS>
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs) {
-  for (int64_t i = 0; i < M * K / 32; ++i) {
-    const float* v = x + i * 32;
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    dx[i] = d;
-    for (int j = 0; j < 32; ++j) xq[i * 32 + j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
-  }
-  for (int64_t i = 0; i < M * K / BS; ++i) {
-    int32_t sum = 0;
-    for (int j = 0; j < BS; ++j) sum += xq[i * BS + j];
-    xs[i] = dx[i * BS / 32] * static_cast<float>(sum);
-  }
+  at::parallel_for(0, M * K / 32, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = x + i * 32;
+      int8_t* q = xq + i * 32;
+#ifdef TM_SIMD
+      __m256 f[4], amax = _mm256_setzero_ps();
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      for (int j = 0; j < 4; ++j) {
+        f[j] = _mm256_loadu_ps(v + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(f[j], abs_mask));
+      }
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_movehdup_ps(m));
+      const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      __m256i c[4];
+      for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], _mm256_set1_ps(id)));
+      // int32 -> int8 (packs work within 128-bit lanes: one permute puts the values back in order)
+      const __m256i w16 = _mm256_packs_epi32(c[0], c[1]), w16b = _mm256_packs_epi32(c[2], c[3]);
+      const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b8);
+      dx[i] = d;
+#else
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      dx[i] = d;
+      for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+#endif
+      for (int h = 0; h < 32 / BS; ++h) {
+        int32_t sum = 0;
+        for (int j = h * BS; j < (h + 1) * BS; ++j) sum += q[j];
+        xs[i * (32 / BS) + h] = d * static_cast<float>(sum);
+      }
+    }
+  });
 }
 
 #ifdef TM_SIMD
@@ -440,56 +466,39 @@ void interleave_pairs(int8_t* xq, int64_t M, int64_t K) {
 constexpr bool paired(int) { return false; }
 #endif
 
-// Up to four int8 activation rows against one weight row (offsets carry the center: codes unsigned).
-// SCALED (one row): s already holds the weight scales times the row's scales.
-template <int BITS, int BS, int ROWS, bool SCALED = false>
-inline void rows_dot_q8(const int8_t* xq, const float* dx, int64_t K, const uint8_t* codes, const uint8_t* high,
-                        const float* s, const float* o, const float* xsum, float* out, int64_t out_stride) {
-  const int64_t groups = K / 32, nw = K / BS;
-  float total[ROWS];
+// One int8 activation row against one weight row whose scales s already hold the row's activation
+// scales (see Blocks::expand; the offsets, the codes' center folded in, are the caller's share).
+template <int BITS, int BS>
+inline float row_dot_q8(const int8_t* xq, int64_t K, const uint8_t* codes, const uint8_t* high, const float* s) {
 #ifdef TM_SIMD
+  const int64_t groups = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[ROWS], acc2[ROWS];  // two dependency chains, not one
-  for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = _mm256_setzero_ps();
-  auto group = [&](int64_t g, __m256* into) {  // one group, activations in natural order
+  __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();  // two dependency chains, not one
+  auto group = [&](int64_t g, __m256& into) {  // one group, activations in natural order
     const __m256i w = unpack32<BITS>(codes, high, g);
     // lanes 0-3 hold values 0..15 of the group, lanes 4-7 values 16..31 (a 16-block each for BS 16)
     const __m256 ws = BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
     const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;  // maddubs multiplies unsigned by signed
-    for (int r = 0; r < ROWS; ++r) {
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * 32));
-      if (BITS == 8) x = _mm256_sign_epi8(x, w);
-      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
-      const __m256 scale = SCALED ? ws : _mm256_mul_ps(ws, _mm256_set1_ps(dx[r * groups + g]));
-      into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, into[r]);
-    }
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+    if (BITS == 8) x = _mm256_sign_epi8(x, w);
+    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
+    into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), ws, into);
   };
   // two groups at once (paired layouts): lanes 0-3 from group g, 4-7 from g + 1
-  auto pair = [&](int64_t g, __m256* into) {
+  auto pair = [&](int64_t g, __m256& into) {
     __m256i lo, hi;
     unpack_pair<BITS>(codes, high, g / 2, lo, hi);
-    __m256 wlo, whi;  // the scale of each lane's values (BS 16: lo and hi are blocks of their own)
-    if (BS == 32) {
-      wlo = whi = pair_lanes(s + g);
-    } else {
+    const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32)));
+    const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32)));
+    if (BS == 32) {  // codes below 64 times |x| <= 127: four products fit an int16
+      const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones);
+      into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), pair_lanes(s + g), into);
+    } else {  // blocks of 16: lo and hi have scales of their own
       const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s + 2 * g));
-      wlo = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
-      whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      const int8_t* xp = xq + r * K + g * 32;
-      const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
-      const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
-      const __m256 dxv = SCALED ? _mm256_set1_ps(1.f) : pair_lanes(dx + r * groups + g);
-      if (BS == 32) {  // codes below 64 times |x| <= 127: four products fit an int16
-        const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones);
-        into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), SCALED ? wlo : _mm256_mul_ps(wlo, dxv), into[r]);
-      } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones)),
-                                 SCALED ? wlo : _mm256_mul_ps(wlo, dxv), acc[r]);
-        acc2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones)),
-                                  SCALED ? whi : _mm256_mul_ps(whi, dxv), acc2[r]);
-      }
+      const __m256 wlo = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+      const __m256 whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones)), wlo, acc);
+      acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones)), whi, acc2);
     }
   };
   int64_t g = 0;
@@ -509,19 +518,145 @@ inline void rows_dot_q8(const int8_t* xq, const float* dx, int64_t K, const uint
     }
   }
   if (g < groups) group(g, acc);
-  for (int r = 0; r < ROWS; ++r) total[r] = hsum(_mm256_add_ps(acc[r], acc2[r]));
+  return hsum(_mm256_add_ps(acc, acc2));
 #else
-  for (int r = 0; r < ROWS; ++r) {
-    total[r] = 0.f;
-    for (int64_t b = 0; b < nw; ++b) {
-      int32_t dot = 0;
-      for (int64_t j = b * BS; j < (b + 1) * BS; ++j) dot += code_at<BITS>(codes, high, j) * xq[r * K + j];
-      total[r] += SCALED ? static_cast<float>(dot) * s[b] : static_cast<float>(dot) * s[b] * dx[r * groups + b * BS / 32];
+  float total = 0.f;
+  for (int64_t b = 0; b < K / BS; ++b) {
+    int32_t dot = 0;
+    for (int64_t j = b * BS; j < (b + 1) * BS; ++j) dot += code_at<BITS>(codes, high, j) * xq[j];
+    total += static_cast<float>(dot) * s[b];
+  }
+  return total;
+#endif
+}
+
+#ifdef TM_SIMD
+// The activation scales as the vector kernels' lanes, one vector per unit of a row: a unit is a pair
+// of groups for paired layouts (lanes 0-3 dx[2p], 4-7 dx[2p+1]; an odd last group's scale in all eight),
+// else one group (its scale in all eight).
+std::vector<__m256> scale_lanes(const float* dx, int64_t M, int64_t groups, bool pairs, int64_t units) {
+  std::vector<__m256> lanes(M * units);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t u = 0; u < units; ++u) {
+      const float* d = dx + r * groups;
+      const int64_t g = pairs ? 2 * u : u;
+      lanes[r * units + u] = g + 1 < groups && pairs ? pair_lanes(d + g) : _mm256_set1_ps(d[g]);
+    }
+  return lanes;
+}
+
+// RM int8 activation rows (K apart, ordered as quantize_rows + interleave_pairs leave them) against
+// one weight row whose scales s are expanded with the codes' center folded into the offsets, which the
+// caller adds: total[r] += sum over the blocks of groups [g, end) of s * dx * (q . x). The weight's codes
+// are unpacked once for all RM rows; each row keeps one accumulator (RM independent chains).
+template <int BITS, int BS, int RM>
+inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_t K, const uint8_t* codes,
+                    const uint8_t* high, const float* s, int64_t g, int64_t end, float* total) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[RM];
+  for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
+  if (paired(BITS))
+    for (; g + 2 <= end; g += 2) {
+      __m256i lo, hi;
+      unpack_pair<BITS>(codes, high, g / 2, lo, hi);
+      if (BS == 32) {  // codes below 64 times |x| <= 127: four products fit an int16
+        const __m256 ws = pair_lanes(s + g);
+        for (int r = 0; r < RM; ++r) {
+          const int8_t* xp = xq + r * K + g * 32;
+          const __m256i sums = _mm256_madd_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
+                               _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)))),
+              ones);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, lanes[r * units + g / 2]), acc[r]);
+        }
+      } else {  // blocks of 16: lo and hi have scales of their own
+        const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s + 2 * g));
+        const __m256 wlo = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+        const __m256 whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+        for (int r = 0; r < RM; ++r) {
+          const int8_t* xp = xq + r * K + g * 32;
+          const __m256i plo = _mm256_madd_epi16(
+              _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))), ones);
+          const __m256i phi = _mm256_madd_epi16(
+              _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))), ones);
+          const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), whi, _mm256_mul_ps(_mm256_cvtepi32_ps(plo), wlo));
+          acc[r] = _mm256_fmadd_ps(t, lanes[r * units + g / 2], acc[r]);
+        }
+      }
+    }
+  for (; g < end; ++g) {  // 8-bit codes (signed: maddubs takes |w| and x with w's sign), or an odd last group
+    const __m256i w = unpack32<BITS>(codes, high, g);
+    const __m256 ws = BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
+    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;
+    for (int r = 0; r < RM; ++r) {
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * 32));
+      if (BITS == 8) x = _mm256_sign_epi8(x, w);
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, lanes[r * units + (paired(BITS) ? g / 2 : g)]),
+                               acc[r]);
     }
   }
-#endif
-  store_rows<ROWS>(total, o, xsum, nw, out, out_stride);
+  for (int r = 0; r < RM; ++r) total[r] += hsum(acc[r]);
 }
+
+// tile_q8 for any rows <= kTile (the last, partial tile).
+constexpr int kTile = 8;
+template <int BITS, int BS>
+inline void tile_q8_rows(int rows, const int8_t* xq, const __m256* lanes, int64_t units, int64_t K,
+                         const uint8_t* codes, const uint8_t* high, const float* s, int64_t g, int64_t end,
+                         float* total) {
+  switch (rows) {
+    case 8: return tile_q8<BITS, BS, 8>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 7: return tile_q8<BITS, BS, 7>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 6: return tile_q8<BITS, BS, 6>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 5: return tile_q8<BITS, BS, 5>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 4: return tile_q8<BITS, BS, 4>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 3: return tile_q8<BITS, BS, 3>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 2: return tile_q8<BITS, BS, 2>(xq, lanes, units, K, codes, high, s, g, end, total);
+    default: return tile_q8<BITS, BS, 1>(xq, lanes, units, K, codes, high, s, g, end, total);
+  }
+}
+
+// Several activation rows: chunks of weight rows (scales expanded once per chunk) against every tile
+// of kTile activation rows, a slab of columns at a time, so that a chunk's codes stay in cache while all
+// tiles pass over them and a tile's slab of activations (8 rows of 2,048: 16 KB) stays in L1.
+template <int BITS, int BS>
+void matmul_q8_tiles(const int8_t* xq, const float* dx, const float* xs, int64_t M, const Blocks& w, float* outp) {
+  constexpr int64_t kChunk = 16, kSlab = 64;  // slabs of whole group pairs
+  const int64_t K = w.K, N = w.N, nb = w.nb, groups = K / 32;
+  constexpr int64_t kRowBlock = 256;  // rows at a time: a block's activations stay in the last-level cache
+  if (M > kRowBlock) {
+    for (int64_t m = 0; m < M; m += kRowBlock)
+      matmul_q8_tiles<BITS, BS>(xq + m * K, dx + m * groups, xs + m * nb, std::min(kRowBlock, M - m), w, outp + m * N);
+    return;
+  }
+  const int64_t units = paired(BITS) ? (groups + 1) / 2 : groups;
+  const std::vector<__m256> lanes = scale_lanes(dx, M, groups, paired(BITS), units);
+  at::parallel_for(0, N, kChunk, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kChunk * nb), o(kChunk * nb);
+    bool offsets = false;
+    for (int64_t n0 = begin; n0 < end; n0 += kChunk) {
+      const int64_t rows = std::min(kChunk, end - n0);
+      for (int64_t j = 0; j < rows; ++j) offsets = w.expand(n0 + j, true, nullptr, nullptr, &s[j * nb], &o[j * nb], nullptr);
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+        float total[kChunk][kTile] = {};
+        for (int64_t g = 0; g < groups; g += kSlab)
+          for (int64_t j = 0; j < rows; ++j) {
+            const int64_t n = n0 + j;
+            tile_q8_rows<BITS, BS>(tile, xq + m0 * K, lanes.data() + m0 * units, units, K, w.codes + n * w.code_bytes,
+                                   w.high ? w.high + n * w.high_bytes : nullptr, &s[j * nb], g,
+                                   std::min(groups, g + kSlab), total[j]);
+          }
+        for (int64_t j = 0; j < rows; ++j)
+          for (int r = 0; r < tile; ++r)
+            store_rows<1>(total[j] + r, offsets ? &o[j * nb] : nullptr, xs + (m0 + r) * nb, nb,
+                          outp + (m0 + r) * N + n0 + j, N);
+      }
+    }
+  });
+}
+#endif
 
 template <int BITS, int BS>
 void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out) {
@@ -533,23 +668,17 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
   if (paired(BITS)) interleave_pairs(xq.data(), M, K);
 #endif
   float* outp = out.data_ptr<float>();
-  if (M == 1) {  // the activation scales go into the weight scales once per row
-    for_each_row(w, true, dx.data(), xs.data(), [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s,
-                                                    const float*, float share) {
-      rows_dot_q8<BITS, BS, 1, true>(xq.data(), dx.data(), K, c, h, s, nullptr, xs.data(), outp + n, N);
-      outp[n] += share;
-    });
-    return;
-  }
-  for_each_row(w, true, nullptr, nullptr, [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float* o, float) {
-    int64_t i = 0;
-    for (; i + 4 <= M; i += 4)
-      rows_dot_q8<BITS, BS, 4>(xq.data() + i * K, dx.data() + i * groups, K, c, h, s, o, xs.data() + i * nw,
-                               outp + i * N + n, N);
-    for (; i < M; ++i)
-      rows_dot_q8<BITS, BS, 1>(xq.data() + i * K, dx.data() + i * groups, K, c, h, s, o, xs.data() + i * nw,
-                               outp + i * N + n, N);
-  });
+  // one activation row: its scales go into the weight scales once per weight row
+  auto one_row = [&](int64_t i) {
+    for_each_row(w, true, dx.data() + i * groups, xs.data() + i * nw,
+                 [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float*, float share) {
+                   outp[i * N + n] = row_dot_q8<BITS, BS>(xq.data() + i * K, K, c, h, s) + share;
+                 });
+  };
+#ifdef TM_SIMD
+  if (M > 1) return matmul_q8_tiles<BITS, BS>(xq.data(), dx.data(), xs.data(), M, w, outp);
+#endif
+  for (int64_t i = 0; i < M; ++i) one_row(i);
 }
 
 // One call per (bits, block) the layouts have: 4, 5 bits in blocks of 32, 6 in blocks of 16, 8 in either.

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.distributed import parallel_state
+
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.quantization.base import dense
 
@@ -93,6 +95,9 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, routing: Routing, hidden_size: int, intermediate_size: int,
                  prefix: str = "") -> None:
         super().__init__()
+        if parallel_state.tp_size() > 1:
+            raise ValueError(f"{prefix}: mixture-of-experts layers do not run tensor-parallel yet "
+                             "(use --tensor-parallel-size 1)")
         self.num_experts, self.routing, self.top_k = num_experts, routing, routing.top_k
         self.intermediate_size = intermediate_size
         self.prefix = prefix

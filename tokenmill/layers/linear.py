@@ -9,15 +9,17 @@ tensors to its rows and columns (`weight_loader`):
 - `RowParallelLinear`: input columns split across ranks; partial outputs are summed with one
   all-reduce (torch.distributed), then the bias is added once.
 
-With `tp_size == 1` (the default) every kind holds the whole weight.
+The parallel kinds take their rank and size from the process's tensor-parallel group
+(`tokenmill.distributed.parallel_state`) unless given; with none set up (size 1) every kind holds
+the whole weight.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from tokenmill.distributed import parallel_state
 from tokenmill.quantization.base import QuantizationConfig
 from tokenmill.quantization.unquantized import UnquantizedConfig, load_dense
 
@@ -86,10 +88,18 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
 
+def _group(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+    """The given rank and size, else this process's tensor-parallel group's."""
+    if tp_size is None:
+        return parallel_state.tp_rank(), parallel_state.tp_size()
+    return tp_rank or 0, tp_size
+
+
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int | None = None,
+                 tp_size: int | None = None) -> None:
+        tp_rank, tp_size = _group(tp_rank, tp_size)
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         for size in sizes:
             if size % tp_size:
@@ -110,8 +120,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     and max(1, num_kv_heads / tp) key/value heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int | None = None,
+                 tp_size: int | None = None) -> None:
+        tp_rank, tp_size = _group(tp_rank, tp_size)
         if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
             raise ValueError(f"{prefix}: {num_heads} query / {num_kv_heads} kv heads do not split over {tp_size} ranks")
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
@@ -130,8 +141,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int | None = None,
+                 tp_size: int | None = None) -> None:
+        tp_rank, tp_size = _group(tp_rank, tp_size)
         if input_size % tp_size:
             raise ValueError(f"{prefix}: {input_size} input columns do not split over {tp_size} ranks")
         super().__init__(input_size, [output_size], bias, quant_config, prefix, tp_rank, tp_size)
@@ -143,6 +155,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
-        out = self.quant_method.apply(self, x, None)
-        dist.all_reduce(out)
+        out = parallel_state.all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias

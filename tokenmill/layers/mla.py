@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.distributed import parallel_state
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.linear import ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -63,6 +64,9 @@ class MLAAttention(nn.Module):
                  nope_dim: int, rope_dim: int, v_dim: int, rotary: RotaryEmbedding, scale: float, bias: bool,
                  rms_norm_eps: float, quant_config: QuantizationConfig, prefix: str) -> None:
         super().__init__()
+        if parallel_state.tp_size() > 1:
+            raise ValueError(f"{prefix}: latent attention (MLA) does not run tensor-parallel yet "
+                             "(use --tensor-parallel-size 1)")
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = nope_dim, rope_dim, v_dim
         q_size = num_heads * (nope_dim + rope_dim)

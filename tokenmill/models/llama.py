@@ -101,13 +101,14 @@ class LlamaAttention(nn.Module):
                  prefix: str, scale: float | None = None, sliding_window: int | None = None,
                  soft_cap: float | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+        heads, kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads,
                                           config.qkv_bias, quant_config, f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, quant_config,
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, config.o_bias, quant_config,
                                         f"{prefix}.o_proj")
+        tp = self.qkv_proj.tp_size  # this rank's heads (kv heads replicated when fewer than ranks)
+        self.num_heads, self.num_kv_heads = heads // tp, max(1, kv_heads // tp)
+        self.q_size = self.num_heads * self.head_dim
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim**-0.5, self.num_kv_heads,
                               sliding_window, soft_cap, prefix=f"{prefix}.attn")

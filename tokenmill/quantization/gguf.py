@@ -20,13 +20,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.kernels import block_quant
+from tokenmill.kernels import block_quant, cpu_flags
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 from tokenmill.quantization.gguf_codes import SUPER, Codes
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 # batches up to this many tokens run the fused kernel; larger ones dequantize once and use torch's GEMM
 FUSED_MAX_TOKENS = 16
+
+
+def fused_max_tokens(bits: int, int8_activations: bool) -> int | None:
+    """The most tokens a step runs through the fused kernel (None: any number). Measured on AVX2-only
+    CPUs (`benchmarks/bench_block_kernels.py --rows`): the integer kernel's register tiles beat
+    dequantizing + float32 GEMM at every batch size for 4-5-bit codes (~105 vs 70-80 G MAC/s on two
+    Zen 3 cores) and up to a few hundred tokens for 6-8-bit ones (~70). Where AVX-512 doubles the float
+    GEMM (not measured: no such CPU here) and for the float kernel, the step size the fused kernels were
+    first tuned for."""
+    if not int8_activations or "avx512f" in cpu_flags():
+        return FUSED_MAX_TOKENS
+    return None if bits <= 5 else 128
 
 
 @dataclass(frozen=True)
@@ -126,12 +138,17 @@ class BlockQuantLinearMethod(LinearMethod):
         # the exact mode's float kernel is compute-bound and reads float32 scales in place. `half`
         # False keeps float32 scales in either mode (for scales float16 cannot hold, e.g. powers of two)
         self.half = int8_activations if half is None else half
+        self.fused_max_tokens = fused_max_tokens(self.bits, int8_activations)
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         if input_size % 32:
             raise ValueError(f"{layer.prefix}: {input_size} columns are not whole blocks of 32")
         if self.layout.supers and input_size % SUPER:
-            raise ValueError(f"{layer.prefix}: {input_size} columns are not whole K-quant super-blocks of {SUPER}")
+            if input_size == layer.input_size:
+                raise ValueError(f"{layer.prefix}: {input_size} columns are not whole K-quant super-blocks of {SUPER}")
+            # a tensor-parallel rank's columns cut through super-blocks: hold float32 scales and offsets with
+            # the super-block factors taken (exact: see `pack`), which split at any 32-value block
+            self.half = False
         rows, nb, bits = sum(output_sizes), input_size // self.layout.block, self.bits
         layer.register_buffer("codes", torch.empty(rows, input_size, dtype=torch.int8) if bits == 8 else
                               torch.empty(rows, input_size // 2, dtype=torch.uint8))
@@ -146,9 +163,9 @@ class BlockQuantLinearMethod(LinearMethod):
                               if self.layout.supers and half else None)
 
     def load(self, layer, weight, rows, src_rows, src_cols):
-        if src_cols != slice(None):
-            raise ValueError("GGUF blocks cannot be split by columns (tensor parallelism) yet")
         codes = weight.codes()
+        if src_cols != slice(None):  # a row-parallel layer's columns
+            codes = codes.columns(src_cols)
         if codes.block % self.layout.block or LAYOUTS[weight.qtype.name].widest(self.layout) != self.layout:
             raise ValueError(f"holds {weight.qtype.name} blocks, which do not fit the layer's {self.layout}")
         self.write(layer, codes, rows, src_rows)
@@ -171,7 +188,7 @@ class BlockQuantLinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         w = self.blocks(layer)
-        if flat.shape[0] <= FUSED_MAX_TOKENS:
+        if self.fused_max_tokens is None or flat.shape[0] <= self.fused_max_tokens:
             out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
         else:
             weight = block_quant.dequantize(w, out=block_quant.workspace(*w.shape))
@@ -184,7 +201,7 @@ class BlockQuantLinearMethod(LinearMethod):
 
     def decode_operands(self, layer):
         return (2 if self.int8_activations else 1, self.bits, self.layout.center,
-                [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers], FUSED_MAX_TOKENS)
+                [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers], self.fused_max_tokens)
 
 
 class GGUFConfig(QuantizationConfig):

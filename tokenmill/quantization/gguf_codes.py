@@ -6,7 +6,8 @@ in the tests."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,6 +28,22 @@ class Codes:
     bits: int
     center: int = 0
     supers: np.ndarray | None = None
+
+    def columns(self, cols: slice) -> Codes:
+        """Columns `cols` (a tensor-parallel rank's), in whole blocks. K-quant super-blocks that the
+        split cuts through are folded into the blocks' scales and offsets (`full_scales`)."""
+        start, stop, _ = cols.indices(self.q.shape[1])
+        if start % self.block or stop % self.block:
+            raise ValueError(f"columns {start}:{stop} are not whole blocks of {self.block} values (this split "
+                             f"of the {self.q.shape[1]} columns cuts through {self.bits}-bit blocks)")
+        codes = self
+        if self.supers is not None and (start % SUPER or stop % SUPER):
+            codes = replace(self, scales=self.full_scales(), offsets=self.full_offsets(), supers=None)
+        blocks = slice(start // self.block, stop // self.block)
+        return replace(
+            codes, q=codes.q[:, start:stop], scales=codes.scales[:, blocks],
+            offsets=None if codes.offsets is None else codes.offsets[:, blocks],
+            supers=None if codes.supers is None else codes.supers[:, start // SUPER : stop // SUPER])
 
     def _per_block(self, which: int) -> np.ndarray:
         return np.repeat(self.supers[..., which], SUPER // self.block, axis=1)

@@ -19,6 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.router.cli import POLICY_DESTS, add_policy_args
 from tokenmill.server.limits import add_limit_args, limits_from_args
 
 logger = logging.getLogger("tokenmill.server")
@@ -78,8 +79,18 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     lg.add_argument("--uvicorn-log-level", default="warning",
                     choices=["critical", "error", "warning", "info", "debug", "trace"],
                     help="log level of the uvicorn HTTP server; info also logs every HTTP access (default: %(default)s)")
+    dp = p.add_argument_group("data parallelism (see also `tokenmill router`)")
+    dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                    help="run N replicas of the server, each with its own engine and the flags above, on free "
+                         "127.0.0.1 ports (on CPU each pinned to 1/N of the cores), behind a router on "
+                         "--host/--port that balances requests by prefix-cache affinity and load; the replicas "
+                         "stop with the router. 1 = one server, no router (default: %(default)s)")
+    add_policy_args(dp)  # the router's flags, used with N > 1
     p.set_defaults(func=run_server)
     return p
+
+
+DATA_PARALLEL_DESTS = ("data_parallel_size", *POLICY_DESTS)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -116,7 +127,16 @@ def _on_sigterm_during_startup(signum, frame) -> None:
 def run_server(args: argparse.Namespace) -> int:
     """Start the engine core, then serve until SIGTERM/SIGINT. Returns 0 after a clean shutdown;
     raises SystemExit with a non-zero status (after printing why) if the server cannot start."""
-    code = _run(args)
+    if args.data_parallel_size < 1:
+        print(f"tokenmill serve: error: --data-parallel-size must be >= 1, got {args.data_parallel_size}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    if args.data_parallel_size > 1:
+        from tokenmill.router.cli import serve_data_parallel
+
+        code = serve_data_parallel(args, DATA_PARALLEL_DESTS)
+    else:
+        code = _run(args)
     if code:
         raise SystemExit(code)
     return code

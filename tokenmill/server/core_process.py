@@ -78,10 +78,10 @@ def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [core] %(message)s")
     try:
         from tokenmill.engine.core import EngineCore
-        from tokenmill.executor import UniProcExecutor
+        from tokenmill.executor import executor_for
 
         start = time.monotonic()
-        executor = UniProcExecutor(config)  # loads the model
+        executor = executor_for(config)  # loads the model
         init = _wait_for_init(inputs)  # the front end loads the tokenizer while we load weights
         if init is None:
             return
@@ -157,6 +157,7 @@ def _loop(core, inputs, outputs) -> None:
             last_parent_check = now
             if parent is not None and not parent.is_alive():
                 return  # the front end is gone: do not linger as an orphan
+            core.executor.check_health()  # a dead tensor-parallel worker is reported even while idle
         if core.has_unfinished():
             step_outputs = core.step()
             outputs.put(("step", step_outputs, stats_snapshot(core, num_received)))

@@ -55,6 +55,28 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+async def stream_response(send: Send, receive: Receive, status: int, headers: list[tuple[bytes, bytes]],
+                          pump: Callable[[Send], Awaitable[None]], aclose: Callable[[], Awaitable[object]]
+                          ) -> BaseException | None:
+    """Start a streamed response and run `pump(send)` until it ends or the client disconnects; then
+    cancel what still runs and close the source with `aclose` (errors there are no longer anyone's to
+    answer). Returns the pump's exception, if it raised one."""
+    tasks: list[asyncio.Future] = []
+    try:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        tasks = [asyncio.ensure_future(pump(send)), asyncio.ensure_future(wait_for_disconnect(receive))]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        return tasks[0].exception() if tasks[0].done() and not tasks[0].cancelled() else None
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await aclose()
+
+
 def sse(data: dict | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {payload}\n\n"
@@ -88,22 +110,12 @@ class SSEResponse(Response):
         self.on_close = on_close  # runs however the response ends (even if never started)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        tasks: list[asyncio.Future] = []
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            tasks = [asyncio.ensure_future(self._pump(send)), asyncio.ensure_future(wait_for_disconnect(receive))]
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            pump = tasks[0]
-            if pump.done() and not pump.cancelled() and pump.exception() is not None:
-                logger.error("streaming response failed", exc_info=pump.exception())
+            error = await stream_response(send, receive, self.status_code, self.raw_headers, self._pump,
+                                          self.events.aclose)
+            if error is not None:
+                logger.error("streaming response failed", exc_info=error)
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            with contextlib.suppress(Exception):
-                await self.events.aclose()
             if self.on_close is not None:
                 self.on_close()
 

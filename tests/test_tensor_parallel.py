@@ -1,0 +1,167 @@
+"""Tensor parallelism over two real processes (gloo on 127.0.0.1): greedy output token-identical to
+one process — dense HF checkpoints (GQA, MQA with its one kv head replicated and a tied head,
+sliding windows and q/k norms, biases, a vocabulary that does not divide by the ranks) and GGUF
+blocks split by rows and by whole blocks of columns, in both modes — models that cannot split yet
+are refused with a clear error, and a served engine whose worker dies says so and comes back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+import torch
+from helpers import assert_same_greedy, greedy_reference, make_core, make_tiny_model, run_core, write_tiny_gguf
+from test_server_utils import model_available, running_server
+
+from tokenmill.loader import load_model
+from tokenmill.sampling_params import SamplingParams
+
+PROMPTS = [[1, 5, 9, 33, 70, 101, 7], [3, 4, 200], list(range(10, 60))]  # the last spans blocks and windows
+TOKENS = 12
+
+# run the engine core with --tensor-parallel-size N in a fresh process (the driver binds itself to
+# its share of the cores and joins a process group: not in the test process)
+_RUN = r"""
+import json, sys
+from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.executor import executor_for
+from tokenmill.sampling_params import SamplingParams
+
+model, dtype, size, prompts, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
+config = EngineConfig(model=model, dtype=dtype, cache=CacheConfig(num_blocks=64),
+                      parallel=ParallelConfig(tensor_parallel_size=size))
+executor = executor_for(config)
+core = EngineCore(config, executor, set())
+out = {}
+for i, p in enumerate(prompts):
+    core.add_request(EngineCoreRequest(str(i), p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)))
+    out[str(i)] = []
+while core.has_unfinished():
+    for o in core.step():
+        out[o.request_id].extend(o.new_token_ids)
+assert core.kv.num_free_blocks == core.kv.num_blocks, "KV blocks leaked"
+executor.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_parallel(model: str, dtype: str = "float32", size: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _RUN, model, dtype, str(size), json.dumps(PROMPTS), str(TOKENS)],
+                          capture_output=True, text=True, timeout=600)
+
+
+def parallel_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
+    done = run_parallel(model, dtype)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.split("RESULT ", 1)[1])
+    return [out[str(i)] for i in range(len(PROMPTS))]
+
+
+def single_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
+    core = make_core(model, num_blocks=64, loaded=load_model(model, dtype=dtype))
+    out = run_core(core, PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
+    return [out[str(i)] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("llama-gqa-untied", {}),
+    ("llama-mqa-tied", {}),  # 1 kv head on 2 ranks: replicated; the head shares the split embedding
+    ("gemma3", {}),  # sliding windows, q/k norms, scaled embedding
+    ("qwen2-bias", {"vocab_size": 251}),  # q/k/v biases; 126 + 125 vocabulary rows
+])
+def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, name, overrides):
+    hf = make_tiny_model(name, tmp_path, **overrides)
+    ours = parallel_tokens(str(tmp_path))
+    assert ours == single_tokens(str(tmp_path))
+    for prompt, tokens in zip(PROMPTS, ours):  # and so transformers' (the tie rule)
+        assert_same_greedy(tokens, *greedy_reference(hf, prompt, TOKENS))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # the exact mode's float kernel; int8 activations
+def test_gguf_blocks_split_by_rows_and_by_whole_blocks_of_columns(tmp_path, dtype):
+    hf = make_tiny_model("llama-gqa-untied", tmp_path / "hf")
+    path = tmp_path / "tiny.gguf"
+    # o_proj (64 columns) and down_proj (128) are split by columns: 32 and 64 per rank, whole blocks
+    write_tiny_gguf(hf, path, {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_0",
+                               "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "Q8_0"})
+    assert parallel_tokens(str(path), dtype) == single_tokens(str(path), dtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_k_quant_columns_split_inside_super_blocks(qtype, int8_activations):
+    """768 columns over 2 ranks: 384 each, which cuts a 256-value super-block; each rank folds the
+    super-block factors into float32 block scales, and the ranks' partial products sum to the whole."""
+    from test_quantization import q8_reference, random_gguf_tensor
+
+    from tokenmill.layers.linear import RowParallelLinear
+    from tokenmill.quantization.gguf import GGUFConfig
+
+    weight, ref = random_gguf_tensor(qtype, 48, 768, np.random.default_rng(3))
+    x = torch.randn(5, 768)
+    total = torch.zeros(5, 48)
+    for rank in range(2):
+        layer = RowParallelLinear(768, 48, quant_config=GGUFConfig({"w.weight": qtype}, int8_activations), prefix="w",
+                                  tp_rank=rank, tp_size=2)
+        layer.weight_loader("weight", weight)
+        assert layer.scales.dtype == torch.float32 and layer.supers is None
+        total += layer.quant_method.apply(layer, x[:, rank * 384:(rank + 1) * 384], None)
+    want = q8_reference(x, ref) if int8_activations else x @ ref.T
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_layers_that_cannot_split_are_refused_clearly(tmp_path):
+    make_tiny_model("mixtral", tmp_path)
+    done = run_parallel(str(tmp_path))
+    assert done.returncode != 0
+    assert "mixture-of-experts layers do not run tensor-parallel yet" in done.stderr
+    make_tiny_model("llama-mha", tmp_path / "three", num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
+    done = run_parallel(str(tmp_path / "three"))
+    assert "3 query / 3 kv heads do not split over 2 ranks" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def tp_server(tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp("tiny-llama-tp")
+    make_tiny_model("llama-gqa-untied", directory, vocab_size=len(tokenizer.hf))
+    tokenizer.hf.save_pretrained(directory)
+    args = ("--model", str(directory), "--served-model-name", "tiny-tp", "--tensor-parallel-size", "2",
+            "--dtype", "float32", "--num-kv-blocks", "64", "--log-interval", "0")
+    yield from running_server(tmp_path_factory, "tp-server", *args)
+
+
+def _worker_pid(server) -> int:
+    """Rank 1: the engine core's child bound to the second half of the cores (the driver has the first)."""
+    core = psutil.Process(server.core_pid())
+    ranks = [c for c in core.children() if c.cpu_affinity() != core.cpu_affinity() and "spawn_main" in " ".join(c.cmdline())]
+    assert len(ranks) == 1, [(c.pid, c.cmdline(), c.cpu_affinity()) for c in core.children()]
+    return ranks[0].pid
+
+
+@pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
+def test_served_engine_reports_a_dead_worker_and_recovers(tp_server):
+    client = tp_server.openai_client()
+    first = client.completions.create(model="tiny-tp", prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert first.usage.completion_tokens == 8
+    psutil.Process(_worker_pid(tp_server)).kill()
+    deadline = time.monotonic() + 30  # the core notices within a second or two, then is restarted
+    while httpx.get(f"{tp_server.url}/health", timeout=10).status_code == 200:
+        assert time.monotonic() < deadline, "the server still reports healthy with a dead tensor-parallel worker"
+        time.sleep(0.2)
+    assert "tensor-parallel worker rank 1 exited" in tp_server.log()
+    deadline = time.monotonic() + 240
+    while httpx.get(f"{tp_server.url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the server did not come back"
+        time.sleep(0.5)
+    again = client.completions.create(model="tiny-tp", prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].text == first.choices[0].text  # two fresh ranks, the same greedy answer

@@ -1,0 +1,197 @@
+"""The router's FastAPI app: an OpenAI-compatible front for several `tokenmill serve` replicas.
+
+`/v1/completions` and `/v1/chat/completions` go to the replica the policy picks (streams passed
+through chunk by chunk), `/v1/models` to any healthy one; `/health` is 200 while one replica is
+healthy and 503 otherwise; `/metrics` has the router's own counters. A replica's answers, 4xx
+included, reach the client unchanged. A request whose replica fails before answering (no
+connection, the connection dropped, or a 503) is retried once on another healthy replica; with no
+healthy replica left the router answers 503 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokenmill.router.metrics import RouterMetrics
+from tokenmill.router.policy import PrefixPolicy
+from tokenmill.router.prompt import routing_text
+from tokenmill.router.replicas import ReplicaSet, check_all, health_loop
+from tokenmill.router.upstream import StreamedResponse, error_body, request_headers, response_headers
+from tokenmill.server.streaming import ClientDisconnected, run_until_disconnect
+
+logger = logging.getLogger("tokenmill.router")
+
+_CLIENT_CLOSED = 499  # nginx's status for a client that went away; it never reaches anyone
+
+
+@dataclass
+class RouterSettings:
+    health_interval: float = 1.0  # seconds between health checks of every replica
+    health_timeout: float = 5.0  # a /health slower than this fails the check
+    connect_timeout: float = 5.0  # connecting to a replica; generation itself has no deadline here
+    max_body_bytes: int = 64 * 2**20  # larger request bodies get 413 without reaching a replica
+
+
+class _InFlight:
+    """Counts one request in flight on a replica until `release()` (which may be called more than once)."""
+
+    def __init__(self, replica) -> None:
+        self.replica, self.held = replica, True
+        replica.in_flight += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.replica.in_flight -= 1
+
+
+def build_router_app(urls: list[str], policy, settings: RouterSettings | None = None) -> FastAPI:
+    settings = settings or RouterSettings()
+    replicas = ReplicaSet(urls, on_unhealthy=policy.forget)
+    metrics = RouterMetrics(replicas, policy.name)
+    holder: dict[str, httpx.AsyncClient] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=settings.connect_timeout),
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        holder["client"] = client
+        await check_all(client, replicas, settings.health_timeout)
+        checks = asyncio.create_task(health_loop(client, replicas, settings.health_interval, settings.health_timeout))
+        try:
+            yield
+        finally:
+            checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checks
+            await client.aclose()
+
+    app = FastAPI(title="tokenmill router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.replicas, app.state.policy, app.state.metrics = replicas, policy, metrics
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        body = error_body(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind, None)
+        return JSONResponse(body, status_code=e.status_code)
+
+    def unavailable(message: str) -> JSONResponse:
+        metrics.unavailable.inc()
+        return JSONResponse(error_body(503, message, "service_unavailable", "no_healthy_replica"), status_code=503,
+                            headers={"retry-after": "1"})
+
+    async def forward(request: Request, method: str, path: str, body: bytes, text: str | None) -> Response:
+        client = holder["client"]
+        tried: list[int] = []
+        failure = None
+        for attempt in range(2):  # the first try and one retry elsewhere
+            candidates = replicas.healthy(exclude=tried)
+            if not candidates:
+                break
+            decision = policy.choose(candidates, replicas.loads, text)
+            replica = replicas[decision.replica]
+            metrics.routed.labels(replica.url, decision.kind).inc()
+            if isinstance(policy, PrefixPolicy) and text:
+                metrics.match.observe(decision.match)
+            release = _InFlight(replica).release
+            upstream_request = client.build_request(method, replica.url + path, content=body,
+                                                    headers=request_headers(request))
+            try:
+                upstream = await run_until_disconnect(request, client.send(upstream_request, stream=True))
+            except ClientDisconnected:
+                release()
+                return Response(status_code=_CLIENT_CLOSED)
+            except httpx.TransportError as e:
+                release()
+                metrics.failures.labels(replica.url).inc()
+                failure = f"replica {replica.index} failed: {type(e).__name__}"
+                if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    replicas.mark_unhealthy(replica.index, f"cannot connect: {e}")
+                tried.append(replica.index)
+                if attempt == 0 and replicas.healthy(exclude=tried):
+                    metrics.retries.labels(replica.url).inc()
+                continue
+            except BaseException:
+                release()
+                raise
+            if upstream.status_code == 503 and attempt == 0 and replicas.healthy(exclude=[*tried, replica.index]):
+                await upstream.aclose()  # draining, or its engine core is down: someone else may serve it
+                release()
+                tried.append(replica.index)
+                metrics.retries.labels(replica.url).inc()
+                failure = f"replica {replica.index} answered 503"
+                continue
+            return await respond(request, upstream, replica.index, release)
+        why = failure or "no replica passed its last health check"
+        return unavailable(f"no healthy replica to serve the request ({why})")
+
+    async def respond(request: Request, upstream: httpx.Response, index: int, release) -> Response:
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return StreamedResponse(upstream, index, release)
+        try:
+            content = await run_until_disconnect(request, upstream.aread())
+        except ClientDisconnected:
+            return Response(status_code=_CLIENT_CLOSED)
+        except httpx.HTTPError as e:
+            metrics.failures.labels(replicas[index].url).inc()
+            body = error_body(502, f"replica {index} failed during the response: {type(e).__name__}", "server_error",
+                              "replica_failed")
+            return JSONResponse(body, status_code=502)
+        finally:
+            await upstream.aclose()
+            release()
+        response = Response(content=content, status_code=upstream.status_code)
+        response.raw_headers = response_headers(upstream, index, decoded=True) + \
+            [(b"content-length", str(len(content)).encode())]
+        return response
+
+    async def read_body(request: Request) -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > settings.max_body_bytes:
+                raise HTTPException(413, f"request body exceeds {settings.max_body_bytes} bytes")
+        return bytes(body)
+
+    async def generation(request: Request, path: str) -> Response:
+        body = await read_body(request)
+        return await forward(request, "POST", path, body, routing_text(path, body))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await forward(request, "GET", "/v1/models", b"", None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = replicas.healthy()
+        states = [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "error": r.last_error}
+                  for r in replicas]
+        if not healthy:
+            body = error_body(503, "no healthy replica", "service_unavailable", "no_healthy_replica")
+            return JSONResponse(body | {"replicas": states}, status_code=503, headers={"retry-after": "1"})
+        return JSONResponse({"status": "ok", "healthy_replicas": len(healthy), "replicas": states})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,69 @@
+"""The text a request is routed on: what the replica's prefix cache will see first.
+
+Completions route on `prompt` (a string; a batch of strings joined; token ids written out as
+numbers), chat on a stable rendering of the messages (role, text and tool calls of each, in order). The
+rendering need not be the model's chat template: it only has to put equal conversation prefixes
+at equal text prefixes, the same way for every replica.
+"""
+
+from __future__ import annotations
+
+import json
+
+_SEPARATOR = "\x1e"  # between prompts of a batch and between messages: never inside a chunk of real text
+
+
+def routing_text(path: str, body: bytes) -> str | None:
+    """The routing text of a request body to `path`, or None when it has none (not JSON, no prompt)."""
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(request, dict):
+        return None
+    if path.endswith("/chat/completions"):
+        return _chat_text(request.get("messages"))
+    return _prompt_text(request.get("prompt"))
+
+
+def _prompt_text(prompt) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return _SEPARATOR.join(prompt)
+        if all(isinstance(t, int) for t in prompt):
+            return _token_text(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            return _SEPARATOR.join(_token_text(p) for p in prompt)
+    return None
+
+
+def _token_text(ids: list) -> str:
+    return " ".join(str(t) for t in ids) + " "
+
+
+def _chat_text(messages) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return None
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict):
+            return None
+        text = f"{m.get('role', '')}:{_content_text(m.get('content'))}"
+        if m.get("tool_calls"):
+            text += json.dumps(m["tool_calls"], sort_keys=True)
+        parts.append(text)
+    return _SEPARATOR.join(parts) + _SEPARATOR
+
+
+def _content_text(content) -> str:
+    """A message's text: the string, or its text parts in order (other parts as their JSON)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p["text"] if isinstance(p, dict) and isinstance(p.get("text"), str)
+                       else json.dumps(p, sort_keys=True) for p in content)
+    return json.dumps(content, sort_keys=True)

@@ -1,0 +1,70 @@
+"""HTTP plumbing between the client and a replica: header filtering, the client's disconnect, and
+a streamed response passed through chunk by chunk."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from tokenmill.server.streaming import stream_response
+
+# hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves
+_REQUEST_SKIP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                 "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
+_RESPONSE_SKIP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                  "transfer-encoding", "upgrade", "content-length", "date", "server"}
+REPLICA_HEADER = "x-tokenmill-replica"
+
+
+def request_headers(request: Request) -> list[tuple[str, str]]:
+    """The client's headers to send on to the replica (Authorization included)."""
+    return [(k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_SKIP]
+
+
+def response_headers(upstream: httpx.Response, replica: int, decoded: bool) -> list[tuple[bytes, bytes]]:
+    """The replica's response headers for the client, plus which replica answered. `decoded`: the body
+    is sent decoded (httpx undid any content-encoding), so that header is dropped too."""
+    skip = _RESPONSE_SKIP | ({"content-encoding"} if decoded else set())
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+               for k, v in upstream.headers.multi_items() if k.lower() not in skip]
+    return headers + [(REPLICA_HEADER.encode(), str(replica).encode())]
+
+
+def error_body(status: int, message: str, kind: str, code: str) -> dict:
+    """An OpenAI-style error, as the replicas send them."""
+    from tokenmill.server.protocol import APIError
+
+    return APIError(status, message, kind, None, code).to_dict()
+
+
+class StreamedResponse(Response):
+    """A replica's streamed (SSE) response, passed to the client chunk by chunk as the bytes arrive.
+    Closes the replica connection as soon as the client disconnects; if the replica fails mid-stream
+    the client gets an error event and the end of the stream. `on_close` runs however it ends."""
+
+    def __init__(self, upstream: httpx.Response, replica: int, on_close: Callable[[], None]) -> None:
+        super().__init__(status_code=upstream.status_code)
+        self.raw_headers = response_headers(upstream, replica, decoded=False)
+        self.upstream, self.replica, self.on_close = upstream, replica, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await stream_response(send, receive, self.status_code, self.raw_headers, self._pump, self.upstream.aclose)
+        finally:
+            self.on_close()
+
+    async def _pump(self, send: Send) -> None:
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:
+            message = f"replica {self.replica} failed during the response: {type(e).__name__}"
+            event = error_body(502, message, "server_error", "replica_failed")
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
