@@ -8,7 +8,9 @@ Greedy decoding (the spec-on text is checked to equal the spec-off text). Two ra
 of the whole batch (prefill included) and the median request's decode tok/s after its first token. Each configuration loads
 the model once and runs every workload and concurrency after a warm-up request; requests of one
 batch are submitted together (offline, `LLM.generate`), so at concurrency c every step holds up to c
-decodes. Acceptance: drafted and accepted tokens and the mean tokens per verify step.
+decodes. Acceptance: drafted and accepted tokens, the mean tokens per verify step, and the seconds
+spent drafting / in verify steps. `--spec` takes any `--speculative-config`, e.g. Medusa heads written
+by `tokenmill train-draft-head`: '{"method": "medusa", "model": "DIR"}'.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, 2 threads; {args.tokens} tokens per request, greedy; "
           f"spec {args.spec}")
     print(f"{'model':<22} {'workload':<10} {'conc':>4} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} "
-          f"{'off decode':>10} {'on decode':>9} {'speedup':>8} {'accept':>7} {'tok/step':>9} same")
+          f"{'off decode':>10} {'on decode':>9} {'speedup':>8} {'accept':>7} {'tok/step':>9} {'draft/verify s':>14} same")
     for name in args.models.split(","):
         path = str(model_file(name))
         results = {}
@@ -87,20 +89,24 @@ def main() -> None:
             for workload, make in (("code-edit", code_prompts), ("chat", chat_prompts)):
                 for c in levels:
                     stats = llm.engine.core.scheduler.spec_stats
-                    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+                    def counters():
+                        return (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                                stats.draft_seconds, stats.verify_seconds)
+
+                    before = counters()
                     rate, decode, texts = run(llm, make(c), args.tokens)
-                    delta = [b - a for a, b in zip(before, (stats.num_drafts, stats.num_draft_tokens,
-                                                            stats.num_accepted_tokens))]
+                    delta = [b - a for a, b in zip(before, counters())]
                     results[(workload, c, on)] = (rate, decode, texts, delta)
             del llm
         for workload in ("code-edit", "chat"):
             for c in levels:
                 off, dec_off, texts_off, _ = results[(workload, c, False)]
-                on, dec_on, texts_on, (steps, drafted, accepted) = results[(workload, c, True)]
+                on, dec_on, texts_on, (steps, drafted, accepted, draft_s, verify_s) = results[(workload, c, True)]
                 accept = f"{accepted / drafted:.0%}" if drafted else "-"
                 per_step = f"{(accepted + steps) / steps:.2f}" if steps else "-"
                 print(f"{name:<22} {workload:<10} {c:>4} {off:>10.1f} {on:>9.1f} {on / off:>7.2f}x {dec_off:>10.1f} "
-                      f"{dec_on:>9.1f} {dec_on / dec_off:>7.2f}x {accept:>7} {per_step:>9} {texts_on == texts_off}",
+                      f"{dec_on:>9.1f} {dec_on / dec_off:>7.2f}x {accept:>7} {per_step:>9} {draft_s:>6.2f}/{verify_s:<7.2f} "
+                      f"{texts_on == texts_off}",
                       flush=True)
 
 

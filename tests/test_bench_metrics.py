@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -317,8 +318,9 @@ def test_parse_prometheus_text():
     assert kv.value == 0.25 and kv.labels == {"model_name": "m", "note": 'a "quoted", {braced} value\\'}
     assert next(s for s in samples if s.name == "histogram_bucket").value == math.inf
     assert math.isnan(next(s for s in samples if s.name == "nan_gauge").value)
-    assert prometheus.cache_stats(samples) == {"prefix_cache_queries": 1200.0, "prefix_cache_hits": 300.0,
-                                               "kv_cache_usage": 0.25, "expert_tokens": {}}
+    stats = prometheus.cache_stats(samples)
+    assert stats == {"prefix_cache_queries": 1200.0, "prefix_cache_hits": 300.0, "kv_cache_usage": 0.25,
+                     "expert_tokens": {}, "spec": dict.fromkeys(stats["spec"]), "spec_per_position": {}}
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",)) == 30
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",), model="b") == 20
     assert prometheus.metric_value(samples, ("missing",)) is None
@@ -355,6 +357,37 @@ def test_vllm_names_and_cache_delta():
     assert prometheus.cache_delta(None, None)["prefix_cache_hit_rate"] is None
     assert prometheus.metrics_url("http://h:1/v1/") == "http://h:1/metrics"
     assert prometheus.metrics_url("http://h:1") == "http://h:1/metrics"
+
+
+def test_speculative_decoding_counters_and_their_run_delta():
+    """tokenmill's counters (and vLLM's names for the counts) become the run's acceptance summary."""
+    def text(drafts, tokens, accepted, per_pos, draft_s, verify_s, prefix="tokenmill"):
+        lines = [f"{prefix}:spec_decode_num_drafts_total{{model_name=\"m\"}} {drafts}",
+                 f"{prefix}:spec_decode_num_draft_tokens_total{{model_name=\"m\"}} {tokens}",
+                 f"{prefix}:spec_decode_num_accepted_tokens_total{{model_name=\"m\"}} {accepted}"]
+        lines += [f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{p}"}} {n}'
+                  for p, n in enumerate(per_pos)]
+        if prefix == "tokenmill":
+            lines += [f"tokenmill:spec_decode_draft_seconds_total{{model_name=\"m\"}} {draft_s}",
+                      f"tokenmill:spec_decode_verify_seconds_total{{model_name=\"m\"}} {verify_s}"]
+        return "\n".join(lines) + "\n"
+
+    before = prometheus.cache_stats(prometheus.parse_prometheus(text(10, 30, 12, [8, 3, 1], 0.5, 4.0)), "m")
+    after = prometheus.cache_stats(prometheus.parse_prometheus(text(30, 90, 42, [26, 12, 4], 1.5, 10.0)), "m")
+    spec = prometheus.cache_delta(before, after)["spec"]
+    assert (spec["drafts"], spec["draft_tokens"], spec["accepted_tokens"]) == (20, 60, 30)
+    assert spec["acceptance_rate"] == pytest.approx(0.5) and spec["mean_accepted_length"] == pytest.approx(2.5)
+    assert spec["acceptance_per_position"] == pytest.approx([0.9, 0.45, 0.15])
+    assert spec["draft_seconds"] == pytest.approx(1.0) and spec["verify_seconds"] == pytest.approx(6.0)
+    assert prometheus.cache_delta(before, before)["spec"] is None  # nothing drafted during the run
+    vllm = [prometheus.cache_stats(prometheus.parse_prometheus(text(*a, prefix="vllm")), "m")
+            for a in ((0, 0, 0, [0, 0], 0, 0), (4, 8, 6, [4, 2], 0, 0))]
+    spec = prometheus.cache_delta(*vllm)["spec"]
+    assert spec["acceptance_per_position"] == pytest.approx([1.0, 0.5]) and "draft_seconds" not in spec
+    console = Console(record=True, width=160)
+    report.print_run({**_result([_record()]), "server_metrics": {"spec": spec}}, console)
+    shown = console.export_text()
+    assert "speculative decoding" in shown and "100.0% / 50.0%" in shown
 
 
 # ---------------------------------------------------------------------------------------------- plots

@@ -168,7 +168,7 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "medusa", "draft_model")
 
 
 @dataclass
@@ -176,7 +176,11 @@ class SpeculativeConfig:
     """Speculative decoding (`--speculative-config`, JSON with these fields, as vLLM's): each decode
     step of an eligible request also verifies up to `num_speculative_tokens` drafted tokens.
     `ngram`: the tokens after the latest earlier match of the sequence's last n tokens, n from
-    `prompt_lookup_max` down to `prompt_lookup_min`. Nothing is drafted while more than
+    `prompt_lookup_max` down to `prompt_lookup_min`. `medusa`: the heads in the checkpoint directory
+    `model` (`tokenmill.spec_decode.medusa`; at most one draft per head) draft from the target's last
+    hidden state during the step itself. `draft_model`: the model `model` (an alias, a GGUF file or an
+    HF directory with the target's tokenizer) drafts greedily on a KV cache of its own, during the
+    step (`tokenmill.spec_decode.draft_model`). Nothing is drafted while more than
     `disable_by_batch_size` requests run (a full batch gains little from verifying drafts), and a
     step's decodes plus drafts stay within `max_verify_tokens` (on CPU the quantized kernels multiply
     register tiles of 8 rows per pass over the weights: a step much past 16 rows costs ~linearly
@@ -195,11 +199,16 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 4
     max_verify_tokens: int = 16
     min_acceptance: float = 0.5
+    model: str | None = None  # medusa: the heads' checkpoint directory; draft_model: the draft
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
+        if (self.method != "ngram") != (self.model is not None):
+            raise ValueError("speculative_config.model (a Medusa heads directory, or the draft model) is required "
+                             f"by methods medusa and draft_model and only by them, got method {self.method!r} with "
+                             f"model {self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
                      "max_verify_tokens"):
             value = getattr(self, name)
@@ -275,6 +284,10 @@ class EngineConfig:
         if self.quantization not in ("int8", "int4") and (self.quantization_group_size or self.quantization_symmetric is not None):
             raise ValueError("quantization_group_size and quantization_symmetric apply to --quantization int8 / "
                              f"int4, not {self.quantization!r}")
+        if self.speculative is not None and self.speculative.method != "ngram" and \
+                self.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.method {self.speculative.method} does not run with "
+                             "--tensor-parallel-size > 1 yet (ngram does)")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

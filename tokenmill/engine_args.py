@@ -78,7 +78,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(HTTP 400) (default: %(default)s)")
     c.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, as vLLM's flag: a JSON object with method (ngram: draft the tokens "
-                        "that followed the latest earlier match of the last n tokens), num_speculative_tokens "
+                        "that followed the latest earlier match of the last n tokens; medusa: heads on the target's "
+                        "last hidden state, from the checkpoint directory in \"model\", e.g. one written by "
+                        "tokenmill train-draft-head; draft_model: a smaller model with the same tokenizer, named in \"model\", "
+                        "drafting greedily on a KV cache of its own), num_speculative_tokens "
                         "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
                         "disable_by_batch_size (draft nothing while more requests run, default 4) and max_verify_tokens "
                         "(decodes + drafts in one step, default 16: two of the CPU int8 kernel's 8-row tiles); the output "

@@ -1,5 +1,5 @@
-"""Read a server's `/metrics` (Prometheus text format): prefix-cache counters, KV-cache usage and
-mixture-of-experts routing counts.
+"""Read a server's `/metrics` (Prometheus text format): prefix-cache counters, KV-cache usage,
+mixture-of-experts routing counts and speculative-decoding counters.
 
 tokenmill's names are tried first, then vLLM's (current, then older spellings).
 """
@@ -20,6 +20,16 @@ PREFIX_HITS = ("tokenmill:prefix_cache_hits_total", "vllm:prefix_cache_hits_tota
                "vllm:gpu_prefix_cache_hits_total")
 KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 EXPERT_TOKENS = "tokenmill:moe_expert_tokens_total"
+# speculative decoding: (tokenmill, vLLM) names of the counters the run's deltas are taken of
+SPEC_COUNTERS = {
+    "drafts": ("tokenmill:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"),
+    "draft_tokens": ("tokenmill:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+    "accepted_tokens": ("tokenmill:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"),
+    "draft_seconds": ("tokenmill:spec_decode_draft_seconds_total",),
+    "verify_seconds": ("tokenmill:spec_decode_verify_seconds_total",),
+}
+SPEC_PER_POSITION = ("tokenmill:spec_decode_num_accepted_tokens_per_pos_total",
+                     "vllm:spec_decode_num_accepted_tokens_per_pos_total")
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
@@ -86,7 +96,19 @@ def cache_stats(samples: list[Sample], model: str | None = None) -> dict:
         "prefix_cache_hits": metric_value(samples, PREFIX_HITS, model),
         "kv_cache_usage": metric_value(samples, KV_USAGE, model),
         "expert_tokens": expert_tokens(samples, model),
+        "spec": {key: metric_value(samples, names, model) for key, names in SPEC_COUNTERS.items()},
+        "spec_per_position": accepted_per_position(samples, model),
     }
+
+
+def accepted_per_position(samples: list[Sample], model: str | None = None) -> dict[int, float]:
+    """{draft position (0 first): accepted drafts} from the first per-position counter exposed."""
+    for name in SPEC_PER_POSITION:
+        counts = {int(s.labels["position"]): s.value for s in samples
+                  if s.name == name and "position" in s.labels and (model is None or s.labels.get("model_name") in (None, model))}
+        if counts:
+            return counts
+    return {}
 
 
 def expert_tokens(samples: list[Sample], model: str | None = None) -> dict[str, dict[str, float]]:
@@ -138,4 +160,27 @@ def cache_delta(before: dict | None, after: dict | None, kv_samples: list[float]
         "kv_cache_usage_after": after.get("kv_cache_usage"),
         "kv_cache_usage_max": max(peak) if peak else None,
         "moe": expert_load_summary(routed),
+        "spec": spec_summary(before, after),
+    }
+
+
+def spec_summary(before: dict, after: dict) -> dict | None:
+    """Speculative decoding during the run: verify steps, drafted / accepted tokens, the acceptance rate
+    overall and by draft position (accepted at position i / verify steps), the mean tokens a verify step
+    advances by (accepted + 1), time drafting and verifying; None when nothing was drafted."""
+    b, a = before.get("spec") or {}, after.get("spec") or {}
+    delta = {k: a[k] - b[k] for k in a if a.get(k) is not None and b.get(k) is not None}
+    for k in ("drafts", "draft_tokens", "accepted_tokens"):  # counts
+        if k in delta:
+            delta[k] = int(round(delta[k]))
+    drafts = delta.get("drafts")
+    if not drafts:
+        return None
+    pos_before, pos_after = before.get("spec_per_position") or {}, after.get("spec_per_position") or {}
+    tokens, accepted = delta.get("draft_tokens"), delta.get("accepted_tokens")
+    return {
+        **delta,
+        "acceptance_rate": accepted / tokens if tokens and accepted is not None else None,
+        "mean_accepted_length": 1 + accepted / drafts if accepted is not None else None,
+        "acceptance_per_position": [(pos_after[p] - pos_before.get(p, 0.0)) / drafts for p in sorted(pos_after)],
     }

@@ -115,6 +115,18 @@ def run_table(result: dict) -> Table:
     if s.get("client_cached_tokens") is not None and s["total_input_tokens"]:
         table.add_row("prompt tokens cached (usage)",
                       f"{fmt(s['client_cached_tokens'])} ({pct(s['client_cached_tokens'] / s['total_input_tokens'])})")
+    spec = server.get("spec")
+    if spec:
+        section("speculative decoding (/metrics)")
+        table.add_row("verify steps / drafted / accepted tokens",
+                      f"{fmt(spec['drafts'])} / {fmt(spec.get('draft_tokens'))} / {fmt(spec.get('accepted_tokens'))}")
+        table.add_row("acceptance rate", pct(spec.get("acceptance_rate")))
+        table.add_row("mean tokens per verify step", fmt(spec.get("mean_accepted_length"), 2))
+        if spec.get("acceptance_per_position"):
+            table.add_row("acceptance by draft position", " / ".join(pct(r) for r in spec["acceptance_per_position"]))
+        if spec.get("draft_seconds") is not None and spec.get("verify_seconds") is not None:
+            table.add_row("time drafting / verifying", f"{fmt(spec['draft_seconds'], 2)} s / "
+                                                       f"{fmt(spec['verify_seconds'], 2)} s")
     util = result.get("utilization") or {}
     if util.get("server_cpu_percent") or util.get("gpu"):
         section("utilization")

@@ -20,12 +20,12 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
 from tokenmill.engine.kv_cache_manager import HASH_FUNCTIONS, KVCacheManager
-from tokenmill.engine.outputs import EngineCoreOutput
+from tokenmill.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.engine.request import SPEC_PRIOR, EngineCoreRequest, Request, RequestStatus
 from tokenmill.engine.scheduler import RequestUpdate, Scheduler
 from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from tokenmill.executor import Executor
-from tokenmill.spec_decode import draft_length, eligible
+from tokenmill.spec_decode import Proposer, RunnerDrafts, draft_length, eligible
 from tokenmill.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class EngineStats:
     spec_draft_tokens: int = 0  # drafted tokens verified
     spec_accepted_tokens: int = 0  # of which accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)  # accepted drafts by position 1..k
+    spec_draft_seconds: float = 0.0  # time spent drafting (proposers; Medusa heads in the model runner)
+    spec_verify_seconds: float = 0.0  # time of the steps that verified drafts
 
 
 class RequestRejected(ValueError):
@@ -83,7 +85,10 @@ class EngineCore:
         self._structured = None  # StructuredOutputManager, built on first use
         self.compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
         spec = config.speculative
-        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
+        self.proposer: Proposer | None = None
+        if spec is not None:
+            self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram"
+                             else RunnerDrafts())
 
     @property
     def structured(self):
@@ -200,6 +205,7 @@ class EngineCore:
         stats.spec_drafts, stats.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
         stats.spec_accepted_tokens, stats.spec_accepted_per_position = spec.num_accepted_tokens, list(
             spec.accepted_per_position)
+        stats.spec_draft_seconds, stats.spec_verify_seconds = spec.draft_seconds, spec.verify_seconds
         if self._structured is not None:
             c = self._structured.compiler.stats
             stats.grammar_compiles, stats.grammar_compile_seconds = c.num_compiles, c.compile_seconds
@@ -220,6 +226,9 @@ class EngineCore:
                              return_when=FIRST_COMPLETED)
             return failed
         failed += self._attach_grammar(sched)
+        if isinstance(self.proposer, RunnerDrafts):
+            sched.draft_lengths = self._wanted_drafts(sched)
+        start = time.perf_counter()
         try:
             output = self.executor.execute(sched)
         except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
@@ -227,32 +236,56 @@ class EngineCore:
                              len(sched.num_scheduled_tokens))
             return failed + [self._fail(rid, "the engine failed while running this request")
                              for rid in list(sched.num_scheduled_tokens)]
+        if sched.spec_token_ids:  # a step that verified drafts (and ran whatever else was scheduled)
+            self.scheduler.spec_stats.verify_seconds += time.perf_counter() - start - output.draft_seconds
         updates = self.scheduler.update_from_output(sched, output)
         if self.proposer is not None:
-            self._propose()
+            self._propose(output)
         return failed + [self._output(u) for u in updates]
 
-    def _propose(self) -> None:
+    def _worth(self, request: Request, num_running: int) -> int:
+        """Drafts worth verifying for `request` in a batch of `num_running`, by its acceptance rate: a
+        draft costs about the same share of a step in a batch of B while a token is worth 1/B of it."""
+        spec = self.config.speculative
+        threshold = 1 - (1 - spec.min_acceptance) / num_running if spec.min_acceptance else 0.0
+        return draft_length(request.spec_acceptance, threshold, spec.num_speculative_tokens)
+
+    def _wanted_drafts(self, sched: SchedulerOutput) -> dict[str, int]:
+        """For proposers that draft during the step (Medusa heads, a draft model): the most drafts each
+        request may use after it — eligible ones whose pending tokens this step completes, while no more
+        than `disable_by_batch_size` run (`_propose` trims them to what fits)."""
+        running = self.scheduler.running
+        if len(running) > self.config.speculative.disable_by_batch_size:
+            return {}
+        wanted = {}
+        for request in running:
+            n = sched.num_scheduled_tokens.get(request.request_id)
+            if n is not None and request.num_computed_tokens + n >= request.num_tokens and eligible(request.params):
+                if worth := self._worth(request, len(running)):
+                    wanted[request.request_id] = worth
+        return wanted
+
+    def _propose(self, output: ModelRunnerOutput) -> None:
         """Drafts for the next step of each running request that decodes and may speculate (none
         while more than `disable_by_batch_size` requests run)."""
         spec, running = self.config.speculative, self.scheduler.running
+        self.scheduler.spec_stats.draft_seconds += output.draft_seconds
         if not running or len(running) > spec.disable_by_batch_size:
             return
+        start = time.perf_counter()
         budget = spec.max_verify_tokens - len(running)  # drafts that fit beside one token per request
-        # a draft costs about the same share of a step in a batch of B while a token is worth 1/B of it
-        threshold = 1 - (1 - spec.min_acceptance) / len(running) if spec.min_acceptance else 0.0
         for request in running:
             if budget <= 0:
                 break
             if request.num_tokens - request.num_computed_tokens != 1 or not eligible(request.params):
                 continue
             left = (request.max_tokens or self.max_model_len) - len(request.output_token_ids) - 1
-            worth = draft_length(request.spec_acceptance, threshold, spec.num_speculative_tokens)
-            room = min(worth, left, self.max_model_len - request.num_tokens, budget)
-            request.spec_token_ids = self.proposer.propose(request.prompt_token_ids + request.output_token_ids, room)
+            room = min(self._worth(request, len(running)), left, self.max_model_len - request.num_tokens, budget)
+            request.spec_token_ids = self.proposer.draft(request, room, output)
             budget -= len(request.spec_token_ids)
             if not request.spec_token_ids:  # nothing to verify: the estimate drifts back towards trying
                 request.spec_acceptance += 0.1 * (SPEC_PRIOR - request.spec_acceptance)
+        self.scheduler.spec_stats.draft_seconds += time.perf_counter() - start
 
     def _attach_grammar(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
         """Set the structured-output masks of the constrained requests that sample this step. A request

@@ -25,6 +25,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # requests that asked for prompt logprobs: (index of the first prompt token covered, one entry per token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # speculative decoding with heads on the target (Medusa): drafts for each request's next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_seconds: float = 0.0  # time spent drafting them
 
 
 @dataclass

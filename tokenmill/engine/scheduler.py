@@ -48,6 +48,8 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0  # spent drafting
+    verify_seconds: float = 0.0  # spent in steps that verified drafts
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1

@@ -55,6 +55,9 @@ class SchedulerOutput:
     # drafted tokens to verify, per speculating request: its scheduled tokens are its next token + these
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     grammar: GrammarBitmask | None = None  # set by the engine core after scheduling
+    # proposers that draft during the step (Medusa heads, a draft model): the most drafts each request
+    # may use after it (set by the engine core after scheduling; requests not listed draft nothing)
+    draft_lengths: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

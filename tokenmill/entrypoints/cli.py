@@ -161,16 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
-    """`serve`, `router`, `bench` and `eval` live in their own packages."""
+    """`serve`, `router`, `bench`, `eval` and `train-draft-head` live in their own packages."""
     from tokenmill.bench.cli import add_bench_parser
     from tokenmill.eval.cli import add_eval_parser
     from tokenmill.router.cli import add_router_parser
     from tokenmill.server.cli import add_serve_parser
+    from tokenmill.spec_decode.train_head import add_train_head_parser
 
     add_serve_parser(sub)
     add_router_parser(sub)
     add_bench_parser(sub)
     add_eval_parser(sub)
+    add_train_head_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -68,6 +68,10 @@ class ServerMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verify steps of a request.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: drafted tokens verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens accepted.")
+        self.spec_draft_seconds = counter("spec_decode_draft_seconds",
+                                          "Speculative decoding: time spent drafting (proposers, draft heads).")
+        self.spec_verify_seconds = counter("spec_decode_verify_seconds",
+                                           "Speculative decoding: time of the engine steps that verified drafts.")
         self.spec_per_position = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
                                          "Speculative decoding: drafted tokens accepted, by draft position (0 first).",
                                          ["model_name", "position"], registry=r)
@@ -130,6 +134,8 @@ class ServerMetrics:
         self._inc_delta(self.spec_drafts, s, "spec_drafts")
         self._inc_delta(self.spec_draft_tokens, s, "spec_draft_tokens")
         self._inc_delta(self.spec_accepted, s, "spec_accepted_tokens")
+        self._inc_delta(self.spec_draft_seconds, s, "spec_draft_seconds")
+        self._inc_delta(self.spec_verify_seconds, s, "spec_verify_seconds")
         before = self._last_stats.get("spec_accepted_per_position") or []
         for pos, count in enumerate(s.get("spec_accepted_per_position") or []):
             delta = count - (before[pos] if pos < len(before) else 0)

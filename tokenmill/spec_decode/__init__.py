@@ -3,8 +3,10 @@ target model checks them all in one forward pass (`tokenmill.worker.rejection_sa
 request advances by every draft it accepts plus one token of its own — with exactly the target's
 output distribution (greedy: the same tokens; sampling: standard rejection sampling).
 
-Flow: after each step the engine core asks the proposer for drafts of each eligible running request
-(`Request.spec_token_ids`); the scheduler gives such a request 1 + k tokens (KV slots for all of
+Flow: after each step the engine core asks the proposer (`Proposer`) for drafts of each eligible
+running request (`Request.spec_token_ids`): the n-gram proposer looks them up in the request's
+tokens; Medusa heads (`medusa`) need the target's hidden states, so the model runner drafts with
+them during the step and `RunnerDrafts` hands those on; the scheduler gives such a request 1 + k tokens (KV slots for all of
 them) and lists the drafts in `SchedulerOutput.spec_token_ids`; the model runner verifies them and
 returns the accepted tokens; the scheduler then rolls `num_computed_tokens` back over the rejected
 ones (their KV slots are simply overwritten later) before caching full blocks.
@@ -12,7 +14,23 @@ ones (their KV slots are simply overwritten later) before caching full blocks.
 
 from __future__ import annotations
 
+from typing import Protocol
+
+from tokenmill.engine.outputs import ModelRunnerOutput
+from tokenmill.engine.request import Request
 from tokenmill.sampling_params import SamplingParams
+
+
+class Proposer(Protocol):
+    def draft(self, request: Request, k: int, output: ModelRunnerOutput) -> list[int]:
+        """Up to k drafted tokens to follow `request`'s newest token, after the step that gave `output`."""
+
+
+class RunnerDrafts:
+    """Drafts the model runner made during the step (from hidden states), trimmed to what is wanted."""
+
+    def draft(self, request: Request, k: int, output: ModelRunnerOutput) -> list[int]:
+        return output.draft_token_ids.get(request.request_id, [])[:k]
 
 
 def eligible(params: SamplingParams) -> bool:

@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenmill.engine.outputs import ModelRunnerOutput
+from tokenmill.engine.request import Request
+
 
 class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
+
+    def draft(self, request: Request, k: int, output: ModelRunnerOutput) -> list[int]:
+        return self.propose(request.prompt_token_ids + request.output_token_ids, k)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` drafted tokens to follow `tokens` (empty when no n-gram recurs)."""

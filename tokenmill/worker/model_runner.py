@@ -2,7 +2,8 @@
 apply the scheduler's changes, lay the scheduled tokens out as one flat batch (decodes first),
 describe it once for attention, run the forward pass, mask (structured output) and sample the
 requests that reach the end of their tokens — or verify the drafted tokens of speculating ones
-(`rejection_sampler`) — and return their new token ids. An int8 / fp8 KV cache gets a scales tensor
+(`rejection_sampler`) — and return their new token ids; with Medusa heads or a draft model, also the
+drafts of the next step (`tokenmill.spec_decode.medusa`, `.draft_model`). An int8 / fp8 KV cache gets a scales tensor
 per group beside it (`tokenmill.attention.kv_quant`)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -26,6 +28,8 @@ from tokenmill.layers.forward_context import ForwardContext, set_forward_context
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.draft_model import DraftModelProposer
+from tokenmill.spec_decode.medusa import load_medusa_heads
 from tokenmill.worker.rejection_sampler import verify
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
@@ -53,6 +57,15 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: list[torch.Tensor] = []  # one tensor per KV-cache group: [layers, *backend shape]
         self.kv_scales: list[torch.Tensor | None] = []  # per group, quantized caches: [layers, *shape[:-1]]
+        self.speculative = spec = config.speculative
+        self.medusa = self.draft_model = None
+        if spec is not None and spec.method == "draft_model":
+            self.draft_model = DraftModelProposer(config, self.model_config.vocab_size)
+        if spec is not None and spec.method == "medusa":
+            self.medusa = load_medusa_heads(spec.model, self.model_config.hidden_size,
+                                            self.model_config.vocab_size).to(self.device)
+            logger.info("Medusa: %d heads of %d residual blocks from %s (%s LM heads)", self.medusa.num_heads,
+                        self.medusa.num_layers, spec.model, "own" if self.medusa.lm_heads is not None else "the target's")
 
     # ---- KV cache ---------------------------------------------------------------------------------
 
@@ -122,6 +135,7 @@ class ModelRunner:
             last = torch.from_numpy(common.query_start_loc[1:][rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last]).float()
             self._sample(result, logits, [states[i] for i in rows], sched.grammar)
+        last_rows = {states[i].request_id: int(common.query_start_loc[i + 1]) - 1 for i in rows}
         for i, r in enumerate(req_ids):
             if r in drafts:  # logits after its last token and after each draft
                 end = int(common.query_start_loc[i + 1])
@@ -129,7 +143,33 @@ class ModelRunner:
                 tokens = verify(logits, drafts[r], states[i].params, states[i].generator)
                 states[i].output_token_ids.extend(tokens)
                 result.sampled_token_ids[r] = tokens
+                last_rows[r] = end - len(drafts[r]) - 2 + len(tokens)  # the row its last token came from
+        wanted = {r: k for r, k in sched.draft_lengths.items() if r in last_rows}
+        if self.medusa is not None and wanted:
+            self._draft_with_heads(result, hidden, last_rows, wanted)
+        if self.draft_model is not None and wanted:
+            start = time.perf_counter()
+            result.draft_token_ids = self.draft_model.propose({r: self._draft_input(r, k) for r, k in wanted.items()})
+            result.draft_seconds = time.perf_counter() - start
         return result
+
+    def _draft_input(self, request_id: str, k: int) -> tuple[list[int], int, int]:
+        """(tokens so far, drafts wanted, tokens it may still generate) of a request, for the draft model."""
+        s = self.requests[request_id]
+        left = (s.params.max_tokens or 1 << 30) - len(s.output_token_ids)
+        return s.prompt_token_ids + s.output_token_ids, k, left
+
+    def _draft_with_heads(self, result: ModelRunnerOutput, hidden: torch.Tensor, last_rows: dict[str, int],
+                          wanted: dict[str, int]) -> None:
+        """Medusa: drafts of the tokens after each wanting request's newest token, from the hidden state
+        its newest token was predicted from (every request as many as the most wanted)."""
+        start = time.perf_counter()
+        rids = list(wanted)
+        rows = hidden[torch.tensor([last_rows[r] for r in rids], device=self.device)].float()
+        drafted = self.medusa.propose(rows, lambda x: self.model.compute_logits(x.to(hidden.dtype)),
+                                      max(wanted.values()))
+        result.draft_token_ids = {r: d[: wanted[r]] for r, d in zip(rids, drafted)}
+        result.draft_seconds = time.perf_counter() - start
 
     def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
                 block_ids: list[list[list[int]]]) -> tuple[torch.Tensor, CommonAttentionMetadata]:
@@ -150,6 +190,8 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+            if self.draft_model is not None:
+                self.draft_model.finish(rid)
         for new in sched.new_requests:
             self.requests[new.request_id] = CachedRequestState(new, self.device)
         for cached in sched.cached_requests:

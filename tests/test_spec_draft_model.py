@@ -1,0 +1,96 @@
+"""Draft-model speculation: greedy output token-identical to decoding without it, with a draft that
+agrees (the target itself) and one that mostly does not (another random model); the draft's own KV
+pool and the target's come back whole; seeded sampling reproducible; clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import make_core, make_tiny_model, run_core
+from test_spec_decode import repetitive_prompts
+from tokenmill.config import EngineConfig, ParallelConfig, SpeculativeConfig
+from tokenmill.sampling_params import SamplingParams
+
+
+def draft_spec(model: str, **kw) -> SpeculativeConfig:
+    return SpeculativeConfig(**{"method": "draft_model", "model": model, "disable_by_batch_size": 64,
+                                "min_acceptance": 0.0, **kw})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft")
+    make_tiny_model("llama-gqa-untied", root / "target")
+    make_tiny_model("llama-gqa-untied", root / "other", num_hidden_layers=1, initializer_range=0.05)
+    return str(root / "target"), str(root / "other")
+
+
+@pytest.mark.parametrize("which", ["itself", "other"])
+def test_greedy_output_is_identical_with_a_draft_model(models, which):
+    target, other = models
+    draft = target if which == "itself" else other
+    prompts = repetitive_prompts(5)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False)]
+    plain = run_core(make_core(target, block_size=8), prompts, params)
+    core = make_core(target, block_size=8, speculative=draft_spec(draft, num_speculative_tokens=3))
+    drafted = set()
+    assert run_core(core, prompts, params, on_step=lambda c: drafted.update(c.last_schedule.spec_token_ids)) == plain
+    stats = core.scheduler.spec_stats
+    assert drafted and drafted <= {"0", "1", "2"} and stats.num_draft_tokens > 0
+    if which == "itself":  # the target drafting for itself: (nearly) every draft is its own greedy token
+        assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+    core.step()  # the runner (and its draft) drop the requests that finished in the last step
+    proposer = core.executor.runner.draft_model
+    assert not proposer.states and len(proposer.free) == proposer.runner.kv_cache_config.num_blocks
+
+
+def test_a_small_draft_pool_evicts_idle_requests_and_stays_exact(models, monkeypatch):
+    """A draft pool that holds one request's context at a time: a request drafting now takes the blocks
+    of one that is not (which is re-prefilled when it drafts again, with the same drafts), requests
+    that find no room draft nothing, and the output is unchanged."""
+    from tokenmill.spec_decode import draft_model
+
+    target, other = models
+    monkeypatch.setattr(draft_model, "DRAFT_CONTEXT_TOKENS", 32)  # 1 x 8 blocks + 1 of 4 tokens: 36 tokens
+    spec = draft_spec(other, num_speculative_tokens=2, disable_by_batch_size=1)
+    core = make_core(target, block_size=4, speculative=spec)
+    proposer = core.executor.runner.draft_model
+    a, b = repetitive_prompts(2, length=30)
+    first = proposer.propose({"a": (a, 2, 10)})
+    assert len(first["a"]) == 2 and "a" in proposer.states
+    assert len(proposer.propose({"b": (b, 2, 10)})["b"]) == 2
+    assert "a" not in proposer.states  # evicted: "b" needed its blocks
+    assert proposer.propose({"a": (a, 2, 10)}) == first
+    assert proposer.propose({"a": (a, 2, 10), "b": (b, 2, 10)}) == {"a": first["a"]}  # no room for "b" beside "a"
+    assert proposer.propose({"b": (b, 2, 3)}) == {}  # 30 tokens to catch up on for 3 left: not worth it
+    proposer.finish("a")
+    assert len(proposer.free) == proposer.runner.kv_cache_config.num_blocks
+
+    prompts = repetitive_prompts(4, length=16)  # the last to finish drafts alone, within the pool
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 6, 8, 16)]
+    plain = run_core(make_core(target, block_size=4), prompts, params)
+    assert run_core(core, prompts, params) == plain
+    assert core.scheduler.spec_stats.num_drafts > 0
+    core.step()
+    assert len(proposer.free) == proposer.runner.kv_cache_config.num_blocks
+
+
+def test_seeded_sampling_with_a_draft_model_is_reproducible(models):
+    target, other = models
+    core = make_core(target, speculative=draft_spec(other))
+    seeded = [SamplingParams(temperature=0.9, seed=7 + i, max_tokens=24, ignore_eos=True) for i in range(3)]
+    prompts = repetitive_prompts(3)
+    assert run_core(core, prompts, seeded) == run_core(core, prompts, seeded)
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_draft_model_errors(models, tmp_path):
+    target, _ = models
+    make_tiny_model("llama-gqa-untied", tmp_path / "big-vocab", vocab_size=512)
+    with pytest.raises(ValueError, match="draft's vocabulary \\(512\\) is larger than the target's"):
+        make_core(target, speculative=draft_spec(str(tmp_path / "big-vocab")))
+    with pytest.raises(ValueError, match="does not run with --tensor-parallel-size > 1"):
+        EngineConfig(model=target, speculative=draft_spec(target), parallel=ParallelConfig(tensor_parallel_size=2))
