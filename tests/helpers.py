@@ -140,8 +140,9 @@ def top1_agreement(ref, quant) -> tuple[float, float]:
 
 
 def run_core(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-             on_step=None) -> dict[str, list[int]]:
-    """Run prompts to completion through the engine core; returns generated ids by request id."""
+             on_step=None, logprobs: dict | None = None) -> dict[str, list[int]]:
+    """Run prompts to completion through the engine core; returns generated ids by request id (and
+    fills `logprobs`, if given, with each request's logprobs entries)."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     out: dict[str, list[int]] = {}
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -150,6 +151,8 @@ def run_core(core: EngineCore, prompts: list[list[int]], params: SamplingParams 
     while core.has_unfinished():
         for o in core.step():
             out[o.request_id].extend(o.new_token_ids)
+            if logprobs is not None and o.new_logprobs:
+                logprobs.setdefault(o.request_id, []).extend(o.new_logprobs)
         if on_step:
             on_step(core)
     return out

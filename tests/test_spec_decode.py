@@ -87,22 +87,34 @@ def repetitive_prompts(n: int, length: int = 48) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias", "mistral-window", "gemma2"])
 def test_greedy_output_is_identical_with_speculation(tmp_path, name):
-    """Decodes verified in batches with others, sliding windows and soft-caps included; requests that
-    may not speculate (logprobs, penalties, opted out) run beside them unchanged."""
+    """Decodes verified in batches with others, sliding windows and soft-caps included; requests with
+    logprobs, penalties, logit bias and min_tokens speculate too (each verified row processed with the
+    drafts before it in the output), one that opted out runs beside them unchanged."""
     make_tiny_model(name, tmp_path)
-    prompts = repetitive_prompts(6)
+    prompts = repetitive_prompts(8)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     params = [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5)]
-    plain = run_core(make_core(str(tmp_path), block_size=8), prompts, params)
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.2, logit_bias={int(prompts[6][0]): 2.0}),
+              SamplingParams(temperature=0, max_tokens=40, min_tokens=20, stop_token_ids=[int(prompts[7][1])])]
+    plain_logprobs, spec_logprobs = {}, {}
+    plain = run_core(make_core(str(tmp_path), block_size=8), prompts, params, logprobs=plain_logprobs)
     core = make_core(str(tmp_path), block_size=8, speculative=SPEC)
     drafted = set()
-    spec = run_core(core, prompts, params, on_step=lambda c: drafted.update(c.last_schedule.spec_token_ids))
+    spec = run_core(core, prompts, params, on_step=lambda c: drafted.update(c.last_schedule.spec_token_ids),
+                    logprobs=spec_logprobs)
     assert spec == plain
+    assert len(spec_logprobs["3"]) == len(plain_logprobs["3"]) == 40
+    for got, want in zip(spec_logprobs["3"], plain_logprobs["3"]):  # the same logprobs, token by token
+        assert got.keys() == want.keys()
+        assert all(got[t].rank == want[t].rank and got[t].logprob == pytest.approx(want[t].logprob, abs=1e-4)
+                   for t in got)
     stats = core.scheduler.spec_stats
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
-    assert drafted and drafted <= {"0", "1", "2"}  # only the eligible requests drafted
+    # all may draft but the one that opted out (a penalty that stops repetition leaves n-grams nothing)
+    assert "3" in drafted and drafted & {"5", "6", "7"} and "4" not in drafted
     assert core.kv.num_free_blocks == core.kv.num_blocks  # rollback and finishing returned every block
 
 

@@ -38,7 +38,7 @@ def test_greedy_output_is_identical_with_a_draft_model(models, which):
     drafted = set()
     assert run_core(core, prompts, params, on_step=lambda c: drafted.update(c.last_schedule.spec_token_ids)) == plain
     stats = core.scheduler.spec_stats
-    assert drafted and drafted <= {"0", "1", "2"} and stats.num_draft_tokens > 0
+    assert drafted and drafted <= {"0", "1", "2", "3"} and stats.num_draft_tokens > 0  # "4" opted out
     if which == "itself":  # the target drafting for itself: (nearly) every draft is its own greedy token
         assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
     assert core.kv.num_free_blocks == core.kv.num_blocks

@@ -100,7 +100,7 @@ def test_greedy_output_is_identical_with_medusa_heads(tmp_path, name):
     assert got == plain
     stats = core.scheduler.spec_stats
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert drafted and drafted <= {"0", "1", "2"}
+    assert drafted and drafted <= {"0", "1", "2", "3"}  # all but the request that opted out
     assert stats.draft_seconds > 0 and stats.verify_seconds > 0
     assert core.kv.num_free_blocks == core.kv.num_blocks
 

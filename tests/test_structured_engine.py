@@ -362,3 +362,49 @@ def test_invalid_specs_are_rejected(engine, default_model):
     bare = EngineCore(bare_config, UniProcExecutor(bare_config, default_model), {2})
     with pytest.raises(RequestRejected, match="structured output is not available"):
         bare.add_request(EngineCoreRequest("x", [1, 2], SamplingParams(structured_output=StructuredOutputSpec.regex("a"))))
+
+
+def test_speculation_keeps_constrained_outputs_exact_and_valid(engine, default_model):
+    """n-gram drafts for constrained requests: cut where the grammar rejects them, every verified
+    position masked by the grammar after the drafts before it; the same tokens as without
+    speculation (which the module's engine runs), outputs that validate, accepted drafts, a whole pool."""
+    from tokenmill.config import SpeculativeConfig
+
+    schema = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "enum": ["ann", "bob"]},
+                                         "ok": {"type": "boolean"}}, "required": ["name", "ok"]}}
+    prompts = [chat(engine, "Give me six people."), chat(engine, "Six records, please."), chat(engine, "Hello!")]
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_output=StructuredOutputSpec.json(schema)),
+              SamplingParams(temperature=0, max_tokens=60, structured_output=StructuredOutputSpec.regex(
+                  r"(ab|cd){3,12}\.")),
+              SamplingParams(temperature=0, max_tokens=40)]
+    expected = [o.outputs[0].token_ids for o in run(engine, list(zip(prompts, params)))]
+
+    config = EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=256),
+                          speculative=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8,
+                                                        min_acceptance=0.0))
+    core = EngineCore(config, UniProcExecutor(config, default_model), engine.tokenizer.eos_token_ids,
+                      TokenizerData.from_tokenizer(engine.tokenizer))
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        core.add_request(EngineCoreRequest(str(i), p, sp))
+    got, drafted = {str(i): [] for i in range(len(prompts))}, set()
+    while core.has_unfinished():
+        for o in core.step():
+            got[o.request_id].extend(o.new_token_ids)
+        drafted.update(core.last_schedule.spec_token_ids)
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    assert {"0", "1"} <= drafted and core.scheduler.spec_stats.num_accepted_tokens > 0
+    jsonschema.validate(json.loads(engine.tokenizer.decode(expected[0])), schema)
+    assert re.fullmatch(r"(ab|cd){3,12}\.", engine.tokenizer.decode(expected[1]))
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=60,
+                             structured_output=StructuredOutputSpec.regex(r"(ab|cd){3,12}\."))
+    for i in range(3):  # sampling: rejection-sampled against the masked distribution, still valid
+        core.add_request(EngineCoreRequest(f"s{i}", prompts[1], sampled))
+    out = {f"s{i}": [] for i in range(3)}
+    while core.has_unfinished():
+        for o in core.step():
+            out[o.request_id].extend(o.new_token_ids)
+    assert len({tuple(v) for v in out.values()}) == 1  # one seed, one output
+    assert re.fullmatch(r"(ab|cd){3,12}\.", engine.tokenizer.decode(out["s0"]))
+    assert core.kv.num_free_blocks == core.kv.num_blocks

@@ -85,9 +85,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
                         "disable_by_batch_size (draft nothing while more requests run, default 4) and max_verify_tokens "
                         "(decodes + drafts in one step, default 16: two of the CPU int8 kernel's 8-row tiles); the output "
-                        "distribution is unchanged (greedy: the same tokens). Requests with penalties, logit_bias, "
-                        "min_tokens, logprobs or structured output, and those with \"speculative\": false, decode "
-                        "without it. Default: off")
+                        "distribution is unchanged (greedy: the same tokens), also with penalties, logit_bias, min_tokens, "
+                        "logprobs and structured output (drafts cut where the grammar rejects them, each verified "
+                        "position masked); requests with \"speculative\": false, and constrained ones while "
+                        "thinking, decode without it. Default: off")
     c.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split every layer over N processes on this host (attention heads, MLP columns and the "
                         "vocabulary; one all-reduce after attention and one after the MLP), joined by "

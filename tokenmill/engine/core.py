@@ -260,7 +260,7 @@ class EngineCore:
         wanted = {}
         for request in running:
             n = sched.num_scheduled_tokens.get(request.request_id)
-            if n is not None and request.num_computed_tokens + n >= request.num_tokens and eligible(request.params):
+            if n is not None and request.num_computed_tokens + n >= request.num_tokens and eligible(request):
                 if worth := self._worth(request, len(running)):
                     wanted[request.request_id] = worth
         return wanted
@@ -277,33 +277,44 @@ class EngineCore:
         for request in running:
             if budget <= 0:
                 break
-            if request.num_tokens - request.num_computed_tokens != 1 or not eligible(request.params):
+            if request.num_tokens - request.num_computed_tokens != 1 or not eligible(request):
                 continue
             left = (request.max_tokens or self.max_model_len) - len(request.output_token_ids) - 1
             room = min(self._worth(request, len(running)), left, self.max_model_len - request.num_tokens, budget)
-            request.spec_token_ids = self.proposer.draft(request, room, output)
+            drafts = self.proposer.draft(request, room, output)
+            if request.structured is not None and drafts:  # up to the first token its grammar rejects
+                drafts = drafts[: request.structured.matcher.validate(drafts)]
+            request.spec_token_ids = drafts
             budget -= len(request.spec_token_ids)
             if not request.spec_token_ids:  # nothing to verify: the estimate drifts back towards trying
                 request.spec_acceptance += 0.1 * (SPEC_PRIOR - request.spec_acceptance)
         self.scheduler.spec_stats.draft_seconds += time.perf_counter() - start
 
     def _attach_grammar(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
-        """Set the structured-output masks of the constrained requests that sample this step. A request
-        whose grammar fails is taken out of the step and finished with an error."""
-        constrained, masks, failed = [], [], []
+        """Set the structured-output masks of the constrained requests that sample this step — and of
+        those that verify drafts, one mask per verified position. A request whose grammar fails is
+        taken out of the step and finished with an error."""
+        constrained, masks, verifying, verify_masks, failed = [], [], [], [], []
         for rid, num_new in list(sched.num_scheduled_tokens.items()):
             request = self.requests[rid]
             state = request.structured
             try:
-                if state is not None and state.needs_mask and request.samples_after(num_new):
+                if state is not None and rid in sched.spec_token_ids:
+                    verify_masks.append(self.structured.bitmask_for_draft(state, sched.spec_token_ids[rid]))
+                    verifying.append(rid)
+                elif state is not None and state.needs_mask and request.samples_after(num_new):
                     masks.append(self.structured.bitmask([state]))
                     constrained.append(rid)
             except Exception:  # noqa: BLE001 - only this request is lost
                 logger.exception("request %s: its grammar failed", rid)
                 del sched.num_scheduled_tokens[rid]
                 failed.append(self._fail(rid, "the structured-output grammar failed"))
-        if constrained:
-            sched.grammar = GrammarBitmask(constrained, torch.cat(masks))
+        if constrained or verifying:
+            first, verify_rows = len(constrained), {}
+            for rid, m in zip(verifying, verify_masks):
+                verify_rows[rid] = (first, m.shape[0])
+                first += m.shape[0]
+            sched.grammar = GrammarBitmask(constrained, torch.cat(masks + verify_masks), verify_rows)
         return failed
 
     def _fail(self, request_id: str, error: str) -> EngineCoreOutput:

@@ -43,6 +43,9 @@ class GrammarBitmask:
 
     request_ids: list[str]
     bitmask: torch.Tensor
+    # speculating requests: (first row, rows) of their masks after the sampling rows, one per verified
+    # position (after 0, 1, ..., k of its drafts)
+    verify_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass

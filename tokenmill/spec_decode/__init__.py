@@ -18,7 +18,6 @@ from typing import Protocol
 
 from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.request import Request
-from tokenmill.sampling_params import SamplingParams
 
 
 class Proposer(Protocol):
@@ -33,13 +32,15 @@ class RunnerDrafts:
         return output.draft_token_ids.get(request.request_id, [])[:k]
 
 
-def eligible(params: SamplingParams) -> bool:
-    """Whether a request's sampling can be verified position by position: no step-dependent
-    processing (penalties, min_tokens, logit bias), no logprobs, no structured output (these run
-    without speculation for now), and it did not opt out."""
-    return (params.speculative and params.structured_output is None and params.logprobs is None
-            and params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
-            and not params.logit_bias and params.min_tokens == 0)
+def eligible(request: Request) -> bool:
+    """Whether a request may speculate: it did not opt out, and a structured-output constraint, if it
+    has one, is in its grammar (not thinking: a reasoning end could fall among the drafts). Its drafts
+    are then cut where the grammar would reject them, and each verified position i is processed as
+    the sampler would after the first i drafts: the grammar mask, min_tokens, logit bias, penalties
+    over the output so far plus those drafts (`ModelRunner._process_for_verify`)."""
+    structured = request.structured
+    return request.params.speculative and (structured is None or (structured.grammar_active and
+                                                                  not structured.terminated))
 
 
 def draft_length(acceptance: float, min_acceptance: float, most: int) -> int:

@@ -6,6 +6,7 @@ Per request, `StructuredState` holds the grammar future, then the matcher, and a
     state.ready                               # the grammar future is done: the request may be scheduled
     state.start()                             # build the matcher (returns an error message on failure)
     each step, for the requests that sample:  manager.bitmask([state, ...]) (the model runner applies it)
+    for a request verifying drafts:           manager.bitmask_for_draft(state, drafts) (a row per position)
     after sampling:                           state.accept(token) -> False if the grammar refused it
     state.terminated                          # the grammar accepted a stop token: finish the request
 
@@ -153,6 +154,14 @@ class StructuredOutputManager:
         for row, state in enumerate(states):
             state.fill(self._bitmask, row)
         return self._bitmask[: len(states)].clone()
+
+    def bitmask_for_draft(self, state: StructuredState, drafts: list[int]) -> torch.Tensor:
+        """Masks for a verify step: row i after the first i drafts (i = 0 .. len(drafts)), the state
+        unchanged afterwards. The drafts were cut to what the grammar accepts (`GrammarMatcher.validate`)."""
+        bitmask = allocate_bitmask(len(drafts) + 1, self.vocab_size)
+        if state.matcher.fill_bitmasks_for_draft(bitmask, 0, drafts) != len(drafts) + 1:
+            raise RuntimeError("a draft the grammar rejects was scheduled for verification")
+        return bitmask
 
     def shutdown(self) -> None:
         self.compiler.shutdown()

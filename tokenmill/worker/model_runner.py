@@ -140,9 +140,17 @@ class ModelRunner:
             if r in drafts:  # logits after its last token and after each draft
                 end = int(common.query_start_loc[i + 1])
                 logits = self.model.compute_logits(hidden[end - len(drafts[r]) - 1 : end]).float()
-                tokens = verify(logits, drafts[r], states[i].params, states[i].generator)
+                masked = sched.grammar is not None and r in sched.grammar.verify_rows
+                if masked:  # each position's grammar mask
+                    self._apply_verify_grammar(logits, sched.grammar, r)
+                tokens = verify(self._process_for_verify(logits, states[i], drafts[r], masked), drafts[r],
+                                states[i].params, states[i].generator)
                 states[i].output_token_ids.extend(tokens)
                 result.sampled_token_ids[r] = tokens
+                if (num := states[i].params.logprobs) is not None:  # each emitted token's, from its own row
+                    ids, values, ranks = compute_logprobs(logits[: len(tokens)], torch.tensor(tokens), max(num, 1))
+                    result.logprobs[r] = logprob_dicts(ids.tolist(), values.tolist(), ranks.tolist(),
+                                                       [num] * len(tokens))
                 last_rows[r] = end - len(drafts[r]) - 2 + len(tokens)  # the row its last token came from
         wanted = {r: k for r, k in sched.draft_lengths.items() if r in last_rows}
         if self.medusa is not None and wanted:
@@ -235,7 +243,7 @@ class ModelRunner:
     def _sample(self, result: ModelRunnerOutput, logits: torch.Tensor, states: list[CachedRequestState],
                 grammar: GrammarBitmask | None) -> None:
         params = [s.params for s in states]
-        if grammar is not None:
+        if grammar is not None and grammar.request_ids:
             self._apply_grammar(logits, states, grammar)
             masked = set(grammar.request_ids)
             for i, s in enumerate(states):  # the grammar decides where the output may end, not min_tokens
@@ -266,8 +274,31 @@ class ModelRunner:
         row_of = {s.request_id: i for i, s in enumerate(states)}
         rows = [row_of[rid] for rid in grammar.request_ids]
         bitmask = torch.full((len(states), grammar.bitmask.shape[1]), -1, dtype=grammar.bitmask.dtype)
-        bitmask[rows] = grammar.bitmask
+        bitmask[rows] = grammar.bitmask[: len(rows)]
         apply_bitmask(logits, bitmask, rows)
+
+    def _process_for_verify(self, logits: torch.Tensor, state: CachedRequestState, drafts: list[int],
+                            masked: bool) -> torch.Tensor:
+        """A speculating request's k + 1 rows as the sampler would process each (min_tokens, logit bias,
+        penalties) with the first i drafts appended to its output; unchanged if it asks for none."""
+        p = state.params
+        if masked and p.min_tokens:  # the grammar decides where the output may end, as in `_sample`
+            p = dataclasses.replace(p, min_tokens=0)
+        if not (p.min_tokens or p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1):
+            return logits
+        n = len(drafts) + 1
+        meta = SamplingMetadata.build([p] * n, [state.prompt_token_ids] * n,
+                                      [state.output_token_ids + drafts[:i] for i in range(n)], [None] * n,
+                                      [state.eos_token_ids] * n, vocab_size=logits.shape[1], device=logits.device)
+        return self.sampler.process(logits, meta)
+
+    @staticmethod
+    def _apply_verify_grammar(logits: torch.Tensor, grammar: GrammarBitmask, request_id: str) -> None:
+        """In place, a speculating request's k + 1 verify rows: row i masked by its grammar after i drafts."""
+        from tokenmill.structured.backend import apply_bitmask
+
+        first, n = grammar.verify_rows[request_id]
+        apply_bitmask(logits, grammar.bitmask[first : first + n], list(range(n)))
 
 
 def logprob_dicts(ids: list[list[int]], values: list[list[float]], ranks: list[int],

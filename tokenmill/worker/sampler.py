@@ -234,20 +234,10 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Turns ``[B, V]`` logits into next-token ids (plus optional logprobs)."""
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        meta: SamplingMetadata,
-        allowed_token_mask: torch.Tensor | None = None,
-        allowed_token_rows: torch.Tensor | None = None,
-    ) -> SamplerOutput:
-        """Sample one token per row. Does not modify ``logits``.
-
-        ``allowed_token_mask`` is the structured-output hook: a bool mask (True =
-        allowed) of shape ``[B, V]``, or ``[R, V]`` applied to rows ``allowed_token_rows``
-        (long ``[R]``); disallowed tokens get -inf before penalties and sampling.
-        """
-        raw = logits
+    def process(self, logits: torch.Tensor, meta: SamplingMetadata, allowed_token_mask: torch.Tensor | None = None,
+                allowed_token_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits after everything but temperature and truncation: min_tokens (end tokens
+        masked), the allowed-token mask, logit bias, penalties. Does not modify ``logits``."""
         logits = logits.float()  # no copy if already float32, so never modify in place
         if meta.min_tokens_index is not None:
             neg_inf = torch.tensor(float("-inf"), device=logits.device)
@@ -263,6 +253,23 @@ class Sampler:
             logits = logits.index_put(meta.logit_bias[0], meta.logit_bias[1], accumulate=True)
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
+        return logits
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        allowed_token_mask: torch.Tensor | None = None,
+        allowed_token_rows: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row. Does not modify ``logits``.
+
+        ``allowed_token_mask`` is the structured-output hook: a bool mask (True =
+        allowed) of shape ``[B, V]``, or ``[R, V]`` applied to rows ``allowed_token_rows``
+        (long ``[R]``); disallowed tokens get -inf before penalties and sampling.
+        """
+        raw = logits
+        logits = self.process(logits, meta, allowed_token_mask, allowed_token_rows)
 
         if meta.all_greedy:
             sampled = row_argmax(logits)
