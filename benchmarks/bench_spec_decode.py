@@ -1,8 +1,10 @@
 """Speculative decoding on vs off, same run: output tok/s at 1, 4 and 16 concurrent requests, on a
-code-editing workload (the prompt holds a source file, the answer rewrites it) and open chat.
+code-editing workload (the prompt holds a source file, the answer rewrites it), open chat, and JSON
+records under a JSON schema (structured output: eight objects with the same keys).
 
     .venv/bin/python benchmarks/bench_spec_decode.py [--models smollm2-135m,qwen2.5-coder-1.5b]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4}'] [--concurrency 1,4,16] [--tokens 128]
+        [--workloads code-edit,chat,json]
 
 Greedy decoding (the spec-on text is checked to equal the spec-off text). Two rates: output tok/s
 of the whole batch (prefill included) and the median request's decode tok/s after its first token. Each configuration loads
@@ -46,12 +48,26 @@ def chat_prompts(n: int) -> list[str]:
     return [f"Question: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:" for i in range(n)]
 
 
-def run(llm, prompts: list[str], tokens: int) -> tuple[float, float, list[str]]:
-    """(output tok/s of the whole batch, prefill included; median decode tok/s of a request after
-    its first token; the texts)."""
-    from tokenmill import SamplingParams
+RECORDS = {"type": "array", "minItems": 8, "maxItems": 8, "items": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+    "age": {"type": "integer", "minimum": 18, "maximum": 90}}, "required": ["name", "city", "age"]}}
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+
+def json_prompts(n: int) -> list[str]:
+    return [f"Write 8 records of people as JSON (name, city, age), set {i}:\n" for i in range(n)]
+
+
+WORKLOADS = {"code-edit": (code_prompts, False), "chat": (chat_prompts, False), "json": (json_prompts, True)}
+
+
+def run(llm, prompts: list[str], tokens: int, structured: bool = False) -> tuple[float, float, list[str]]:
+    """(output tok/s of the whole batch, prefill included; median decode tok/s of a request after
+    its first token; the texts). `structured`: under the RECORDS schema (ends where the JSON does)."""
+    from tokenmill import SamplingParams
+    from tokenmill.structured import StructuredOutputSpec
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=not structured,
+                            structured_output=StructuredOutputSpec.json(RECORDS) if structured else None)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -68,6 +84,7 @@ def main() -> None:
     ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--workloads", default="code-edit,chat,json", help=f"of {', '.join(WORKLOADS)}")
     args = ap.parse_args()
     import torch
 
@@ -76,6 +93,10 @@ def main() -> None:
     torch.set_num_threads(2)
     spec = json.loads(args.spec)
     levels = [int(c) for c in args.concurrency.split(",")]
+    workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        ap.error(f"unknown workloads {', '.join(unknown)} (known: {', '.join(WORKLOADS)})")
     print(f"# {platform.processor() or platform.machine()}, 2 threads; {args.tokens} tokens per request, greedy; "
           f"spec {args.spec}")
     print(f"{'model':<22} {'workload':<10} {'conc':>4} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} "
@@ -86,7 +107,8 @@ def main() -> None:
         for on in (False, True):
             llm = LLM(path, speculative_config=spec if on else None, max_model_len=4096, kv_cache_memory=2.0)
             run(llm, chat_prompts(1), 8)  # warm up
-            for workload, make in (("code-edit", code_prompts), ("chat", chat_prompts)):
+            for workload in workloads:
+                make, structured = WORKLOADS[workload]
                 for c in levels:
                     stats = llm.engine.core.scheduler.spec_stats
                     def counters():
@@ -94,11 +116,11 @@ def main() -> None:
                                 stats.draft_seconds, stats.verify_seconds)
 
                     before = counters()
-                    rate, decode, texts = run(llm, make(c), args.tokens)
+                    rate, decode, texts = run(llm, make(c), args.tokens, structured)
                     delta = [b - a for a, b in zip(before, counters())]
                     results[(workload, c, on)] = (rate, decode, texts, delta)
             del llm
-        for workload in ("code-edit", "chat"):
+        for workload in workloads:
             for c in levels:
                 off, dec_off, texts_off, _ = results[(workload, c, False)]
                 on, dec_on, texts_on, (steps, drafted, accepted, draft_s, verify_s) = results[(workload, c, True)]

@@ -67,6 +67,31 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     assert stat < chi_square_critical(df)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)],
+                         ids=["t1", "top-p"])
+def test_rejection_sampling_with_sampled_drafts_keeps_the_target_distribution(params):
+    """Drafts drawn from a draft distribution q (min(1, p/q) acceptance, residual max(p - q, 0)): the first
+    emitted token is distributed as p_1, the second (after an accepted first draft) as p_2."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 30, generator=gen) * 2
+    probs = target_probs(logits, params)
+    q = torch.softmax(logits[:2] + torch.randn(2, 30, generator=gen) * 1.5, dim=-1)  # a related, different q
+    n = 20000
+    first, second, accepted_first = torch.zeros(30), torch.zeros(30), 0
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[0], 1, generator=gen)), int(torch.multinomial(q[1], 1, generator=gen))]
+        out = verify(logits, drafts, params, gen, draft_probs=q)
+        first[out[0]] += 1
+        if len(out) > 1:  # the first draft was accepted: out[1] is the second position's token
+            accepted_first += 1
+            second[out[1]] += 1
+    stat, df = chi_square(first, probs[0], n)
+    assert stat < chi_square_critical(df)
+    stat, df = chi_square(second, probs[1], accepted_first)
+    assert stat < chi_square_critical(df)
+    assert 0.2 * n < accepted_first < n  # q is neither p nor disjoint from it: some drafts rejected
+
+
 def test_greedy_verification_accepts_the_argmax_run():
     logits = torch.full((4, 10), -5.0)
     for i, t in enumerate([3, 4, 5, 6]):

@@ -17,6 +17,15 @@ def draft_spec(model: str, **kw) -> SpeculativeConfig:
                                 "min_acceptance": 0.0, **kw})
 
 
+def propose(proposer, **wanted) -> dict[str, list[int]]:
+    """Greedy drafts for requests given as name=(tokens, k, tokens left)."""
+    from tokenmill.spec_decode.draft_model import DraftRequest
+
+    drafts, probs = proposer.propose({r: DraftRequest(*w) for r, w in wanted.items()})
+    assert not probs  # greedy drafts carry no distributions
+    return drafts
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft")
@@ -59,13 +68,13 @@ def test_a_small_draft_pool_evicts_idle_requests_and_stays_exact(models, monkeyp
     core = make_core(target, block_size=4, speculative=spec)
     proposer = core.executor.runner.draft_model
     a, b = repetitive_prompts(2, length=30)
-    first = proposer.propose({"a": (a, 2, 10)})
+    first = propose(proposer, a=(a, 2, 10))
     assert len(first["a"]) == 2 and "a" in proposer.states
-    assert len(proposer.propose({"b": (b, 2, 10)})["b"]) == 2
+    assert len(propose(proposer, b=(b, 2, 10))["b"]) == 2
     assert "a" not in proposer.states  # evicted: "b" needed its blocks
-    assert proposer.propose({"a": (a, 2, 10)}) == first
-    assert proposer.propose({"a": (a, 2, 10), "b": (b, 2, 10)}) == {"a": first["a"]}  # no room for "b" beside "a"
-    assert proposer.propose({"b": (b, 2, 3)}) == {}  # 30 tokens to catch up on for 3 left: not worth it
+    assert propose(proposer, a=(a, 2, 10)) == first
+    assert propose(proposer, a=(a, 2, 10), b=(b, 2, 10)) == {"a": first["a"]}  # no room for "b" beside "a"
+    assert propose(proposer, b=(b, 2, 3)) == {}  # 30 tokens to catch up on for 3 left: not worth it
     proposer.finish("a")
     assert len(proposer.free) == proposer.runner.kv_cache_config.num_blocks
 
@@ -85,6 +94,18 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible(models):
     prompts = repetitive_prompts(3)
     assert run_core(core, prompts, seeded) == run_core(core, prompts, seeded)
     assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_sampled_drafts_carry_their_distribution(models):
+    """A sampling request's drafts are drawn from the draft's own distribution q and verified with
+    min(1, p/q): with the target as its own draft q == p, so (nearly) every draft is accepted — as
+    point masses they would be accepted only with probability p(d)."""
+    target, _ = models
+    core = make_core(target, speculative=draft_spec(target, num_speculative_tokens=3))
+    sampled = [SamplingParams(temperature=1.0, seed=11 + i, max_tokens=30, ignore_eos=True) for i in range(2)]
+    run_core(core, repetitive_prompts(2), sampled)
+    stats = core.scheduler.spec_stats
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
 
 
 def test_draft_model_errors(models, tmp_path):

@@ -179,8 +179,9 @@ class SpeculativeConfig:
     `prompt_lookup_max` down to `prompt_lookup_min`. `medusa`: the heads in the checkpoint directory
     `model` (`tokenmill.spec_decode.medusa`; at most one draft per head) draft from the target's last
     hidden state during the step itself. `draft_model`: the model `model` (an alias, a GGUF file or an
-    HF directory with the target's tokenizer) drafts greedily on a KV cache of its own, during the
-    step (`tokenmill.spec_decode.draft_model`). Nothing is drafted while more than
+    HF directory with the target's tokenizer) drafts on a KV cache of its own, during the step
+    (`tokenmill.spec_decode.draft_model`: argmax, or sampled from its own distribution for sampling
+    requests). Nothing is drafted while more than
     `disable_by_batch_size` requests run (a full batch gains little from verifying drafts), and a
     step's decodes plus drafts stay within `max_verify_tokens` (on CPU the quantized kernels multiply
     register tiles of 8 rows per pass over the weights: a step much past 16 rows costs ~linearly

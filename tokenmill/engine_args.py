@@ -81,7 +81,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "that followed the latest earlier match of the last n tokens; medusa: heads on the target's "
                         "last hidden state, from the checkpoint directory in \"model\", e.g. one written by "
                         "tokenmill train-draft-head; draft_model: a smaller model with the same tokenizer, named in \"model\", "
-                        "drafting greedily on a KV cache of its own), num_speculative_tokens "
+                        "drafting on a KV cache of its own), num_speculative_tokens "
                         "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
                         "disable_by_batch_size (draft nothing while more requests run, default 4) and max_verify_tokens "
                         "(decodes + drafts in one step, default 16: two of the CPU int8 kernel's 8-row tiles); the output "

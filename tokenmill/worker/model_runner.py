@@ -28,7 +28,7 @@ from tokenmill.layers.forward_context import ForwardContext, set_forward_context
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.draft_model import DraftModelProposer
+from tokenmill.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from tokenmill.spec_decode.medusa import load_medusa_heads
 from tokenmill.worker.rejection_sampler import verify
 from tokenmill.worker.request_state import CachedRequestState
@@ -144,7 +144,7 @@ class ModelRunner:
                 if masked:  # each position's grammar mask
                     self._apply_verify_grammar(logits, sched.grammar, r)
                 tokens = verify(self._process_for_verify(logits, states[i], drafts[r], masked), drafts[r],
-                                states[i].params, states[i].generator)
+                                states[i].params, states[i].generator, states[i].take_draft_probs(drafts[r]))
                 states[i].output_token_ids.extend(tokens)
                 result.sampled_token_ids[r] = tokens
                 if (num := states[i].params.logprobs) is not None:  # each emitted token's, from its own row
@@ -157,15 +157,23 @@ class ModelRunner:
             self._draft_with_heads(result, hidden, last_rows, wanted)
         if self.draft_model is not None and wanted:
             start = time.perf_counter()
-            result.draft_token_ids = self.draft_model.propose({r: self._draft_input(r, k) for r, k in wanted.items()})
+            for r in wanted:
+                self.requests[r].draft = None
+            result.draft_token_ids, probs = self.draft_model.propose(
+                {r: self._draft_request(r, k, sched) for r, k in wanted.items()})
+            for r, q in probs.items():  # kept for the verify step of these drafts
+                self.requests[r].draft = (result.draft_token_ids[r], q)
             result.draft_seconds = time.perf_counter() - start
         return result
 
-    def _draft_input(self, request_id: str, k: int) -> tuple[list[int], int, int]:
-        """(tokens so far, drafts wanted, tokens it may still generate) of a request, for the draft model."""
+    def _draft_request(self, request_id: str, k: int, sched: SchedulerOutput) -> DraftRequest:
+        """What the draft model is asked for a request: sampled drafts unless it is greedy or
+        constrained (see `tokenmill.spec_decode.draft_model`)."""
         s = self.requests[request_id]
         left = (s.params.max_tokens or 1 << 30) - len(s.output_token_ids)
-        return s.prompt_token_ids + s.output_token_ids, k, left
+        constrained = s.params.structured_output is not None
+        return DraftRequest(s.prompt_token_ids + s.output_token_ids, k, left,
+                            None if constrained else s.params, s.generator)
 
     def _draft_with_heads(self, result: ModelRunnerOutput, hidden: torch.Tensor, last_rows: dict[str, int],
                           wanted: dict[str, int]) -> None:

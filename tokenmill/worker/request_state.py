@@ -22,3 +22,15 @@ class CachedRequestState(TokenSequence):
         self.generator = None  # a seeded request draws from its own generator: independent of its batch
         if self.params.seed is not None:
             self.generator = torch.Generator(device).manual_seed(self.params.seed)
+        self.draft: tuple[list[int], torch.Tensor] | None = None  # sampled drafts and their distributions
+
+    def take_draft_probs(self, drafts: list[int]) -> torch.Tensor | None:
+        """The distributions of the drafts being verified, if they were sampled (the scheduler verifies
+        a prefix of what was drafted); None for point-mass drafts. Forgotten afterwards."""
+        draft, self.draft = self.draft, None
+        if draft is None:
+            return None
+        tokens, probs = draft
+        if tokens[: len(drafts)] != drafts:
+            raise RuntimeError("the drafts being verified are not the ones the draft model sampled")
+        return probs[: len(drafts)]
