@@ -256,3 +256,28 @@ def test_drafts_are_sized_by_acceptance(tmp_path):
     assert a.num_draft_tokens > 0 and s.num_draft_tokens < a.num_draft_tokens
     if s.num_draft_tokens:
         assert s.num_accepted_tokens / s.num_draft_tokens >= a.num_accepted_tokens / a.num_draft_tokens
+
+
+def test_n_greater_than_one_speculates_per_sample():
+    """Each of an n > 1 request's samples is a request of its own, so each speculates: greedy samples
+    equal the output without speculation; seeded sampled ones (seed + i per sample) are reproducible
+    and differ from each other; the pool is whole afterwards."""
+    if not model_available():
+        pytest.skip(f"{MODEL} is not installed")
+    from tokenmill import LLM
+
+    code = open(__file__).read()[:1200]
+    prompt = f"{code}\nThe same text again:\n{code[:120]}"
+    llm = LLM(MODEL, dtype="float32", speculative_config={"method": "ngram", "min_acceptance": 0.0})
+    greedy = SamplingParams(temperature=0, max_tokens=48, n=2)
+    got = [o.token_ids for o in llm.generate([prompt], greedy, use_tqdm=False)[0].outputs]
+    stats = llm.engine.core.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    want = LLM(MODEL, dtype="float32").generate([prompt], SamplingParams(temperature=0, max_tokens=48),
+                                                use_tqdm=False)[0].outputs[0].token_ids
+    assert got == [want, want]
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=32, n=3)
+    first, again = ([o.token_ids for o in llm.generate([prompt], sampled, use_tqdm=False)[0].outputs] for _ in range(2))
+    assert first == again and len({tuple(t) for t in first}) > 1
+    core = llm.engine.core
+    assert core.kv.num_free_blocks == core.kv.num_blocks
