@@ -140,6 +140,16 @@ def test_trained_heads_learn_and_load_like_published_ones(trained_heads):
     assert config["training"]["held_out_top1_accuracy"] == [round(a, 4) for a in report.accuracy]
     heads = load_medusa_heads(path, 576, 49152)
     assert heads.num_heads == 2 and heads.lm_heads is None
+    # on text like their training text (corpus passages) their drafts get accepted
+    from tokenmill import LLM
+    from tokenmill.bench.datasets import corpus_text
+
+    llm = LLM(MODEL, speculative_config={"method": "medusa", "model": path, "min_acceptance": 0.0})
+    ids = llm.get_tokenizer().encode(corpus_text())
+    llm.generate([{"prompt_token_ids": ids[s : s + 48]} for s in (5000, 20000)],
+                 SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    stats = llm.engine.core.scheduler.spec_stats
+    assert stats.num_drafts > 50 and stats.num_accepted_tokens > 0
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +162,7 @@ def medusa_server(tmp_path_factory, trained_heads):
 
 def test_server_with_trained_heads_keeps_the_greedy_text_and_reports_drafting(medusa_server):
     """The real server with the official client: the same greedy text as without speculation
-    (in-process, exact mode), drafts accepted, drafting and verifying time in /metrics."""
+    (in-process, exact mode), drafts verified, drafting and verifying time in /metrics."""
     from tokenmill import LLM
 
     client = medusa_server.openai_client()
@@ -168,6 +178,6 @@ def test_server_with_trained_heads_keeps_the_greedy_text_and_reports_drafting(me
         return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))
 
     assert value("tokenmill:spec_decode_num_drafts_total") > 0
-    assert value("tokenmill:spec_decode_num_accepted_tokens_total") > 0
+    assert "tokenmill:spec_decode_num_accepted_tokens_total" in metrics  # how many: the heads' luck on this text
     assert value("tokenmill:spec_decode_draft_seconds_total") > 0
     assert value("tokenmill:spec_decode_verify_seconds_total") > 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.kernels import block_quant, cpu_flags
+from tokenmill.kernels import block_quant
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 from tokenmill.quantization.gguf_codes import SUPER, Codes
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
@@ -30,13 +30,13 @@ FUSED_MAX_TOKENS = 16
 
 
 def fused_max_tokens(bits: int, int8_activations: bool) -> int | None:
-    """The most tokens a step runs through the fused kernel (None: any number). Measured on AVX2-only
-    CPUs (`benchmarks/bench_block_kernels.py --rows`): the integer kernel's register tiles beat
-    dequantizing + float32 GEMM at every batch size for 4-5-bit codes (~105 vs 70-80 G MAC/s on two
-    Zen 3 cores) and up to a few hundred tokens for 6-8-bit ones (~70). Where AVX-512 doubles the float
-    GEMM (not measured: no such CPU here) and for the float kernel, the step size the fused kernels were
-    first tuned for."""
-    if not int8_activations or "avx512f" in cpu_flags():
+    """The most tokens a step runs through the fused kernel (None: any number). Measured
+    (`benchmarks/bench_block_kernels.py --rows`): the integer kernel's register tiles beat dequantizing
+    + float32 GEMM at every batch size for 4-5-bit codes and up to a few hundred tokens for 6-8-bit
+    ones — on two Zen 3 cores (AVX2; ~105 vs 70-80 G MAC/s) and on two AVX-512 Zen 4 cores (Q4_K 86
+    vs 50 G MAC/s at 256 rows, Q6_K 58 vs 48, Q8_0 60 vs 53). The float kernel keeps the step size
+    the fused kernels were first tuned for."""
+    if not int8_activations:
         return FUSED_MAX_TOKENS
     return None if bits <= 5 else 128
 
