@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill import kernels
 from tokenmill.kernels import fused_ops, paged_attention
 
 
@@ -118,8 +119,6 @@ def test_fused_elementwise_ops_match_torch(tokens):
 
 def test_a_build_lock_left_by_a_killed_process_is_cleared():
     """torch leaves its `lock` file behind when a build is killed; the next build must not wait on it forever."""
-    from tokenmill import kernels
-
     if fused_ops.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
     lock = kernels._build_root() / f"tokenmill_cpu_{kernels._cpu_tag()}" / "lock"
@@ -129,17 +128,21 @@ def test_a_build_lock_left_by_a_killed_process_is_cleared():
     assert not lock.exists()
 
 
-def test_the_portable_build_passes_the_kernel_tests():
-    """Built for plain x86-64 (no AVX2/FMA: the scalar paths a CPU without them runs), the kernels pass
+@pytest.mark.parametrize("arch", ["x86-64", "haswell"])
+def test_the_portable_build_passes_the_kernel_tests(arch):
+    """Built for plain x86-64 (no AVX2/FMA: the scalar paths a CPU without them runs), and on a CPU with
+    VNNI for haswell (AVX2 without VNNI: maddubs where the native build has vpdpbusd), the kernels pass
     the same tests against their torch references: the attention and elementwise kernels, the block
     matmuls (float and int8 activations) and the compiled decode step."""
     if os.environ.get("TOKENMILL_CPU_ARCH") or fused_ops.load() is None:
         pytest.skip("already the portable build, or no compiler here")
+    if arch == "haswell" and not ({"avx512_vnni", "avx_vnni"} & kernels.cpu_flags() and "avx2" in kernels.cpu_flags()):
+        pytest.skip("no VNNI here: the native build is the AVX2 path")
     tests = Path(__file__).parent
     selection = [str(tests / "test_kernels.py"), str(tests / "test_quantization.py"), str(tests / "test_models.py"),
                  "-k", "(test_kernels and not portable and not lock) or block_quant_linear or int8_activation_kernel "
                        "or compiled_decode_step_is_bit_identical"]
-    env = {**os.environ, "TOKENMILL_CPU_ARCH": "x86-64"}
+    env = {**os.environ, "TOKENMILL_CPU_ARCH": arch}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection], env=env,
                          capture_output=True, text=True, timeout=1800)  # a hang, not a speed limit
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

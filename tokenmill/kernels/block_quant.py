@@ -65,6 +65,33 @@ inline float hsum(Vec v) {
   return _mm_cvtss_f32(h);
 }
 
+// Per int32 lane, the sum of its four u8 x s8 byte products: VNNI's one instruction (vpdpbusd) where the
+// CPU has it (AVX-512 VNNI or AVX-VNNI), else AVX2's maddubs (pairs into saturating int16) + madd.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TM_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define TM_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+inline __m256i dot4(__m256i u, __m256i s) {
+#ifdef TM_VNNI
+  return dpbusd(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+// dot4(u0, s0) + dot4(u1, s1); AVX2 adds the int16 pair sums before widening them, so the callers keep
+// each lane's four pairs within int16 (codes below 64 times |x| <= 127). The same sums on either path.
+inline __m256i dot4x2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#ifdef TM_VNNI
+  return dpbusd(dpbusd(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
+                           _mm256_set1_epi16(1));
+#endif
+}
+
 #endif
 
 // A float16 value as float (F16C's one-instruction conversion where the vector paths are built).
@@ -472,33 +499,32 @@ template <int BITS, int BS>
 inline float row_dot_q8(const int8_t* xq, int64_t K, const uint8_t* codes, const uint8_t* high, const float* s) {
 #ifdef TM_SIMD
   const int64_t groups = K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();  // two dependency chains, not one
   auto group = [&](int64_t g, __m256& into) {  // one group, activations in natural order
     const __m256i w = unpack32<BITS>(codes, high, g);
     // lanes 0-3 hold values 0..15 of the group, lanes 4-7 values 16..31 (a 16-block each for BS 16)
     const __m256 ws = BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
-    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;  // maddubs multiplies unsigned by signed
+    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;  // the products are unsigned by signed
     __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
     if (BITS == 8) x = _mm256_sign_epi8(x, w);
-    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
+    const __m256i sums = dot4(wabs, x);
     into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), ws, into);
   };
   // two groups at once (paired layouts): lanes 0-3 from group g, 4-7 from g + 1
   auto pair = [&](int64_t g, __m256& into) {
     __m256i lo, hi;
     unpack_pair<BITS>(codes, high, g / 2, lo, hi);
-    const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32)));
-    const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32)));
-    if (BS == 32) {  // codes below 64 times |x| <= 127: four products fit an int16
-      const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones);
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32));
+    if (BS == 32) {
+      const __m256i sums = dot4x2(lo, xlo, hi, xhi);
       into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), pair_lanes(s + g), into);
     } else {  // blocks of 16: lo and hi have scales of their own
       const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s + 2 * g));
       const __m256 wlo = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
       const __m256 whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones)), wlo, acc);
-      acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones)), whi, acc2);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(lo, xlo)), wlo, acc);
+      acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(hi, xhi)), whi, acc2);
     }
   };
   int64_t g = 0;
@@ -552,21 +578,18 @@ std::vector<__m256> scale_lanes(const float* dx, int64_t M, int64_t groups, bool
 template <int BITS, int BS, int RM>
 inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_t K, const uint8_t* codes,
                     const uint8_t* high, const float* s, int64_t g, int64_t end, float* total) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[RM];
   for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
   if (paired(BITS))
     for (; g + 2 <= end; g += 2) {
       __m256i lo, hi;
       unpack_pair<BITS>(codes, high, g / 2, lo, hi);
-      if (BS == 32) {  // codes below 64 times |x| <= 127: four products fit an int16
+      if (BS == 32) {
         const __m256 ws = pair_lanes(s + g);
         for (int r = 0; r < RM; ++r) {
           const int8_t* xp = xq + r * K + g * 32;
-          const __m256i sums = _mm256_madd_epi16(
-              _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
-                               _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)))),
-              ones);
+          const __m256i sums = dot4x2(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)), hi,
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, lanes[r * units + g / 2]), acc[r]);
         }
       } else {  // blocks of 16: lo and hi have scales of their own
@@ -575,23 +598,21 @@ inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_
         const __m256 whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
         for (int r = 0; r < RM; ++r) {
           const int8_t* xp = xq + r * K + g * 32;
-          const __m256i plo = _mm256_madd_epi16(
-              _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))), ones);
-          const __m256i phi = _mm256_madd_epi16(
-              _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))), ones);
+          const __m256i plo = dot4(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
+          const __m256i phi = dot4(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
           const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), whi, _mm256_mul_ps(_mm256_cvtepi32_ps(plo), wlo));
           acc[r] = _mm256_fmadd_ps(t, lanes[r * units + g / 2], acc[r]);
         }
       }
     }
-  for (; g < end; ++g) {  // 8-bit codes (signed: maddubs takes |w| and x with w's sign), or an odd last group
+  for (; g < end; ++g) {  // 8-bit codes (signed: the products take |w| and x with w's sign), or an odd last group
     const __m256i w = unpack32<BITS>(codes, high, g);
     const __m256 ws = BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
     const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;
     for (int r = 0; r < RM; ++r) {
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * 32));
       if (BITS == 8) x = _mm256_sign_epi8(x, w);
-      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
+      const __m256i sums = dot4(wabs, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, lanes[r * units + (paired(BITS) ? g / 2 : g)]),
                                acc[r]);
     }

@@ -15,12 +15,13 @@ Other types (Q2_K, Q3_K, floats) stay dense: dequantized at load.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tokenmill.kernels import block_quant
+from tokenmill.kernels import block_quant, cpu_flags
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 from tokenmill.quantization.gguf_codes import SUPER, Codes
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
@@ -38,7 +39,22 @@ def fused_max_tokens(bits: int, int8_activations: bool) -> int | None:
     the fused kernels were first tuned for."""
     if not int8_activations:
         return FUSED_MAX_TOKENS
+    if bfloat16_gemm():
+        return BF16_MIN_TOKENS
     return None if bits <= 5 else 128
+
+
+# with AMX, steps past this many tokens dequantize to bfloat16 for torch's GEMM (int8 tiles below it)
+BF16_MIN_TOKENS = 128
+
+
+def bfloat16_gemm() -> bool:
+    """Whether large fast-mode steps run a bfloat16 GEMM on the dequantized weight: on CPUs with AMX
+    tiles for bfloat16, where torch's (oneDNN's) bf16 GEMM runs ~1,000 G MAC/s on two Sapphire Rapids
+    cores against the int8 tiles' ~110 (`benchmarks/bench_block_kernels.py`); past 128 tokens that
+    pays for dequantizing and converting the weight (~23 ms for 17920 x 1536) several times over.
+    $TOKENMILL_BF16_GEMM=0 turns it off."""
+    return os.environ.get("TOKENMILL_BF16_GEMM", "1") != "0" and {"amx_bf16", "amx_tile"} <= cpu_flags()
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,7 @@ class BlockQuantLinearMethod(LinearMethod):
         # False keeps float32 scales in either mode (for scales float16 cannot hold, e.g. powers of two)
         self.half = int8_activations if half is None else half
         self.fused_max_tokens = fused_max_tokens(self.bits, int8_activations)
+        self.bf16_gemm = int8_activations and bfloat16_gemm()
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         if input_size % 32:
@@ -192,9 +209,12 @@ class BlockQuantLinearMethod(LinearMethod):
             out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
         else:
             weight = block_quant.dequantize(w, out=block_quant.workspace(*w.shape))
-            if self.int8_activations:  # the same rounding as the kernel: a token's result never depends on its batch
-                flat = block_quant.round_activations(flat)
-            out = flat @ weight.t()
+            if self.bf16_gemm:  # AMX: weight and activations rounded to bfloat16
+                out = (flat.to(torch.bfloat16) @ weight.to(torch.bfloat16).t()).float()
+            else:
+                if self.int8_activations:  # the kernel's rounding: a token's result does not depend on its batch
+                    flat = block_quant.round_activations(flat)
+                out = flat @ weight.t()
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], out.shape[-1])
