@@ -90,6 +90,10 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype):
     weight_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.high, layer.scales, layer.offsets,
                                                                layer.supers) if t is not None)
     assert weight_bytes <= 80 * cols * (method.bits + 1.25) / 8  # about the file's own bits a weight
+    if qtype.endswith("_K"):  # a K-quant's sub-block integers a byte each, its super-block's float16 pair
+        assert layer.scales.dtype == torch.int8 and layer.supers.dtype == torch.float16
+        assert weight_bytes <= 80 * cols * (method.bits + 0.625) / 8  # file: 4.5 (Q4_K) to 6.5625 (Q6_K) bits
+    assert torch.equal(block_quant.dequantize(method.blocks(layer)), ref)
     # the integer kernel: one row, tiles of 8 rows and partial ones, blocks of 256 rows; then (for 6-8
     # bits, or on CPUs with a faster float GEMM) dequantize + GEMM on the same rounded activations
     for rows in (1, 3, 4, 7, 8, 17, 40, 300):

@@ -3,8 +3,8 @@ or 32 values, the layout `tokenmill.quantization.gguf` builds from a GGUF file's
 Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K) in about as many bits as the file holds
 them. The weights are dequantized inside the matmul, so a decode step reads ~5-6x fewer weight bytes
 than float32 while computing on the very float32 weights that `gguf.dequantize` gives: every scale
-and offset is a float16 value, times its super-block's float32 scale (or min) for K-quants, and
-those products, times a code, are exact in float32 (an 11-bit mantissa times an 8-bit sub-scale
+and offset is a float16 value (or, for K-quants, a small integer times its super-block's float16
+scale or min), and those products, times a code, are exact in float32 (an 11-bit mantissa times an 8-bit sub-scale
 times a code of at most 8 bits fits 24 bits); the kernels are built with -ffp-contract=off so nothing
 else is fused.
 
@@ -13,8 +13,9 @@ Layout (`Blocks`), per weight row of K values:
          j (low nibble) and value j+16 (high nibble), as in GGUF; 8 bits: int8 [N, K], signed.
   high   5 bits: uint8 [N, K/8], 4 bytes a 32-value group, bit j the fifth bit of value j;
          6 bits: uint8 [N, K/4], 8 bytes a group, byte k bits 2i..2i+1 the top bits of value 8i+k.
-  scales float16 [N, K/block]; offsets float16 [N, K/block] or none;
-  supers float32 [N, K/256, 2] or none: (scale, min) of each 256 values, multiplying scales, offsets.
+  scales float16 [N, K/block]; offsets float16 [N, K/block] or none; or both int8 (a K-quant's
+         sub-block scales and mins are 6- or 8-bit integers: a byte each, as the file keeps them);
+  supers float16 [N, K/256, 2] or none: (scale, min) of each 256 values, multiplying scales, offsets.
          (Or scales and offsets in float32, the products already taken, and no supers: the exact
          mode's choice, whose float kernel then reads them in place: speed over bytes.)
   center the codes' zero (Q4_0: 8, Q5_0: 16, Q6_K: 32), 0 for 8-bit codes.
@@ -102,6 +103,15 @@ inline float to_float(c10::Half h) {
   return static_cast<float>(h);
 #endif
 }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+
+#ifdef TM_SIMD
+// Eight stored scales (float16 or int8) as floats.
+inline __m256 scale_vec(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 scale_vec(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
 
 // A packed weight (see the Python module's docstring); pointers to row 0.
 struct Blocks {
@@ -109,9 +119,11 @@ struct Blocks {
   const uint8_t* high;
   const c10::Half* scales;  // float16 storage, or:
   const c10::Half* offsets;
+  const int8_t* scales8;  // int8 storage (K-quant sub-scales and mins: small integers), or:
+  const int8_t* offsets8;
   const float* scales32;  // float32 storage (already times any super-block factor)
   const float* offsets32;
-  const float* supers;
+  const c10::Half* supers;
   int64_t N, K, nb, bs, center;
   int64_t code_bytes, high_bytes, supers_per_row;  // per row
 
@@ -122,9 +134,11 @@ struct Blocks {
         high(h ? reinterpret_cast<const uint8_t*>(h->data_ptr()) : nullptr),
         scales(s.scalar_type() == at::kHalf ? s.data_ptr<c10::Half>() : nullptr),
         offsets(o && o->scalar_type() == at::kHalf ? o->data_ptr<c10::Half>() : nullptr),
+        scales8(s.scalar_type() == at::kChar ? s.data_ptr<int8_t>() : nullptr),
+        offsets8(o && o->scalar_type() == at::kChar ? o->data_ptr<int8_t>() : nullptr),
         scales32(s.scalar_type() == at::kFloat ? s.data_ptr<float>() : nullptr),
         offsets32(o && o->scalar_type() == at::kFloat ? o->data_ptr<float>() : nullptr),
-        supers(su ? su->data_ptr<float>() : nullptr),
+        supers(su ? su->data_ptr<c10::Half>() : nullptr),
         N(c.size(0)), K(c.size(1) * (bits == 8 ? 1 : 2)), nb(s.size(1)), bs(block), center(centre),
         code_bytes(c.size(1)), high_bytes(h ? h->size(1) : 0), supers_per_row(su ? su->size(1) : 0) {}
 
@@ -134,9 +148,15 @@ struct Blocks {
   // instead of writing o, adds the offsets' share (sum of o * xs) to *share. Returns whether there are offsets.
   bool expand(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
     if (scales32) return expand32(n, fold, dx, xs, s, o, share);
-    const c10::Half* sh = scales + n * nb;
-    const c10::Half* oh = offsets ? offsets + n * nb : nullptr;
-    const float* sup = supers ? supers + n * supers_per_row * 2 : nullptr;
+    if (scales8) return expand_from(scales8 + n * nb, offsets8 ? offsets8 + n * nb : nullptr, n, fold, dx, xs, s, o, share);
+    return expand_from(scales + n * nb, offsets ? offsets + n * nb : nullptr, n, fold, dx, xs, s, o, share);
+  }
+
+  // expand from float16 or int8 storage (T), row n's scales sh and offsets oh.
+  template <typename T>
+  bool expand_from(const T* sh, const T* oh, int64_t n, bool fold, const float* dx, const float* xs, float* s,
+                   float* o, float* share) const {
+    const c10::Half* sup = supers ? supers + n * supers_per_row * 2 : nullptr;
     const bool folded = fold && center, any = oh || folded;
     const float c = static_cast<float>(center);
     int64_t b = 0;
@@ -144,13 +164,13 @@ struct Blocks {
 #ifdef TM_SIMD
     __m256 acc = _mm256_setzero_ps();
     for (; b + 8 <= nb; b += 8) {  // eight blocks sit in one super-block (K-quants have whole ones)
-      const float* p = sup ? sup + (b * bs / kSuper) * 2 : nullptr;
-      __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sh + b)));
-      if (p) sv = _mm256_mul_ps(sv, _mm256_set1_ps(p[0]));
+      const c10::Half* p = sup ? sup + (b * bs / kSuper) * 2 : nullptr;
+      __m256 sv = scale_vec(sh + b);
+      if (p) sv = _mm256_mul_ps(sv, _mm256_set1_ps(to_float(p[0])));
       __m256 ov = _mm256_setzero_ps();
       if (oh) {
-        ov = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + b)));
-        if (p) ov = _mm256_mul_ps(ov, _mm256_set1_ps(p[1]));
+        ov = scale_vec(oh + b);
+        if (p) ov = _mm256_mul_ps(ov, _mm256_set1_ps(to_float(p[1])));
       }
       if (folded) ov = _mm256_sub_ps(ov, _mm256_mul_ps(_mm256_set1_ps(c), sv));
       if (dx)
@@ -164,10 +184,10 @@ struct Blocks {
     sum = hsum(acc);
 #endif
     for (; b < nb; ++b) {
-      const float* p = sup ? sup + (b * bs / kSuper) * 2 : nullptr;
-      s[b] = p ? to_float(sh[b]) * p[0] : to_float(sh[b]);
+      const c10::Half* p = sup ? sup + (b * bs / kSuper) * 2 : nullptr;
+      s[b] = p ? to_float(sh[b]) * to_float(p[0]) : to_float(sh[b]);
       float ob = 0.f;
-      if (oh) ob = p ? to_float(oh[b]) * p[1] : to_float(oh[b]);
+      if (oh) ob = p ? to_float(oh[b]) * to_float(p[1]) : to_float(oh[b]);
       if (folded) ob -= c * s[b];
       if (any && xs) sum += ob * xs[b];
       else if (any) o[b] = ob;

@@ -5,8 +5,9 @@ on the same float32 weights as the dequantized checkpoint while a decode step re
 
 Every type becomes w = scale * (code - center) + offset per block (`BlockLayout`, stored as
 `block_quant.Blocks`): codes of 4, 5 or 6 bits (a nibble plane plus a plane of the top bits) or 8,
-float16 scales and offsets per block of 32 (Q6_K: 16), and for K-quants the super-block's float32
-scale and min beside them — about as many bits as the file's own blocks, every value exact.
+float16 scales and offsets per block of 32 (Q6_K: 16) — for K-quants the sub-block integers as int8
+and the super-block's float16 scale and min beside them — about as many bits as the file's own
+blocks, every value exact.
 A fused layer whose shards come in different types takes the widest layout among them (more code
 bits, the smaller block, an offset where the shards' centers differ), again exactly.
 Other types (Q2_K, Q3_K, floats) stay dense: dequantized at load.
@@ -88,10 +89,19 @@ def _half(a: np.ndarray) -> np.ndarray:
     return h
 
 
-def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool = False) -> dict[str, np.ndarray | None]:
+def _int8(a: np.ndarray) -> np.ndarray:
+    b = a.astype(np.int8)
+    if not np.array_equal(b.astype(np.float32), a):
+        raise ValueError("block scales are not int8 integers")
+    return b
+
+
+def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool = False,
+         int_scales: bool = False) -> dict[str, np.ndarray | None]:
     """`codes` in `layout`: the arrays of `block_quant.Blocks` (codes, high, scales, offsets, supers);
     `half` False: float32 scales and offsets with the super-block factors taken, no supers;
-    `round_half`: float16 scales and offsets may round (else they must be exact)."""
+    `round_half`: float16 scales and offsets may round (else they must be exact); `int_scales`: int8
+    scales and offsets (a K-quant's own sub-block integers, beside its supers; they must fit)."""
     q, scales, offsets, supers = codes.q, codes.scales, codes.offsets, codes.supers
     rows, cols = q.shape
     if not half:
@@ -113,9 +123,12 @@ def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool 
         offsets = None if offsets is None else np.repeat(offsets, repeat, axis=1)
     if layout.offsets and offsets is None:
         offsets = np.zeros_like(scales)
-    to = (lambda a: a.astype(np.float16 if half else np.float32)) if round_half or not half else _half  # noqa: E731
+    if int_scales:
+        to = _int8
+    else:
+        to = (lambda a: a.astype(np.float16 if half else np.float32)) if round_half or not half else _half  # noqa: E731
     out = {"codes": None, "high": None, "scales": to(scales), "offsets": None if offsets is None else to(offsets),
-           "supers": None if supers is None else supers.astype(np.float32)}
+           "supers": None if supers is None else _half(supers)}
     if layout.bits == 8:
         out["codes"] = q.astype(np.int8)
         return out
@@ -145,7 +158,8 @@ class BlockQuantLinearMethod(LinearMethod):
     multiply integers (`block_quant.matmul_q8`), larger ones run the float GEMM on the rounded values
     (so a token's result does not depend on the batch it is in). Otherwise float32 activations, exact."""
 
-    def __init__(self, layout: BlockLayout, int8_activations: bool = False, half: bool | None = None) -> None:
+    def __init__(self, layout: BlockLayout, int8_activations: bool = False, half: bool | None = None,
+                 int_scales: bool = False) -> None:
         if not int8_activations and layout.bits in (5, 6):  # the float kernel decodes 8-bit codes faster
             layout = layout.widest(BlockLayout(8, layout.block, False))
         self.layout, self.int8_activations = layout, int8_activations
@@ -154,6 +168,9 @@ class BlockQuantLinearMethod(LinearMethod):
         # the exact mode's float kernel is compute-bound and reads float32 scales in place. `half`
         # False keeps float32 scales in either mode (for scales float16 cannot hold, e.g. powers of two)
         self.half = int8_activations if half is None else half
+        # one K-quant type in every shard: its sub-block scales and mins are small integers, kept as int8
+        # beside the supers (1/4 bit a weight less than float16 for 4-bit codes); float16 storage only
+        self.int_scales = int_scales and layout.supers
         self.fused_max_tokens = fused_max_tokens(self.bits, int8_activations)
         self.bf16_gemm = int8_activations and bfloat16_gemm()
 
@@ -173,10 +190,10 @@ class BlockQuantLinearMethod(LinearMethod):
         layer.register_buffer("high", torch.empty(rows, pairs * (8 if bits == 5 else 16), dtype=torch.uint8)
                               if bits in (5, 6) else None)
         half = self.half
-        dtype = torch.float16 if half else torch.float32
+        dtype = (torch.int8 if self.int_scales else torch.float16) if half else torch.float32
         layer.register_buffer("scales", torch.empty(rows, nb, dtype=dtype))
         layer.register_buffer("offsets", torch.empty(rows, nb, dtype=dtype) if self.layout.offsets else None)
-        layer.register_buffer("supers", torch.empty(rows, input_size // SUPER, 2)
+        layer.register_buffer("supers", torch.empty(rows, input_size // SUPER, 2, dtype=torch.float16)
                               if self.layout.supers and half else None)
 
     def load(self, layer, weight, rows, src_rows, src_cols):
@@ -190,7 +207,7 @@ class BlockQuantLinearMethod(LinearMethod):
     def write(self, layer, codes: Codes, rows: slice, src_rows: slice = slice(None), round_half: bool = False) -> None:
         """Pack rows `src_rows` of `codes` into the layer's rows `rows` (codes whose blocks are a
         multiple of the layout's block: their scales repeat per block); `round_half`: see `pack`."""
-        for name, src in pack(codes, self.layout, self.half, round_half).items():
+        for name, src in pack(codes, self.layout, self.half, round_half, self.int_scales and self.half).items():
             dest = getattr(layer, name)
             if dest is not None:
                 src = torch.from_numpy(np.ascontiguousarray(src[src_rows])).view(dest.dtype)
@@ -244,4 +261,4 @@ class GGUFConfig(QuantizationConfig):
         layout = LAYOUTS[types[0]]
         for t in types[1:]:
             layout = layout.widest(LAYOUTS[t])
-        return BlockQuantLinearMethod(layout, self.int8_activations)
+        return BlockQuantLinearMethod(layout, self.int8_activations, int_scales=len(set(types)) == 1)
