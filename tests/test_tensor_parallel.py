@@ -61,11 +61,17 @@ def run_parallel(model: str, dtype: str = "float32", size: int = 2, mode: str = 
                           capture_output=True, text=True, timeout=600)
 
 
-def parallel_tokens(model: str, dtype: str = "float32", mode: str = "tp") -> list[list[int]]:
+def parallel_run(model: str, dtype: str = "float32", mode: str = "tp") -> tuple[list[list[int]], dict]:
+    """(greedy tokens of each prompt, the engine's routing statistics at the end)."""
     done = run_parallel(model, dtype, mode=mode)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.split("RESULT ", 1)[1])
-    return [out[str(i)] for i in range(len(PROMPTS))]
+    stats = json.loads(done.stdout.split("STATS ", 1)[1].split("\n", 1)[0])
+    return [out[str(i)] for i in range(len(PROMPTS))], stats
+
+
+def parallel_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
+    return parallel_run(model, dtype)[0]
 
 
 def single_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
