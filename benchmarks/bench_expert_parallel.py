@@ -1,7 +1,7 @@
 """Expert parallelism's cost on this machine: a random-weight Qwen3-MoE decoded by one process, by
 two tensor-parallel ranks (every expert split by its intermediate features, one all-reduce per MoE
 layer) and by two expert-parallel ranks (whole experts per rank, all-to-all dispatch and combine plus
-an all-gather), each in a fresh process, same prompts, back to back. Reports per decode step: time,
+an all-gather), each in a fresh process, same prompts, back to back. Reports the prefill step's time; per decode step: median time,
 the driver's (rank 0's) time in collectives and its bytes sent per decoded token by collective kind,
 and how the routed tokens split over the ranks' experts.
 
@@ -68,20 +68,18 @@ def measure(model: str, size: int, expert_parallel: bool, batch: int, prompt_len
         prompt = rng.integers(0, executor.model_config.vocab_size, prompt_len).tolist()
         core.add_request(EngineCoreRequest(str(i), prompt, SamplingParams(max_tokens=tokens, temperature=0.0,
                                                                           ignore_eos=True)))
-    start = time.perf_counter()
-    core.step()  # the prefill (one step: the budget holds every prompt)
-    prefill = time.perf_counter() - start
-    stats = parallel_state.stats
-    stats.__init__()
-    start, steps = time.perf_counter(), 0
+    step_seconds = []  # the first is the prefill (one step: the budget holds every prompt)
     while core.has_unfinished():
+        if len(step_seconds) == 1:  # collectives counted from the first decode step on
+            parallel_state.stats.__init__()
+        start = time.perf_counter()
         core.step()
-        steps += 1
-    seconds = time.perf_counter() - start
+        step_seconds.append(time.perf_counter() - start)
+    stats = parallel_state.stats
     rank_tokens = core.stats().moe_rank_tokens
     if size > 1:
         executor.close()
-    return {"prefill_seconds": prefill, "seconds": seconds, "steps": steps, "decoded": batch * (tokens - 1),
+    return {"prefill_seconds": step_seconds[0], "step_seconds": step_seconds[1:], "decoded": batch * (tokens - 1),
             "comm_seconds": stats.seconds, "bytes": stats.bytes, "rank_tokens": rank_tokens}
 
 
@@ -94,13 +92,14 @@ def run(model: Path, size: int, expert_parallel: bool, batch: int, prompt_len: i
 
 
 def row(name: str, mode: str, batch: int, r: dict) -> str:
-    step_ms = r["seconds"] / r["steps"] * 1e3
-    comm_ms = sum(r["comm_seconds"].values()) / r["steps"] * 1e3
+    steps, seconds = len(r["step_seconds"]), sum(r["step_seconds"])
+    step_ms = float(np.median(r["step_seconds"])) * 1e3
+    comm_ms = sum(r["comm_seconds"].values()) / steps * 1e3
     moved = ", ".join(f"{kind} {n / r['decoded'] / 1e3:.1f}" for kind, n in sorted(r["bytes"].items()) if n) or "-"
     ranks = r["rank_tokens"]
     split = " / ".join(f"{n / sum(ranks):.0%}" for n in ranks) if ranks and sum(ranks) else "-"
     return (f"| {name} | {mode} | {batch} | {r['prefill_seconds'] * 1e3:.0f} | {step_ms:.1f} | "
-            f"{r['decoded'] / r['seconds']:.1f} | {comm_ms:.1f} ({comm_ms / step_ms:.0%}) | {moved} | {split} |")
+            f"{r['decoded'] / seconds:.1f} | {comm_ms:.1f} ({comm_ms * steps / seconds / 1e3:.0%}) | {moved} | {split} |")
 
 
 def main() -> None:
@@ -116,8 +115,8 @@ def main() -> None:
     if args.measure:
         print("RESULT " + json.dumps(measure(*json.loads(args.measure))))
         return
-    print("| model | mode | requests | prefill ms | decode ms / step | decode tok/s | rank 0 collectives ms / step "
-          "(share) | rank 0 KB sent / decoded token, by collective | routed tokens per rank |")
+    print("| model | mode | requests | prefill ms | decode ms / step (median) | decode tok/s | rank 0 collectives ms / "
+          "step (share of decode time) | rank 0 KB sent / decoded token, by collective | routed tokens per rank |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.sizes.split(","):
         model = checkpoint(name, args.workdir)
