@@ -7,7 +7,7 @@ on a served engine's /metrics; expert counts that do not divide and dense models
 from __future__ import annotations
 
 import pytest
-from helpers import make_tiny_model
+from helpers import make_tiny_model, write_tiny_gguf
 from test_server_utils import metric_values, model_available, running_server
 from test_tensor_parallel import PROMPTS, TOKENS, parallel_run, run_parallel, single_tokens
 
@@ -38,6 +38,16 @@ def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, name, mode):
                                             sum(sum(c[half:]) for c in expert_tokens.values())]
     else:
         assert stats["moe_rank_tokens"] == []
+
+
+@pytest.mark.parametrize("name,mode", [("deepseek-v2", "tp"), ("qwen3-moe", "ep")])
+def test_gguf_stacked_experts_split_by_features_and_by_experts(tmp_path, name, mode):
+    """llama.cpp's layout: a layer's experts in one Q8_0 tensor each for gate, up and down (sliced by
+    rows / columns under TP, by experts under EP), DeepSeek's latent projection as k_b and v_b."""
+    hf = make_tiny_model(name, tmp_path / "hf")
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(hf, path, {"ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0", "ffn_gate_exps": "Q8_0"})
+    assert parallel_run(str(path), mode=mode)[0] == single_tokens(str(path))
 
 
 def test_expert_count_that_does_not_divide_is_refused(tmp_path):
