@@ -10,6 +10,11 @@ projections into [E, H, I]. A forward pass sorts the (token, expert) pairs by ex
 each expert that received tokens, one matmul over all of them: the Python loop is over active
 experts, never over tokens. Outputs are weighted by the routing weights and summed per token.
 
+Under tensor parallelism each rank holds every expert's share of the intermediate features (gate/up
+rows, down columns); its partial output and the shared experts' (split the same way) are summed
+over the ranks with one all-reduce. With expert parallelism (`tokenmill.distributed.expert_parallel`)
+each rank holds whole experts and the (token, expert) pairs travel to them.
+
 Per-expert token counts are kept (`expert_tokens`) for the routing statistics in /metrics.
 """
 
@@ -143,12 +148,19 @@ class FusedMoE(nn.Module):
             dest = dest[expert - self.experts.start, rows]
         dest.copy_(src[..., self.columns, :] if kind == "w13" else src[..., self.columns])
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
-                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
+                shared: nn.Module | None = None, shared_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' output, plus `shared` (always-on experts: an MLP with `partial`) times
+        `shared_scale` when given. Under tensor parallelism both partial sums share one all-reduce."""
         weights, ids = select_experts(router_logits, self.routing, correction_bias)
         self.expert_tokens += torch.bincount(ids.flatten(), minlength=self.num_experts)
+        split = parallel_state.tp_size() > 1 and not self.expert_parallel
         if self.expert_parallel:
-            return expert_parallel.dispatch_and_combine(
+            out = expert_parallel.dispatch_and_combine(
                 x, weights, ids, self.experts, lambda rows, counts: run_experts(rows, counts, self.w13, self.w2))
-        out = grouped_experts(x, self.w13, self.w2, weights, ids)
-        return parallel_state.all_reduce(out) if parallel_state.tp_size() > 1 else out
+        else:
+            out = grouped_experts(x, self.w13, self.w2, weights, ids)
+        if shared is not None:
+            always = shared.partial(x) if split else shared(x)
+            out = out + (always if shared_scale is None else shared_scale * always)
+        return parallel_state.all_reduce(out) if split else out
