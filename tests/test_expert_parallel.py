@@ -1,8 +1,8 @@
 """Mixture-of-experts and latent-attention (MLA) models over two real processes (gloo on 127.0.0.1):
 under tensor parallelism (each expert split by its intermediate features, MLA by heads) and under
 expert parallelism (whole experts per rank, tokens sent to them and back by all-to-all) the greedy
-tokens are one process's; the routing counts per rank cover every routed token, in the engine and
-on a served engine's /metrics; expert counts that do not divide and dense models are refused clearly."""
+tokens are one process's; the routing counts per rank cover every routed token, in the engine, on
+a served engine's /metrics and in `tokenmill bench` results; expert counts that do not divide and dense models are refused clearly."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from helpers import make_tiny_model, write_tiny_gguf
 from test_server_utils import metric_values, model_available, running_server
 from test_tensor_parallel import PROMPTS, TOKENS, parallel_run, run_parallel, single_tokens
 
+from tokenmill.bench import prometheus, report
+from tokenmill.bench.cli import main as bench_main
 from tokenmill.config import EngineConfig, ParallelConfig
 from tokenmill.executor import executor_for
 
@@ -93,3 +95,18 @@ def test_metrics_count_tokens_per_rank(ep_server):
         assert count == sum(values[f'tokenmill:moe_expert_tokens_total{{expert="{e}",layer="{layer}"}}']
                             for layer in range(config.num_hidden_layers) for e in range(rank * half, (rank + 1) * half))
     assert values["tokenmill:moe_rank_imbalance"] == pytest.approx(max(ranks) * 2 / sum(ranks))
+
+
+@pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
+def test_bench_reports_the_tokens_per_rank_of_the_run(ep_server, tmp_path):
+    srv, _ = ep_server
+    result_file = tmp_path / "ep.json"
+    before = prometheus.rank_tokens(prometheus.scrape(f"{srv.url}/metrics"))
+    bench_main(["serve", "--base-url", srv.url, "--model", "tiny-ep", "--disable-tqdm", "--num-prompts", "3",
+                "--random-input-len", "12", "--random-output-len", "3", "--ignore-eos", "--tokenizer",
+                str(srv.args[1]), "--result-file", str(result_file)])
+    after = prometheus.rank_tokens(prometheus.scrape(f"{srv.url}/metrics"))
+    moe = report.load_json(result_file)["server_metrics"]["moe"]
+    assert moe["rank_tokens"] == [after[r] - before[r] for r in ("0", "1")]
+    assert sum(moe["rank_tokens"]) == moe["routed_tokens"]
+    assert moe["rank_imbalance"] == pytest.approx(max(moe["rank_tokens"]) * 2 / moe["routed_tokens"])
