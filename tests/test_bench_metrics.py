@@ -320,7 +320,7 @@ def test_parse_prometheus_text():
     assert math.isnan(next(s for s in samples if s.name == "nan_gauge").value)
     stats = prometheus.cache_stats(samples)
     assert stats == {"prefix_cache_queries": 1200.0, "prefix_cache_hits": 300.0, "kv_cache_usage": 0.25,
-                     "expert_tokens": {}, "spec": dict.fromkeys(stats["spec"]), "spec_per_position": {}}
+                     "expert_tokens": {}, "rank_tokens": {}, "spec": dict.fromkeys(stats["spec"]), "spec_per_position": {}}
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",)) == 30
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",), model="b") == 20
     assert prometheus.metric_value(samples, ("missing",)) is None

@@ -1,7 +1,7 @@
 """Tensor parallelism over two real processes (gloo on 127.0.0.1): greedy output token-identical to
 one process — dense HF checkpoints (GQA, MQA with its one kv head replicated and a tied head,
 sliding windows and q/k norms, biases, a vocabulary that does not divide by the ranks) and GGUF
-blocks split by rows and by whole blocks of columns, in both modes — models that cannot split yet
+blocks split by rows and by whole blocks of columns, in both modes — models that cannot split
 are refused with a clear error, and a served engine whose worker dies says so and comes back."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from tokenmill.sampling_params import SamplingParams
 
 model, dtype, size, prompts, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
 config = EngineConfig(model=model, dtype=dtype, cache=CacheConfig(num_blocks=64),
-                      parallel=ParallelConfig(tensor_parallel_size=size))
+                      parallel=ParallelConfig(tensor_parallel_size=size, enable_expert_parallel=sys.argv[6] == "ep"))
 executor = executor_for(config)
 core = EngineCore(config, executor, set())
 out = {}
@@ -48,21 +48,30 @@ while core.has_unfinished():
     for o in core.step():
         out[o.request_id].extend(o.new_token_ids)
 assert core.kv.num_free_blocks == core.kv.num_blocks, "KV blocks leaked"
+stats = core.stats()
 executor.close()
+print("STATS " + json.dumps({"expert_tokens": stats.expert_tokens, "moe_rank_tokens": stats.moe_rank_tokens}))
 print("RESULT " + json.dumps(out))
 """
 
 
-def run_parallel(model: str, dtype: str = "float32", size: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _RUN, model, dtype, str(size), json.dumps(PROMPTS), str(TOKENS)],
+def run_parallel(model: str, dtype: str = "float32", size: int = 2, mode: str = "tp") -> subprocess.CompletedProcess:
+    """`mode` "ep": with --enable-expert-parallel."""
+    return subprocess.run([sys.executable, "-c", _RUN, model, dtype, str(size), json.dumps(PROMPTS), str(TOKENS), mode],
                           capture_output=True, text=True, timeout=600)
 
 
-def parallel_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
-    done = run_parallel(model, dtype)
+def parallel_run(model: str, dtype: str = "float32", mode: str = "tp") -> tuple[list[list[int]], dict]:
+    """(greedy tokens of each prompt, the engine's routing statistics at the end)."""
+    done = run_parallel(model, dtype, mode=mode)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.split("RESULT ", 1)[1])
-    return [out[str(i)] for i in range(len(PROMPTS))]
+    stats = json.loads(done.stdout.split("STATS ", 1)[1].split("\n", 1)[0])
+    return [out[str(i)] for i in range(len(PROMPTS))], stats
+
+
+def parallel_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
+    return parallel_run(model, dtype)[0]
 
 
 def single_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
@@ -119,12 +128,9 @@ def test_k_quant_columns_split_inside_super_blocks(qtype, int8_activations):
 
 
 def test_layers_that_cannot_split_are_refused_clearly(tmp_path):
-    make_tiny_model("mixtral", tmp_path)
-    done = run_parallel(str(tmp_path))
-    assert done.returncode != 0
-    assert "mixture-of-experts layers do not run tensor-parallel yet" in done.stderr
     make_tiny_model("llama-mha", tmp_path / "three", num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
     done = run_parallel(str(tmp_path / "three"))
+    assert done.returncode != 0
     assert "3 query / 3 kv heads do not split over 2 ranks" in done.stderr
 
 

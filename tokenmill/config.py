@@ -244,9 +244,12 @@ class SpeculativeConfig:
 class ParallelConfig:
     """How one engine spreads over processes: `tensor_parallel_size` ranks, each a process on this host
     holding its share of every layer (heads, MLP columns, vocabulary), joined by torch.distributed
-    (gloo on CPU, NCCL on CUDA with one GPU per rank). On CPU each rank is bound to its share of the cores."""
+    (gloo on CPU, NCCL on CUDA with one GPU per rank). On CPU each rank is bound to its share of the cores.
+    `enable_expert_parallel`: MoE layers place whole experts across those ranks instead of splitting
+    each expert (`tokenmill.distributed.expert_parallel`)."""
 
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         size = self.tensor_parallel_size

@@ -93,7 +93,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split every layer over N processes on this host (attention heads, MLP columns and the "
                         "vocabulary; one all-reduce after attention and one after the MLP), joined by "
                         "torch.distributed: gloo on CPU (each rank bound to its share of the cores), NCCL on CUDA "
-                        "(one GPU per rank). Not for MoE or MLA models yet (default: %(default)s)")
+                        "(one GPU per rank); MoE experts split by their intermediate features, MLA by heads "
+                        "(default: %(default)s)")
+    c.add_argument("--enable-expert-parallel", action="store_true",
+                   help="as vLLM's flag: place whole MoE experts across the --tensor-parallel-size ranks "
+                        "(expert e on rank e // (experts / N)) instead of splitting every expert; tokens travel "
+                        "to their experts' ranks and back by all-to-all, attention stays tensor-parallel. "
+                        "Needs an MoE model whose expert count divides by N (default: off)")
     c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.policy,
                    help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
                         "first (default: %(default)s)")
@@ -108,7 +114,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                           prefix_cache_hash=args.prefix_cache_hash, cache_dtype=args.kv_cache_dtype),
         speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                enable_expert_parallel=args.enable_expert_parallel),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, policy=args.scheduling_policy),
     )

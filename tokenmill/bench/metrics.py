@@ -210,13 +210,17 @@ def find_knee(points: list[dict], min_attainment: float) -> dict | None:
     return max(meeting, key=lambda p: p["load"], default=None)
 
 
-def expert_load_summary(expert_tokens: list[list[float]]) -> dict | None:  # one list per MoE layer
+def expert_load_summary(expert_tokens: list[list[float]], rank_tokens: list[float] = ()) -> dict | None:
     """Mixture-of-experts routing over a run, from tokens routed to each expert per MoE layer: each
     layer's load imbalance (max / mean over its experts; 1.0 is perfectly even), the worst and the
-    mean over layers. None without MoE layers or routed tokens."""
+    mean over layers; with expert parallelism (`rank_tokens`: tokens routed to each rank's experts)
+    those and the ranks' imbalance. None without MoE layers or routed tokens."""
     per_layer = [max(c) / (sum(c) / len(c)) for c in expert_tokens if c and sum(c) > 0]
     if not per_layer:
         return None
-    return {"moe_layers": len(expert_tokens), "routed_tokens": sum(sum(c) for c in expert_tokens),
-            "load_imbalance_max": max(per_layer), "load_imbalance_mean": sum(per_layer) / len(per_layer),
-            "load_imbalance_per_layer": per_layer}
+    summary = {"moe_layers": len(expert_tokens), "routed_tokens": sum(sum(c) for c in expert_tokens),
+               "load_imbalance_max": max(per_layer), "load_imbalance_mean": sum(per_layer) / len(per_layer),
+               "load_imbalance_per_layer": per_layer}
+    if rank_tokens and sum(rank_tokens) > 0:
+        summary.update(rank_tokens=list(rank_tokens), rank_imbalance=max(rank_tokens) / (sum(rank_tokens) / len(rank_tokens)))
+    return summary

@@ -20,6 +20,7 @@ PREFIX_HITS = ("tokenmill:prefix_cache_hits_total", "vllm:prefix_cache_hits_tota
                "vllm:gpu_prefix_cache_hits_total")
 KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 EXPERT_TOKENS = "tokenmill:moe_expert_tokens_total"
+RANK_TOKENS = "tokenmill:moe_rank_tokens_total"  # expert parallelism
 # speculative decoding: (tokenmill, vLLM) names of the counters the run's deltas are taken of
 SPEC_COUNTERS = {
     "drafts": ("tokenmill:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"),
@@ -96,6 +97,7 @@ def cache_stats(samples: list[Sample], model: str | None = None) -> dict:
         "prefix_cache_hits": metric_value(samples, PREFIX_HITS, model),
         "kv_cache_usage": metric_value(samples, KV_USAGE, model),
         "expert_tokens": expert_tokens(samples, model),
+        "rank_tokens": rank_tokens(samples, model),
         "spec": {key: metric_value(samples, names, model) for key, names in SPEC_COUNTERS.items()},
         "spec_per_position": accepted_per_position(samples, model),
     }
@@ -118,6 +120,12 @@ def expert_tokens(samples: list[Sample], model: str | None = None) -> dict[str, 
         if s.name == EXPERT_TOKENS and (model is None or s.labels.get("model_name") in (None, model)):
             counts.setdefault(s.labels["layer"], {})[s.labels["expert"]] = s.value
     return counts
+
+
+def rank_tokens(samples: list[Sample], model: str | None = None) -> dict[str, float]:
+    """{rank: tokens routed to its experts} under expert parallelism (empty otherwise)."""
+    return {s.labels["rank"]: s.value for s in samples
+            if s.name == RANK_TOKENS and (model is None or s.labels.get("model_name") in (None, model))}
 
 
 def metrics_url(base_url: str) -> str:
@@ -150,6 +158,9 @@ def cache_delta(before: dict | None, after: dict | None, kv_samples: list[float]
     experts_before = before.get("expert_tokens") or {}
     routed = [[n - experts_before.get(layer, {}).get(e, 0.0) for e, n in sorted(c.items(), key=lambda i: int(i[0]))]
               for layer, c in sorted((after.get("expert_tokens") or {}).items(), key=lambda i: int(i[0]))]
+    ranks_before = before.get("rank_tokens") or {}
+    per_rank = [n - ranks_before.get(rank, 0.0) for rank, n in sorted((after.get("rank_tokens") or {}).items(),
+                                                                      key=lambda i: int(i[0]))]
     peak = [v for v in [*kv_samples, before.get("kv_cache_usage"), after.get("kv_cache_usage")] if v is not None]
     return {
         "exposed": bool(before) and any(v is not None for v in before.values()),
@@ -159,7 +170,7 @@ def cache_delta(before: dict | None, after: dict | None, kv_samples: list[float]
         "kv_cache_usage_before": before.get("kv_cache_usage"),
         "kv_cache_usage_after": after.get("kv_cache_usage"),
         "kv_cache_usage_max": max(peak) if peak else None,
-        "moe": expert_load_summary(routed),
+        "moe": expert_load_summary(routed, per_rank),
         "spec": spec_summary(before, after),
     }
 

@@ -112,6 +112,9 @@ def run_table(result: dict) -> Table:
         table.add_row("MoE load imbalance max / mean (max/mean tokens per expert)",
                       f"{fmt(moe['load_imbalance_max'], 2)} / {fmt(moe['load_imbalance_mean'], 2)} "
                       f"over {moe['moe_layers']} layers")
+        if moe.get("rank_tokens"):
+            table.add_row("MoE tokens per expert-parallel rank (imbalance)",
+                          f"{' / '.join(fmt(int(n)) for n in moe['rank_tokens'])} ({fmt(moe['rank_imbalance'], 2)})")
     if s.get("client_cached_tokens") is not None and s["total_input_tokens"]:
         table.add_row("prompt tokens cached (usage)",
                       f"{fmt(s['client_cached_tokens'])} ({pct(s['client_cached_tokens'] / s['total_input_tokens'])})")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed import expert_parallel
 from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
 from tokenmill.engine.kv_cache_manager import HASH_FUNCTIONS, KVCacheManager
 from tokenmill.engine.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -43,6 +44,7 @@ class EngineStats:
     grammar_compile_seconds: float = 0.0  # their total compile time
     grammar_cache_hits: int = 0
     expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE layer index -> tokens per expert
+    moe_rank_tokens: list[int] = field(default_factory=list)  # expert parallelism: tokens routed to each rank's experts
     spec_drafts: int = 0  # speculative decoding: verify steps
     spec_draft_tokens: int = 0  # drafted tokens verified
     spec_accepted_tokens: int = 0  # of which accepted
@@ -210,6 +212,9 @@ class EngineCore:
             c = self._structured.compiler.stats
             stats.grammar_compiles, stats.grammar_compile_seconds = c.num_compiles, c.compile_seconds
             stats.grammar_cache_hits = c.cache_hits
+        if self.config.parallel.enable_expert_parallel:
+            stats.moe_rank_tokens = expert_parallel.rank_tokens(stats.expert_tokens,
+                                                                self.config.parallel.tensor_parallel_size)
         return stats
 
     def reset_prefix_cache(self) -> int:

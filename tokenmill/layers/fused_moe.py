@@ -10,6 +10,11 @@ projections into [E, H, I]. A forward pass sorts the (token, expert) pairs by ex
 each expert that received tokens, one matmul over all of them: the Python loop is over active
 experts, never over tokens. Outputs are weighted by the routing weights and summed per token.
 
+Under tensor parallelism each rank holds every expert's share of the intermediate features (gate/up
+rows, down columns); its partial output and the shared experts' (split the same way) are summed
+over the ranks with one all-reduce. With expert parallelism (`tokenmill.distributed.expert_parallel`)
+each rank holds whole experts and the (token, expert) pairs travel to them.
+
 Per-expert token counts are kept (`expert_tokens`) for the routing statistics in /metrics.
 """
 
@@ -20,8 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.distributed import parallel_state
-
+from tokenmill.distributed import expert_parallel, parallel_state
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.quantization.base import dense
 
@@ -70,40 +74,50 @@ def select_experts(router_logits: torch.Tensor, routing: Routing,
     return weights * routing.scale if routing.scale != 1.0 else weights, ids
 
 
-def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, one matmul pair per active
-    expert. Returns (output [T, H], tokens per expert [E])."""
-    num_experts, top_k = w13.shape[0], ids.shape[1]
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)
-    token_of = order // top_k
-    routed = x.index_select(0, token_of)
-    out = torch.empty_like(routed)
+def run_experts(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """`rows` grouped by expert (counts[e] rows for expert e, in expert order) through their expert."""
+    out = torch.empty_like(rows)
     start = 0
     for expert, n in enumerate(counts.tolist()):
         if n:
-            rows = slice(start, start + n)
-            out[rows] = silu_and_mul(routed[rows] @ w13[expert].t()) @ w2[expert].t()
+            part = slice(start, start + n)
+            out[part] = silu_and_mul(rows[part] @ w13[expert].t()) @ w2[expert].t()
             start += n
+    return out
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, one matmul pair per active expert."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
+    token_of = order // ids.shape[1]
+    out = run_experts(x.index_select(0, token_of), torch.bincount(flat, minlength=w13.shape[0]), w13, w2)
     out.mul_(weights.flatten()[order].unsqueeze(1).to(out.dtype))
-    return torch.zeros_like(x).index_add_(0, token_of, out), counts
+    return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, routing: Routing, hidden_size: int, intermediate_size: int,
                  prefix: str = "") -> None:
         super().__init__()
-        if parallel_state.tp_size() > 1:
-            raise ValueError(f"{prefix}: mixture-of-experts layers do not run tensor-parallel yet "
-                             "(use --tensor-parallel-size 1)")
         self.num_experts, self.routing, self.top_k = num_experts, routing, routing.top_k
-        self.intermediate_size = intermediate_size
         self.prefix = prefix
         self.layer_index = int(next((p for p in prefix.split(".") if p.isdigit()), -1))  # model.layers.N.…
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        size, rank = parallel_state.tp_size(), parallel_state.tp_rank()
+        self.expert_parallel = expert_parallel.enabled() and size > 1
+        if self.expert_parallel:  # whole experts on their rank
+            self.experts, self.columns = expert_parallel.local_experts(num_experts, prefix), slice(None)
+        else:  # every expert, this rank's share of its intermediate features (all of them on one rank)
+            if intermediate_size % size:
+                raise ValueError(f"{prefix}: expert intermediate size {intermediate_size} does not split over "
+                                 f"{size} ranks")
+            share = intermediate_size // size
+            self.experts, self.columns = range(num_experts), slice(rank * share, (rank + 1) * share)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        local, share = len(self.experts), len(range(intermediate_size)[self.columns])
+        self.w13 = nn.Parameter(torch.empty(local, 2 * share, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local, hidden_size, share), requires_grad=False)
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def inactive_parameters(self) -> int:
@@ -115,20 +129,38 @@ class FusedMoE(nn.Module):
         return [(p, (e, s)) for e in range(self.num_experts) for p, s in (("w13", 0), ("w13", 1), ("w2", 0))]
 
     def weight_loader(self, kind: str, weight, shard: tuple[int | None, int]) -> None:
-        """`kind` "w13" or "w2"; `shard` (expert, 0 gate / 1 up); expert None: a tensor of every expert."""
+        """`kind` "w13" or "w2"; `shard` (expert, 0 gate / 1 up); expert None: a tensor of every expert.
+        This rank keeps its experts and its share of their intermediate features."""
         expert, part = shard
-        param = getattr(self, kind)
-        rows = slice(part * self.intermediate_size, (part + 1) * self.intermediate_size) if kind == "w13" \
-            else slice(None)
-        dest = param.data[:, rows] if expert is None else param.data[expert, rows]
+        if expert is not None and expert not in self.experts:
+            return  # another rank's expert
         src = dense(weight)
-        if tuple(src.shape) != tuple(dest.shape):
-            raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
-        dest.copy_(src)
+        whole = (self.intermediate_size, self.hidden_size) if kind == "w13" else (self.hidden_size, self.intermediate_size)
+        want = whole if expert is not None else (self.num_experts, *whole)
+        if tuple(src.shape) != want:
+            raise ValueError(f"has shape {tuple(src.shape)}, expected {want}")
+        share = self.w2.shape[2]
+        rows = slice(part * share, (part + 1) * share) if kind == "w13" else slice(None)
+        dest = getattr(self, kind).data
+        if expert is None:
+            dest, src = dest[:, rows], src[self.experts.start:self.experts.stop]
+        else:
+            dest = dest[expert - self.experts.start, rows]
+        dest.copy_(src[..., self.columns, :] if kind == "w13" else src[..., self.columns])
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
-                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
+                shared: nn.Module | None = None, shared_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' output, plus `shared` (always-on experts: an MLP with `partial`) times
+        `shared_scale` when given. Under tensor parallelism both partial sums share one all-reduce."""
         weights, ids = select_experts(router_logits, self.routing, correction_bias)
-        out, counts = grouped_experts(x, self.w13, self.w2, weights, ids)
-        self.expert_tokens += counts
-        return out
+        self.expert_tokens += torch.bincount(ids.flatten(), minlength=self.num_experts)
+        split = parallel_state.tp_size() > 1 and not self.expert_parallel
+        if self.expert_parallel:
+            out = expert_parallel.dispatch_and_combine(
+                x, weights, ids, self.experts, lambda rows, counts: run_experts(rows, counts, self.w13, self.w2))
+        else:
+            out = grouped_experts(x, self.w13, self.w2, weights, ids)
+        if shared is not None:
+            always = shared.partial(x) if split else shared(x)
+            out = out + (always if shared_scale is None else shared_scale * always)
+        return parallel_state.all_reduce(out) if split else out

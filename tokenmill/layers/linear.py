@@ -152,6 +152,11 @@ class RowParallelLinear(LinearBase):
         cols = self.input_size // self.tp_size
         return cols, self.tp_rank * cols
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the output, not yet summed over the ranks (the bias in rank 0's), for
+        callers that add several such terms and all-reduce once."""
+        return self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)

@@ -99,8 +99,8 @@ class DeepseekMoE(nn.Module):
                                            config.moe_intermediate_size * config.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x), getattr(self, "e_score_correction_bias", None))
-        return out + self.shared_experts(x) if hasattr(self, "shared_experts") else out
+        return self.experts(x, self.gate(x), getattr(self, "e_score_correction_bias", None),
+                            shared=getattr(self, "shared_experts", None))
 
 
 class DeepseekDecoderLayer(nn.Module):

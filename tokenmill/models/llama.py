@@ -143,6 +143,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the output, before the all-reduce (`RowParallelLinear.partial`)."""
+        return self.down_proj.partial(self.act_and_mul(self.gate_up_proj(x)))
+
 
 class LlamaSparseMoeBlock(nn.Module):
     """Each token through its top-k experts (router `gate`), plus a shared expert scaled by
@@ -160,10 +164,10 @@ class LlamaSparseMoeBlock(nn.Module):
                                                        f"{prefix}.shared_expert_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if not hasattr(self, "shared_expert"):
+            return self.experts(x, self.gate(x))
+        return self.experts(x, self.gate(x), shared=self.shared_expert,
+                            shared_scale=torch.sigmoid(self.shared_expert_gate(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

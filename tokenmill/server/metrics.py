@@ -83,6 +83,12 @@ class ServerMetrics:
         self.expert_imbalance = Gauge("tokenmill:moe_load_imbalance",
                                       "Per MoE layer: tokens of its busiest expert / the mean over its experts "
                                       "(since the engine started; 1 is even).", ["model_name", "layer"], registry=r)
+        self.rank_tokens = Counter("tokenmill:moe_rank_tokens", "Expert parallelism: tokens routed to the experts "
+                                   "each rank holds (a token counts once per chosen expert), over all MoE layers.",
+                                   ["model_name", "rank"], registry=r)
+        self.rank_imbalance = Gauge("tokenmill:moe_rank_imbalance", "Expert parallelism: tokens of the busiest "
+                                    "rank's experts / the mean over ranks (since the engine started; 1 is even).",
+                                    ["model_name"], registry=r)
         self._model_name = model_name
         self._started: set[str] = set()  # requests whose prompt tokens were counted
         self._last_stats: dict = {}
@@ -142,6 +148,7 @@ class ServerMetrics:
             if delta > 0:
                 self.spec_per_position.labels(self._model_name, str(pos)).inc(delta)
         self._on_expert_tokens(s.get("expert_tokens") or {}, self._last_stats.get("expert_tokens") or {})
+        self._on_rank_tokens(s.get("moe_rank_tokens") or [], self._last_stats.get("moe_rank_tokens") or [])
         self._last_stats = s
 
     def _on_expert_tokens(self, counts: dict[int, list[int]], before: dict[int, list[int]]) -> None:
@@ -154,6 +161,13 @@ class ServerMetrics:
             if sum(layer_counts):
                 self.expert_imbalance.labels(self._model_name, str(layer)).set(
                     max(layer_counts) * len(layer_counts) / sum(layer_counts))
+
+    def _on_rank_tokens(self, counts: list[int], before: list[int]) -> None:
+        for rank, now in enumerate(counts):
+            then = before[rank] if rank < len(before) else 0
+            self.rank_tokens.labels(self._model_name, str(rank)).inc(max(now - then, 0))
+        if sum(counts):
+            self.rank_imbalance.labels(self._model_name).set(max(counts) * len(counts) / sum(counts))
 
     def _inc_delta(self, counter: Counter, s: dict, key: str) -> None:
         delta = s.get(key, 0) - self._last_stats.get(key, 0)
