@@ -1,5 +1,6 @@
-"""Disaggregated prefill/decode: a producer (prefill) and a consumer (decode) `tokenmill serve` behind
-`tokenmill disagg-proxy`, with each KV connector, against a plain (colocated) server — greedy outputs
+"""Disaggregated prefill/decode: two engine cores in this process (producer and consumer, each
+connector) against one engine, token for token; then a producer (prefill) and a consumer (decode)
+`tokenmill serve` behind `tokenmill disagg-proxy`, with each KV connector, against colocated serving — greedy outputs
 identical through the official `openai` client, streamed or not; the KV really moved (the transfer
 counters of both sides); KV pools whole afterwards; bad flags refused at startup naming the field;
 a consumer whose producer is gone fails the request, saying so, instead of hanging.
@@ -8,6 +9,7 @@ Real processes on 127.0.0.1, a tiny random-weight Llama with the default model's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,9 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from test_router import client_for, kill_tree, needs_model, tiny_model, wait_for  # noqa: F401 - tiny_model: a fixture
+from helpers import make_core, make_tiny_model
 from test_server_utils import ServerProcess, free_port, metric_values
 
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.executor import UniProcExecutor
 from tokenmill.kv_transfer.config import KVTransferConfig
+from tokenmill.loader import load_model
+from tokenmill.sampling_params import SamplingParams
 
 SERVER_ARGS = ("--served-model-name", "tiny", "--num-kv-blocks", "128", "--log-interval", "0",
                "--disable-log-requests", "--shutdown-timeout", "5")
@@ -57,6 +65,58 @@ def test_bad_kv_transfer_config_is_a_startup_error():
         in run.stderr
 
 
+# ---- two engine cores in this process --------------------------------------------------------------
+
+def _core(model_dir, role: str | None, connector: str = "", port: int = 0):
+    """An engine core on its own copy of the model (a model binds the KV cache of the last core built on it)."""
+    core = make_core(str(model_dir), num_blocks=48, max_num_batched_tokens=32, loaded=load_model(str(model_dir)))
+    if role is None:
+        return core
+    config = dataclasses.replace(core.config, kv_transfer=KVTransferConfig(role, connector, kv_port=port, kv_timeout=2))
+    return EngineCore(config, UniProcExecutor(config, load_model(str(model_dir))), set())
+
+
+def _run(core, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], str | None]:
+    core.add_request(EngineCoreRequest(request_id, prompt, params))
+    tokens, error = [], None
+    while core.has_unfinished():
+        for out in core.step():
+            tokens += out.new_token_ids
+            error = error or out.error
+    return tokens, error
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-random")
+    make_tiny_model("llama-gqa-untied", directory)
+    return directory
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_engines_decode_from_transferred_kv_as_one_engine_would(random_model, connector):
+    """Prompts over several blocks, prefilled in chunks (32 tokens a step), one exactly a block long;
+    the consumer's greedy tokens equal one engine's; a transfer the producer never had fails the
+    request; pools whole on both sides."""
+    port = free_port()
+    reference, producer, consumer = _core(random_model, None), *(
+        _core(random_model, role, connector, port) for role in ("producer", "consumer"))
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    for i, prompt in enumerate([list(range(5, 90)), list(range(40, 56)), [7, 9]]):
+        tid = dataclasses.replace(params, kv_transfer_id=f"t{i}")
+        expected, _ = _run(reference, f"r{i}", prompt, params)
+        first, _ = _run(producer, f"r{i}", prompt, tid)
+        assert first == expected[:1]  # the producer stops after one token
+        assert _run(consumer, f"r{i}", prompt, tid) == (expected, None)
+    assert consumer.stats().kv_transfers == producer.stats().kv_transfers == 3
+    assert consumer.stats().prefix_cache_hits == 84 + 15 + 1  # each prompt but its last token came by transfer
+    tokens, error = _run(consumer, "lost", [1, 2, 3], dataclasses.replace(params, kv_transfer_id="never-sent"))
+    assert tokens == [] and "never-sent" in error
+    for core in (producer, consumer):
+        assert core.kv.num_free_blocks == core.kv.num_blocks
+        core.kv_transfer.close()
+
+
 # ---- servers --------------------------------------------------------------------------------------
 
 class ProxyProcess:
@@ -73,28 +133,15 @@ class ProxyProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_all(servers: list[ServerProcess]) -> None:
-    with ThreadPoolExecutor(len(servers)) as pool:
-        list(pool.map(ServerProcess.start, servers))
-
-
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory, tiny_model):
-    server = ServerProcess(tmp_path_factory.mktemp("colocated"), "--model", str(tiny_model), *SERVER_ARGS)
-    yield server
-    server.stop()
-
-
 @pytest.fixture(scope="module", params=CONNECTORS)
-def disaggregated(request, tmp_path_factory, tiny_model, colocated):
-    """A producer, a consumer and the proxy in front, over `request.param`; the colocated server is
-    started alongside the first pair."""
+def disaggregated(request, tmp_path_factory, tiny_model):
+    """A producer, a consumer and the proxy in front, over `request.param`."""
     log_dir = tmp_path_factory.mktemp(request.param)
     config = json.dumps({"kv_connector": request.param, "kv_port": free_port(), "kv_timeout": 10})
     producer, consumer = (ServerProcess(log_dir, "--model", str(tiny_model), *SERVER_ARGS, "--kv-role", role,
                                         "--kv-transfer-config", config) for role in ("producer", "consumer"))
-    servers = [producer, consumer] + ([colocated] if colocated.proc is None else [])
-    start_all(servers)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(ServerProcess.start, (producer, consumer)))
     proxy = ProxyProcess(producer.url, consumer.url, log_dir)
     wait_for(lambda: _healthy(proxy.url), 60, proxy.log)
     yield producer, consumer, proxy
@@ -132,9 +179,11 @@ def _pool_whole(url: str) -> bool:
 
 
 @needs_model
-def test_greedy_output_through_the_proxy_equals_colocated(disaggregated, colocated):
+def test_greedy_output_through_the_proxy_equals_colocated(disaggregated):
+    """The reference: the consumer itself serving the requests colocated (no kv_transfer_params: it
+    prefills them as a plain server does)."""
     producer, consumer, proxy = disaggregated
-    expected = _answers(colocated.url)
+    expected = _answers(consumer.url)
     assert all(expected) and expected[0] == expected[1]
     assert _answers(proxy.url) == expected
     for server in (producer, consumer):  # the KV really moved: every request's prompt, in and out

@@ -167,8 +167,13 @@ class EngineCore:
         self.requests[rid] = request
         if request.structured is not None and not request.structured.ready:
             self.compiling.append(request)  # scheduled once its grammar is compiled (see _admit_compiled)
-        elif params.kv_transfer_id is not None and not self.kv_transfer.config.is_producer:
-            self.kv_transfer.start_receiving(request)  # scheduled once its KV is in (see KVTransfer.admit_received)
+        else:
+            self._schedule(request)
+
+    def _schedule(self, request: Request) -> None:
+        """Hand a request to the scheduler — on a consumer of disaggregated prefill, once its KV is in."""
+        if self.kv_transfer is not None and self.kv_transfer.receives(request):
+            self.kv_transfer.start_receiving(request)  # scheduled by KVTransfer.admit_received
         else:
             self.scheduler.add(request)
 
@@ -176,7 +181,7 @@ class EngineCore:
         """Hand a request to the scheduler; for a failed grammar compile, finish it instead."""
         error = request.structured.start() if request.structured is not None else None
         if error is None:
-            self.scheduler.add(request)
+            self._schedule(request)
             return None
         logger.warning("request %s: %s", request.request_id, error)
         request.status = RequestStatus.FINISHED_ABORTED

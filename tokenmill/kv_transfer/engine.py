@@ -89,6 +89,10 @@ class KVTransfer:
 
     # ---- consumer ---------------------------------------------------------------------------------
 
+    def receives(self, request) -> bool:
+        """Whether the request's KV comes from the producer (this is the consumer and it carries a transfer id)."""
+        return not self.config.is_producer and request.params.kv_transfer_id is not None
+
     def start_receiving(self, request) -> None:
         self.receiving[request.request_id] = (request, self.connector.fetch(request.params.kv_transfer_id),
                                               time.perf_counter())
