@@ -19,10 +19,11 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
+
+from bench_router import start_front  # benchmarks/ is on sys.path when a script in it runs
 
 from tokenmill.bench import prometheus
 from tokenmill.bench.cli import main as bench_main
@@ -50,20 +51,10 @@ def one_server(argv: list[str], cpus: list[int] | None, log_dir: Path) -> LocalR
 
 def start_proxy(prefill: str, decode: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_ports(1)[0]
-    with open(log_dir / "proxy.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "disagg-proxy", "--prefill",
-                                 prefill, "--decode", decode, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "disagg-proxy", "--prefill", prefill, "--decode", decode,
+           "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the proxy did not start; see {log_dir}/proxy.log")
-        time.sleep(0.2)
+    return start_front(cmd, url, log_dir / "proxy.log"), url
 
 
 def drive(url: str, mode: str, args, log_dir: Path) -> dict:

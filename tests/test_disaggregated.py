@@ -23,10 +23,11 @@ from test_router import client_for, kill_tree, needs_model, tiny_model, wait_for
 from helpers import make_core, make_tiny_model
 from test_server_utils import ServerProcess, free_port, metric_values
 
-from tokenmill.engine.core import EngineCore
+from tokenmill.engine.core import EngineCore, RequestRejected
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.executor import UniProcExecutor
 from tokenmill.kv_transfer.config import KVTransferConfig
+from tokenmill.kv_transfer.proxy import prefill_body, transferable
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -115,6 +116,24 @@ def test_engines_decode_from_transferred_kv_as_one_engine_would(random_model, co
     for core in (producer, consumer):
         assert core.kv.num_free_blocks == core.kv.num_blocks
         core.kv_transfer.close()
+
+
+def test_a_plain_engine_refuses_a_transfer(random_model):
+    core = _core(random_model, None)
+    with pytest.raises(RequestRejected, match="--kv-role") as e:
+        core.add_request(EngineCoreRequest("x", [1, 2], SamplingParams(kv_transfer_id="t")))
+    assert e.value.param == "kv_transfer_params"
+
+
+def test_the_proxy_prefills_one_token_and_passes_the_rest_to_decode():
+    body = {"prompt": "hi", "max_tokens": 50, "min_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    assert prefill_body(body, "t") == {"prompt": "hi", "max_tokens": 1, "stream": False,
+                                       "kv_transfer_params": {"transfer_id": "t"}}
+    chat = prefill_body({"messages": [], "max_completion_tokens": 9}, "t")
+    assert chat["max_completion_tokens"] == chat["max_tokens"] == 1
+    assert transferable(body) and transferable({"prompt": [1, 2, 3]}) and transferable({"messages": []})
+    assert not transferable({"prompt": ["a", "b"]}) and not transferable({"prompt": "a", "n": 2})
+    assert not transferable(None)
 
 
 # ---- servers --------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.router.cli import add_http_args
+
 
 def add_proxy_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -15,12 +17,7 @@ def add_proxy_parser(subparsers) -> argparse.ArgumentParser:
                    help="the prefill (producer) server's root URL, e.g. http://127.0.0.1:8001")
     p.add_argument("--decode", required=True, metavar="URL",
                    help="the decode (consumer) server's root URL, e.g. http://127.0.0.1:8002")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
-    p.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="log level of the uvicorn HTTP server (default: %(default)s)")
+    add_http_args(p.add_argument_group("HTTP"))
     p.set_defaults(func=run_proxy)
     return p
 

@@ -21,7 +21,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.router.upstream import CLIENT_CLOSED, error_body, read_body, relay, request_headers, response_headers
+from tokenmill.router.upstream import (CLIENT_CLOSED, add_generation_routes, error_body, read_body, relay,
+                                      request_headers, response_headers)
 from tokenmill.server.streaming import ClientDisconnected, run_until_disconnect
 
 logger = logging.getLogger("tokenmill.disagg_proxy")
@@ -108,13 +109,7 @@ def build_proxy_app(prefill_url: str, decode_url: str, connect_timeout: float = 
         decode = dict(data, kv_transfer_params={"transfer_id": transfer_id})
         return await forward(request, DECODE, "POST", path, json.dumps(decode).encode())
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generation(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await generation(request, "/v1/chat/completions")
+    add_generation_routes(app, generation)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

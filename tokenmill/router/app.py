@@ -25,7 +25,8 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import PrefixPolicy
 from tokenmill.router.prompt import routing_text
 from tokenmill.router.replicas import ReplicaSet, check_all, health_loop
-from tokenmill.router.upstream import CLIENT_CLOSED, error_body, read_body, relay, request_headers
+from tokenmill.router.upstream import (CLIENT_CLOSED, add_generation_routes, error_body, read_body, relay,
+                                      request_headers)
 from tokenmill.server.streaming import ClientDisconnected, run_until_disconnect
 
 logger = logging.getLogger("tokenmill.router")
@@ -137,13 +138,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
         body = await read_body(request, settings.max_body_bytes)
         return await forward(request, "POST", path, body, routing_text(path, body))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generation(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await generation(request, "/v1/chat/completions")
+    add_generation_routes(app, generation)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

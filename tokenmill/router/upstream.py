@@ -4,7 +4,7 @@ a streamed response passed through chunk by chunk."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 from starlette.exceptions import HTTPException
@@ -36,6 +36,20 @@ def response_headers(upstream: httpx.Response, replica: int, decoded: bool) -> l
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                for k, v in upstream.headers.multi_items() if k.lower() not in skip]
     return headers + [(REPLICA_HEADER.encode(), str(replica).encode())]
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def add_generation_routes(app, generation: Callable[[Request, str], Awaitable[Response]]) -> None:
+    """POST /v1/completions and /v1/chat/completions, each answered by `generation(request, path)`."""
+    def route_for(path: str):
+        async def route(request: Request) -> Response:
+            return await generation(request, path)
+        return route
+
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, route_for(path), methods=["POST"], include_in_schema=False)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
