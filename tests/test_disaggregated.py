@@ -97,8 +97,8 @@ def random_model(tmp_path_factory):
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_engines_decode_from_transferred_kv_as_one_engine_would(random_model, connector):
     """Prompts over several blocks, prefilled in chunks (32 tokens a step), one exactly a block long;
-    the consumer's greedy tokens equal one engine's; a transfer the producer never had fails the
-    request; pools whole on both sides."""
+    the consumer's greedy tokens equal one engine's; aborts on either side hold nothing; a transfer
+    the producer never had fails the request; pools whole on both sides."""
     port = free_port()
     reference, producer, consumer = _core(random_model, None), *(
         _core(random_model, role, connector, port) for role in ("producer", "consumer"))
@@ -111,6 +111,14 @@ def test_engines_decode_from_transferred_kv_as_one_engine_would(random_model, co
         assert _run(consumer, f"r{i}", prompt, tid) == (expected, None)
     assert consumer.stats().kv_transfers == producer.stats().kv_transfers == 3
     assert consumer.stats().prefix_cache_hits == 84 + 15 + 1  # each prompt but its last token came by transfer
+    # aborted mid-prefill (producer) and while waiting for its KV (consumer): nothing is held
+    producer.add_request(EngineCoreRequest("cut", list(range(5, 90)), dataclasses.replace(params, kv_transfer_id="cut")))
+    consumer.add_request(EngineCoreRequest("cut", list(range(5, 90)), dataclasses.replace(params, kv_transfer_id="cut")))
+    producer.step()
+    consumer.step()
+    for core in (producer, consumer):
+        core.abort_requests(["cut"])
+        assert not core.has_unfinished()
     tokens, error = _run(consumer, "lost", [1, 2, 3], dataclasses.replace(params, kv_transfer_id="never-sent"))
     assert tokens == [] and "never-sent" in error
     for core in (producer, consumer):
