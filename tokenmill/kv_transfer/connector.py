@@ -57,13 +57,14 @@ class KVConnector(ABC):
         else:  # connect in the background (retried by each fetch until it succeeds)
             self._pool.submit(self._connect)
 
-    def _open_store(self) -> dist.TCPStore:
+    def _open_store(self, master: bool | None = None) -> dist.TCPStore:
+        """The producer's store: hosted here (`master`: by default on the producer) or a connection to it."""
         c = self.config
+        master = c.is_producer if master is None else master
         try:
-            return dist.TCPStore(c.kv_ip, c.kv_port, 2, is_master=c.is_producer, timeout=self.timeout,
-                                 wait_for_workers=False)
+            return dist.TCPStore(c.kv_ip, c.kv_port, 2, is_master=master, timeout=self.timeout, wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - say which side and where
-            what = "listen" if c.is_producer else "reach the producer's store"
+            what = "listen" if master else "reach the producer's store"
             raise KVTransferError(f"KV transfer: cannot {what} at {c.kv_ip}:{c.kv_port}: {e}") from None
 
     def _connect(self) -> None:

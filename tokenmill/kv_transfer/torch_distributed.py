@@ -2,7 +2,8 @@
 NCCL on CUDA) formed on the producer's TCPStore, point to point (send/recv).
 
 Requests are ordered through the store: the consumer numbers each fetch (`store.add`) and writes the
-transfer id under that number; the producer's sender thread serves the numbers in turn — a header
+transfer id under that number; the producer's sender thread (blocked in a store `wait` on its own
+connection, woken by the consumer's key or by `close`) serves the numbers in turn — a header
 (found or not, number of blocks), then each tensor of the payload — and the consumer receives in the
 same order, so the two sides never disagree on what the next message is. A transfer the producer does
 not have within `kv_timeout` is answered "not found". Any failure of the group itself (the peer died)
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import timedelta
 import torch
 import torch.distributed as dist
 
@@ -21,13 +23,14 @@ from tokenmill.kv_transfer.connector import BLOCK_DIM, KVConnector, KVTransferEr
 logger = logging.getLogger(__name__)
 
 _PRODUCER, _CONSUMER = 0, 1
-_POLL_SECONDS = 0.002
+_FOREVER = timedelta(days=365)  # the sender waits for the consumer's next fetch without a deadline
 
 
 class TorchDistributedConnector(KVConnector):
     def __init__(self, config, layout, device) -> None:
         self.group = None
         self._sender: threading.Thread | None = None
+        self._waiting_for = "consumer"  # the store key the sender thread waits for
         self.broken: str | None = None
         super().__init__(config, layout, device)
         if config.is_producer:
@@ -60,28 +63,27 @@ class TorchDistributedConnector(KVConnector):
     def send(self, transfer_id: str, tensors: list[torch.Tensor]) -> None:
         self.staged.put(transfer_id, tensors)
 
-    def _wait_key(self, key: str) -> bool:
-        """Wait for `key` in the store until the connector closes; False if it closed. (Polled with
-        `check`: a store `wait` that times out logs a warning each time.)"""
-        while not self.store.check([key]):
-            if self.closed.wait(_POLL_SECONDS):
-                return False
-        return True
+    def _wait_key(self, store: dist.Store, key: str) -> bool:
+        """Wait for `key` in the store; False if the connector closed meanwhile (`close` sets the key)."""
+        self._waiting_for = key
+        store.wait([key], _FOREVER)
+        return not self.closed.is_set()
 
     def _serve(self) -> None:
         """Sender thread: form the group when the consumer comes, then answer its numbered fetches."""
         try:
-            if not self._wait_key("consumer"):
+            store = self._open_store(master=False)  # this thread's own connection to the store
+            if not self._wait_key(store, "consumer"):
                 return
-            self.group = self._new_group(self.store)
+            self.group = self._new_group(store)
             number = 0
             while True:
                 number += 1
                 key = f"want/{number}"
-                if not self._wait_key(key):
+                if not self._wait_key(store, key):
                     return
-                transfer_id = self.store.get(key).decode()
-                self.store.delete_key(key)
+                transfer_id = store.get(key).decode()
+                store.delete_key(key)
                 tensors = self.staged.take(transfer_id, self.config.kv_timeout)
                 num_blocks = tensors[0].shape[BLOCK_DIM] if tensors else 0
                 self._send_tensor(torch.tensor([tensors is not None, num_blocks], dtype=torch.int64,
@@ -118,5 +120,6 @@ class TorchDistributedConnector(KVConnector):
     def close(self) -> None:
         super().close()
         if self._sender is not None:
+            self.store.set(self._waiting_for, "")  # wake the sender thread: it sees the connector closed
             self._sender.join(1)
         self.group = None
