@@ -46,23 +46,28 @@ def routed(router_url: str) -> dict[str, float]:
     return counts
 
 
-def start_router(urls: list[str], policy: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
-    port = free_ports(1)[0]
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "router", *[a for u in urls for a in ("--replica", u)],
-           "--policy", policy, "--port", str(port)]
-    with open(log_dir / f"router-{policy}.log", "wb") as log:
+def start_front(cmd: list[str], url: str, log_path: Path) -> subprocess.Popen:
+    """Start `cmd` (an HTTP front: a router, a proxy) logging to `log_path`; return once `url`/health is 200."""
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return proc
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the router did not start; see {log_dir}/router-{policy}.log")
+            raise RuntimeError(f"{cmd[3]} did not start; see {log_path}")
         time.sleep(0.2)
+
+
+def start_router(urls: list[str], policy: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_ports(1)[0]
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "router", *[a for u in urls for a in ("--replica", u)],
+           "--policy", policy, "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    return start_front(cmd, url, log_dir / f"router-{policy}.log"), url
 
 
 def run_policy(policy: str, replicas: LocalReplicas, args, log_dir: Path) -> dict:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tokenmill.kv_transfer.config import KVTransferConfig
 from tokenmill.models.registry import check_architecture
 from tokenmill.quantization import QUANTIZATION_METHODS
 
@@ -273,6 +274,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (--kv-role); None: off
 
     def __post_init__(self) -> None:
         resolve_device(self.device)

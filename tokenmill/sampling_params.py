@@ -56,6 +56,7 @@ class SamplingParams:
     reasoning: ReasoningSpec | None = None
     logit_bias: dict[int, float] | None = None  # added to the logits of these token ids, in [-100, 100]
     speculative: bool = True  # False: never draft tokens for this request (when the engine speculates)
+    kv_transfer_id: str | None = None  # disaggregated prefill/decode: the KV transfer this request's prompt belongs to
 
     def __post_init__(self) -> None:
         # Normalise.

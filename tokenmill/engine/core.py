@@ -51,6 +51,9 @@ class EngineStats:
     spec_accepted_per_position: list[int] = field(default_factory=list)  # accepted drafts by position 1..k
     spec_draft_seconds: float = 0.0  # time spent drafting (proposers; Medusa heads in the model runner)
     spec_verify_seconds: float = 0.0  # time of the steps that verified drafts
+    kv_transfers: int = 0  # disaggregated prefill/decode: prompts whose KV was sent (producer) or received
+    kv_transfer_bytes: int = 0  # their KV payloads
+    kv_transfer_seconds: float = 0.0  # producer: copying out; consumer: asking until the payload is in
 
 
 class RequestRejected(ValueError):
@@ -91,6 +94,11 @@ class EngineCore:
         if spec is not None:
             self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram"
                              else RunnerDrafts())
+        self.kv_transfer = None  # disaggregated prefill/decode: this engine's side (tokenmill.kv_transfer.engine)
+        if config.kv_transfer is not None:
+            from tokenmill.kv_transfer.engine import KVTransfer
+
+            self.kv_transfer = KVTransfer(config.kv_transfer, self)
 
     @property
     def structured(self):
@@ -141,6 +149,11 @@ class EngineCore:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         except ValueError as e:  # e.g. min_tokens beyond the room left in the context
             raise RequestRejected(str(e), str(e).split(" ", 1)[0]) from None
+        if params.kv_transfer_id is not None:
+            if self.kv_transfer is None:
+                raise RequestRejected("kv_transfer_params needs a server started with --kv-role", "kv_transfer_params")
+            if self.kv_transfer.config.is_producer:
+                params = self.kv_transfer.prefill_only(params)
         request = Request(core_request, params, self.eos_token_ids)
         budget = params.reasoning.budget if params.reasoning is not None else None
         if params.structured_output is not None or budget is not None:
@@ -157,13 +170,20 @@ class EngineCore:
         if request.structured is not None and not request.structured.ready:
             self.compiling.append(request)  # scheduled once its grammar is compiled (see _admit_compiled)
         else:
+            self._schedule(request)
+
+    def _schedule(self, request: Request) -> None:
+        """Hand a request to the scheduler — on a consumer of disaggregated prefill, once its KV is in."""
+        if self.kv_transfer is not None and self.kv_transfer.receives(request):
+            self.kv_transfer.start_receiving(request)  # scheduled by KVTransfer.admit_received
+        else:
             self.scheduler.add(request)
 
     def _start(self, request: Request) -> EngineCoreOutput | None:
         """Hand a request to the scheduler; for a failed grammar compile, finish it instead."""
         error = request.structured.start() if request.structured is not None else None
         if error is None:
-            self.scheduler.add(request)
+            self._schedule(request)
             return None
         logger.warning("request %s: %s", request.request_id, error)
         request.status = RequestStatus.FINISHED_ABORTED
@@ -193,11 +213,14 @@ class EngineCore:
             if request in self.compiling:
                 self.compiling.remove(request)
                 request.status = RequestStatus.FINISHED_ABORTED
+            elif self.kv_transfer is not None and self.kv_transfer.abort(rid):
+                request.status = RequestStatus.FINISHED_ABORTED
             else:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.compiling)
+        return (self.scheduler.has_unfinished() or bool(self.compiling)
+                or (self.kv_transfer is not None and bool(self.kv_transfer.receiving)))
 
     def stats(self) -> EngineStats:
         stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting) + len(self.compiling),
@@ -208,6 +231,9 @@ class EngineCore:
         stats.spec_accepted_tokens, stats.spec_accepted_per_position = spec.num_accepted_tokens, list(
             spec.accepted_per_position)
         stats.spec_draft_seconds, stats.spec_verify_seconds = spec.draft_seconds, spec.verify_seconds
+        if self.kv_transfer is not None:
+            t = self.kv_transfer.stats
+            stats.kv_transfers, stats.kv_transfer_bytes, stats.kv_transfer_seconds = t.num_transfers, t.num_bytes, t.seconds
         if self._structured is not None:
             c = self._structured.compiler.stats
             stats.grammar_compiles, stats.grammar_compile_seconds = c.num_compiles, c.compile_seconds
@@ -222,6 +248,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         failed = self._admit_compiled() if self.compiling else []
+        if self.kv_transfer is not None and self.kv_transfer.receiving:
+            failed += [self._fail(rid, error) for rid, error in self.kv_transfer.admit_received()]
         sched = self.last_schedule = self.scheduler.schedule()
         if not sched.num_scheduled_tokens:
             if sched.finished_request_ids:  # nothing to run, but the runner still drops their state
@@ -229,6 +257,8 @@ class EngineCore:
             if self.compiling and not failed:  # nothing to run but grammars compiling: wait a little
                 wait_futures([r.structured.future for r in self.compiling], timeout=0.01,
                              return_when=FIRST_COMPLETED)
+            if self.kv_transfer is not None and not failed:  # or KV on its way
+                self.kv_transfer.wait(0.01)
             return failed
         failed += self._attach_grammar(sched)
         if isinstance(self.proposer, RunnerDrafts):
@@ -243,6 +273,8 @@ class EngineCore:
                              for rid in list(sched.num_scheduled_tokens)]
         if sched.spec_token_ids:  # a step that verified drafts (and ran whatever else was scheduled)
             self.scheduler.spec_stats.verify_seconds += time.perf_counter() - start - output.draft_seconds
+        if self.kv_transfer is not None and self.kv_transfer.config.is_producer:
+            self.kv_transfer.send_prefilled(sched)  # before their blocks return to the pool
         updates = self.scheduler.update_from_output(sched, output)
         if self.proposer is not None:
             self._propose(output)

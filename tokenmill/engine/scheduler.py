@@ -125,7 +125,10 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and not out.preempted_request_ids \
                 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            if request.num_external_tokens:  # its KV came from a prefill engine into the blocks it holds
+                computed_blocks, num_computed = None, request.num_external_tokens
+            else:
+                computed_blocks, num_computed = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_computed
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
@@ -226,6 +229,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_external_tokens = 0  # its blocks are gone: the prompt is computed here
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)

@@ -1,4 +1,4 @@
-"""The `tokenmill` command: info, generate, serve, router, bench, eval."""
+"""The `tokenmill` command: info, generate, serve, router, disagg-proxy, bench, eval."""
 
 from __future__ import annotations
 
@@ -161,15 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
-    """`serve`, `router`, `bench`, `eval` and `train-draft-head` live in their own packages."""
+    """`serve`, `router`, `disagg-proxy`, `bench`, `eval` and `train-draft-head` live in their own packages."""
     from tokenmill.bench.cli import add_bench_parser
     from tokenmill.eval.cli import add_eval_parser
+    from tokenmill.kv_transfer.cli import add_proxy_parser
     from tokenmill.router.cli import add_router_parser
     from tokenmill.server.cli import add_serve_parser
     from tokenmill.spec_decode.train_head import add_train_head_parser
 
     add_serve_parser(sub)
     add_router_parser(sub)
+    add_proxy_parser(sub)
     add_bench_parser(sub)
     add_eval_parser(sub)
     add_train_head_parser(sub)

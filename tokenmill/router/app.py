@@ -25,12 +25,11 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import PrefixPolicy
 from tokenmill.router.prompt import routing_text
 from tokenmill.router.replicas import ReplicaSet, check_all, health_loop
-from tokenmill.router.upstream import StreamedResponse, error_body, request_headers, response_headers
+from tokenmill.router.upstream import (CLIENT_CLOSED, add_generation_routes, error_body, read_body, relay,
+                                      request_headers)
 from tokenmill.server.streaming import ClientDisconnected, run_until_disconnect
 
 logger = logging.getLogger("tokenmill.router")
-
-_CLIENT_CLOSED = 499  # nginx's status for a client that went away; it never reaches anyone
 
 
 @dataclass
@@ -109,7 +108,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
                 upstream = await run_until_disconnect(request, client.send(upstream_request, stream=True))
             except ClientDisconnected:
                 release()
-                return Response(status_code=_CLIENT_CLOSED)
+                return Response(status_code=CLIENT_CLOSED)
             except httpx.TransportError as e:
                 release()
                 metrics.failures.labels(replica.url).inc()
@@ -130,49 +129,16 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
                 metrics.retries.labels(replica.url).inc()
                 failure = f"replica {replica.index} answered 503"
                 continue
-            return await respond(request, upstream, replica.index, release)
+            return await relay(request, upstream, replica.index, release,
+                               metrics.failures.labels(replica.url).inc)
         why = failure or "no replica passed its last health check"
         return unavailable(f"no healthy replica to serve the request ({why})")
 
-    async def respond(request: Request, upstream: httpx.Response, index: int, release) -> Response:
-        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return StreamedResponse(upstream, index, release)
-        try:
-            content = await run_until_disconnect(request, upstream.aread())
-        except ClientDisconnected:
-            return Response(status_code=_CLIENT_CLOSED)
-        except httpx.HTTPError as e:
-            metrics.failures.labels(replicas[index].url).inc()
-            body = error_body(502, f"replica {index} failed during the response: {type(e).__name__}", "server_error",
-                              "replica_failed")
-            return JSONResponse(body, status_code=502)
-        finally:
-            await upstream.aclose()
-            release()
-        response = Response(content=content, status_code=upstream.status_code)
-        response.raw_headers = response_headers(upstream, index, decoded=True) + \
-            [(b"content-length", str(len(content)).encode())]
-        return response
-
-    async def read_body(request: Request) -> bytes:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > settings.max_body_bytes:
-                raise HTTPException(413, f"request body exceeds {settings.max_body_bytes} bytes")
-        return bytes(body)
-
     async def generation(request: Request, path: str) -> Response:
-        body = await read_body(request)
+        body = await read_body(request, settings.max_body_bytes)
         return await forward(request, "POST", path, body, routing_text(path, body))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generation(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await generation(request, "/v1/chat/completions")
+    add_generation_routes(app, generation)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -50,15 +50,19 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="a replica's root URL (e.g. http://127.0.0.1:8001); repeat for each replica")
     r = p.add_argument_group("routing")
     add_policy_args(r)
-    s = p.add_argument_group("HTTP")
-    s.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
-    s.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="log level of the uvicorn HTTP server (default: %(default)s)")
+    add_http_args(p.add_argument_group("HTTP"))
     p.set_defaults(func=run_router)
     return p
+
+
+def add_http_args(group) -> None:
+    """--host, --port, --uvicorn-log-level of a front (the router, the disaggregated-serving proxy)."""
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
+    group.add_argument("--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="log level of the uvicorn HTTP server (default: %(default)s)")
 
 
 def _policy(args: argparse.Namespace, num_replicas: int):

@@ -4,14 +4,17 @@ a streamed response passed through chunk by chunk."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.server.streaming import stream_response
+from tokenmill.server.streaming import ClientDisconnected, run_until_disconnect, stream_response
+
+CLIENT_CLOSED = 499  # nginx's status for a client that went away; it never reaches anyone
 
 # hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves
 _REQUEST_SKIP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -33,6 +36,30 @@ def response_headers(upstream: httpx.Response, replica: int, decoded: bool) -> l
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                for k, v in upstream.headers.multi_items() if k.lower() not in skip]
     return headers + [(REPLICA_HEADER.encode(), str(replica).encode())]
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def add_generation_routes(app, generation: Callable[[Request, str], Awaitable[Response]]) -> None:
+    """POST /v1/completions and /v1/chat/completions, each answered by `generation(request, path)`."""
+    def route_for(path: str):
+        async def route(request: Request) -> Response:
+            return await generation(request, path)
+        return route
+
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, route_for(path), methods=["POST"], include_in_schema=False)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The client's request body; 413 once it exceeds `max_bytes`."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise HTTPException(413, f"request body exceeds {max_bytes} bytes")
+    return bytes(body)
 
 
 def error_body(status: int, message: str, kind: str, code: str) -> dict:
@@ -68,3 +95,27 @@ class StreamedResponse(Response):
             await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def relay(request: Request, upstream: httpx.Response, replica: int, release: Callable[[], None],
+                on_failure: Callable[[], None] = lambda: None) -> Response:
+    """The replica's answer for the client: an SSE stream passed on chunk by chunk, anything else read
+    whole (502 if the replica fails meanwhile: `on_failure` runs). `release` runs once it is done."""
+    if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+        return StreamedResponse(upstream, replica, release)
+    try:
+        content = await run_until_disconnect(request, upstream.aread())
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    except httpx.HTTPError as e:
+        on_failure()
+        body = error_body(502, f"replica {replica} failed during the response: {type(e).__name__}", "server_error",
+                          "replica_failed")
+        return JSONResponse(body, status_code=502)
+    finally:
+        await upstream.aclose()
+        release()
+    response = Response(content=content, status_code=upstream.status_code)
+    response.raw_headers = response_headers(upstream, replica, decoded=True) + \
+        [(b"content-length", str(len(content)).encode())]
+    return response

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -86,11 +87,35 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                          "--host/--port that balances requests by prefix-cache affinity and load; the replicas "
                          "stop with the router. 1 = one server, no router (default: %(default)s)")
     add_policy_args(dp)  # the router's flags, used with N > 1
+    pd = p.add_argument_group("disaggregated prefill/decode (see also `tokenmill disagg-proxy`)")
+    pd.add_argument("--kv-role", choices=["producer", "consumer"], default=None,
+                    help="producer: a prefill server (a request with kv_transfer_params runs its prompt, samples "
+                         "one token and sends the prompt's KV blocks to the consumer); consumer: a decode server "
+                         "(such a request receives its prompt's KV from the producer, then decodes). Both need the "
+                         "same model and KV cache flags (default: neither, a plain server)")
+    pd.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                    help='the transfer as a JSON object: {"kv_connector": "TorchDistributedConnector" (send/recv '
+                         'over torch.distributed: gloo on CPU, NCCL on CUDA) or "SharedMemoryConnector" (one host), '
+                         '"kv_rank": 0 producer / 1 consumer (default: from --kv-role), "kv_parallel_size": 2, '
+                         '"kv_ip": the producer\'s address (default 127.0.0.1), "kv_port": its rendezvous TCPStore '
+                         'port (default 14579), "kv_timeout": seconds a transfer may take (default 30)}')
     p.set_defaults(func=run_server)
     return p
 
 
 DATA_PARALLEL_DESTS = ("data_parallel_size", *POLICY_DESTS)
+
+
+def kv_transfer_from_args(args: argparse.Namespace):
+    """--kv-role / --kv-transfer-config as a `KVTransferConfig` (None: neither given); ValueError naming the flag."""
+    from tokenmill.kv_transfer.config import KVTransferConfig
+
+    config = KVTransferConfig.from_args(args.kv_role, args.kv_transfer_config)
+    if config is not None and args.data_parallel_size > 1:
+        raise ValueError("--kv-role does not combine with --data-parallel-size > 1 (one producer, one consumer)")
+    if config is not None and args.tensor_parallel_size > 1:
+        raise ValueError("--kv-role needs --tensor-parallel-size 1")
+    return config
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -131,6 +156,11 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"tokenmill serve: error: --data-parallel-size must be >= 1, got {args.data_parallel_size}",
               file=sys.stderr)
         raise SystemExit(2)
+    try:
+        kv_transfer_from_args(args)
+    except ValueError as e:
+        print(f"tokenmill serve: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.data_parallel_size > 1:
         from tokenmill.router.cli import serve_data_parallel
 
@@ -155,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
     from tokenmill.server.metrics import ServerMetrics
 
     try:
-        config = engine_config_from_args(args)
+        config = dataclasses.replace(engine_config_from_args(args), kv_transfer=kv_transfer_from_args(args))
         limits = limits_from_args(args)
         chat_template = read_chat_template(args.chat_template)
         if args.max_queue is not None and args.max_queue < 1:

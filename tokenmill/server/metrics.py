@@ -75,6 +75,11 @@ class ServerMetrics:
         self.spec_per_position = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
                                          "Speculative decoding: drafted tokens accepted, by draft position (0 first).",
                                          ["model_name", "position"], registry=r)
+        self.kv_transfers = counter("kv_transfers", "Disaggregated prefill/decode: prompts whose KV was sent "
+                                    "(producer) or received (consumer).")
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "Disaggregated prefill/decode: KV bytes of those prompts.")
+        self.kv_transfer_seconds = counter("kv_transfer_seconds", "Disaggregated prefill/decode: producer, time "
+                                           "copying KV out; consumer, from asking for it until it is in.")
         self.engine_restarts = counter("engine_restarts", "Times the engine core was restarted after it died or hung.")
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
@@ -142,6 +147,9 @@ class ServerMetrics:
         self._inc_delta(self.spec_accepted, s, "spec_accepted_tokens")
         self._inc_delta(self.spec_draft_seconds, s, "spec_draft_seconds")
         self._inc_delta(self.spec_verify_seconds, s, "spec_verify_seconds")
+        self._inc_delta(self.kv_transfers, s, "kv_transfers")
+        self._inc_delta(self.kv_transfer_bytes, s, "kv_transfer_bytes")
+        self._inc_delta(self.kv_transfer_seconds, s, "kv_transfer_seconds")
         before = self._last_stats.get("spec_accepted_per_position") or []
         for pos, count in enumerate(s.get("spec_accepted_per_position") or []):
             delta = count - (before[pos] if pos < len(before) else 0)

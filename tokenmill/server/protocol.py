@@ -94,6 +94,8 @@ class _SamplingRequest(_Body):
     prompt_logprobs: int | None = None  # vLLM: logprobs (top-N) of every prompt token, in the response
     cache_salt: str | None = None  # prefix-cache blocks are only shared between requests with the same salt
     speculative: bool = True  # false: no drafted tokens for this request (when the server speculates)
+    # disaggregated prefill/decode (vLLM's name; set by `tokenmill disagg-proxy`): {"transfer_id": "..."}
+    kv_transfer_params: dict | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* names
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -106,6 +108,14 @@ class _SamplingRequest(_Body):
     def _check_unsupported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (it must be unset or equal to n)", "best_of", "unsupported")
+
+    def _kv_transfer_id(self) -> str:
+        transfer_id = self.kv_transfer_params.get("transfer_id")
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise bad_request("kv_transfer_params.transfer_id must be a non-empty string", "kv_transfer_params")
+        if self.n != 1:
+            raise bad_request("kv_transfer_params needs n = 1 (one sequence per transfer)", "n")
+        return transfer_id
 
     @property
     def include_usage(self) -> bool:
@@ -156,6 +166,8 @@ class _SamplingRequest(_Body):
                   "prompt_logprobs": prompt_logprobs, "speculative": self.speculative}
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+        if self.kv_transfer_params is not None:
+            kwargs["kv_transfer_id"] = self._kv_transfer_id()
         if not -(2**63) <= self.priority < 2**63:
             raise bad_request(f"priority must fit in 64 bits, got {self.priority}", "priority")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:

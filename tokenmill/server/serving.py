@@ -97,6 +97,8 @@ class ServingContext:
             raise bad_request(f"n must be <= {lim.max_n}, got {req.n}", "n")
         if num_prompts > lim.max_prompts:
             raise bad_request(f"prompt has {num_prompts} prompts; at most {lim.max_prompts} are allowed", "prompt")
+        if num_prompts > 1 and getattr(req, "kv_transfer_params", None) is not None:
+            raise bad_request("kv_transfer_params needs a single prompt (one sequence per transfer)", "prompt")
         if req.n * num_prompts > lim.max_choices:
             raise bad_request(f"n x prompts = {req.n * num_prompts} sequences; at most {lim.max_choices} per "
                               "request", "n")
