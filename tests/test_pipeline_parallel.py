@@ -13,7 +13,8 @@ import sys
 import pytest
 from helpers import make_core, make_tiny_model, run_core
 
-from tokenmill.config import ParallelConfig
+from tokenmill.config import EngineConfig, ParallelConfig
+from tokenmill.executor import PipelineExecutor
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -131,12 +132,13 @@ def test_ray_actors_give_the_greedy_tokens_of_one_process(tiny, single):
 
 @pytest.mark.parametrize("layout,message", [
     (dict(pipeline_parallel_size=3), "--pipeline-parallel-size 3 does not divide the model's 4 decoder layers"),
-    (dict(pipeline_parallel_size=2, pipeline_layer_partition=[1, 2]),
+    (dict(pipeline_parallel_size=2, pipeline_layer_partition=(1, 2)),
      "--pipeline-layer-partition 1,2 sums to 3, but the model has 4 decoder layers"),
 ])
-def test_layouts_that_do_not_fit_the_model_are_refused(tiny, layout, message):
-    done = run_layout(tiny, **layout)
-    assert done.returncode != 0 and message in done.stderr
+def test_layouts_that_do_not_fit_the_model_are_refused_before_workers_start(tiny, layout, message):
+    config = EngineConfig(model=tiny, parallel=ParallelConfig(**layout))
+    with pytest.raises(ValueError, match=message):
+        PipelineExecutor(config)
 
 
 def test_bad_options_are_refused_naming_them():

@@ -87,20 +87,22 @@ def global_rank(stage: int, tp_index: int = 0) -> int:
 
 def pp_layers(num_layers: int) -> tuple[int, int]:
     """[start, end) of the decoder layers this pipeline stage holds (all of them without pipelining)."""
-    counts = _partition or stage_partition(num_layers, _pp_size)
-    if sum(counts) != num_layers:
-        raise ValueError(f"--pipeline-layer-partition {','.join(map(str, counts))} sums to {sum(counts)}, "
-                         f"but the model has {num_layers} decoder layers")
+    counts = layer_partition(num_layers, _pp_size, _partition)
     start = sum(counts[:_pp_rank])
     return start, start + counts[_pp_rank]
 
 
-def stage_partition(num_layers: int, stages: int) -> tuple[int, ...]:
-    """The even split of `num_layers` over `stages` (an error naming the options when it is not even)."""
-    if num_layers % stages:
+def layer_partition(num_layers: int, stages: int, partition: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage: `partition`, else an even split (an error naming the option
+    when the layers do not fit)."""
+    if not partition and num_layers % stages:
         raise ValueError(f"--pipeline-parallel-size {stages} does not divide the model's {num_layers} decoder "
                          "layers; give the layers per stage with --pipeline-layer-partition")
-    return (num_layers // stages,) * stages
+    counts = partition or (num_layers // stages,) * stages
+    if sum(counts) != num_layers:
+        raise ValueError(f"--pipeline-layer-partition {','.join(map(str, counts))} sums to {sum(counts)}, "
+                         f"but the model has {num_layers} decoder layers")
+    return counts
 
 
 class CommStats:

@@ -26,6 +26,8 @@ from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.executor.abstract import size_kv_cache
 from tokenmill.executor.multiproc import MultiprocExecutor
+from tokenmill.loader import open_checkpoint
+from tokenmill.loader.source import resolve_model
 from tokenmill.worker.model_runner import ModelRunner
 
 
@@ -88,8 +90,10 @@ class PipelineExecutor(MultiprocExecutor):
     """The driver of a pipeline: stage 0's rank 0."""
 
     def __init__(self, config: EngineConfig) -> None:
+        p = config.parallel  # a layout that does not fit the model fails before any worker starts
+        layers = open_checkpoint(resolve_model(config.model)).config.num_hidden_layers
+        parallel_state.layer_partition(layers, p.pipeline_parallel_size, p.pipeline_layer_partition)
         super().__init__(config)
-        p = config.parallel
         self.max_concurrent_batches = p.pipeline_parallel_size
         self._last = parallel_state.global_rank(p.pipeline_parallel_size - 1)
         self._send = _Sender(parallel_state.global_rank(1))
