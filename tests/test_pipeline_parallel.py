@@ -34,8 +34,8 @@ from tokenmill.executor import executor_for
 from tokenmill.sampling_params import SamplingParams
 
 model, layout, prompts, tokens, budget = sys.argv[1], json.loads(sys.argv[2]), *map(json.loads, sys.argv[3:6])
-kill = layout.pop("kill", False)
-config = EngineConfig(model=model, dtype="float32", cache=CacheConfig(num_blocks=64),
+kill, num_blocks = layout.pop("kill", False), layout.pop("num_blocks", 64)
+config = EngineConfig(model=model, dtype="float32", cache=CacheConfig(num_blocks=num_blocks),
                       scheduler=SchedulerConfig(max_num_batched_tokens=budget), parallel=ParallelConfig(**layout))
 executor = executor_for(config)
 core = EngineCore(config, executor, set())
@@ -79,7 +79,7 @@ while core.has_unfinished():
         sys.exit(0)
 assert core.kv.num_free_blocks == core.kv.num_blocks, "KV blocks leaked"
 executor.close()
-print("RESULT " + json.dumps({"tokens": out, "in_flight": depth[1]}))
+print("RESULT " + json.dumps({"tokens": out, "in_flight": depth[1], "preemptions": core.scheduler.num_preemptions}))
 """
 
 
@@ -120,8 +120,11 @@ def test_two_stages_give_the_greedy_tokens_of_one_process(tiny, single):
     assert result["in_flight"] == 2  # two micro-batches were in the pipeline at once
 
 
-def test_uneven_layer_partition(tiny, single):
-    assert _tokens(layout_result(tiny, pipeline_parallel_size=2, pipeline_layer_partition=[1, 3])) == single
+def test_uneven_layer_partition_and_preemption(tiny, single):
+    """A KV pool too small for every request at once: requests not in flight give way and recompute."""
+    result = layout_result(tiny, pipeline_parallel_size=2, pipeline_layer_partition=[1, 3], num_blocks=7)
+    assert _tokens(result) == single
+    assert result["preemptions"] > 0
 
 
 def test_ray_actors_give_the_greedy_tokens_of_one_process(tiny, single):

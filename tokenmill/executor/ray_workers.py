@@ -16,6 +16,9 @@ _STARTUP_TIMEOUT = 120.0  # seconds for the placement group to be placed
 
 
 def _import_ray():
+    # a single-node cluster: Ray's node address (and so every server it starts) is 127.0.0.1, not the
+    # host's network address; read when ray is first imported
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     try:
         import ray
     except ImportError:
@@ -25,7 +28,8 @@ def _import_ray():
 
 
 def _start_local_ray(ray, num_cpus: int) -> None:
-    """A local Ray cluster on 127.0.0.1 (never another address); its workers import tokenmill from here."""
+    """A local Ray cluster on 127.0.0.1 (never another address; `_import_ray` keeps its servers there);
+    its workers import tokenmill from here."""
     if ray.is_initialized():
         return
     root = str(Path(__file__).resolve().parents[2])
@@ -41,10 +45,10 @@ class RayWorkers:
     """Ranks 1..world-1 as Ray actors."""
 
     def __init__(self, config: EngineConfig, init_method: str) -> None:
+        ray = self.ray = _import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        ray = self.ray = _import_ray()
         world, gpu = config.parallel.world_size, config.device.startswith("cuda")
         _start_local_ray(ray, max(os.cpu_count() or 1, world))
         bundle = {"GPU": 1} if gpu else {"CPU": 1}
