@@ -1,7 +1,7 @@
 """Pipeline parallelism over real processes (gloo on 127.0.0.1) and the Ray executor backend: greedy
 output token-identical to one process with several requests of different lengths in flight at once
-(micro-batches overlap in the pipeline) and prompts chunked over steps; an uneven layer partition;
-tensor parallelism inside Ray actors; the KV pool whole afterwards; bad layouts refused naming the
+(micro-batches overlap in the pipeline) and prompts chunked over steps; an uneven layer partition
+under preemption; tensor x pipeline parallelism in Ray actors; the KV pool whole afterwards; bad layouts refused naming the
 option; a killed stage reported, not waited on."""
 
 from __future__ import annotations
@@ -127,10 +127,12 @@ def test_uneven_layer_partition_and_preemption(tiny, single):
     assert result["preemptions"] > 0
 
 
-def test_ray_actors_give_the_greedy_tokens_of_one_process(tiny, single):
-    """Tensor parallelism in Ray actors (a pipeline in Ray actors: the killed-stage test below)."""
+def test_two_by_two_ray_actors_give_the_greedy_tokens_of_one_process(tiny, single):
+    """TP 2 x PP 2 as Ray actors: each stage's collectives in its own tensor-parallel group."""
     pytest.importorskip("ray")
-    assert _tokens(layout_result(tiny, distributed_executor_backend="ray", tensor_parallel_size=2)) == single
+    result = layout_result(tiny, distributed_executor_backend="ray", tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert _tokens(result) == single
+    assert result["in_flight"] == 2
 
 
 @pytest.mark.parametrize("layout,message", [

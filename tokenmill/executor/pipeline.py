@@ -50,6 +50,11 @@ class _Sender:
         tensors = list(out) if isinstance(out, IntermediateTensors) else []
         self.pending.extend(parallel_state.send(message, tensors, self.dst))
 
+    def flush(self) -> None:
+        """Wait until everything sent has gone."""
+        while self.pending:
+            self.pending.popleft()[0].wait()
+
 
 def _gather_kv_specs(runner: ModelRunner) -> dict | None:
     """Every stage's attention-layer specs, merged on the driver (None elsewhere)."""
@@ -83,6 +88,7 @@ def serve_pipeline_stage(runner: ModelRunner) -> None:
         elif kind == "step" and index == 0:
             send(("output", out))
         if kind == "stop":
+            send.flush()  # the next stage gets its "stop" before this rank leaves the group
             break
 
 
