@@ -39,8 +39,8 @@ def _free_port() -> int:
 def _start_rank(config: EngineConfig, rank: int, size: int, init_method: str) -> LoadedModel:
     """Join the group and load this rank's shard of the model (`size`: the world, tp * pp ranks)."""
     device = torch.device(config.device)
-    if device.type == "cuda":  # a Ray actor sees only its own GPU
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
     else:  # each rank its own share of the cores (the runner then uses that many threads)
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) >= size:

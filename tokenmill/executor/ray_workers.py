@@ -50,6 +50,8 @@ class RayWorkers:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world, gpu = config.parallel.world_size, config.device.startswith("cuda")
+        if gpu:  # rank r takes GPU r as a worker process would (the driver has GPU 0): Ray must not hide GPUs
+            os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         _start_local_ray(ray, max(os.cpu_count() or 1, world))
         bundle = {"GPU": 1} if gpu else {"CPU": 1}
         self.group = placement_group([bundle] * (world - 1), strategy="PACK")

@@ -266,6 +266,8 @@ class LlamaForCausalLM(nn.Module):
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions: [T] for the whole flat batch. Returns final hidden states [T, hidden]
         (a pipeline stage before the last: its `IntermediateTensors`, from the previous stage's)."""
+        if intermediate is None:  # decoders that do not split into stages (Gemma) take no third argument
+            return self.model(input_ids, positions)
         return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -214,7 +214,7 @@ class ModelRunner:
         context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)})
         with set_forward_context(context):
             ids, positions = torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device)
-            hidden = self.model(ids, positions) if intermediate is None else self.model(ids, positions, intermediate)
+            hidden = self.model(ids, positions, intermediate)
         return hidden, common
 
     def _update_states(self, sched: SchedulerOutput) -> None:
