@@ -51,11 +51,11 @@ start = time.perf_counter()
 while core.has_unfinished():
     core.step()
 seconds = time.perf_counter() - start
-decoded = batch * (tokens - 1)
+result = json.dumps({"seconds": seconds, "steps": tokens - 1, "decoded": batch * (tokens - 1), "calls": stats.calls,
+                     "comm_seconds": stats.seconds, "bytes": stats.bytes})
 if config.parallel.world_size > 1:
     executor.close()
-print("RESULT " + json.dumps({"seconds": seconds, "steps": tokens - 1, "decoded": decoded, "calls": stats.calls,
-                              "comm_seconds": stats.seconds, "bytes": stats.bytes}))
+print("RESULT " + result)
 """
 
 
