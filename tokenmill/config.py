@@ -251,11 +251,29 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # pipeline parallelism: the decoder layers in this many stages of tensor_parallel_size ranks each
+    pipeline_parallel_size: int = 1
+    pipeline_layer_partition: tuple[int, ...] = ()  # layers per stage (empty: an even split)
+    distributed_executor_backend: str = "mp"  # "mp": worker processes; "ray": Ray actors in a placement group
 
     def __post_init__(self) -> None:
-        size = self.tensor_parallel_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name} must be a positive integer, got {size!r}")
+        self.pipeline_layer_partition = tuple(self.pipeline_layer_partition)
+        partition = self.pipeline_layer_partition
+        if partition and (len(partition) != self.pipeline_parallel_size or min(partition) < 1):
+            raise ValueError(f"--pipeline-layer-partition {','.join(map(str, partition))} must give a positive "
+                             f"number of layers to each of the {self.pipeline_parallel_size} pipeline stages")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"--distributed-executor-backend must be 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one engine: a tensor-parallel group per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -294,6 +312,8 @@ class EngineConfig:
                 self.parallel.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config.method {self.speculative.method} does not run with "
                              "--tensor-parallel-size > 1 yet (ngram does)")
+        if self.speculative is not None and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding does not run with --pipeline-parallel-size > 1 yet")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -100,6 +100,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(expert e on rank e // (experts / N)) instead of splitting every expert; tokens travel "
                         "to their experts' ranks and back by all-to-all, attention stays tensor-parallel. "
                         "Needs an MoE model whose expert count divides by N (default: off)")
+    c.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                   help="split the decoder layers into N consecutive stages, each in its own process(es) (times "
+                        "--tensor-parallel-size); the hidden state passes between stages point to point over "
+                        "torch.distributed and up to N steps are in flight at once (default: %(default)s)")
+    c.add_argument("--pipeline-layer-partition", default=None, metavar="A,B,...",
+                   help="decoder layers per pipeline stage, e.g. 10,12 (must sum to the model's layers; "
+                        "default: an even split, which needs the layers to divide by --pipeline-parallel-size)")
+    c.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="how the workers of a tensor- or pipeline-parallel engine start: mp (processes spawned "
+                        "here) or ray (Ray actors in a placement group of a local Ray cluster on 127.0.0.1, "
+                        "started if none runs in this process; needs the ray package) (default: %(default)s)")
     c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.policy,
                    help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
                         "first (default: %(default)s)")
@@ -115,7 +126,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           prefix_cache_hash=args.prefix_cache_hash, cache_dtype=args.kv_cache_dtype),
         speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size,
+                                pipeline_layer_partition=_layer_partition(args.pipeline_layer_partition),
+                                distributed_executor_backend=args.distributed_executor_backend,
                                 enable_expert_parallel=args.enable_expert_parallel),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, policy=args.scheduling_policy),
     )
+
+
+def _layer_partition(text: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",")) if text else ()
+    except ValueError:
+        raise ValueError(f"--pipeline-layer-partition must be comma-separated layer counts, got {text!r}") from None

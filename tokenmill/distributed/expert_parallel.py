@@ -70,7 +70,7 @@ def check_has_experts(model_config) -> None:
 def _all_to_all(x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
     start = time.perf_counter()
     out = x.new_empty(sum(receive), x.shape[1])
-    dist.all_to_all_single(out, x.contiguous(), receive, send)
+    dist.all_to_all_single(out, x.contiguous(), receive, send, group=parallel_state.tp_group())
     parallel_state.stats.add("all_to_all", start, x.numel() * x.element_size())
     return out
 
@@ -81,7 +81,7 @@ def _gather_rows(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     padded = x.new_zeros(max(sizes), x.shape[1])
     padded[:x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=parallel_state.tp_group())
     parallel_state.stats.add("all_gather", start, padded.numel() * padded.element_size())
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 

@@ -5,17 +5,26 @@ process) and ranks 1..N-1 workers (`tokenmill.executor.multiproc`), joined in on
 group: gloo on CPU, NCCL on CUDA, rendezvous over TCP on 127.0.0.1. Layers built while a group is
 set up take their rank and size from here; with none (the default) they hold whole weights and call
 no collective.
+
+With `pipeline_parallel_size` P the world is N * P ranks: stage s holds global ranks s*N .. s*N+N-1,
+its own tensor-parallel sub-group (the layers' collectives run in it), and the decoder layers
+`pp_layers` gives it; consecutive stages pass the hidden state point to point (`send` / `recv`).
 """
 
 from __future__ import annotations
 
 import datetime
+import pickle
 import time
 
 import torch
 import torch.distributed as dist
 
 _rank, _size = 0, 1
+_pp_rank, _pp_size = 0, 1
+_tp_group: dist.ProcessGroup | None = None  # this stage's tensor-parallel group (None: the whole world)
+_partition: tuple[int, ...] = ()  # decoder layers per pipeline stage (empty: an even split)
+_device = torch.device("cpu")
 
 # a collective whose peer died fails after this long instead of waiting forever
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -23,17 +32,31 @@ TIMEOUT = datetime.timedelta(seconds=60)
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> None:
     """Join the group (`init_method`: "tcp://127.0.0.1:PORT", the same for every rank)."""
-    global _rank, _size
+    init_model_parallel(rank, size, 1, init_method, device)
+
+
+def init_model_parallel(rank: int, tp: int, pp: int, init_method: str, device: torch.device,
+                        partition: tuple[int, ...] = ()) -> None:
+    """Join a world of tp * pp ranks (global `rank`), and its tensor-parallel group per pipeline stage."""
+    global _rank, _size, _pp_rank, _pp_size, _tp_group, _partition, _device
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT)
-    _rank, _size = rank, size
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp * pp, timeout=TIMEOUT)
+    if pp > 1:  # every rank creates every group, in the same order
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=TIMEOUT) for s in range(pp)]
+        _tp_group = groups[rank // tp]
+    _pp_rank, _rank = divmod(rank, tp)
+    _size, _pp_size, _partition, _device = tp, pp, tuple(partition), device
 
 
 def destroy_tensor_parallel() -> None:
-    global _rank, _size
+    global _rank, _size, _pp_rank, _pp_size, _tp_group, _partition
     if dist.is_initialized():
         dist.destroy_process_group()
-    _rank, _size = 0, 1
+    _rank, _size, _pp_rank, _pp_size, _tp_group, _partition = 0, 1, 0, 1, None, ()
+_pp_rank, _pp_size = 0, 1
+_tp_group: dist.ProcessGroup | None = None  # this stage's tensor-parallel group (None: the whole world)
+_partition: tuple[int, ...] = ()  # decoder layers per pipeline stage (empty: an even split)
+_device = torch.device("cpu")
 
 
 def tp_rank() -> int:
@@ -42,6 +65,44 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _size
+
+
+def pp_rank() -> int:
+    return _pp_rank
+
+
+def pp_size() -> int:
+    return _pp_size
+
+
+def tp_group() -> dist.ProcessGroup | None:
+    """This stage's tensor-parallel group (None: the default group, the whole world)."""
+    return _tp_group
+
+
+def global_rank(stage: int, tp_index: int = 0) -> int:
+    """The world rank of tensor-parallel rank `tp_index` of pipeline stage `stage`."""
+    return stage * _size + tp_index
+
+
+def pp_layers(num_layers: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers this pipeline stage holds (all of them without pipelining)."""
+    counts = layer_partition(num_layers, _pp_size, _partition)
+    start = sum(counts[:_pp_rank])
+    return start, start + counts[_pp_rank]
+
+
+def layer_partition(num_layers: int, stages: int, partition: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage: `partition`, else an even split (an error naming the option
+    when the layers do not fit)."""
+    if not partition and num_layers % stages:
+        raise ValueError(f"--pipeline-parallel-size {stages} does not divide the model's {num_layers} decoder "
+                         "layers; give the layers per stage with --pipeline-layer-partition")
+    counts = partition or (num_layers // stages,) * stages
+    if sum(counts) != num_layers:
+        raise ValueError(f"--pipeline-layer-partition {','.join(map(str, counts))} sums to {sum(counts)}, "
+                         f"but the model has {num_layers} decoder layers")
+    return counts
 
 
 class CommStats:
@@ -65,7 +126,7 @@ stats = CommStats()
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the default group's ranks, in place (every rank gets the same bits)."""
     start = time.perf_counter()
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=_tp_group)
     stats.add("all_reduce", start, x.numel() * x.element_size())
     return x
 
@@ -73,16 +134,44 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 def all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's `x` (same shape on all) concatenated along the last dimension, in rank order."""
     start = time.perf_counter()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
+    parts = [torch.empty_like(x) for _ in range(_size)]
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
     stats.add("all_gather", start, x.numel() * x.element_size())
     return torch.cat(parts, dim=-1)
 
 
 def broadcast_object(obj: object = None) -> object:
-    """The driver's `obj` on every rank (pickled; the workers pass nothing)."""
+    """The driver's `obj` on every rank of its tensor-parallel group (pickled; the workers pass nothing)."""
     start = time.perf_counter()
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=global_rank(_pp_rank), group=_tp_group)
     stats.add("broadcast", start, 0)
     return box[0]
+
+
+def send(obj: object, tensors: list[torch.Tensor], dst: int) -> list:
+    """Start sending `obj` (pickled) and `tensors` to world rank `dst`, which takes them with `recv`;
+    returns the pending sends (wait on them, or keep them until done: their buffers must live)."""
+    start = time.perf_counter()
+    data = pickle.dumps((obj, [(t.shape, t.dtype) for t in tensors]))
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(_device)
+    parts = [torch.tensor([len(data)], dtype=torch.int64, device=_device), payload, *(t.contiguous() for t in tensors)]
+    works = [(dist.isend(part, dst), part) for part in parts]
+    stats.add("send", start, sum(t.numel() * t.element_size() for t in tensors))
+    stats.add("send_object", start, len(data))
+    return works
+
+
+def recv(src: int) -> tuple[object, list[torch.Tensor]]:
+    """What world rank `src` sent with `send`: the object and the tensors (waits for them)."""
+    start = time.perf_counter()
+    size = torch.empty(1, dtype=torch.int64, device=_device)
+    dist.recv(size, src)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=_device)
+    dist.recv(payload, src)
+    obj, specs = pickle.loads(payload.cpu().numpy().tobytes())
+    tensors = [torch.empty(shape, dtype=dtype, device=_device) for shape, dtype in specs]
+    for t in tensors:
+        dist.recv(t, src)
+    stats.add("recv", start, 0)
+    return obj, tensors

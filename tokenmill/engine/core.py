@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -84,6 +85,8 @@ class EngineCore:
                            HASH_FUNCTIONS[config.cache.prefix_cache_hash], window)
             for blocks, window in zip(kv_config.pool_blocks, kv_config.pool_windows)])
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        # a pipeline's steps in flight, oldest first (None: one step at a time)
+        self.batch_queue: deque[SchedulerOutput] | None = deque() if executor.max_concurrent_batches > 1 else None
         self.requests: dict[str, Request] = {}
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (stats, tests)
         self._tokenizer_data = tokenizer_data
@@ -219,7 +222,7 @@ class EngineCore:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self.compiling)
+        return (self.scheduler.has_unfinished() or bool(self.compiling) or bool(self.batch_queue)
                 or (self.kv_transfer is not None and bool(self.kv_transfer.receiving)))
 
     def stats(self) -> EngineStats:
@@ -247,6 +250,8 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue is not None:
+            return self._step_pipelined()
         failed = self._admit_compiled() if self.compiling else []
         if self.kv_transfer is not None and self.kv_transfer.receiving:
             failed += [self._fail(rid, error) for rid, error in self.kv_transfer.admit_received()]
@@ -278,6 +283,43 @@ class EngineCore:
         updates = self.scheduler.update_from_output(sched, output)
         if self.proposer is not None:
             self._propose(output)
+        return failed + [self._output(u) for u in updates]
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """A step with several in flight (a pipeline, vLLM's batch queue): while the queue has room,
+        schedule the requests that are not in flight and submit them; when it is full or there is
+        nothing new to run, take the oldest step's output. Returns what that step produced."""
+        failed = self._admit_compiled() if self.compiling else []
+        queue, scheduler = self.batch_queue, self.scheduler
+        if len(queue) < self.executor.max_concurrent_batches:
+            sched = self.last_schedule = scheduler.schedule()
+            if sched.num_scheduled_tokens or sched.finished_request_ids:
+                failed += self._attach_grammar(sched)
+                try:
+                    self.executor.submit(sched)
+                except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+                    logger.exception("submitting a step of %d requests failed", len(sched.num_scheduled_tokens))
+                    return failed + [self._fail(rid, "the engine failed while running this request")
+                                     for rid in list(sched.num_scheduled_tokens)]
+                scheduler.in_flight.update(sched.num_scheduled_tokens)
+                queue.append(sched)
+                if len(queue) < self.executor.max_concurrent_batches:
+                    return failed  # room for another step before waiting on the oldest
+        if not queue:
+            if self.compiling and not failed:  # nothing to run but grammars compiling: wait a little
+                wait_futures([r.structured.future for r in self.compiling], timeout=0.01,
+                             return_when=FIRST_COMPLETED)
+            return failed
+        sched = queue.popleft()
+        scheduler.in_flight.difference_update(sched.num_scheduled_tokens)
+        try:
+            output = self.executor.collect()
+        except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            logger.exception("a step of %d requests failed; finishing them with an error",
+                             len(sched.num_scheduled_tokens))
+            return failed + [self._fail(rid, "the engine failed while running this request")
+                             for rid in list(sched.num_scheduled_tokens) if rid in self.requests]
+        updates = scheduler.update_from_output(sched, output)
         return failed + [self._output(u) for u in updates]
 
     def _worth(self, request: Request, num_running: int) -> int:

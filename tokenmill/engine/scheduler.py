@@ -71,6 +71,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._in_runner: set[str] = set()  # requests the model runner holds state for
         self._finished_ids: set[str] = set()  # finished since the last schedule()
+        self.in_flight: set[str] = set()  # in a step not yet back (a pipeline's): not scheduled nor preempted
         self.spec_stats = SpecDecodingStats()
 
     def add(self, request: Request) -> None:
@@ -91,12 +92,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = request.spec_token_ids[: budget - 1] if num_new == 1 else []
             num_new += len(drafts)
             had = [len(table) for table in self.kv.block_ids(request.request_id)]
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.waiting.victim(self.running)
+                victim = self.waiting.victim([r for r in self.running if r.request_id not in self.in_flight]
+                                             if self.in_flight else self.running)
                 position = self.running.index(victim)
                 del self.running[position]
                 self._preempt(victim)

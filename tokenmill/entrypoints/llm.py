@@ -27,7 +27,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  kv_cache_memory: float = 1.0, num_kv_blocks: int | None = None, block_size: int = 16,
                  kv_cache_dtype: str = "auto", speculative_config: dict | None = None,
-                 tensor_parallel_size: int = 1, engine_config: EngineConfig | None = None,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 distributed_executor_backend: str = "mp", engine_config: EngineConfig | None = None,
                  enable_expert_parallel: bool = False) -> None:
         """The keyword arguments build the engine's configuration; `engine_config` gives all of it instead."""
         config = engine_config or EngineConfig(
@@ -37,7 +38,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
             speculative=SpeculativeConfig(**speculative_config) if speculative_config else None,
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                                    distributed_executor_backend=distributed_executor_backend,
                                     enable_expert_parallel=enable_expert_parallel),
         )
         self.engine = LLMEngine(config)

@@ -27,6 +27,8 @@ class Executor(ABC):
     dtype: torch.dtype
     device: torch.device
     quantization: str
+    # steps in flight at once: above 1 (a pipeline, one per stage) the core calls `submit` and `collect`
+    max_concurrent_batches: int = 1
 
     @abstractmethod
     def initialize_kv_cache(self) -> KVCacheConfig:

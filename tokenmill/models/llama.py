@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.distributed import parallel_state
+from tokenmill.distributed.pipeline import IntermediateTensors, PPMissingLayer
 from tokenmill.kernels.decode_step import CompiledDecode, LayerParts
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention
@@ -198,12 +200,18 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers (`build_layers`: other families with the same residual stream
-    build their own), final norm."""
+    build their own), final norm. A pipeline stage holds only its layers (`parallel_state.pp_layers`):
+    the first starts from the embedding, the others from the previous stage's `IntermediateTensors`;
+    all but the last return theirs instead of the normed hidden state."""
 
     def __init__(self, config: ModelConfig, quant_config: QuantizationConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.build_layers(config, quant_config, max_positions))
+        layers = self.build_layers(config, quant_config, max_positions)
+        start, end = parallel_state.pp_layers(len(layers))
+        self.layers = nn.ModuleList(layer if start <= i < end else PPMissingLayer() for i, layer in enumerate(layers))
+        self.stage_layers = tuple(self.layers[start:end])  # this pipeline stage's (every layer without one)
+        self.last_stage = end == len(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.compiled_decode: tuple[torch.Tensor | None, CompiledDecode | None] = (None, None)  # (for cache, step)
 
@@ -213,26 +221,29 @@ class LlamaModel(nn.Module):
         return [LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
                 for i in range(config.num_hidden_layers)]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         step, meta = self._compiled_decode(hidden)
         if step is not None:
             hidden, residual = step(positions, hidden, residual, meta)
         else:
-            for layer in self.layers:
+            for layer in self.stage_layers:
                 hidden, residual = layer(positions, hidden, residual)
+        if not self.last_stage:
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def _compiled_decode(self, hidden: torch.Tensor) -> tuple[CompiledDecode | None, object]:
         """The compiled decode step (built on the first step after the KV cache is bound) when it
         runs every layer and this step is decodes only; else (None, None)."""
-        attn = getattr(getattr(self.layers[0], "self_attn", None), "attn", None)
+        attn = getattr(getattr(self.stage_layers[0], "self_attn", None), "attn", None)
         if attn is None or attn.kv_cache is None:
             return None, None
         built_for, step = self.compiled_decode
         if built_for is not attn.kv_cache:
-            step = CompiledDecode.build([getattr(layer, "decode_parts", lambda: None)() for layer in self.layers])
+            step = CompiledDecode.build([getattr(layer, "decode_parts", lambda: None)() for layer in self.stage_layers])
             self.compiled_decode = (attn.kv_cache, step)
         if step is None:
             return None, None
@@ -255,9 +266,13 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] for the whole flat batch. Returns final hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions: [T] for the whole flat batch. Returns final hidden states [T, hidden]
+        (a pipeline stage before the last: its `IntermediateTensors`, from the previous stage's)."""
+        if intermediate is None:  # decoders that do not split into stages (Gemma) take no third argument
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

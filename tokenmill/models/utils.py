@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 
 from torch import nn
 
+from tokenmill.distributed.pipeline import PPMissingLayer
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.fused_moe import EXPERT_PROJECTIONS
 from tokenmill.layers.linear import LinearBase
@@ -75,8 +76,11 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]]) -> 
     """Load every checkpoint tensor; raise if one is unknown, misshapen or missing."""
     modules = dict(model.named_modules())
     expected, loaded = expected_tensors(model), set()
+    elsewhere = tuple(f"{m}." for m, module in modules.items() if isinstance(module, PPMissingLayer))
     for name, weight in weights:
         for mname, kind, shard in checkpoint_targets(model, name):
+            if elsewhere and mname.startswith(elsewhere):  # a layer of another pipeline stage
+                continue
             module = modules.get(mname)
             keys = _covered(module, mname, kind, shard) if module is not None else set()
             if not keys or not (keys <= expected or _optional(module, kind)):

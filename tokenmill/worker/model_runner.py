@@ -21,6 +21,7 @@ from tokenmill.attention.kv_quant import SCALE_DTYPE, is_quantized
 from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig
 from tokenmill.attention.metadata import CommonAttentionMetadata, build_common_metadata
 from tokenmill.config import EngineConfig, resolve_cache_dtype
+from tokenmill.distributed.pipeline import IntermediateTensors
 from tokenmill.engine.outputs import Logprob, ModelRunnerOutput, TokenLogprobs
 from tokenmill.engine.scheduler_output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from tokenmill.layers.attention import Attention
@@ -78,13 +79,14 @@ class ModelRunner:
         self.kv_cache_config = config
         self.group_keys = [(group.pool, group.spec.sliding_window) for group in config.groups]
         for g, group in enumerate(config.groups):
+            names = [n for n in group.layer_names if n in self.attention_layers]  # a pipeline stage's own
             shape = self.backend.kv_cache_shape(config.pool_blocks[group.pool], config.block_size, group.spec)
-            cache = torch.zeros(len(group.layer_names), *shape, dtype=group.spec.dtype, device=self.device)
-            scales = (torch.zeros(len(group.layer_names), *shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+            cache = torch.zeros(len(names), *shape, dtype=group.spec.dtype, device=self.device)
+            scales = (torch.zeros(len(names), *shape[:-1], dtype=SCALE_DTYPE, device=self.device)
                       if is_quantized(group.spec.dtype) else None)
             self.kv_caches.append(cache)
             self.kv_scales.append(scales)
-            for i, name in enumerate(group.layer_names):
+            for i, name in enumerate(names):
                 layer_scales = None if scales is None else scales[i]
                 self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g, layer_scales)
         logger.info("KV cache: %s blocks of %d tokens = %d tokens (%.2f GiB, %s: %d bytes and %d tokens per GiB, "
@@ -101,20 +103,28 @@ class ModelRunner:
         """A prefill and a decode of a throwaway request in block 0, so that kernels are compiled (or
         loaded) and first-call costs are paid before the first real request's clock starts. Block 0's
         contents are garbage afterwards, which is harmless: every block is written before it is read."""
+        for sched in self.warm_up_steps():
+            self.execute(sched)
+        for m in self.moe_layers:
+            m.expert_tokens.zero_()
+
+    def warm_up_steps(self) -> list[SchedulerOutput]:
+        """The steps of `warm_up` (a pipeline runs them through all its stages)."""
         rid, prompt = "__warmup__", [0, 0]
         pools = len(self.kv_cache_config.pool_blocks)
         new = NewRequestData(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0), set(), [[0]] * pools, 0)
-        self.execute(SchedulerOutput(new_requests=[new], num_scheduled_tokens={rid: len(prompt)}))
-        self.execute(SchedulerOutput(cached_requests=[CachedRequestData(rid, [[]] * pools, len(prompt))],
-                                     num_scheduled_tokens={rid: 1}))
-        self.execute(SchedulerOutput(finished_request_ids={rid}))
-        for m in self.moe_layers:
-            m.expert_tokens.zero_()
+        return [SchedulerOutput(new_requests=[new], num_scheduled_tokens={rid: len(prompt)}),
+                SchedulerOutput(cached_requests=[CachedRequestData(rid, [[]] * pools, len(prompt))],
+                                num_scheduled_tokens={rid: 1}),
+                SchedulerOutput(finished_request_ids={rid})]
 
     # ---- one step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput,
+                intermediate: IntermediateTensors | None = None) -> ModelRunnerOutput | IntermediateTensors:
+        """One step; a pipeline stage after the first starts from the previous stage's `intermediate`
+        and one before the last returns its own instead of sampling."""
         self._update_states(sched)
         if not sched.num_scheduled_tokens:
             return ModelRunnerOutput()
@@ -127,7 +137,9 @@ class ModelRunner:
         input_ids = np.fromiter((t for r, s, c, n in zip(req_ids, states, num_computed, num_new)
                                  for t in (s.token_slice(c, c + 1) + drafts[r] if r in drafts else s.token_slice(c, c + n))),
                                 dtype=np.int64, count=int(num_new.sum()))
-        hidden, common = self.forward(input_ids, num_new, num_computed, [s.block_ids for s in states])
+        hidden, common = self.forward(input_ids, num_new, num_computed, [s.block_ids for s in states], intermediate)
+        if isinstance(hidden, IntermediateTensors):
+            return hidden
         result = ModelRunnerOutput()
         self._prompt_logprobs(result, hidden, common, states)
         rows = [i for i, (r, s, n) in enumerate(zip(req_ids, states, num_new)) if s.samples_after(int(n)) and r not in drafts]
@@ -188,7 +200,8 @@ class ModelRunner:
         result.draft_seconds = time.perf_counter() - start
 
     def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
-                block_ids: list[list[list[int]]]) -> tuple[torch.Tensor, CommonAttentionMetadata]:
+                block_ids: list[list[list[int]]], intermediate: IntermediateTensors | None = None
+                ) -> tuple[torch.Tensor | IntermediateTensors, CommonAttentionMetadata]:
         """Run the model on a flat batch (per request: its new tokens after `num_computed` cached ones,
         decodes first; `block_ids[request][pool]` its block tables). Returns the final hidden state of
         every new token, and the step's description (of pool 0: positions and lengths are the same in all)."""
@@ -200,7 +213,8 @@ class ModelRunner:
         metas = {key: self.backend.build_metadata(commons[key[0]][0], key[1]) for key in set(self.group_keys)}
         context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)})
         with set_forward_context(context):
-            hidden = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device))
+            ids, positions = torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device)
+            hidden = self.model(ids, positions, intermediate)
         return hidden, common
 
     def _update_states(self, sched: SchedulerOutput) -> None:
