@@ -202,6 +202,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.build_layers(config, quant_config, max_positions))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.compiled_decode: tuple[torch.Tensor | None, CompiledDecode | None] = (None, None)  # (for cache, step)
+        # an EAGLE-3 drafter's ask: the residual stream entering these layers, kept by each forward in
+        # `aux_hidden` [T, len(aux_layers) * hidden] (the compiled decode step is then not used)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def build_layers(self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int) -> list[nn.Module]:
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
@@ -211,12 +215,16 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        step, meta = self._compiled_decode(hidden)
+        step, meta = self._compiled_decode(hidden) if not self.aux_layers else (None, None)
         if step is not None:
             hidden, residual = step(positions, hidden, residual, meta)
         else:
-            for layer in self.layers:
+            aux = []
+            for i, layer in enumerate(self.layers):
+                if i in self.aux_layers:
+                    aux.append(hidden if residual is None else hidden + residual)
                 hidden, residual = layer(positions, hidden, residual)
+            self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
