@@ -68,6 +68,11 @@ def test_published_layout_loads_the_drafter_it_was_written_from(target):
         runner.forward(np.asarray(tokens), np.asarray([len(tokens)]), np.asarray([0]), [[list(range(2))]])
         aux = runner.model.model.aux_hidden.clone()
     assert aux.shape == (len(tokens), 3 * 64)
+    with torch.inference_mode():  # a decode step runs the layers between 0, 1 and 3 as compiled steps
+        runner.forward(np.asarray(tokens[:-1]), np.asarray([len(tokens) - 1]), np.asarray([0]), [[list(range(2))]])
+        runner.forward(np.asarray(tokens[-1:]), np.asarray([1]), np.asarray([len(tokens) - 1]), [[list(range(2))]])
+        torch.testing.assert_close(runner.model.model.aux_hidden[0], aux[-1], rtol=1e-5, atol=1e-5)
+    assert runner.model.model.aux_decode[1] is not None
     proposer = runner.hidden_drafter
     drafts = proposer.step({"x": Feed(tokens + [7], 0, aux)}, {"x": 1})
     embedding = runner.model.model.embed_tokens.weight.detach()

@@ -13,14 +13,21 @@ back; others are left out of the loss). One step is trained (teacher-forced hidd
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
-from tokenmill.spec_decode.eagle import save_eagle3
+from tokenmill.spec_decode.eagle import default_aux_layers, save_eagle3
+from tokenmill.spec_decode.train_head import (TrainOptions, TrainReport, hidden_states, target_sequences,
+                                              training_summary)
+
+logger = logging.getLogger(__name__)
 
 
 class Eagle3Trainable(nn.Module):
@@ -158,3 +165,42 @@ def top1_accuracy(drafter: Eagle3Trainable, data) -> float:
         total += int(keep.sum())
     return hits / total if total else math.nan
 
+
+
+def train_eagle3(model: str, output: str, opts: TrainOptions, dtype: str = "auto",
+                 quantization: str = "auto") -> TrainReport:
+    """Generate, collect the target's auxiliary hidden states, train, measure and write an EAGLE-3
+    drafter for `model` into `output`."""
+    report = TrainReport()
+    llm, prompts, sequences = target_sequences(model, opts, dtype, quantization, report)
+    config = llm.engine.model_config
+    aux_layers = default_aux_layers(config.num_hidden_layers)
+    if config.num_hidden_layers < 6:
+        raise ValueError(f"train-draft-head --kind eagle3: the target has {config.num_hidden_layers} layers; the "
+                         "drafter reads layers 2, L // 2 and L - 3, so it needs at least 6")
+    clock = time.perf_counter()
+    aux = hidden_states(llm, sequences, opts.progress, aux_layers=aux_layers)
+    embedding = llm.engine.core.executor.runner.model.model.embed_tokens.weight.detach().float().cpu()
+    report.seconds["hidden_states"] = time.perf_counter() - clock
+    held = max(1, round(len(sequences) * opts.held_out))
+    starts = [len(p) for p in prompts]
+    drafter = new_drafter(config, frequent_tokens(sequences[held:], starts[held:], opts.draft_vocab_size), opts.seed)
+    data = examples(aux, sequences, embedding, drafter)
+    report.sequences, report.positions = len(data) - held, sum(len(t) for _, _, t in data[held:])
+    clock = time.perf_counter()
+    bar = tqdm(total=opts.epochs * (len(data) - held), desc="training", disable=not opts.progress)
+
+    def progress(loss: float) -> None:
+        bar.update()
+        bar.set_postfix(loss=f"{loss:.3f}")
+
+    losses = train_drafter(drafter, data[held:], opts.epochs, opts.lr, opts.seed, progress)
+    bar.close()
+    report.seconds["train"] = time.perf_counter() - clock
+    report.loss_first, report.loss_last = losses[:1], losses[-1:]
+    report.accuracy = [top1_accuracy(drafter, data[:held])]
+    save_drafter(drafter, config, aux_layers, output,
+                 {"base_model_name_or_path": model, "training": training_summary(report, held, opts)})
+    logger.info("wrote an EAGLE-3 drafter to %s: held-out first-draft top-1 accuracy %.1f%%", output,
+                100 * report.accuracy[0])
+    return report
