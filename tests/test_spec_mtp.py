@@ -20,7 +20,7 @@ from tokenmill.sampling_params import SamplingParams
 
 def mtp_spec(**kw) -> SpeculativeConfig:
     return SpeculativeConfig(**{"method": "deepseek_mtp", "disable_by_batch_size": 64, "min_acceptance": 0.0,
-                                "num_speculative_tokens": 3, **kw})
+                                "num_speculative_tokens": 2, **kw})
 
 
 def with_mtp_layer(directory, copies_last_choice: bool) -> None:
@@ -59,10 +59,10 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("which", ["random", "copies"])
 def test_greedy_output_is_identical_with_mtp(models, which):
     model = str(models / which)
-    prompts = repetitive_prompts(4)
-    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    params = [greedy, greedy, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=False)]
+    prompts = repetitive_prompts(3)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = [greedy, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False)]
     plain = run_core(make_core(model, block_size=8), prompts, params)
     core = make_core(model, block_size=8, speculative=mtp_spec(), max_num_batched_tokens=48)
     assert core.config.speculative.method == "mtp"  # deepseek_mtp is its alias
@@ -79,7 +79,7 @@ def test_greedy_output_is_identical_with_mtp(models, which):
 
 def test_seeded_sampling_with_mtp_is_reproducible(models):
     core = make_core(str(models / "random"), speculative=mtp_spec())
-    seeded = [SamplingParams(temperature=0.8, seed=3 + i, max_tokens=20, ignore_eos=True) for i in range(2)]
+    seeded = [SamplingParams(temperature=0.8, seed=3 + i, max_tokens=12, ignore_eos=True) for i in range(2)]
     prompts = repetitive_prompts(2)
     assert run_core(core, prompts, seeded) == run_core(core, prompts, seeded)
 

@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig
 from tokenmill.loader import LoadedModel
+from tokenmill.quantization.unquantized import UnquantizedConfig
 
 DRAFT_CONTEXT_TOKENS = 4096  # per drafting request, when sizing the draft's pool (max_model_len if smaller)
 
@@ -24,6 +25,13 @@ class DraftState:
     blocks: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)  # whose KV the blocks hold, in order
     start: int = 0  # the request's position of tokens[0] (hidden-state drafters that joined late)
+
+
+def dense_weights(packed_modules: dict[str, list[str]]) -> UnquantizedConfig:
+    """A drafter module's weight format: dense, with these fused checkpoint modules."""
+    quant = UnquantizedConfig()
+    quant.packed_modules = packed_modules
+    return quant
 
 
 def load_drafter_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], context: str) -> None:

@@ -28,7 +28,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader import LoadedModel, default_dtype
 from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaMLP, LlamaModel
 from tokenmill.quantization.unquantized import UnquantizedConfig
-from tokenmill.spec_decode.draft_pool import load_drafter_weights
+from tokenmill.spec_decode.draft_pool import dense_weights, load_drafter_weights
 from tokenmill.spec_decode.medusa import read_tensors
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -69,8 +69,7 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, config: LlamaConfig, draft_vocab_size: int, target_hidden_size: int, own_embedding: bool,
                  max_positions: int) -> None:
         super().__init__()
-        quant = UnquantizedConfig()
-        quant.packed_modules = self.packed_modules
+        quant = dense_weights(self.packed_modules)
         c = config
         rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling)
         if own_embedding:

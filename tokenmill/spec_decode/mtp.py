@@ -21,7 +21,7 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.loader import LoadedModel, default_dtype, open_checkpoint
 from tokenmill.models.deepseek import DeepseekConfig, DeepseekDecoderLayer, DeepseekForCausalLM, mla_rotary_and_scale
 from tokenmill.quantization.unquantized import UnquantizedConfig
-from tokenmill.spec_decode.draft_pool import load_drafter_weights
+from tokenmill.spec_decode.draft_pool import dense_weights, load_drafter_weights
 
 _BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
@@ -42,8 +42,7 @@ class DeepseekMTP(nn.Module):
     def __init__(self, config: DeepseekConfig, layer: int, own_embedding: bool, own_head: bool,
                  max_positions: int) -> None:
         super().__init__()
-        quant = UnquantizedConfig()
-        quant.packed_modules = self.packed_modules
+        quant = dense_weights(self.packed_modules)
         h = config.hidden_size
         if own_embedding:
             self.embed_tokens = VocabEmbedding(config.vocab_size, h)
