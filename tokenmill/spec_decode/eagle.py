@@ -1,10 +1,11 @@
 """EAGLE-3 drafter (Li et al., 2025), read from the published checkpoint layout (EAGLE-3, SpecForge,
 vLLM's `LlamaForCausalLMEagle3`): config.json is a Llama config of one layer plus `draft_vocab_size`,
-optionally `target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`; tensors
-`fc.weight` [H, 3 * H_target], the decoder layer `midlayer.*` (q/k/v read concat(embedding, hidden),
-2H wide; `midlayer.hidden_norm`), `norm.weight`, `lm_head.weight` over the draft vocabulary, `d2t`
-(target id = draft id + d2t[draft id]), `t2d` (ignored), and optionally `embed_tokens.weight` (else
-the target's embedding is shared).
+optionally `target_hidden_size`, `norm_before_residual` and
+`eagle_config.eagle_aux_hidden_state_layer_ids`; tensors `fc.weight` [H, 3 * H_target], the decoder
+layer `midlayer.*` (q/k/v read concat(embedding, hidden), 2H wide; `midlayer.hidden_norm`),
+`norm.weight`, `lm_head.weight` over the draft vocabulary, `d2t` (target id = draft id +
+d2t[draft id]), `t2d` (ignored), and optionally `embed_tokens.weight` (else the target's embedding
+is shared).
 
 The target keeps the residual stream entering three of its layers (low, middle, high: by default
 2, L // 2, L - 3, as vLLM) and `fc` fuses them into one hidden state per position. The drafter at
@@ -44,9 +45,11 @@ class Eagle3Layer(nn.Module):
     """A Llama decoder layer whose attention reads [norm(embedding), hidden_norm(hidden)]; the residual
     stream starts at the hidden state."""
 
-    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, quant: UnquantizedConfig) -> None:
+    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, quant: UnquantizedConfig,
+                 norm_before_residual: bool) -> None:
         super().__init__()
         c, prefix = config, "midlayer"
+        self.norm_before_residual = norm_before_residual  # the residual stream starts at hidden_norm(hidden)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = LlamaAttention(c, rotary, quant, f"{prefix}.self_attn")
@@ -57,8 +60,10 @@ class Eagle3Layer(nn.Module):
         self.mlp = LlamaMLP(c, quant, f"{prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        x = torch.cat((self.input_layernorm(embeds)[0], self.hidden_norm(hidden)[0]), dim=-1)
-        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), hidden)
+        normed = self.hidden_norm(hidden)[0]
+        x = torch.cat((self.input_layernorm(embeds)[0], normed), dim=-1)
+        residual = normed if self.norm_before_residual else hidden
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
         return self.mlp(x) + residual
 
 
@@ -67,7 +72,7 @@ class Eagle3Drafter(nn.Module):
     aux = True  # reads the target's auxiliary hidden states
 
     def __init__(self, config: LlamaConfig, draft_vocab_size: int, target_hidden_size: int, own_embedding: bool,
-                 max_positions: int) -> None:
+                 max_positions: int, norm_before_residual: bool = False) -> None:
         super().__init__()
         quant = dense_weights(self.packed_modules)
         c = config
@@ -75,7 +80,7 @@ class Eagle3Drafter(nn.Module):
         if own_embedding:
             self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size)
         self.fc = ReplicatedLinear(3 * target_hidden_size, c.hidden_size, False, quant, "fc")
-        self.midlayer = Eagle3Layer(c, rotary, quant)
+        self.midlayer = Eagle3Layer(c, rotary, quant, norm_before_residual)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = LMHead(draft_vocab_size, c.hidden_size, quant)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
@@ -146,7 +151,8 @@ def load_eagle3(path: str, target: LoadedModel) -> Eagle3Drafter:
         raise ValueError(f"{FIELD}: {root} has no embed_tokens.weight and its hidden_size ({config.hidden_size}) "
                          f"differs from the target's ({tc.hidden_size}): it cannot share the target's embedding")
     with torch.device(target.device), default_dtype(target.dtype):
-        drafter = Eagle3Drafter(config, draft_vocab, target_hidden, own_embedding, tc.max_position_embeddings)
+        drafter = Eagle3Drafter(config, draft_vocab, target_hidden, own_embedding, tc.max_position_embeddings,
+                                bool(raw.get("norm_before_residual", False)))
     load_drafter_weights(drafter, tensors, f"{FIELD}: {root}")
     with torch.no_grad():
         if d2t is not None:
