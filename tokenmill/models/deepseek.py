@@ -50,7 +50,8 @@ class DeepseekConfig(ModelConfig):
     sparse_layers: tuple[int, ...] = ()
     routing: Routing | None = None
     routing_bias: bool = False  # V3: the router's e_score_correction_bias
-    num_nextn_predict_layers: int = 0  # MTP layers after the last decoder layer (sparse_layers covers them)
+    num_nextn_predict_layers: int = 0  # MTP layers after the last decoder layer
+    mtp_sparse: bool = False  # whether the first MTP layer's MLP is routed experts
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,8 +62,9 @@ class DeepseekConfig(ModelConfig):
         v3 = cfg["architectures"][0] == "DeepseekV3ForCausalLM"
         layers, mtp = cfg["num_hidden_layers"], cfg.get("num_nextn_predict_layers") or 0
         first_dense, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
-        sparse = tuple(i for i in range(layers + mtp) if cfg.get("n_routed_experts") and i >= first_dense and i % freq == 0)
-        experts = cfg["n_routed_experts"] if sparse else 0  # a dense-only config names experts it never uses
+        routed = [i for i in range(layers + 1) if cfg.get("n_routed_experts") and i >= first_dense and i % freq == 0]
+        sparse, mtp_sparse = tuple(i for i in routed if i < layers), bool(mtp) and layers in routed
+        experts = cfg["n_routed_experts"] if sparse or mtp_sparse else 0  # a dense-only config names experts it never uses
         groups = cfg.get("n_group") or 1
         grouped = groups > 1 and (v3 or cfg.get("topk_method") == "group_limited_greedy")
         routing = Routing(cfg.get("num_experts_per_tok") or 1, renormalize=bool(cfg.get("norm_topk_prob")),
@@ -80,7 +82,7 @@ class DeepseekConfig(ModelConfig):
             moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
             n_shared_experts=cfg.get("n_shared_experts") or 0,
             sparse_layers=sparse,
-            routing=routing, routing_bias=v3, num_nextn_predict_layers=mtp,
+            routing=routing, routing_bias=v3, num_nextn_predict_layers=mtp, mtp_sparse=mtp_sparse,
         )
 
 

@@ -10,6 +10,7 @@ number of tokens (`tokenmill.spec_decode.hidden_drafter`). The layer's own `embe
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -51,6 +52,8 @@ class DeepseekMTP(nn.Module):
         self.eh_proj = ReplicatedLinear(2 * h, h, False, quant, "eh_proj")
         self.shared_head = SharedHead(config, quant, own_head)
         rotary, scale = mla_rotary_and_scale(config, max_positions)
+        if config.mtp_sparse:  # its MLP is routed experts, as layer `layer` of the model would have
+            config = dataclasses.replace(config, sparse_layers=(*config.sparse_layers, layer))
         self.block = DeepseekDecoderLayer(config, rotary, scale, quant, "block", layer)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
