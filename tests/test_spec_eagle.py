@@ -120,6 +120,24 @@ def test_seeded_sampling_is_reproducible_and_aborts_return_blocks(target):
     pools_whole(core)
 
 
+def test_preemption_shared_prefixes_and_a_small_drafter_pool(target, monkeypatch):
+    """Requests preempted by a small target pool, prompts sharing a cached prefix (the drafter starts
+    after the hit), a drafter pool with room for about one request (the others lose their cache and
+    start again where they are): the same greedy tokens, and every block back in both pools."""
+    from tokenmill.spec_decode import draft_pool
+
+    model, path, _, _ = target
+    monkeypatch.setattr(draft_pool, "DRAFT_CONTEXT_TOKENS", 64)  # 1 x 16 blocks + 1 of 4 tokens
+    base = repetitive_prompts(1, 40)[0]
+    prompts = [base + [i, i + 1] for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = run_core(make_core(model, block_size=4, num_blocks=40), prompts, greedy)
+    core = make_core(model, block_size=4, num_blocks=40, speculative=eagle_spec(path, disable_by_batch_size=1))
+    assert run_core(core, prompts, greedy) == plain
+    assert core.scheduler.num_preemptions > 0 and core.scheduler.spec_stats.num_draft_tokens > 0
+    pools_whole(core)
+
+
 def test_a_briefly_trained_drafter_gets_drafts_accepted(target):
     """Trained for a few seconds on the target's greedy continuations of a few prompts (as `tokenmill
     train-draft-head --kind eagle3` does on a corpus), the drafter's drafts are often the target's own
