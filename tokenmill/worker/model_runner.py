@@ -2,8 +2,9 @@
 apply the scheduler's changes, lay the scheduled tokens out as one flat batch (decodes first),
 describe it once for attention, run the forward pass, mask (structured output) and sample the
 requests that reach the end of their tokens — or verify the drafted tokens of speculating ones
-(`rejection_sampler`) — and return their new token ids; with Medusa heads or a draft model, also the
-drafts of the next step (`tokenmill.spec_decode.medusa`, `.draft_model`). An int8 / fp8 KV cache gets a scales tensor
+(`rejection_sampler`) — and return their new token ids; with Medusa heads, a draft model or a drafter
+fed the step's hidden states (EAGLE-3, MTP), also the drafts of the next step
+(`tokenmill.spec_decode.medusa`, `.draft_model`, `.hidden_drafter`). An int8 / fp8 KV cache gets a scales tensor
 per group beside it (`tokenmill.attention.kv_quant`)."""
 
 from __future__ import annotations
