@@ -12,7 +12,8 @@ the model once and runs every workload and concurrency after a warm-up request; 
 batch are submitted together (offline, `LLM.generate`), so at concurrency c every step holds up to c
 decodes. Acceptance: drafted and accepted tokens, the mean tokens per verify step, and the seconds
 spent drafting / in verify steps. `--spec` takes any `--speculative-config`, e.g. Medusa heads written
-by `tokenmill train-draft-head`: '{"method": "medusa", "model": "DIR"}'.
+by `tokenmill train-draft-head`: '{"method": "medusa", "model": "DIR"}', or an EAGLE-3 drafter (published, or
+written by `tokenmill train-draft-head --kind eagle3`): '{"method": "eagle3", "model": "DIR"}'.
 """
 
 from __future__ import annotations

@@ -52,31 +52,32 @@ def test_greedy_output_is_identical_with_a_draft_model(models, which):
         assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
     assert core.kv.num_free_blocks == core.kv.num_blocks
     core.step()  # the runner (and its draft) drop the requests that finished in the last step
-    proposer = core.executor.runner.draft_model
-    assert not proposer.states and len(proposer.free) == proposer.runner.kv_cache_config.num_blocks
+    pool = core.executor.runner.draft_model.pool
+    assert not pool.states and len(pool.free) == pool.num_blocks
 
 
 def test_a_small_draft_pool_evicts_idle_requests_and_stays_exact(models, monkeypatch):
     """A draft pool that holds one request's context at a time: a request drafting now takes the blocks
     of one that is not (which is re-prefilled when it drafts again, with the same drafts), requests
     that find no room draft nothing, and the output is unchanged."""
-    from tokenmill.spec_decode import draft_model
+    from tokenmill.spec_decode import draft_pool
 
     target, other = models
-    monkeypatch.setattr(draft_model, "DRAFT_CONTEXT_TOKENS", 32)  # 1 x 8 blocks + 1 of 4 tokens: 36 tokens
+    monkeypatch.setattr(draft_pool, "DRAFT_CONTEXT_TOKENS", 32)  # 1 x 8 blocks + 1 of 4 tokens: 36 tokens
     spec = draft_spec(other, num_speculative_tokens=2, disable_by_batch_size=1)
     core = make_core(target, block_size=4, speculative=spec)
     proposer = core.executor.runner.draft_model
+    pool = proposer.pool
     a, b = repetitive_prompts(2, length=30)
     first = propose(proposer, a=(a, 2, 10))
-    assert len(first["a"]) == 2 and "a" in proposer.states
+    assert len(first["a"]) == 2 and "a" in pool.states
     assert len(propose(proposer, b=(b, 2, 10))["b"]) == 2
-    assert "a" not in proposer.states  # evicted: "b" needed its blocks
+    assert "a" not in pool.states  # evicted: "b" needed its blocks
     assert propose(proposer, a=(a, 2, 10)) == first
     assert propose(proposer, a=(a, 2, 10), b=(b, 2, 10)) == {"a": first["a"]}  # no room for "b" beside "a"
     assert propose(proposer, b=(b, 2, 3)) == {}  # 30 tokens to catch up on for 3 left: not worth it
     proposer.finish("a")
-    assert len(proposer.free) == proposer.runner.kv_cache_config.num_blocks
+    assert len(pool.free) == pool.num_blocks
 
     prompts = repetitive_prompts(4, length=16)  # the last to finish drafts alone, within the pool
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 6, 8, 16)]
@@ -84,7 +85,7 @@ def test_a_small_draft_pool_evicts_idle_requests_and_stays_exact(models, monkeyp
     assert run_core(core, prompts, params) == plain
     assert core.scheduler.spec_stats.num_drafts > 0
     core.step()
-    assert len(proposer.free) == proposer.runner.kv_cache_config.num_blocks
+    assert len(pool.free) == pool.num_blocks
 
 
 def test_seeded_sampling_with_a_draft_model_is_reproducible(models):

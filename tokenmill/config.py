@@ -169,7 +169,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
-SPECULATIVE_METHODS = ("ngram", "medusa", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "medusa", "draft_model", "eagle3", "mtp", "deepseek_mtp")
+SPECULATIVE_MODEL_METHODS = ("medusa", "draft_model", "eagle3")  # the methods that read `model`
 
 
 @dataclass
@@ -182,7 +183,11 @@ class SpeculativeConfig:
     hidden state during the step itself. `draft_model`: the model `model` (an alias, a GGUF file or an
     HF directory with the target's tokenizer) drafts on a KV cache of its own, during the step
     (`tokenmill.spec_decode.draft_model`: argmax, or sampled from its own distribution for sampling
-    requests). Nothing is drafted while more than
+    requests). `eagle3`: the EAGLE-3 drafter in the checkpoint directory `model` (one decoder layer
+    over the target's hidden states of three layers, `tokenmill.spec_decode.eagle`); `mtp` (alias
+    `deepseek_mtp`): the multi-token-prediction layer of a DeepSeek-V3-style target's own checkpoint
+    (`tokenmill.spec_decode.mtp`); both draft k tokens autoregressively on a small KV cache of their
+    own, fed the target's hidden states every step. Nothing is drafted while more than
     `disable_by_batch_size` requests run (a full batch gains little from verifying drafts), and a
     step's decodes plus drafts stay within `max_verify_tokens` (on CPU the quantized kernels multiply
     register tiles of 8 rows per pass over the weights: a step much past 16 rows costs ~linearly
@@ -201,16 +206,18 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 4
     max_verify_tokens: int = 16
     min_acceptance: float = 0.5
-    model: str | None = None  # medusa: the heads' checkpoint directory; draft_model: the draft
+    model: str | None = None  # medusa: the heads' checkpoint directory; draft_model: the draft; eagle3: the drafter
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
-        if (self.method != "ngram") != (self.model is not None):
-            raise ValueError("speculative_config.model (a Medusa heads directory, or the draft model) is required "
-                             f"by methods medusa and draft_model and only by them, got method {self.method!r} with "
-                             f"model {self.model!r}")
+        if self.method == "deepseek_mtp":
+            self.method = "mtp"
+        if (self.method in SPECULATIVE_MODEL_METHODS) != (self.model is not None):
+            raise ValueError("speculative_config.model (a Medusa heads directory, the draft model or an EAGLE-3 "
+                             "checkpoint) is required by methods medusa and draft_model and eagle3 and only by them, "
+                             f"got method {self.method!r} with model {self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
                      "max_verify_tokens"):
             value = getattr(self, name)

@@ -7,7 +7,7 @@ the first `first_k_dense_replace` layers have a dense MLP, the rest a routed set
 group scores its best expert); V3 sigmoid scores with a correction bias for choosing only, the best
 `topk_group` of `n_group` groups by their top-2 sum, renormalised; both scaled by
 `routed_scaling_factor`. Multi-token-prediction layers a checkpoint ships after the last layer
-(`num_nextn_predict_layers`) are not loaded.
+(`num_nextn_predict_layers`) are not loaded with the model (`tokenmill.spec_decode.mtp` loads them as a drafter).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class DeepseekConfig(ModelConfig):
     sparse_layers: tuple[int, ...] = ()
     routing: Routing | None = None
     routing_bias: bool = False  # V3: the router's e_score_correction_bias
+    num_nextn_predict_layers: int = 0  # MTP layers after the last decoder layer
+    mtp_sparse: bool = False  # whether the first MTP layer's MLP is routed experts
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,10 +60,11 @@ class DeepseekConfig(ModelConfig):
     @classmethod
     def architecture_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         v3 = cfg["architectures"][0] == "DeepseekV3ForCausalLM"
-        layers = cfg["num_hidden_layers"]
+        layers, mtp = cfg["num_hidden_layers"], cfg.get("num_nextn_predict_layers") or 0
         first_dense, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
-        sparse = tuple(i for i in range(layers) if cfg.get("n_routed_experts") and i >= first_dense and i % freq == 0)
-        experts = cfg["n_routed_experts"] if sparse else 0  # a dense-only config names experts it never uses
+        routed = [i for i in range(layers + 1) if cfg.get("n_routed_experts") and i >= first_dense and i % freq == 0]
+        sparse, mtp_sparse = tuple(i for i in routed if i < layers), bool(mtp) and layers in routed
+        experts = cfg["n_routed_experts"] if sparse or mtp_sparse else 0  # a dense-only config names experts it never uses
         groups = cfg.get("n_group") or 1
         grouped = groups > 1 and (v3 or cfg.get("topk_method") == "group_limited_greedy")
         routing = Routing(cfg.get("num_experts_per_tok") or 1, renormalize=bool(cfg.get("norm_topk_prob")),
@@ -79,7 +82,7 @@ class DeepseekConfig(ModelConfig):
             moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
             n_shared_experts=cfg.get("n_shared_experts") or 0,
             sparse_layers=sparse,
-            routing=routing, routing_bias=v3,
+            routing=routing, routing_bias=v3, num_nextn_predict_layers=mtp, mtp_sparse=mtp_sparse,
         )
 
 
@@ -127,15 +130,20 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekModel(LlamaModel):
     def build_layers(self, config: DeepseekConfig, quant_config: QuantizationConfig,
                      max_positions: int) -> list[nn.Module]:
-        c = config
-        rotary = RotaryEmbedding(c.qk_rope_head_dim, max_positions, c.rope_theta, c.rope_scaling,
-                                 interleaved=c.rope_interleave)
-        scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
-        scaling = c.rope_scaling or {}
-        if rope_type(scaling) != "default" and scaling.get("mscale_all_dim"):
-            scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
-        return [DeepseekDecoderLayer(c, rotary, scale, quant_config, f"model.layers.{i}", i)
-                for i in range(c.num_hidden_layers)]
+        rotary, scale = mla_rotary_and_scale(config, max_positions)
+        return [DeepseekDecoderLayer(config, rotary, scale, quant_config, f"model.layers.{i}", i)
+                for i in range(config.num_hidden_layers)]
+
+
+def mla_rotary_and_scale(c: DeepseekConfig, max_positions: int) -> tuple[RotaryEmbedding, float]:
+    """The rotation of the rope part of keys and queries, and the softmax scale (yarn: times mscale^2)."""
+    rotary = RotaryEmbedding(c.qk_rope_head_dim, max_positions, c.rope_theta, c.rope_scaling,
+                             interleaved=c.rope_interleave)
+    scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
+    scaling = c.rope_scaling or {}
+    if rope_type(scaling) != "default" and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    return rotary, scale
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

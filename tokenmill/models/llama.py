@@ -214,6 +214,11 @@ class LlamaModel(nn.Module):
         self.last_stage = end == len(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.compiled_decode: tuple[torch.Tensor | None, CompiledDecode | None] = (None, None)  # (for cache, step)
+        # an EAGLE-3 drafter's ask: the residual stream entering these layers, kept by each forward in
+        # `aux_hidden` [T, len(aux_layers) * hidden] (`_forward_keeping_aux`)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
+        self.aux_decode: tuple[tuple | None, list[CompiledDecode] | None] = (None, None)  # (for, steps)
 
     def build_layers(self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int) -> list[nn.Module]:
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
@@ -224,6 +229,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        if self.aux_layers:  # an EAGLE-3 drafter's target: one stage (speculation is refused with pipelines)
+            return self.norm(*self._forward_keeping_aux(positions, hidden))[0]
         step, meta = self._compiled_decode(hidden)
         if step is not None:
             hidden, residual = step(positions, hidden, residual, meta)
@@ -234,6 +241,39 @@ class LlamaModel(nn.Module):
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _forward_keeping_aux(self, positions: torch.Tensor, hidden: torch.Tensor):
+        """The layers, keeping the residual stream entering each of `aux_layers` in `aux_hidden`; a
+        step of decodes runs the stretches between them as compiled decode steps."""
+        bounds = sorted({0, len(self.layers), *self.aux_layers})
+        steps, meta = self._compiled_stretches(hidden, bounds)
+        residual, aux = None, []
+        for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            if start in self.aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
+            if steps is not None:
+                hidden, residual = steps[i](positions, hidden, residual, meta)
+                continue
+            for layer in self.layers[start:end]:
+                hidden, residual = layer(positions, hidden, residual)
+        self.aux_hidden = torch.cat(aux, dim=-1)
+        return hidden, residual
+
+    def _compiled_stretches(self, hidden: torch.Tensor, bounds: list[int]) -> tuple[list[CompiledDecode] | None, object]:
+        """`_compiled_decode` for the layers between `bounds`: one compiled step each, or (None, None)."""
+        attn = getattr(getattr(self.layers[0], "self_attn", None), "attn", None)
+        if attn is None or attn.kv_cache is None:
+            return None, None
+        built_for, steps = self.aux_decode
+        if built_for is None or built_for[0] is not attn.kv_cache or built_for[1] != bounds:
+            parts = [getattr(layer, "decode_parts", lambda: None)() for layer in self.layers]
+            steps = [CompiledDecode.build(parts[a:b]) for a, b in zip(bounds, bounds[1:])]
+            steps = None if None in steps else steps
+            self.aux_decode = ((attn.kv_cache, bounds), steps)
+        if steps is None:
+            return None, None
+        meta = get_forward_context().attn_metadata[steps[0].kv_group]
+        return (steps, meta) if all(s.applies(hidden, s.kv_cache, meta) for s in steps) else (None, None)
 
     def _compiled_decode(self, hidden: torch.Tensor) -> tuple[CompiledDecode | None, object]:
         """The compiled decode step (built on the first step after the KV cache is bound) when it

@@ -5,8 +5,9 @@ output distribution (greedy: the same tokens; sampling: standard rejection sampl
 
 Flow: after each step the engine core asks the proposer (`Proposer`) for drafts of each eligible
 running request (`Request.spec_token_ids`): the n-gram proposer looks them up in the request's
-tokens; Medusa heads (`medusa`) need the target's hidden states, so the model runner drafts with
-them during the step and `RunnerDrafts` hands those on; the scheduler gives such a request 1 + k tokens (KV slots for all of
+tokens; Medusa heads (`medusa`), a draft model (`draft_model`) and the drafters fed the target's
+hidden states (EAGLE-3, MTP: `hidden_drafter`) draft in the model runner during the step, and
+`RunnerDrafts` hands those on; the scheduler gives such a request 1 + k tokens (KV slots for all of
 them) and lists the drafts in `SchedulerOutput.spec_token_ids`; the model runner verifies them and
 returns the accepted tokens; the scheduler then rolls `num_computed_tokens` back over the rejected
 ones (their KV slots are simply overwritten later) before caching full blocks.

@@ -58,8 +58,9 @@ class MedusaHeads(nn.Module):
         return self.logits(hidden, target_lm_head, k).float().argmax(dim=-1).T.tolist()
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    for name in WEIGHT_FILES:
+def read_tensors(path: Path, files: tuple[str, ...] = WEIGHT_FILES, what: str = "Medusa") -> dict[str, torch.Tensor]:
+    """The tensors of the first of `files` (safetensors or a torch pickle) that `path` holds."""
+    for name in files:
         file = path / name
         if file.exists():
             if file.suffix == ".safetensors":
@@ -67,7 +68,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
                 return load_file(str(file))
             return torch.load(file, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no Medusa weights in {path} (looked for {', '.join(WEIGHT_FILES)})")
+    raise FileNotFoundError(f"no {what} weights in {path} (looked for {', '.join(files)})")
 
 
 def load_medusa_heads(path: str, hidden_size: int, vocab_size: int) -> MedusaHeads:
@@ -83,7 +84,7 @@ def load_medusa_heads(path: str, hidden_size: int, vocab_size: int) -> MedusaHea
         raise ValueError(f"speculative_config.model: {config_file} names no medusa_num_heads / num_heads")
     blocks: dict[tuple[int, int, str], torch.Tensor] = {}
     lm_heads: dict[int, torch.Tensor] = {}
-    for name, tensor in _read_tensors(root).items():
+    for name, tensor in read_tensors(root).items():
         if m := _VLLM.match(name):
             if m.group(3) is not None:
                 lm_heads[int(m.group(3))] = tensor

@@ -1,4 +1,5 @@
-"""`tokenmill train-draft-head`: train Medusa heads for a target model on its own greedy outputs, on CPU.
+"""`tokenmill train-draft-head`: train Medusa heads for a target model on its own greedy outputs, on CPU
+(`--kind eagle3`: an EAGLE-3 drafter, `train_eagle`, from the same prompts, outputs and hidden states).
 
 1. Prompts: passages of a corpus (by default the benchmark corpus, Python's own docstrings), each as a
    plain text to continue and, when the tokenizer has a chat template, as a chat turn asking about it.
@@ -30,6 +31,8 @@ from tokenmill.spec_decode.medusa import MedusaHeads, save_medusa_heads
 
 logger = logging.getLogger(__name__)
 
+DRAFT_KINDS = ("medusa", "eagle3")
+EAGLE_EPOCHS = 8  # the EAGLE-3 drafter's default: a whole layer to train, one sequence per step
 CHAT_ASKS = ("Explain what this text says:", "Summarize this:", "Continue this text:", "What is this about?")
 
 
@@ -47,9 +50,14 @@ class TrainOptions:
     seed: int = 0
     corpus: str | None = None  # a text file; None: the benchmark corpus
     progress: bool = True
+    kind: str = "medusa"  # or "eagle3" (`train_eagle`)
+    draft_vocab_size: int = 8192  # eagle3: the drafter's vocabulary, the target's most frequent output tokens
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "num_layers", "num_prompts", "prompt_tokens", "max_tokens", "epochs", "batch_size"):
+        if self.kind not in DRAFT_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
+        for name in ("num_heads", "num_layers", "num_prompts", "prompt_tokens", "max_tokens", "epochs", "batch_size",
+                     "draft_vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -97,9 +105,12 @@ def corpus_passages(tokenizer, opts: TrainOptions) -> list[list[int]]:
     return prompts
 
 
-def hidden_states(llm, sequences: list[list[int]], progress: bool, batch: int = 16) -> list[torch.Tensor]:
-    """The target's final hidden state at every position of each sequence, from prefills of `batch`
-    sequences at a time (prefix caching is off in the trainer's engine, so every position is computed).
+def hidden_states(llm, sequences: list[list[int]], progress: bool, batch: int = 16,
+                  aux_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """The target's final hidden state at every position of each sequence (with `aux_layers`: the
+    residual stream entering those layers, concatenated, as an EAGLE-3 drafter reads it), from
+    prefills of `batch` sequences at a time (prefix caching is off in the trainer's engine, so every
+    position is computed).
     Each forward's flat batch is read back as the runner laid it out (per request: its new tokens after
     its computed ones); a chunk is matched to a sequence by its tokens (sequences equal over a chunk
     have equal hidden states there)."""
@@ -109,11 +120,13 @@ def hidden_states(llm, sequences: list[list[int]], progress: bool, batch: int = 
 
     def capture(input_ids, num_new, num_computed, block_ids):
         hidden, common = forward(input_ids, num_new, num_computed, block_ids)
-        chunks.append((input_ids.copy(), num_new.copy(), num_computed.copy(), hidden.detach().float().cpu()))
+        kept = runner.model.model.aux_hidden if aux_layers else hidden
+        chunks.append((input_ids.copy(), num_new.copy(), num_computed.copy(), kept.detach().float().cpu()))
         return hidden, common
 
     result: list[torch.Tensor] = []
     runner.forward = capture
+    runner.model.model.aux_layers = aux_layers
     try:
         for first in tqdm(range(0, len(sequences), batch), desc="hidden states", disable=not progress):
             group = sequences[first : first + batch]
@@ -134,6 +147,7 @@ def hidden_states(llm, sequences: list[list[int]], progress: bool, batch: int = 
             result.extend(states)
     finally:
         runner.forward = forward
+        runner.model.model.aux_layers = ()
     return result
 
 
@@ -212,23 +226,44 @@ def accuracy(heads: MedusaHeads, weight: torch.Tensor, x: torch.Tensor, y: torch
     return [float(((s @ weight.T).argmax(-1) == y[:, i]).float().mean()) for i, s in enumerate(states)]
 
 
-def train_draft_head(model: str, output: str, opts: TrainOptions, dtype: str = "auto",
-                     quantization: str = "auto") -> TrainReport:
-    """Generate, collect hidden states, train, measure and write heads for `model` into `output`."""
+def target_sequences(model: str, opts: TrainOptions, dtype: str, quantization: str, report: TrainReport):
+    """The target (an `LLM`), the prompts and each prompt + its greedy continuation."""
     from tokenmill import LLM
     from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    report, clock = TrainReport(), time.perf_counter()
+    clock = time.perf_counter()
     config = EngineConfig(model=model, dtype=dtype, quantization=quantization, seed=opts.seed,
                           cache=CacheConfig(enable_prefix_caching=False),
                           scheduler=SchedulerConfig(max_num_batched_tokens=2048))
     llm = LLM(engine_config=config)
-    tokenizer = llm.get_tokenizer()
-    prompts = corpus_passages(tokenizer, opts)
+    prompts = corpus_passages(llm.get_tokenizer(), opts)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=opts.max_tokens), use_tqdm=opts.progress)
-    sequences = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
     report.seconds["generate"] = time.perf_counter() - clock
+    return llm, prompts, [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+
+
+def training_summary(report: TrainReport, held: int, opts: TrainOptions) -> dict:
+    """What config.json records of the training."""
+    return {"sequences": report.sequences, "positions": report.positions, "held_out_sequences": held,
+            "held_out_top1_accuracy": [round(a, 4) for a in report.accuracy],
+            "loss_first_epoch": [round(v, 4) for v in report.loss_first],
+            "loss_last_epoch": [round(v, 4) for v in report.loss_last],
+            "seconds": {k: round(v, 1) for k, v in report.seconds.items()},
+            "options": {k: getattr(opts, k) for k in ("num_prompts", "prompt_tokens", "max_tokens", "epochs",
+                                                      "lr", "batch_size", "seed", "corpus")}}
+
+
+def train_draft_head(model: str, output: str, opts: TrainOptions, dtype: str = "auto",
+                     quantization: str = "auto") -> TrainReport:
+    """Generate, collect hidden states, train, measure and write heads (or an EAGLE-3 drafter:
+    `opts.kind`) for `model` into `output`."""
+    if opts.kind == "eagle3":
+        from tokenmill.spec_decode.train_eagle import train_eagle3
+
+        return train_eagle3(model, output, opts, dtype, quantization)
+    report = TrainReport()
+    llm, prompts, sequences = target_sequences(model, opts, dtype, quantization, report)
     clock = time.perf_counter()
     states = hidden_states(llm, sequences, opts.progress)
     weight = lm_head_weight(llm, llm.engine.model_config.hidden_size)
@@ -242,14 +277,7 @@ def train_draft_head(model: str, output: str, opts: TrainOptions, dtype: str = "
     heads = train(x, y, weight, opts, report)
     report.seconds["train"] = time.perf_counter() - clock
     report.accuracy = accuracy(heads, weight, x_val, y_val)
-    summary = {"sequences": report.sequences, "positions": report.positions, "held_out_sequences": held,
-               "held_out_top1_accuracy": [round(a, 4) for a in report.accuracy],
-               "loss_first_epoch": [round(v, 4) for v in report.loss_first],
-               "loss_last_epoch": [round(v, 4) for v in report.loss_last],
-               "seconds": {k: round(v, 1) for k, v in report.seconds.items()},
-               "options": {k: getattr(opts, k) for k in ("num_prompts", "prompt_tokens", "max_tokens", "epochs",
-                                                         "lr", "batch_size", "seed", "corpus")}}
-    save_medusa_heads(heads, output, model, {"training": summary})
+    save_medusa_heads(heads, output, model, {"training": training_summary(report, held, opts)})
     logger.info("wrote %d Medusa heads to %s: held-out top-1 accuracy %s", opts.num_heads, output,
                 ", ".join(f"{a:.1%}" for a in report.accuracy))
     return report
@@ -258,18 +286,28 @@ def train_draft_head(model: str, output: str, opts: TrainOptions, dtype: str = "
 def add_train_head_parser(sub) -> None:
     from tokenmill.entrypoints.cli import DEFAULT_MODEL
 
-    p = sub.add_parser("train-draft-head", help="train Medusa draft heads for a model on its own outputs (CPU)",
-                       description="Train Medusa heads (residual blocks tied to the target's LM head) on the target's "
-                                   "own greedy continuations of corpus passages, and write them where "
-                                   "--speculative-config '{\"method\": \"medusa\", \"model\": DIR}' loads them.")
+    p = sub.add_parser("train-draft-head", help="train Medusa heads or an EAGLE-3 drafter for a model on its own "
+                                                "outputs (CPU)",
+                       description="Train Medusa heads (residual blocks tied to the target's LM head), or an EAGLE-3 "
+                                   "drafter (--kind eagle3: one decoder layer over three of the target's layers' hidden "
+                                   "states, in the published checkpoint layout), on the target's own greedy "
+                                   "continuations of corpus passages, and write them where --speculative-config "
+                                   "'{\"method\": \"medusa\" (or \"eagle3\"), \"model\": DIR}' loads them.")
     d = TrainOptions()
     p.add_argument("--model", default=DEFAULT_MODEL, help="the target: an alias, a .gguf file or an HF checkpoint "
                                                           "directory (default: %(default)s)")
-    p.add_argument("--output", required=True, help="directory to write config.json and medusa_lm_head.safetensors to")
+    p.add_argument("--output", required=True, help="directory to write config.json and the weights "
+                                                   "(medusa_lm_head.safetensors / model.safetensors) to")
+    p.add_argument("--kind", choices=DRAFT_KINDS, default=d.kind,
+                   help="medusa: heads on the last hidden state; eagle3: an EAGLE-3 drafter (default: %(default)s)")
+    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
+                   help="eagle3: the drafter's vocabulary, the target's most frequent output tokens (d2t maps them "
+                        "back) (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="the target's compute dtype while generating (default: %(default)s)")
     p.add_argument("--num-heads", type=int, default=d.num_heads,
-                   help="heads, i.e. most drafts per step (default: %(default)s)")
-    p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks per head (default: %(default)s)")
+                   help="medusa: heads, i.e. most drafts per step (default: %(default)s)")
+    p.add_argument("--num-layers", type=int, default=d.num_layers,
+                   help="medusa: residual blocks per head (default: %(default)s)")
     p.add_argument("--corpus", default=None, help="a UTF-8 text file to cut prompts from (default: the benchmark "
                                                   "corpus, Python's own docstrings)")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts,
@@ -278,9 +316,11 @@ def add_train_head_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="tokens per passage (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
                    help="greedy tokens the target writes after each passage: the training targets (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=d.epochs, help="passes over the positions (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help=f"passes over the positions (default: {d.epochs} for medusa, {EAGLE_EPOCHS} for eagle3)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate, one-cycle schedule (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="positions per step (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="medusa: positions per step (eagle3 trains one sequence per step) (default: %(default)s)")
     p.add_argument("--held-out", type=float, default=d.held_out,
                    help="fraction of sequences kept out to measure each head's accuracy (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="passage choice and training order (default: %(default)s)")
@@ -288,9 +328,11 @@ def add_train_head_parser(sub) -> None:
 
 
 def cmd_train_draft_head(args) -> None:
+    epochs = args.epochs or (EAGLE_EPOCHS if args.kind == "eagle3" else TrainOptions.epochs)
     opts = TrainOptions(num_heads=args.num_heads, num_layers=args.num_layers, num_prompts=args.num_prompts,
-                        prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, epochs=args.epochs, lr=args.lr,
-                        batch_size=args.batch_size, held_out=args.held_out, seed=args.seed, corpus=args.corpus)
+                        prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, epochs=epochs, lr=args.lr,
+                        batch_size=args.batch_size, held_out=args.held_out, seed=args.seed, corpus=args.corpus,
+                        kind=args.kind, draft_vocab_size=args.draft_vocab_size)
     report = train_draft_head(args.model, args.output, opts, dtype=args.dtype)
     print(f"{report.sequences} sequences, {report.positions} positions; held-out top-1 accuracy by head: "
           + ", ".join(f"{a:.1%}" for a in report.accuracy) + f"; seconds {report.seconds}; written to {args.output}")

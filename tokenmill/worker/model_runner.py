@@ -2,8 +2,9 @@
 apply the scheduler's changes, lay the scheduled tokens out as one flat batch (decodes first),
 describe it once for attention, run the forward pass, mask (structured output) and sample the
 requests that reach the end of their tokens — or verify the drafted tokens of speculating ones
-(`rejection_sampler`) — and return their new token ids; with Medusa heads or a draft model, also the
-drafts of the next step (`tokenmill.spec_decode.medusa`, `.draft_model`). An int8 / fp8 KV cache gets a scales tensor
+(`rejection_sampler`) — and return their new token ids; with Medusa heads, a draft model or a drafter
+fed the step's hidden states (EAGLE-3, MTP), also the drafts of the next step
+(`tokenmill.spec_decode.medusa`, `.draft_model`, `.hidden_drafter`). An int8 / fp8 KV cache gets a scales tensor
 per group beside it (`tokenmill.attention.kv_quant`)."""
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer, DraftRequest
+from tokenmill.spec_decode.eagle import load_eagle3
+from tokenmill.spec_decode.hidden_drafter import Feed, HiddenStateProposer
 from tokenmill.spec_decode.medusa import load_medusa_heads
+from tokenmill.spec_decode.mtp import load_mtp
 from tokenmill.worker.rejection_sampler import verify
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
@@ -59,9 +63,12 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # one tensor per KV-cache group: [layers, *backend shape]
         self.kv_scales: list[torch.Tensor | None] = []  # per group, quantized caches: [layers, *shape[:-1]]
         self.speculative = spec = config.speculative
-        self.medusa = self.draft_model = None
+        self.medusa = self.draft_model = self.hidden_drafter = None
         if spec is not None and spec.method == "draft_model":
             self.draft_model = DraftModelProposer(config, self.model_config.vocab_size)
+        if spec is not None and spec.method in ("eagle3", "mtp"):
+            self.hidden_drafter = HiddenStateProposer(
+                load_eagle3(spec.model, loaded) if spec.method == "eagle3" else load_mtp(loaded), loaded, config)
         if spec is not None and spec.method == "medusa":
             self.medusa = load_medusa_heads(spec.model, self.model_config.hidden_size,
                                             self.model_config.vocab_size).to(self.device)
@@ -176,7 +183,22 @@ class ModelRunner:
             for r, q in probs.items():  # kept for the verify step of these drafts
                 self.requests[r].draft = (result.draft_token_ids[r], q)
             result.draft_seconds = time.perf_counter() - start
+        if self.hidden_drafter is not None:
+            self._draft_from_hidden(result, hidden, common, req_ids, states, num_computed, wanted)
         return result
+
+    def _draft_from_hidden(self, result: ModelRunnerOutput, hidden: torch.Tensor, common: CommonAttentionMetadata,
+                           req_ids: list[str], states: list[CachedRequestState], num_computed: np.ndarray,
+                           wanted: dict[str, int]) -> None:
+        """EAGLE-3 / MTP: feed the drafter this step's hidden states of every request that may speculate
+        (its KV must follow the target's), and draft for the wanting ones (`spec_decode.hidden_drafter`)."""
+        start = time.perf_counter()
+        source = self.model.model.aux_hidden if self.hidden_drafter.aux else hidden
+        bounds = common.query_start_loc.tolist()
+        feeds = {r: Feed(s.prompt_token_ids + s.output_token_ids, int(c), source[bounds[i] : bounds[i + 1]])
+                 for i, (r, s, c) in enumerate(zip(req_ids, states, num_computed)) if s.params.speculative}
+        result.draft_token_ids = self.hidden_drafter.step(feeds, wanted)
+        result.draft_seconds = time.perf_counter() - start
 
     def _draft_request(self, request_id: str, k: int, sched: SchedulerOutput) -> DraftRequest:
         """What the draft model is asked for a request: sampled drafts unless it is greedy or
@@ -200,11 +222,12 @@ class ModelRunner:
         result.draft_seconds = time.perf_counter() - start
 
     def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
-                block_ids: list[list[list[int]]], intermediate: IntermediateTensors | None = None
-                ) -> tuple[torch.Tensor | IntermediateTensors, CommonAttentionMetadata]:
+                block_ids: list[list[list[int]]], intermediate: IntermediateTensors | None = None,
+                **model_inputs) -> tuple[torch.Tensor | IntermediateTensors, CommonAttentionMetadata]:
         """Run the model on a flat batch (per request: its new tokens after `num_computed` cached ones,
-        decodes first; `block_ids[request][pool]` its block tables). Returns the final hidden state of
-        every new token, and the step's description (of pool 0: positions and lengths are the same in all)."""
+        decodes first; `block_ids[request][pool]` its block tables; `model_inputs`: more inputs of the
+        model's, e.g. a drafter's hidden states). Returns the final hidden state of every new token, and
+        the step's description (of pool 0: positions and lengths are the same in all)."""
         commons = [build_common_metadata(num_new, num_computed, [tables[pool] for tables in block_ids],
                                          self.kv_cache_config.block_size, self.device)
                    for pool in range(len(self.kv_cache_config.pool_blocks))]
@@ -213,15 +236,18 @@ class ModelRunner:
         metas = {key: self.backend.build_metadata(commons[key[0]][0], key[1]) for key in set(self.group_keys)}
         context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)})
         with set_forward_context(context):
-            ids, positions = torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device)
-            hidden = self.model(ids, positions, intermediate)
+            if intermediate is not None:  # a later pipeline stage starts from the previous stage's output
+                model_inputs["intermediate"] = intermediate
+            hidden = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
+                                **model_inputs)
         return hidden, common
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
-            if self.draft_model is not None:
-                self.draft_model.finish(rid)
+            for proposer in (self.draft_model, self.hidden_drafter):
+                if proposer is not None:
+                    proposer.finish(rid)
         for new in sched.new_requests:
             self.requests[new.request_id] = CachedRequestState(new, self.device)
         for cached in sched.cached_requests:
