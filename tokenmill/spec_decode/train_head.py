@@ -118,8 +118,8 @@ def hidden_states(llm, sequences: list[list[int]], progress: bool, batch: int = 
     forward = runner.forward
     chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]] = []
 
-    def capture(input_ids, num_new, num_computed, block_ids):
-        hidden, common = forward(input_ids, num_new, num_computed, block_ids)
+    def capture(input_ids, num_new, num_computed, *rest, **model_inputs):
+        hidden, common = forward(input_ids, num_new, num_computed, *rest, **model_inputs)
         kept = runner.model.model.aux_hidden if aux_layers else hidden
         chunks.append((input_ids.copy(), num_new.copy(), num_computed.copy(), kept.detach().float().cpu()))
         return hidden, common

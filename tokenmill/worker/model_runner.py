@@ -31,10 +31,8 @@ from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.loader import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer, DraftRequest
-from tokenmill.spec_decode.eagle import load_eagle3
 from tokenmill.spec_decode.hidden_drafter import Feed, HiddenStateProposer
 from tokenmill.spec_decode.medusa import load_medusa_heads
-from tokenmill.spec_decode.mtp import load_mtp
 from tokenmill.worker.rejection_sampler import verify
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
@@ -67,6 +65,9 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model":
             self.draft_model = DraftModelProposer(config, self.model_config.vocab_size)
         if spec is not None and spec.method in ("eagle3", "mtp"):
+            from tokenmill.spec_decode.eagle import load_eagle3  # model files only when used
+            from tokenmill.spec_decode.mtp import load_mtp
+
             self.hidden_drafter = HiddenStateProposer(
                 load_eagle3(spec.model, loaded) if spec.method == "eagle3" else load_mtp(loaded), loaded, config)
         if spec is not None and spec.method == "medusa":
