@@ -138,7 +138,8 @@ def hidden_states(llm, sequences: list[list[int]], progress: bool, batch: int = 
                 offset = 0
                 for n, start in zip(num_new.tolist(), num_computed.tolist()):
                     run = ids[offset : offset + n].tolist()
-                    i = next(i for i, seq in enumerate(group) if not filled[i][start] and seq[start : start + n] == run)
+                    i = next(i for i, seq in enumerate(group)
+                             if len(seq) >= start + n and not filled[i][start] and seq[start : start + n] == run)
                     states[i][start : start + n] = hidden[offset : offset + n]
                     filled[i][start : start + n] = True
                     offset += n
