@@ -192,7 +192,11 @@ class ModelRunner:
                            req_ids: list[str], states: list[CachedRequestState], num_computed: np.ndarray,
                            wanted: dict[str, int]) -> None:
         """EAGLE-3 / MTP: feed the drafter this step's hidden states of every request that may speculate
-        (its KV must follow the target's), and draft for the wanting ones (`spec_decode.hidden_drafter`)."""
+        (its KV must follow the target's), and draft for the wanting ones (`spec_decode.hidden_drafter`).
+        Under load (more than `disable_by_batch_size` requests, none drafting) nothing is fed: when drafting
+        resumes, a request's drafter cache restarts where the request is (only its drafts' quality drops)."""
+        if not wanted and len(req_ids) > self.speculative.disable_by_batch_size:
+            return
         start = time.perf_counter()
         source = self.model.model.aux_hidden if self.hidden_drafter.aux else hidden
         bounds = common.query_start_loc.tolist()
