@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import torch
 import transformers
@@ -122,6 +124,21 @@ def all_logits(runner, ids: list[int]) -> torch.Tensor:
         tables = [blocks] * len(runner.kv_cache_config.pool_blocks)  # the same blocks in every pool
         hidden, _ = runner.forward(np.array(ids), np.array([len(ids)]), np.array([0]), [tables])
         return runner.model.compute_logits(hidden).float()
+
+
+def assert_matches_dense(dense, exact, fast) -> None:
+    """`exact` (a LoadedModel in float32 activations) gives the logits of `dense` (a transformers model
+    holding the same dequantized weights) to float precision; `fast` (int8 activations) within 5%."""
+    exact_runner, fast_runner = make_runner(exact), make_runner(fast)
+    rng = random.Random(1)
+    for n in (1, 7, 20):
+        ids = [rng.randrange(256) for _ in range(n)]
+        with torch.no_grad():
+            ref = dense(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(all_logits(exact_runner, ids), ref, rtol=0,
+                                   atol=1e-4 * max(1.0, float(ref.abs().max())))
+        got = all_logits(fast_runner, ids)
+        assert ((got - ref).norm() / ref.norm()).item() < 0.05
 
 
 def top1_agreement(ref, quant) -> tuple[float, float]:

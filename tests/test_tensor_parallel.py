@@ -104,6 +104,17 @@ def test_gguf_blocks_split_by_rows_and_by_whole_blocks_of_columns(tmp_path, dtyp
     assert parallel_tokens(str(path), dtype) == single_tokens(str(path), dtype)
 
 
+@pytest.mark.parametrize("variant", ["mixed", "w8a16-channel-asym"])
+def test_compressed_tensors_layers_split_by_rows_and_columns(tmp_path, variant):
+    """fp8 per channel (attention), MXFP4 (MLP), a dense down projection; int8 per channel with zero
+    points: o_proj and down_proj split by columns, 32 and 64 per rank (per-channel scales repeat per
+    block of the split)."""
+    from test_compressed_tensors import write_checkpoint
+
+    write_checkpoint(make_tiny_model("llama-gqa-untied", tmp_path / "hf"), tmp_path / "ct", variant)
+    assert parallel_tokens(str(tmp_path / "ct")) == single_tokens(str(tmp_path / "ct"))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_k_quant_columns_split_inside_super_blocks(qtype, int8_activations):

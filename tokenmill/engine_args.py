@@ -32,11 +32,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(read from its quantization_config); fp8 = float8 e4m3 weights (a dense checkpoint "
                         "quantized on load per output row, or an fp8 checkpoint's own blocks; CPU float32 or CUDA); "
                         "mxfp4 / nvfp4 = quantize a dense HF checkpoint on load to FP4 (e2m1 with a power-of-two "
-                        "scale per 32 / an e4m3 scale per 16 values), run like int8; "
+                        "scale per 32 / an e4m3 scale per 16 values), run like int8; compressed-tensors = an "
+                        "llm-compressor checkpoint (fp8, int4/int8, NVFP4, MXFP4 per config group); "
                         "the integer methods run like gguf-q8, or with float32 "
                         "activations (exactly the quantized weights) when --dtype float32 is given; auto = the "
                         "checkpoint's own format: for a GGUF file on CPU gguf-q8 (gguf with --dtype float32), "
-                        "awq/gptq/fp8 for such checkpoints, else none (default: %(default)s)")
+                        "awq/gptq/fp8/compressed-tensors for such checkpoints, else none (default: %(default)s)")
     m.add_argument("--quantization-group-size", type=int, choices=(32, 64, 128), default=None,
                    help="int8 / int4: input columns sharing one scale (default: int4 32, int8 one per output row)")
     m.add_argument("--quantization-symmetric", action=argparse.BooleanOptionalAction, default=None,

@@ -69,7 +69,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str
     exact = dtype != "auto"
     method = resolve_quantization(quantization, source.kind, dev, torch_dtype, exact,
                                   getattr(ckpt, "quant_method", None))
-    quant_config = get_quantization_config(method, ckpt, dev, exact, group_size, symmetric)
+    quant_config = get_quantization_config(method, ckpt, dev, exact, group_size, symmetric, torch_dtype)
     net = build_model(config, quant_config, torch_dtype, dev, max_positions)
     with torch.no_grad():
         net.load_weights(ckpt.weights())

@@ -21,6 +21,9 @@
              channel); its own C++ kernel on CPU (float32 activations), torch._scaled_mm on CUDA 8.9+
   mxfp4    - a dense checkpoint quantized on load to FP4 e2m1 with a power-of-two scale per 32 values
   nvfp4    - the same with an e4m3 scale per 16 values and a float32 one per tensor (`fp4.py`)
+  compressed-tensors - an llm-compressor checkpoint (`compressed_tensors.py`): fp8 (float-quantized),
+             int4/int8 (pack-quantized, naive-quantized, int-quantized), NVFP4 and MXFP4 (nvfp4- and
+             mxfp4-pack-quantized), each run by the method above that holds the same weights
 The integer methods (int8 .. gptq) and FP4 run the block kernels on CPU like gguf-q8 (int8 activations),
 or like gguf (float32 activations, exactly the quantized weights) with an explicit `--dtype float32`.
 """
@@ -31,8 +34,9 @@ import torch
 
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf-q8", "int8", "int4", "awq", "gptq", "fp8", "mxfp4", "nvfp4")
-CHECKPOINT_METHODS = ("awq", "gptq", "fp8")  # read from an HF checkpoint's quantization_config
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf-q8", "int8", "int4", "awq", "gptq", "fp8", "mxfp4", "nvfp4",
+                        "compressed-tensors")
+CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")  # read from an HF checkpoint's quantization_config
 ON_LOAD_METHODS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")  # applied to a dense checkpoint (fp8: either)
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config",
@@ -77,19 +81,34 @@ def resolve_quantization(quantization: str | None, checkpoint_kind: str, device:
     if quantization in ("gguf", "gguf-q8") and checkpoint_kind != "gguf":
         raise ValueError(f"quantization '{quantization}' runs a GGUF file's own blocks on CPU in float32; "
                          f"got a {checkpoint_kind} model")
-    if not cpu_float32:
-        raise ValueError(f"quantization '{quantization}' runs the block kernels on CPU in float32; got {device.type} "
-                         f"in {dtype} (a GPU kernel for it is not written yet)")
-    if block_quant.load() is None:
-        raise ValueError(f"quantization '{quantization}' needs the C++ CPU kernel, which could not be built here "
-                         "(see the warning above); use --quantization none")
+    if quantization == "compressed-tensors":  # each scheme checks its own device needs when the config is built
+        return quantization
+    check_block_kernels(f"quantization '{quantization}'", device, dtype)
     return quantization
 
 
+def check_block_kernels(what: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a ValueError naming `what` unless the block kernels run here (CPU, float32, C++ built)."""
+    from tokenmill.kernels import block_quant
+
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"{what} runs the block kernels on CPU in float32; got {device.type} "
+                         f"in {dtype} (a GPU kernel for it is not written yet)")
+    if block_quant.load() is None:
+        raise ValueError(f"{what} needs the C++ CPU kernel, which could not be built here "
+                         "(see the warning above); use --quantization none")
+
+
 def get_quantization_config(method: str, checkpoint, device: torch.device, exact: bool = False,
-                            group_size: int | None = None, symmetric: bool | None = None) -> QuantizationConfig:
+                            group_size: int | None = None, symmetric: bool | None = None,
+                            dtype: torch.dtype = torch.float32) -> QuantizationConfig:
     """The config for a resolved method name; `checkpoint` is the open GGUF or HF checkpoint; `exact`:
-    float32 activations for the integer methods; `group_size`, `symmetric`: for int8/int4."""
+    float32 activations for the integer methods; `group_size`, `symmetric`: for int8/int4; `dtype`:
+    the compute dtype."""
+    if method == "compressed-tensors":
+        from tokenmill.quantization.compressed_tensors import CompressedTensorsConfig
+
+        return CompressedTensorsConfig(checkpoint.quantization_config, checkpoint.tensor_names(), device, dtype, exact)
     if method in ("gguf", "gguf-q8"):
         from tokenmill.quantization.gguf import GGUFConfig
 

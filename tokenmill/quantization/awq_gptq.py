@@ -1,6 +1,6 @@
 """AWQ and GPTQ checkpoints (HF directories whose config.json has a `quantization_config`), unpacked
 on load into the block layout of the integer kernels (`gguf.BlockLayout`), never through a dense
-float weight. Both store w = (q - z) * s with one scale s and zero z per group of input columns:
+float weight (`packed_checkpoint.py`). Both store w = (q - z) * s with one scale s and zero z per group of input columns:
 
 - AWQ (AutoAWQ's GEMM layout, 4 bits): `qweight` int32 [in, out/8], eight outputs per word in the
   order 0, 2, 4, 6, 1, 3, 5, 7 of the nibbles; `qzeros` int32 [in/group, out/8], packed alike;
@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
-from tokenmill.quantization.gguf import BlockLayout, BlockQuantLinearMethod
+from tokenmill.quantization.gguf import BlockLayout
 from tokenmill.quantization.gguf_codes import Codes
+from tokenmill.quantization.packed_checkpoint import PackedCheckpointMethod, PackedFormat
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # output 8j + AWQ_ORDER[i] sits in nibble i of word j
@@ -69,70 +70,12 @@ def to_codes(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, bits: int, sy
     return Codes(q - shift, scales, (shift - zeros) * scales, group, bits)
 
 
-class IntCheckpointMethod(BlockQuantLinearMethod):
-    """One layer of an AWQ or GPTQ checkpoint: every part of every shard is kept until all are
-    in, then unpacked and packed into the layer's blocks."""
-
-    def __init__(self, config: AWQGPTQConfig) -> None:
-        symmetric = config.symmetric
-        center = 2 ** (config.bits - 1) if symmetric and config.bits < 8 else 0
-        super().__init__(BlockLayout(config.bits, 32, not symmetric, center), not config.exact)
-        self.config = config
-        self.checkpoint_kinds = ("qweight", "qzeros", "scales") + (("g_idx",) if config.act_order else ())
-        self.optional_kinds = () if config.act_order else ("g_idx",)
-
-    def create_weights(self, layer, input_size, output_sizes, params_dtype):
-        group = self.config.group_size or input_size
-        if group % 32 or input_size % group:
-            raise ValueError(f"{layer.prefix}: group size {group} does not split its {input_size} input columns "
-                             "into whole blocks of 32")
-        super().create_weights(layer, input_size, output_sizes, params_dtype)
-        layer.register_buffer("input_perm", None)
-        layer.pending_parts = {}
-
-    def load(self, layer, weight, rows, src_rows, src_cols):
-        raise ValueError(f"is a dense weight, but {self.config.name} layers are stored as qweight/qzeros/scales")
-
-    def load_part(self, layer, kind, weight, rows, src_rows, src_cols):
-        if src_cols != slice(None):
-            raise ValueError(f"{self.config.name} layers cannot be split by columns (tensor parallelism) yet")
-        layer.pending_parts.setdefault((rows.start, rows.stop), {})[kind] = (weight, src_rows)
-
-    def process_after_loading(self, layer):
-        order = None
-        for (start, stop), parts in layer.pending_parts.items():
-            q, zeros, scales = self.config.unpack(*(parts[k][0] for k in ("qweight", "qzeros", "scales")))
-            src_rows = parts["qweight"][1]
-            q, zeros, scales = q[src_rows], zeros[src_rows], scales[src_rows]
-            if "g_idx" in parts:
-                g_idx = parts["g_idx"][0].numpy().astype(np.int64)
-                perm = np.argsort(g_idx, kind="stable")
-                if order is not None and not np.array_equal(order, perm):
-                    raise ValueError(f"{layer.prefix}: its fused shards order their input columns differently "
-                                     "(g_idx), which one matmul cannot follow")
-                order = perm
-                group = q.shape[1] // scales.shape[1]
-                if not np.array_equal(g_idx[perm], np.arange(q.shape[1]) // group):
-                    raise ValueError(f"{layer.prefix}: g_idx does not give every group {group} columns")
-                q = q[:, perm]
-            self.write(layer, to_codes(q, zeros, scales, self.bits, self.config.symmetric), slice(start, stop),
-                       round_half=True)
-        del layer.pending_parts
-        if order is not None and not np.array_equal(order, np.arange(order.size)):
-            layer.input_perm = torch.from_numpy(order).to(layer.codes.device)
-
-    def apply(self, layer, x, bias):
-        if layer.input_perm is not None:
-            x = x.index_select(-1, layer.input_perm)
-        return super().apply(layer, x, bias)
-
-    def decode_operands(self, layer):
-        return None if layer.input_perm is not None else super().decode_operands(layer)
-
-
-class AWQGPTQConfig(QuantizationConfig):
+class AWQGPTQConfig(QuantizationConfig, PackedFormat):
     """From a checkpoint's `quantization_config`; layers without a `qweight` (the LM head, any
     `modules_to_not_convert`) stay dense. `exact`: float32 activations and scales."""
+
+    half = True
+    g_idx_kind = "g_idx"
 
     def __init__(self, method: str, raw: dict, tensor_names: set[str], exact: bool) -> None:
         super().__init__()
@@ -150,14 +93,18 @@ class AWQGPTQConfig(QuantizationConfig):
             if fmt not in ("gptq", "gptq_v2"):
                 raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
             self.zero_offset = 1 if fmt == "gptq" else 0
+        center = 2 ** (self.bits - 1) if self.symmetric and self.bits < 8 else 0
+        self.layout = BlockLayout(self.bits, 32, not self.symmetric, center)
+        self.kinds = ("qweight", "qzeros", "scales") + (("g_idx",) if self.act_order else ())
+        self.optional_kinds = () if self.act_order else ("g_idx",)
 
-    def unpack(self, qweight, qzeros, scales) -> tuple:
-        if self.name == "awq":
-            return awq_codes(qweight, qzeros, scales, self.bits)
-        return gptq_codes(qweight, qzeros, scales, self.bits, self.zero_offset)
+    def codes(self, parts: dict[str, torch.Tensor]) -> Codes:
+        args = parts["qweight"], parts["qzeros"], parts["scales"], self.bits
+        q, zeros, scales = awq_codes(*args) if self.name == "awq" else gptq_codes(*args, self.zero_offset)
+        return to_codes(q, zeros, scales, self.bits, self.symmetric)
 
     def linear_method(self, prefix: str) -> LinearMethod:
         names = [n.removesuffix(".weight") + ".qweight" for n in self.checkpoint_names(prefix)]
         if all(n in self.tensor_names for n in names):
-            return IntCheckpointMethod(self)
+            return PackedCheckpointMethod(self, not self.exact)
         return UnquantizedLinearMethod()

@@ -17,8 +17,9 @@ That holds 8 bits a code plus 4 bytes a block (9 / 10 bits a weight for 32 / 16)
 as for int8/int4: rounded to int8 per 32 values by default, float32 with an explicit
 `--dtype float32`. The LM head keeps 8 bits per channel (int8, as under int4). Input columns must
 be whole blocks of 32 (the block kernels' unit, for either format).
-Checkpoints already in MXFP4 / NVFP4 (GPT-OSS `*_blocks`/`*_scales`, compressed-tensors nvfp4)
-are not read yet.
+Checkpoints already in MXFP4 / NVFP4 are read from compressed-tensors' layouts
+(`compressed_tensors.py`, through `unpack_e2m1`); GPT-OSS's `*_blocks`/`*_scales` experts are not
+read (no GPT-OSS model here yet).
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ def round_e2m1(u: torch.Tensor) -> torch.Tensor:
     idx = idx + (tie & (idx % 2 == 1)).long()  # ...unless that one is odd
     codes = (2 * E2M1[idx]).to(torch.int16)
     return torch.where(u < 0, -codes, codes)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> np.ndarray:
+    """uint8 [rows, cols / 2], two e2m1 values a byte (the first in the low nibble; bit 3 the sign,
+    bits 0-2 the index into the magnitudes) -> their codes 2 * value, int16 [rows, cols]."""
+    b = packed.numpy()
+    nibbles = np.stack((b & 0x0F, b >> 4), axis=-1).reshape(b.shape[0], -1)
+    magnitudes = (2 * E2M1).to(torch.int16).numpy()[nibbles & 7]
+    return np.where(nibbles & 8, -magnitudes, magnitudes)
 
 
 def block_scales(w: torch.Tensor, method: str) -> torch.Tensor:

@@ -8,7 +8,9 @@ w = weight * scale, activations kept in the compute dtype (weights only: no acti
   [ceil(out/128), ceil(in/128)], the multiplier of each 128x128 block (`weight_block_size`); or, as
   vLLM's per-tensor / per-channel fp8 checkpoints, `weight_scale` of shape [] / [1] or [out, 1].
   Layers without a scale tensor (the LM head, `modules_to_not_convert`) stay dense. `input_scale`
-  (the static activation scheme) is read and ignored: activations are never rounded here.
+  (the static activation scheme) is read and ignored: activations are never rounded here. A
+  tensor-parallel rank may take any columns under per-tensor / per-channel scales, whole blocks under
+  block scales. compressed-tensors fp8 layers (`compressed_tensors.py`) come here too.
 The layer stores `weight` [N, K] and `scales` float32 [N, ceil(K / group)]: group K per channel (or
 tensor), 128 for blocks, each block's scale repeated over its rows (4 bytes per 128 x 1 values).
 
@@ -87,8 +89,7 @@ class FP8LinearMethod(LinearMethod):
         else:
             if weight.dtype != torch.float8_e4m3fn:
                 raise ValueError(f"is {weight.dtype}, but an fp8 checkpoint's weights are float8_e4m3fn")
-            self._check_cols(src_cols)
-            q = weight[src_rows]
+            q = weight[src_rows][:, src_cols]
         self._copy(layer.weight, rows, q)
 
     def load_part(self, layer, kind, weight, rows, src_rows, src_cols):
@@ -96,7 +97,6 @@ class FP8LinearMethod(LinearMethod):
             return
         if kind != self.scale_kind:
             return super().load_part(layer, kind, weight, rows, src_rows, src_cols)
-        self._check_cols(src_cols)
         s = weight.float()
         groups = layer.scales.shape[1]
         if s.numel() == 1:  # per tensor
@@ -104,6 +104,7 @@ class FP8LinearMethod(LinearMethod):
         elif s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1):  # per channel
             per_row = s.reshape(-1, 1)[src_rows].expand(-1, groups)
         elif s.dim() == 2 and self.block is not None:  # per block of block[0] x block[1]
+            s = s[:, self._block_cols(src_cols)]
             if s.shape[1] != groups:
                 raise ValueError(f"has {s.shape[1]} column blocks, expected {groups} ({layer.input_size_per_partition} "
                                  f"columns in blocks of {self.block[1]})")
@@ -113,10 +114,14 @@ class FP8LinearMethod(LinearMethod):
                              "per channel [out, 1] or per block with weight_block_size)")
         self._copy(layer.scales, rows, per_row)
 
-    @staticmethod
-    def _check_cols(src_cols: slice) -> None:
-        if src_cols != _ALL:
-            raise ValueError("fp8 checkpoint layers cannot be split by columns (tensor parallelism) yet")
+    def _block_cols(self, src_cols: slice) -> slice:
+        """The column blocks of a tensor-parallel rank's columns `src_cols`, which must start on a block."""
+        if src_cols == _ALL:
+            return _ALL
+        if src_cols.start % self.block[1]:
+            raise ValueError(f"cannot be split by columns at {src_cols.start} (tensor parallelism): its scales cover "
+                             f"blocks of {self.block[1]} columns")
+        return slice(src_cols.start // self.block[1], -(-src_cols.stop // self.block[1]))
 
     @staticmethod
     def _copy(dest: torch.Tensor, rows: slice, src: torch.Tensor) -> None:
