@@ -78,6 +78,30 @@ def test_kernel_matches_the_torch_path_on_quantized_blocks(dtype, head_dim, grou
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", QUANTIZED.values())
+def test_kernel_writer_gives_the_torch_quantizers_bytes(dtype):
+    """The C++ writer (the CPU backend's and the compiled decode step's) and `kv_quant.write`: the
+    same bytes and scales, for rows of every magnitude, all-zero rows, exact halves (int8 ties) and
+    strided views of a fused qkv output."""
+    torch.manual_seed(1)
+    kv_heads, head_dim, blocks, bs = 3, 20, 6, 4
+    qkv = torch.randn(17, 2 + 2 * kv_heads, head_dim) * torch.logspace(-30, 6, 17)[:, None, None]
+    qkv[3] = 0.0
+    qkv[5, :, :2] = torch.tensor([127.0, 0.5])  # scale 1: codes 127 and a tie at 0.5
+    k, v = qkv[:, 2 : 2 + kv_heads], qkv[:, 2 + kv_heads :]
+    slots = torch.randperm(blocks * bs)[:17]
+    caches = [(torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype), torch.zeros(blocks, bs, kv_heads, head_dim,
+               dtype=dtype), torch.zeros(2, blocks, bs, kv_heads, dtype=kv_quant.SCALE_DTYPE)) for _ in range(2)]
+    (kc, vc, sc), (rk, rv, rs) = caches
+    paged_attention.write_kv_quantized(k, v, kc, vc, sc, slots)
+    kv_quant.write(k, rk, rs[0], slots)
+    kv_quant.write(v, rv, rs[1], slots)
+    for ours, ref in ((kc, rk), (vc, rv), (sc, rs)):
+        assert torch.equal(ours.view(torch.uint8) if ours.element_size() == 1 else ours.view(torch.int16),
+                           ref.view(torch.uint8) if ref.element_size() == 1 else ref.view(torch.int16))
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_kernel_decodes_every_fp8_code_exactly(dtype):
     """One token attended (weight exactly 1): the output is its value row times its scale, for all 256

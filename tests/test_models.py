@@ -95,11 +95,12 @@ def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
 
 @pytest.mark.parametrize("name,quantization,cache_dtype", [
     ("llama-gqa-untied", "none", "auto"), ("qwen2-bias", "none", "bfloat16"), ("llama-mqa-tied", "gguf", "auto"),
-    ("qwen2-bias", "gguf-q8", "float16"), ("llama-gqa-untied", "int4", "auto")])
+    ("qwen2-bias", "gguf-q8", "float16"), ("llama-gqa-untied", "int4", "auto"), ("llama-gqa-untied", "gguf-q8", "int8"),
+    ("qwen2-bias", "none", "fp8_e4m3"), ("llama-mqa-tied", "gguf", "fp8_e5m2")])
 def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypatch, name, quantization, cache_dtype):
     """A decode-only step of plain layers runs as one C++ loop (`kernels.decode_step`) that must give
     exactly the module-by-module forward's hidden states (dense, GGUF blocks exact and int8, int4
-    quantized on load; float32 and 16-bit KV caches)."""
+    quantized on load; float32, 16-bit, int8 and fp8 KV caches)."""
     from tokenmill.kernels import decode_step
 
     if decode_step.load() is None:

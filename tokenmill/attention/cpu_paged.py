@@ -1,7 +1,7 @@
 """CPU float32 compute: decode reads K/V straight from the blocks with a compiled kernel (no gather copy,
 no padding; sliding windows, soft-caps and latent MLA caches too; float32, float16 or bfloat16 caches,
 and int8 / fp8 ones with their scales, dequantized as they are read), and the step's K/V are written
-in one call (a quantized cache: by the torch path's quantizer); a short chunk after cached tokens (a
+in one call (a quantized cache: by a C++ quantizer that gives the torch path's bytes); a short chunk after cached tokens (a
 speculative verify step) runs as one decode per new token over the same blocks; other prompt chunks
 use the torch path."""
 
@@ -22,10 +22,12 @@ class CpuPagedBackend(TorchSDPABackend):
     needs_decode_mask = False
 
     def _write_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None):
-        if kv_scales is None and v is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
-            paged_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
-        else:
+        if v is None or k.stride(-1) != 1 or v.stride(-1) != 1:
             super()._write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+        elif kv_scales is not None:
+            paged_attention.write_kv_quantized(k, v, k_cache, v_cache, kv_scales, slot_mapping)
+        else:
+            paged_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None):
         """When every chunk of the step is short and follows cached tokens (decodes and speculative

@@ -12,8 +12,9 @@ so its results are bit-identical to the module-by-module forward:
 
 Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
 blocks with float or int8 activations); a layer with anything else (a window, a soft-cap, q/k
-norms, experts, other activations, tensor parallelism, an int8 / fp8 KV cache) keeps the model's own
-forward.
+norms, experts, other activations, tensor parallelism) keeps the model's own forward. KV caches
+may be float32, float16, bfloat16, or int8 / fp8 with their scales (written by `write_kv_quantized`,
+bit for bit the torch path's quantizer, and read by the same decode kernel).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels import cpu_kernels, paged_attention
 
 _SOURCE = r"""
 namespace decode_step {
@@ -53,7 +54,8 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
 }  // namespace decode_step
 
 // hidden: [T, hidden] (every token a decode); residual: the stream so far (absent before the first
-// layer). Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, then
+// layer). Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, k scales, v
+// scales (empty unless the cache is int8 / fp8), then
 // (w, high, scales, offsets, supers, bias) of qkv, o, gate_up, down; `ints` holds (kind, bits,
 // center) of those four.
 // Returns {hidden, residual} after the last layer (the final norm is the caller's).
@@ -65,14 +67,14 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<tor
                                          int64_t head_dim, double eps, double scale) {
   using decode_step::Linear;
   const int64_t T = hidden.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
-  constexpr size_t kTensors = 4 + 4 * 6, kInts = 4 * 3;
+  constexpr size_t kTensors = 6 + 4 * 6, kInts = 4 * 3;
   const size_t layers = tensors.size() / kTensors;
   torch::Tensor res = residual ? *residual : torch::Tensor();
   for (size_t i = 0; i < layers; ++i) {
     const torch::Tensor* t = tensors.data() + kTensors * i;
     const int64_t* k = ints.data() + kInts * i;
     auto make = [&](int j) {
-      const torch::Tensor* l = t + 4 + 6 * j;
+      const torch::Tensor* l = t + 6 + 6 * j;
       return Linear{l[0], l[1], l[2], l[3], l[4], l[5], k[3 * j], k[3 * j + 1], k[3 * j + 2]};
     };
     const Linear qkv_proj = make(0), o_proj = make(1), gate_up_proj = make(2), down_proj = make(3);
@@ -82,10 +84,14 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<tor
     res = hidden;
     auto qkv = decode_step::linear(qkv_proj, normed).view({T, H + 2 * KVH, D});
     rotary_inplace(qkv.narrow(1, 0, H + KVH), positions, cos_sin);
-    write_kv(qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH), t[2], t[3], slots);
+    const bool quantized = t[4].numel() > 0;
+    if (quantized)
+      write_kv_quantized(qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH), t[2], t[3], t[4], t[5], slots);
+    else
+      write_kv(qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH), t[2], t[3], slots);
     auto attn = torch::empty({T, H, D}, hidden.options());
     paged_decode_attention(qkv.narrow(1, 0, H).contiguous(), t[2], t[3], block_tables, context_lens, scale, 0, 0.0,
-                           attn);
+                           attn, decode_step::present(t[4]), decode_step::present(t[5]));
     auto o = decode_step::linear(o_proj, attn.view({T, H * D}));
 
     normed = torch::empty_like(o);
@@ -161,15 +167,15 @@ class CompiledDecode:
             same = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.kv_group, p.rotary) == \
                 (first.num_heads, first.num_kv_heads, first.head_dim, first.scale, first.kv_group, parts[0].rotary)
             if (not same or {p.input_norm.eps, p.post_norm.eps} != {parts[0].input_norm.eps} or a.kv_cache is None
-                    or a.kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-                    or a.kv_cache.device.type != "cpu"
+                    or a.kv_cache.dtype not in paged_attention.CACHE_DTYPES or a.kv_cache.device.type != "cpu"
                     or getattr(a.backend, "name", None) != "cpu-paged" or a.sliding_window or a.logits_soft_cap
                     or a.latent_rope_dim is not None or p.rotary.interleaved or p.rotary.rotary_dim != a.head_dim):
                 return None
             linears = [_linear_operands(m) for m in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj)]
             if any(op is None for op in linears):
                 return None
-            tensors += [p.input_norm.weight, p.post_norm.weight, a.kv_cache[0], a.kv_cache[1]]
+            scales = (_NONE, _NONE) if a.kv_scales is None else (a.kv_scales[0], a.kv_scales[1])
+            tensors += [p.input_norm.weight, p.post_norm.weight, a.kv_cache[0], a.kv_cache[1], *scales]
             for lt, li, limit in linears:
                 tensors += lt
                 ints += li

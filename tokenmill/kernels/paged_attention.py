@@ -64,6 +64,52 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   }
 }
 
+// k or v rows [T, KVH, D] (float32, contiguous last dim) into an int8 / fp8 cache [blocks, bs, KVH, D]
+// with one bfloat16 scale per row in scales [blocks, bs, KVH], exactly as `kv_quant.quantize` (torch)
+// computes them: s = bf16(max(max|x| / qmax, 2^-100)); x / s clamped to +-qmax, then rounded half to
+// even (int8) or converted to the fp8 grid (c10's rounding, as torch's .to()).
+template <typename T>
+void write_quantized_rows(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& scales,
+                          const torch::Tensor& slots, float qmax) {
+  const int64_t n = x.size(0), KVH = x.size(1), D = x.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  T* cp = reinterpret_cast<T*>(cache.data_ptr());
+  c10::BFloat16* scp = scales.data_ptr<c10::BFloat16>();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* row = xp + t * x.stride(0) + h * x.stride(1);
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
+      const c10::BFloat16 stored(std::max(amax / qmax, 0x1p-100f));
+      const float s = static_cast<float>(stored);
+      scp[sp[t] * KVH + h] = stored;
+      T* dst = cp + (sp[t] * KVH + h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float y = std::min(std::max(row[d] / s, -qmax), qmax);
+        if constexpr (std::is_same<T, int8_t>::value) dst[d] = static_cast<int8_t>(std::nearbyint(y));
+        else dst[d] = T(y);
+      }
+    }
+}
+
+void write_kv_quantized(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                        torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots) {
+  TORCH_CHECK(k_scales.scalar_type() == at::kBFloat16 && k_scales.is_contiguous() && v_scales.is_contiguous(),
+              "write_kv_quantized: contiguous bfloat16 scales");
+  auto both = [&](auto element, float qmax) {
+    using T = decltype(element);
+    write_quantized_rows<T>(k, k_cache, k_scales, slots, qmax);
+    write_quantized_rows<T>(v, v_cache, v_scales, slots, qmax);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kChar: return both(int8_t(), 127.f);
+    case at::ScalarType::Float8_e4m3fn: return both(c10::Float8_e4m3fn(), 448.f);
+    case at::ScalarType::Float8_e5m2: return both(c10::Float8_e5m2(), 57344.f);
+    default: TORCH_CHECK(false, "write_kv_quantized: an int8, fp8_e4m3 or fp8_e5m2 cache");
+  }
+}
+
 // An fp8 byte (sign, E exponent bits, M mantissa bits) as float32, subnormals included: computed as
 // mantissa * 2^(exponent - bias - M), so no float32 subnormal appears (denormals-are-zero would flush it).
 template <int E, int M>
@@ -316,7 +362,7 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 """
 
 
-FUNCTIONS = ["paged_decode_attention", "write_kv"]
+FUNCTIONS = ["paged_decode_attention", "write_kv", "write_kv_quantized"]
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -329,6 +375,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Store the step's new keys and values at their cache slots, in one call for both."""
     load().write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       kv_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The same into an int8 / fp8 cache with its scales [2, blocks, block_size, KVH], bit for bit as
+    `kv_quant.write`."""
+    load().write_kv_quantized(k, v, k_cache, v_cache, kv_scales[0], kv_scales[1], slot_mapping)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
