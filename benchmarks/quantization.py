@@ -9,7 +9,10 @@ Per configuration, in a fresh process: token perplexity on the corpus tokenmill 
 (`tokenmill eval perplexity`, --ppl-chunks chunks) and its delta vs float32; bytes of all weights
 held (parameters and buffers, shared ones once); KV bytes per token; single-stream decode tok/s after a
 256-token prompt; output tok/s of 16 concurrent requests of 200 prompt tokens x --out-tokens. `--write`
-puts the tables into BENCHMARKS.md between the quantization-table markers.
+puts the tables into BENCHMARKS.md between the quantization-table markers. `--only` runs the
+configurations whose label contains one of its words; `--against REV` runs each configuration also on
+git revision REV (a worktree with its own kernel build), right after this tree's, and prints the
+speed ratios (this tree / REV).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -85,11 +89,15 @@ def measure(model: str, options: dict, ppl_chunks: int, out_tokens: int) -> dict
             "throughput": throughput, "applied": executor.quantization, "cache_dtype": str(executor.runner.cache_dtype)}
 
 
-def run_one(model: str, options: dict, ppl_chunks: int, out_tokens: int) -> dict:
-    """`measure` in a fresh process (a clean heap and kernel state per configuration)."""
-    cmd = [sys.executable, __file__, "--one", json.dumps({"model": model, "options": options, "ppl": ppl_chunks,
-                                                         "out": out_tokens})]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+def run_one(model: str, options: dict, ppl_chunks: int, out_tokens: int, tree: Path = ROOT) -> dict:
+    """`measure` in a fresh process (a clean heap and kernel state per configuration), with the code
+    of `tree` (a checkout of tokenmill; another one than this builds its kernels apart)."""
+    cmd = [sys.executable, str(tree / "benchmarks" / "quantization.py"), "--one",
+           json.dumps({"model": model, "options": options, "ppl": ppl_chunks, "out": out_tokens})]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    if tree != ROOT:
+        env["TORCH_EXTENSIONS_DIR"] = str(tree / ".kernels")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -114,13 +122,21 @@ def main() -> None:
     ap.add_argument("--ppl-chunks", type=int, default=12, help="corpus chunks (~2,000 characters) to score")
     ap.add_argument("--out-tokens", type=int, default=128, help="tokens per request in the 16-concurrent run")
     ap.add_argument("--write", action="store_true", help="put the tables into BENCHMARKS.md")
+    ap.add_argument("--only", default=None, help="comma-separated words: run only the configurations whose "
+                    "weights or KV label contains one (e.g. int8,fp8)")
+    ap.add_argument("--against", metavar="REV", default=None, help="also run every configuration on this git "
+                    "revision and print the speed ratios (not written to BENCHMARKS.md)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one configuration, JSON
     args = ap.parse_args()
     if args.one:
         job = json.loads(args.one)
         print(json.dumps(measure(job["model"], job["options"], job["ppl"], job["out"])))
         return
-    tables = []
+    tables, baseline = [], None
+    if args.against:
+        baseline = Path(tempfile.mkdtemp(prefix="tokenmill-against-"))
+        subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.against], cwd=ROOT, check=True,
+                       capture_output=True)
     for name in args.models.split(","):
         gguf = model_file(name)
         with tempfile.TemporaryDirectory() as hf_dir:
@@ -129,16 +145,28 @@ def main() -> None:
             rows = []
             configs = [(w, "auto", src, o) for w, src, o in WEIGHTS] + \
                       [("float32", kv, "hf", {"kv_cache_dtype": kv}) for kv in KV_DTYPES]
+            if args.only:
+                configs = [c for c in configs if any(w in f"{c[0]} {c[1]}" for w in args.only.split(","))]
             for weights, kv, src, options in configs:
-                r = run_one(hf_dir if src == "hf" else str(gguf), dict(options), args.ppl_chunks, args.out_tokens)
+                model = hf_dir if src == "hf" else str(gguf)
+                r = run_one(model, dict(options), args.ppl_chunks, args.out_tokens)
                 kv_label = kv if "error" in r else r["cache_dtype"].removeprefix("torch.")
                 rows.append((weights, kv_label, r))
                 print(weights, kv_label, r, flush=True)
+                if baseline is not None and "error" not in r:
+                    b = run_one(model, dict(options), args.ppl_chunks, args.out_tokens, baseline)
+                    print(f"  {args.against}: {b}", flush=True)
+                    if "error" not in b:
+                        print(f"  this tree / {args.against}: decode {r['decode'] / b['decode']:.2f}x, 16-concurrent "
+                              f"{r['throughput'] / b['throughput']:.2f}x, perplexity {r['ppl']:.3f} vs {b['ppl']:.3f}",
+                              flush=True)
         tables.append(table(f"{name} ({gguf.name})", rows))
     text = (f"{BEGIN}\n`.venv/bin/python benchmarks/quantization.py --models {args.models} --ppl-chunks "
             f"{args.ppl_chunks} --out-tokens {args.out_tokens}` — {platform.processor() or platform.machine()}, 2 threads, "
             f"{datetime.date.today()}\n\n" + "\n\n".join(tables) + f"\n{END}")
     print(text)
+    if baseline is not None:
+        subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=False)
     if args.write:
         path = ROOT / "BENCHMARKS.md"
         doc = path.read_text()

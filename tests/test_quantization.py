@@ -200,7 +200,8 @@ def test_gguf_quantization_choices(tmp_path):
     assert load_model(str(tmp_path), quantization="auto").quantization == "none"  # an HF directory
     with pytest.raises(ValueError, match="quantization 'gguf' runs a GGUF file's own blocks"):
         load_model(str(tmp_path), quantization="gguf")
-    with pytest.raises(ValueError, match="quantization 'gguf' runs the block kernels on CPU in float32; got cpu in"):
+    with pytest.raises(ValueError, match="quantization 'gguf' runs a GGUF file's own blocks on CPU in float32; got a "
+                                         "gguf model on cpu in torch.bfloat16"):
         load_model(path, dtype="bfloat16", quantization="gguf")
     with pytest.raises(ValueError, match="quantization 'gguf-q8' runs a GGUF file's own blocks"):
         load_model(str(tmp_path), quantization="gguf-q8")

@@ -25,7 +25,9 @@
              int4/int8 (pack-quantized, naive-quantized, int-quantized), NVFP4 and MXFP4 (nvfp4- and
              mxfp4-pack-quantized), each run by the method above that holds the same weights
 The integer methods (int8 .. gptq) and FP4 run the block kernels on CPU like gguf-q8 (int8 activations),
-or like gguf (float32 activations, exactly the quantized weights) with an explicit `--dtype float32`.
+or like gguf (float32 activations, exactly the quantized weights) with an explicit `--dtype float32`;
+on CUDA a Triton kernel that dequantizes the same packed blocks inside the GEMM (activations in the
+compute dtype).
 """
 
 from __future__ import annotations
@@ -78,9 +80,9 @@ def resolve_quantization(quantization: str | None, checkpoint_kind: str, device:
         if checkpoint_kind != "gguf" or not cpu_float32 or block_quant.load() is None:
             return "none"
         return "gguf" if exact else "gguf-q8"
-    if quantization in ("gguf", "gguf-q8") and checkpoint_kind != "gguf":
+    if quantization in ("gguf", "gguf-q8") and (checkpoint_kind != "gguf" or not cpu_float32):
         raise ValueError(f"quantization '{quantization}' runs a GGUF file's own blocks on CPU in float32; "
-                         f"got a {checkpoint_kind} model")
+                         f"got a {checkpoint_kind} model on {device.type} in {dtype}")
     if quantization == "compressed-tensors":  # each scheme checks its own device needs when the config is built
         return quantization
     check_block_kernels(f"quantization '{quantization}'", device, dtype)
@@ -88,12 +90,16 @@ def resolve_quantization(quantization: str | None, checkpoint_kind: str, device:
 
 
 def check_block_kernels(what: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Raise a ValueError naming `what` unless the block kernels run here (CPU, float32, C++ built)."""
-    from tokenmill.kernels import block_quant
+    """Raise a ValueError naming `what` unless the block-quantized weights run here: on CPU in float32
+    (the C++ kernels) or on CUDA (the Triton kernel, `kernels/triton_block.py`)."""
+    from tokenmill.kernels import block_quant, triton_block
 
+    if device.type == "cuda":
+        if not triton_block.available():
+            raise ValueError(f"{what} runs a Triton kernel on CUDA, and Triton is not installed (pip install triton)")
+        return
     if device.type != "cpu" or dtype != torch.float32:
-        raise ValueError(f"{what} runs the block kernels on CPU in float32; got {device.type} "
-                         f"in {dtype} (a GPU kernel for it is not written yet)")
+        raise ValueError(f"{what} runs the block kernels on CPU in float32 or on CUDA; got {device.type} in {dtype}")
     if block_quant.load() is None:
         raise ValueError(f"{what} needs the C++ CPU kernel, which could not be built here "
                          "(see the warning above); use --quantization none")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.kernels import block_quant, cpu_flags
+from tokenmill.kernels import block_quant, cpu_flags, triton_block
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 from tokenmill.quantization.gguf_codes import SUPER, Codes
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
@@ -222,7 +222,9 @@ class BlockQuantLinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         w = self.blocks(layer)
-        if self.fused_max_tokens is None or flat.shape[0] <= self.fused_max_tokens:
+        if flat.device.type != "cpu":  # GPUs: the Triton kernel on the same blocks, activations as they are
+            out = triton_block.matmul(flat, w)
+        elif self.fused_max_tokens is None or flat.shape[0] <= self.fused_max_tokens:
             out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
         else:
             weight = block_quant.dequantize(w, out=block_quant.workspace(*w.shape))

@@ -1,0 +1,88 @@
+"""Matmul on block-quantized weights on GPUs, in Triton: the `block_quant.Blocks` layout of 4- and 8-bit
+codes (int8 / int4 quantized on load, AWQ, GPTQ, compressed-tensors, FP4 held as 8-bit codes)
+dequantized tile by tile inside the GEMM, w = scale * (code - center) + offset, so the weights stay
+packed in GPU memory. Activations stay in the compute dtype (float16, bfloat16, or float32 with IEEE
+products); accumulation in float32. 5- and 6-bit codes and K-quant super-blocks are not handled here
+(GGUF files run dense on GPUs). The kernel's logic is tested on CPU under TRITON_INTERPRET=1; it has
+not run on a GPU in this project's CI.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # BLOCK_K: whole 32-value groups of 4-bit codes
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_matmul(x_ptr, codes_ptr, scales_ptr, offsets_ptr, out_ptr, M, N, K, stride_x, stride_c, stride_s,
+                     stride_o, BITS: tl.constexpr, BS: tl.constexpr, CENTER: tl.constexpr,
+                     HAS_OFFSETS: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                        other=0.0)
+            wmask = (rn[:, None] < N) & (rk[None, :] < K)
+            if BITS == 8:
+                q = tl.load(codes_ptr + rn[:, None] * stride_c + rk[None, :], mask=wmask, other=0).to(tl.float32)
+            else:  # in each 32-value group byte j holds value j (low nibble) and value j + 16 (high nibble)
+                byte = (rk // 32) * 16 + rk % 16
+                shift = (rk % 32) // 16 * 4
+                b = tl.load(codes_ptr + rn[:, None] * stride_c + byte[None, :], mask=wmask, other=0).to(tl.int32)
+                q = ((b >> shift[None, :]) & 0xF).to(tl.float32) - CENTER
+            group = rn[:, None] * stride_s + (rk // BS)[None, :]
+            w = q * tl.load(scales_ptr + group, mask=wmask, other=0.0).to(tl.float32)
+            if HAS_OFFSETS:
+                w += tl.load(offsets_ptr + group, mask=wmask, other=0.0).to(tl.float32)
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    return block_matmul
+
+
+def available() -> bool:
+    """Whether Triton can be imported here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def supports(w) -> bool:
+    """Whether `w` (a `block_quant.Blocks`) is a layout this kernel runs."""
+    return w.bits in (4, 8) and w.high is None and w.supers is None and w.scales.dtype in (torch.float16,
+                                                                                           torch.float32)
+
+
+def matmul(x: torch.Tensor, w) -> torch.Tensor:
+    """x [M, K] (float16 / bfloat16 / float32) @ the dequantized weight [N, K].T -> [M, N] in x's dtype."""
+    import triton
+
+    if not supports(w):
+        raise ValueError(f"the Triton block kernel runs 4- and 8-bit codes without super-blocks; got {w.bits}-bit "
+                         f"{'K-quant ' if w.supers is not None else ''}blocks")
+    x = x.contiguous()
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    offsets = w.offsets if w.offsets is not None else w.scales
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _kernel()[grid](x, w.codes, w.scales, offsets, out, m, n, k, x.stride(0), w.codes.stride(0), w.scales.stride(0),
+                    out.stride(0), BITS=w.bits, BS=w.block, CENTER=w.center, HAS_OFFSETS=w.offsets is not None,
+                    IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    return out
