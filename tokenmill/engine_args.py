@@ -58,7 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "weights, else the compute dtype), float32, bfloat16 or float16; a 16-bit cache under "
                         "float32 compute halves the bytes per token. int8, fp8_e4m3 (alias fp8) and fp8_e5m2 store "
                         "one byte per value plus a scale per token and kv head (about 1.9x the tokens of a 16-bit "
-                        "cache at a little accuracy; not for MLA models) (default: %(default)s)")
+                        "cache at a little accuracy; an MLA latent cache: one scale per token) (default: %(default)s)")
     c.add_argument("--block-size", type=int, default=cache.block_size,
                    help="tokens per KV cache block (default: %(default)s)")
     c.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,

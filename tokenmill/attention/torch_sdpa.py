@@ -82,6 +82,8 @@ class TorchSDPABackend(AttentionBackend):
         latent = kv_cache.shape[0] == 1
         k_cache = kv_cache[0]
         v_cache = k_cache[..., : v.shape[-1]] if latent else kv_cache[1]
+        if latent and kv_scales is not None:  # the values are the key rows' leading features: same scales
+            kv_scales = kv_scales.expand(2, *kv_scales.shape[1:])
         self._write_kv(k, None if latent else v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         d = meta.num_decodes
         if not meta.prefills:
@@ -111,7 +113,8 @@ class TorchSDPABackend(AttentionBackend):
         with their scales into `kv_scales` if given)."""
         if kv_scales is not None:
             kv_quant.write(k, k_cache, kv_scales[0], slot_mapping)
-            kv_quant.write(v, v_cache, kv_scales[1], slot_mapping)
+            if v is not None:
+                kv_quant.write(v, v_cache, kv_scales[1], slot_mapping)
             return
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         if v is not None:

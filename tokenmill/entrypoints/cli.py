@@ -96,10 +96,7 @@ def _kv_tokens_per_gib(attention: list, chosen) -> str:
     import torch
 
     def per_gib(dtype: torch.dtype) -> str:
-        try:
-            return f"{2**30 // sum(m.kv_spec(dtype).bytes_per_token for m in attention):,}"
-        except ValueError:  # a quantized cache for latent (MLA) attention
-            return "unsupported"
+        return f"{2**30 // sum(m.kv_spec(dtype).bytes_per_token for m in attention):,}"
 
     kinds = {"float32": torch.float32, "float16/bfloat16": torch.float16, "int8": torch.int8,
              "fp8": torch.float8_e4m3fn}

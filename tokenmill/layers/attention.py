@@ -3,14 +3,14 @@ KV cache (`kv_spec`), is bound to its cache tensor and backend by the model runn
 these modules by type), and runs the backend on the step's metadata. With `latent_rope_dim` set it is
 multi-head latent attention in its absorbed form: one shared key row per token (`head_dim` features,
 the last `latent_rope_dim` of them rotated) whose leading features are also the value. A quantized
-(int8 / fp8) cache comes with its scales tensor (`kv_scales`); latent caches cannot be quantized yet."""
+(int8 / fp8) cache comes with its scales tensor (`kv_scales`; a latent cache has one scale per token
+row, which its values share)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tokenmill.attention.kv_quant import QUANT_NAMES, is_quantized
 from tokenmill.attention.kv_spec import AttentionSpec, MLAAttentionSpec
 from tokenmill.layers.forward_context import get_forward_context
 
@@ -32,8 +32,6 @@ class Attention(nn.Module):
 
     def kv_spec(self, cache_dtype: torch.dtype) -> AttentionSpec:
         if self.latent_rope_dim is not None:
-            if is_quantized(cache_dtype):
-                raise ValueError(f"kv_cache_dtype {QUANT_NAMES[cache_dtype]} is not supported for MLA models yet")
             return MLAAttentionSpec(1, self.head_dim, cache_dtype, self.sliding_window, self.latent_rope_dim)
         return AttentionSpec(self.num_kv_heads, self.head_dim, cache_dtype, self.sliding_window)
 
