@@ -137,6 +137,8 @@ def test_random_workload(server, tmp_path):
         assert 0 <= server_metrics[key] <= 1
     cpu = result["utilization"]["server_cpu_percent"]
     assert cpu is not None and cpu["samples"] > 0 and cpu["mean"] >= 0
+    main = result["utilization"]["server_main_cpu_percent"]  # the front end, without its engine core child
+    assert main["samples"] == cpu["samples"] and 0 < main["mean"] <= cpu["mean"]
     assert result["cost"]["per_request"] > 0 and result["cost"]["per_1m_output_tokens"] > 0
     assert "api_key" not in result["config"]
     assert len({r.session for r in records}) == 8

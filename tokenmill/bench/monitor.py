@@ -1,5 +1,6 @@
 """Sample utilization during a run in a background thread: the server process's CPU (psutil, with its
-children), the GPUs (NVML, only if pynvml is importable) and the server's KV-cache usage (/metrics)."""
+children, and the process alone: for tokenmill the HTTP front end, whose engine core is a child), the
+GPUs (NVML, only if pynvml is importable) and the server's KV-cache usage (/metrics)."""
 
 from __future__ import annotations
 
@@ -21,22 +22,25 @@ class _ProcessCPU:
         self._procs: dict[int, object] = {}
         self.sample()  # the first cpu_percent() of each process only starts its clock
 
-    def sample(self) -> tuple[float, float]:
-        """(CPU %, resident memory MiB) of the process and its children."""
+    def sample(self) -> tuple[float, float, float]:
+        """(CPU %, resident memory MiB) of the process and its children, and the CPU % of the process alone."""
         psutil = self._psutil
         try:
             procs = [self.root, *self.root.children(recursive=True)]
         except psutil.Error:
-            return 0.0, 0.0
-        cpu = rss = 0.0
+            return 0.0, 0.0, 0.0
+        cpu = rss = own = 0.0
         for p in procs:
             known = self._procs.setdefault(p.pid, p)
             try:
-                cpu += known.cpu_percent(None)
+                percent = known.cpu_percent(None)
                 rss += known.memory_info().rss / 2**20
             except psutil.Error:
                 self._procs.pop(p.pid, None)
-        return cpu, rss
+                continue
+            cpu += percent
+            own = percent if p.pid == self.root.pid else own
+        return cpu, rss, own
 
 
 class _GPU:
@@ -76,7 +80,7 @@ class ResourceMonitor:
         self.model = model
         self.cpu = _ProcessCPU(server_pid) if server_pid else None
         self.gpu = _gpu_or_none()
-        self.cpu_samples: list[tuple[float, float]] = []
+        self.cpu_samples: list[tuple[float, float, float]] = []
         self.gpu_samples: list[list[tuple[float, float]]] = []
         self.kv_samples: list[float] = []
         self._stop = threading.Event()
@@ -112,10 +116,11 @@ class ResourceMonitor:
                     self.metrics_url = None  # not exposed: stop asking
 
     def summary(self) -> dict:
-        out: dict = {"server_cpu_percent": None, "server_rss_mib": None, "gpu": None}
+        out: dict = {"server_cpu_percent": None, "server_main_cpu_percent": None, "server_rss_mib": None, "gpu": None}
         if self.cpu_samples:
-            out["server_cpu_percent"] = _brief([c for c, _ in self.cpu_samples])
-            out["server_rss_mib"] = _brief([m for _, m in self.cpu_samples])
+            out["server_cpu_percent"] = _brief([c for c, _, _ in self.cpu_samples])
+            out["server_main_cpu_percent"] = _brief([own for _, _, own in self.cpu_samples])
+            out["server_rss_mib"] = _brief([m for _, m, _ in self.cpu_samples])
         if self.gpu_samples:
             devices = list(zip(*self.gpu_samples))
             out["gpu"] = [{"device": i, "util_percent": _brief([u for u, _ in dev]),

@@ -136,6 +136,10 @@ def run_table(result: dict) -> Table:
         if util.get("server_cpu_percent"):
             cpu = util["server_cpu_percent"]
             table.add_row("server CPU % mean / max (100 = 1 core)", f"{fmt(cpu['mean'], 0)} / {fmt(cpu['max'], 0)}")
+            main = util.get("server_main_cpu_percent")
+            if main:
+                table.add_row("  of it the server's main process (tokenmill: the HTTP front end)",
+                              f"{fmt(main['mean'], 0)} / {fmt(main['max'], 0)}")
         for gpu in util.get("gpu") or []:
             table.add_row(f"GPU {gpu['device']} util % mean / max",
                           f"{fmt(gpu['util_percent']['mean'], 0)} / {fmt(gpu['util_percent']['max'], 0)}")
