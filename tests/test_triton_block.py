@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,35 @@ print("OK")
 def test_triton_kernel_matches_the_dequantized_blocks():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+_MODEL = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from helpers import all_logits, make_runner, make_tiny_model
+from tokenmill.loader import load_model
+from tokenmill.quantization import gguf
+
+make_tiny_model("qwen2-bias", sys.argv[2])  # q/k/v biases
+ids = [3, 17, 99, 5, 250, 64, 7]
+for quantization in ("int4", "int8"):
+    loaded = load_model(sys.argv[2], quantization=quantization, dtype="float32")  # float32 activations: exact
+    cpp = all_logits(make_runner(loaded), ids)
+    gguf.runs_triton = lambda x: True
+    triton = all_logits(make_runner(loaded), ids)
+    gguf.runs_triton = lambda x: False
+    torch.testing.assert_close(triton, cpp, rtol=0, atol=1e-4 * float(cpp.abs().max()))
+print("OK")
+"""
+
+
+def test_a_quantized_model_runs_the_triton_path_like_the_cpu_kernels(tmp_path):
+    """Every linear layer of a tiny model (int4 with its int8 LM head, int8; biases) through the Triton
+    kernel, in the interpreter: the logits of the C++ kernels on the same blocks."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _MODEL, str(Path(__file__).parent), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
 
 

@@ -153,6 +153,12 @@ def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool 
     return out
 
 
+def runs_triton(x: torch.Tensor) -> bool:
+    """Whether block-quantized layers run `x` through the Triton kernel: on every device but the CPU
+    (the tests also point it at CPU tensors under Triton's interpreter)."""
+    return x.device.type != "cpu"
+
+
 class BlockQuantLinearMethod(LinearMethod):
     """`int8_activations`: the activations are rounded to int8 per 32 values; few-token steps then
     multiply integers (`block_quant.matmul_q8`), larger ones run the float GEMM on the rounded values
@@ -222,7 +228,7 @@ class BlockQuantLinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         w = self.blocks(layer)
-        if flat.device.type != "cpu":  # GPUs: the Triton kernel on the same blocks, activations as they are
+        if runs_triton(flat):  # GPUs: the Triton kernel on the same blocks, activations as they are
             out = triton_block.matmul(flat, w)
         elif self.fused_max_tokens is None or flat.shape[0] <= self.fused_max_tokens:
             out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
