@@ -206,6 +206,16 @@ def test_compressed_tensors_checkpoints_match_the_dequantized_model(tmp_path, va
     assert len(out["0"]) == 6
 
 
+def test_info_names_the_checkpoint_format(tmp_path, capsys):
+    from tokenmill.entrypoints.cli import main
+
+    write_checkpoint(make_tiny_model("llama-gqa-untied", tmp_path / "dense", hidden_size=256, intermediate_size=320),
+                     tmp_path / "ct", "nvfp4")
+    main(["info", "--model", str(tmp_path / "ct")])
+    rows = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines())
+    assert rows["weights"].strip() == "compressed-tensors"
+
+
 def test_compressed_tensors_errors(tmp_path):
     hf = make_tiny_model("llama-gqa-untied", tmp_path / "dense", hidden_size=256, intermediate_size=320)
     write_checkpoint(hf, tmp_path / "ct", "w4a16-sym-group32")

@@ -43,7 +43,8 @@ def cmd_info(args: argparse.Namespace) -> None:
     c = ckpt.config
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, c.torch_dtype)
-    method = resolve_quantization(args.quantization, source.kind, device, dtype, exact=args.dtype != "auto")
+    method = resolve_quantization(args.quantization, source.kind, device, dtype, exact=args.dtype != "auto",
+                                  checkpoint_method=getattr(ckpt, "quant_method", None))
     cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, dtype, method)
     model = build_model(c, UnquantizedConfig(), dtype, torch.device("meta"))  # shapes only, no memory
     params = sum(p.numel() for p in model.parameters())
