@@ -63,7 +63,7 @@ from tokenmill.quantization import gguf
 
 make_tiny_model("qwen2-bias", sys.argv[2])  # q/k/v biases
 ids = [3, 17, 99, 5, 250, 64, 7]
-for quantization in ("int4", "int8"):
+for quantization in ("int4", "int8", "nvfp4"):  # float32 activations widen NVFP4's codes to 8 bits
     loaded = load_model(sys.argv[2], quantization=quantization, dtype="float32")  # float32 activations: exact
     cpp = all_logits(make_runner(loaded), ids)
     gguf.runs_triton = lambda x: True
@@ -75,7 +75,7 @@ print("OK")
 
 
 def test_a_quantized_model_runs_the_triton_path_like_the_cpu_kernels(tmp_path):
-    """Every linear layer of a tiny model (int4 with its int8 LM head, int8; biases) through the Triton
+    """Every linear layer of a tiny model (int4 with its int8 LM head, int8, NVFP4; biases) through the Triton
     kernel, in the interpreter: the logits of the C++ kernels on the same blocks."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _MODEL, str(Path(__file__).parent), str(tmp_path)],

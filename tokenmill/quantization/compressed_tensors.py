@@ -19,7 +19,7 @@ The weight formats read, each into the method that holds exactly the same weight
   `weight_scale` float8_e4m3fn [out, in / 16], `weight_global_scale` float32 [1]:
   w = e2m1 * weight_scale / weight_global_scale.
 - mxfp4-pack-quantized: the same values, `weight_scale` uint8 E8M0 [out, in / 32]: w = e2m1 * 2^(s - 127).
-  Both as 8-bit codes 2 * e2m1 times scale / 2 on the block kernels, as `fp4` does on load.
+  Both as integer codes 2 * e2m1 times scale / 2 on the block kernels, as `fp4` does on load.
 Activation quantization (`input_activations`: W8A8, W4A4) is not applied: activations run as each
 method runs them (int8 per 32 values on the block kernels by default, float32 with `--dtype
 float32`; float32 for fp8), closer to the unquantized model than the checkpoint asks. Static
@@ -37,7 +37,7 @@ import torch
 
 from tokenmill.quantization.awq_gptq import to_codes, unpack_words
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
-from tokenmill.quantization.fp4 import unpack_e2m1
+from tokenmill.quantization import fp4
 from tokenmill.quantization.gguf import BlockLayout
 from tokenmill.quantization.gguf_codes import Codes
 from tokenmill.quantization.packed_checkpoint import PackedCheckpointMethod, PackedFormat
@@ -103,19 +103,20 @@ class IntFormat(PackedFormat):
 
 
 class FP4Format(PackedFormat):
-    def __init__(self, fmt: str, weights: dict, where: str) -> None:
+    def __init__(self, fmt: str, weights: dict, where: str, device: torch.device) -> None:
         self.name, block = f"compressed-tensors {fmt}", FP4_FORMATS[fmt]
         if int(weights.get("num_bits", 4)) != 4 or weights.get("type", "float") != "float":
             raise ValueError(f"{where}: {fmt} needs 4-bit float weights")
         if not weights.get("symmetric", True):
             raise ValueError(f"{where}: asymmetric FP4 weights are not supported")
         self.nvfp4, self.group_size, self.half = fmt.startswith("nv"), block, False
-        self.layout = BlockLayout(8, block, False)
+        self.method = "nvfp4" if self.nvfp4 else "mxfp4"
+        self.layout = fp4.layout(self.method, device)
         self.kinds = ("weight_packed", "weight_scale") + (("weight_global_scale",) if self.nvfp4 else ())
         self.optional_kinds = STATIC_INPUT_KINDS
 
     def codes(self, parts: dict[str, torch.Tensor]) -> Codes:
-        q = unpack_e2m1(parts["weight_packed"])
+        q = fp4.unpack_e2m1(parts["weight_packed"])
         s = parts["weight_scale"]
         if self.nvfp4:
             scales = s.float() / parts["weight_global_scale"].float().reshape(())
@@ -128,7 +129,7 @@ class FP4Format(PackedFormat):
         if tuple(scales.shape) != (q.shape[0], q.shape[1] // self.group_size):
             raise ValueError(f"has shape {tuple(s.shape)}, expected {(q.shape[0], q.shape[1] // self.group_size)} "
                              f"(one scale per {self.group_size} values)")
-        return Codes(q, (scales / 2).numpy().astype(np.float32), None, self.group_size, 8)
+        return fp4.fp4_codes(q, scales.numpy(), self.method)
 
 
 class CompressedTensorsConfig(QuantizationConfig):
@@ -165,18 +166,18 @@ class CompressedTensorsConfig(QuantizationConfig):
             kind = weights.get("type", "int")
             if fmt == "float-quantized" and (kind != "float" or int(weights.get("num_bits", 8)) != 8):
                 raise ValueError(f"{where}: float-quantized weights must be 8-bit floats (e4m3)")
-            self.groups.append((list(group.get("targets") or []), fmt, self._scheme(fmt, weights, where)))
+            self.groups.append((list(group.get("targets") or []), fmt, self._scheme(fmt, weights, where, device)))
         if any(fmt == "float-quantized" for _, fmt, _ in self.groups):
             check_device(device, dtype)
         if any(fmt != "float-quantized" for _, fmt, _ in self.groups):
             check_block_kernels("a compressed-tensors checkpoint with integer or FP4 weights", device, dtype)
 
     @staticmethod
-    def _scheme(fmt: str, weights: dict, where: str):
+    def _scheme(fmt: str, weights: dict, where: str, device: torch.device):
         if fmt in INT_FORMATS:
             return IntFormat(fmt, weights, where)
         if fmt in FP4_FORMATS:
-            return FP4Format(fmt, weights, where)
+            return FP4Format(fmt, weights, where, device)
         strategy = weights.get("strategy") or "tensor"
         if strategy not in ("tensor", "channel", "block"):
             raise ValueError(f"{where}: fp8 weights with strategy {strategy!r} are not supported (tensor, channel, block)")

@@ -8,12 +8,13 @@
   global).
 Values round to the nearest e2m1 value (ties to even, as the specs say).
 
-Twice an e2m1 value is an integer (0, 1, 2, 3, 4, 6, 8, 12), so an FP4 weight is exactly an 8-bit
-code (+-2 * e2m1) times (block scale / 2): the weights are stored as `Codes` in `BlockLayout(8, 32
-or 16)` with float32 scales (powers of two like 2^-20 do not fit float16) and run on the block
-kernels (`tokenmill.kernels.block_quant`), dequantized inside the matmul to exactly code * scale.
-That holds 8 bits a code plus 4 bytes a block (9 / 10 bits a weight for 32 / 16), not the formats'
-4.25 / 4.5: the bytes of int8, the error of FP4 (a 4-bit code kernel is the follow-up). Activations
+Twice an e2m1 value is an integer (0, +-1, 2, 3, 4, 6, 8, 12), so an FP4 weight is exactly an integer
+code times (block scale / 2). The codes -12..12 fit the block kernels' 5-bit codes (center 16, blocks
+of 32: MXFP4) and 6-bit ones (center 32, blocks of 16: NVFP4, as Q6_K lays them out), with float32
+scales (powers of two like 2^-20 do not fit float16), so they run on the block kernels
+(`tokenmill.kernels.block_quant`), dequantized inside the matmul to exactly code * scale: 6 bits a
+weight for MXFP4, 8 for NVFP4 (codes and scales), not the formats' 4.25 / 4.5 (a 4-bit e2m1 lookup
+kernel is the follow-up). The exact mode's float kernel widens them to 8-bit codes. Activations
 as for int8/int4: rounded to int8 per 32 values by default, float32 with an explicit
 `--dtype float32`. The LM head keeps 8 bits per channel (int8, as under int4). Input columns must
 be whole blocks of 32 (the block kernels' unit, for either format).
@@ -35,6 +36,8 @@ from tokenmill.quantization.int_quant import QuantizeOnLoadMethod
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2
 BLOCKS = {"mxfp4": 32, "nvfp4": 16}
+# the narrowest block-kernel layout that holds codes -12..12 in each format's block size
+LAYOUTS = {"mxfp4": BlockLayout(5, 32, False, 16), "nvfp4": BlockLayout(6, 16, False, 32)}
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
 
@@ -71,20 +74,33 @@ def block_scales(w: torch.Tensor, method: str) -> torch.Tensor:
     return s * glob
 
 
+def layout(method: str, device: torch.device | str = "cpu") -> BlockLayout:
+    """Where `method`'s weights are packed: the narrow `LAYOUTS` for the CPU kernels, 8-bit codes for
+    the Triton kernel on other devices (it runs 4- and 8-bit codes)."""
+    return LAYOUTS[method] if torch.device(device).type == "cpu" else BlockLayout(8, BLOCKS[method], False)
+
+
+def fp4_codes(q: np.ndarray, block_scales: np.ndarray, method: str) -> Codes:
+    """Codes 2 * e2m1 [N, K] with the scale each e2m1 value multiplies per block, as `Codes` in
+    `method`'s layout (scales halved)."""
+    layout = LAYOUTS[method]
+    return Codes(q, (block_scales / 2).astype(np.float32), None, BLOCKS[method], layout.bits, layout.center)
+
+
 def quantize(weight: torch.Tensor, method: str) -> Codes:
-    """`weight` [N, K] in `method`'s FP4 as 8-bit `Codes`: q = 2 * e2m1 value, scales = block scale / 2."""
+    """`weight` [N, K] in `method`'s FP4 as `Codes`: q = 2 * e2m1 value, scales = block scale / 2."""
     block = BLOCKS[method]
     rows, cols = weight.shape
     w = weight.detach().float().reshape(rows, cols // block, block)
     scale = block_scales(w, method)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.where(scale[..., None] > 0, round_e2m1(w / safe[..., None]), torch.zeros_like(w, dtype=torch.int16))
-    return Codes(q.reshape(rows, cols).numpy(), (scale / 2).numpy().astype(np.float32), None, block, 8)
+    return fp4_codes(q.reshape(rows, cols).numpy(), scale.numpy(), method)
 
 
 class FP4LinearMethod(BlockQuantLinearMethod):
-    def __init__(self, method: str, int8_activations: bool) -> None:
-        super().__init__(BlockLayout(8, BLOCKS[method], False), int8_activations, half=False)
+    def __init__(self, method: str, int8_activations: bool, device: torch.device | str = "cpu") -> None:
+        super().__init__(layout(method, device), int8_activations, half=False)
         self.method = method
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
@@ -98,13 +114,13 @@ class FP4LinearMethod(BlockQuantLinearMethod):
 
 
 class FP4Config(QuantizationConfig):
-    def __init__(self, method: str, int8_activations: bool) -> None:
+    def __init__(self, method: str, int8_activations: bool, device: torch.device | str = "cpu") -> None:
         super().__init__()
         if method not in BLOCKS:
             raise ValueError(f"FP4 methods are {', '.join(BLOCKS)}; got {method!r}")
-        self.name, self.int8_activations = method, int8_activations
+        self.name, self.int8_activations, self.device = method, int8_activations, device
 
     def linear_method(self, prefix: str) -> LinearMethod:
         if prefix.endswith("lm_head"):
             return QuantizeOnLoadMethod(8, None, True, self.int8_activations)
-        return FP4LinearMethod(self.name, self.int8_activations)
+        return FP4LinearMethod(self.name, self.int8_activations, self.device)
