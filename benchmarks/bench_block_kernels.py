@@ -48,14 +48,17 @@ def kernels_at(rev: str):
                          [f for m in modules for f in m.FUNCTIONS], extra_cflags=("-ffp-contract=off",))
 
 
-def median_time(call, copies, x, out, repeats: int) -> float:
-    times = []
+def median_times(calls, copies, x, out, repeats: int) -> list[float]:
+    """Median time per call of each of `calls` over `repeats` passes through all copies; the calls take
+    turns pass by pass, so that a drift in the host's bandwidth hits them alike."""
+    times = [[] for _ in calls]
     for _ in range(repeats + 1):  # the first pass warms up
-        start = time.perf_counter()
-        for w in copies:
-            call(x, *w.args(), out)
-        times.append((time.perf_counter() - start) / len(copies))
-    return statistics.median(times[1:])
+        for call, own in zip(calls, times):
+            start = time.perf_counter()
+            for w in copies:
+                call(x, *w.args(), out)
+            own.append((time.perf_counter() - start) / len(copies))
+    return [statistics.median(own[1:]) for own in times]
 
 
 def main() -> None:
@@ -86,7 +89,7 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for t in copies[0].args()[:5] if t is not None)
         for rows in map(int, args.rows.split(",")):
             x, out = torch.randn(rows, k), torch.empty(rows, n)
-            times = [median_time(getattr(ext, name), copies, x, out, args.repeats) for _, ext in builds]
+            times = median_times([getattr(ext, name) for _, ext in builds], copies, x, out, args.repeats)
             line = f"{qtype:6s} {rows:5d} " + " ".join(f"{t * 1e6:12.0f} {n * k * rows / t / 1e9:8.1f}" for t in times)
             if args.against:
                 dense = block_quant.workspace(n, k)
@@ -95,7 +98,7 @@ def main() -> None:
                     block_quant.load().block_quant_dequantize(*w_args[:8], dense)
                     return xx @ dense.t()
 
-                g = median_time(gemm, copies, x, out, max(1, args.repeats // 3))
+                (g,) = median_times([gemm], copies, x, out, max(1, args.repeats // 3))
                 line += f"  {times[1] / times[0]:5.2f}x {g * 1e6:8.0f} {n * k * rows / g / 1e9:8.1f}"
             else:
                 line += f"  {nbytes / times[0] / 1e9:5.1f}"
