@@ -148,52 +148,73 @@ struct Blocks {
   // instead of writing o, adds the offsets' share (sum of o * xs) to *share. Returns whether there are offsets.
   bool expand(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
     if (scales32) return expand32(n, fold, dx, xs, s, o, share);
-    if (scales8) return expand_from(scales8 + n * nb, offsets8 ? offsets8 + n * nb : nullptr, n, fold, dx, xs, s, o, share);
-    return expand_from(scales + n * nb, offsets ? offsets + n * nb : nullptr, n, fold, dx, xs, s, o, share);
+    if (scales8) return expand_as(scales8 + n * nb, offsets8 ? offsets8 + n * nb : nullptr, n, fold, dx, xs, s, o, share);
+    return expand_as(scales + n * nb, offsets ? offsets + n * nb : nullptr, n, fold, dx, xs, s, o, share);
   }
 
-  // expand from float16 or int8 storage (T), row n's scales sh and offsets oh.
+  // expand_from compiled for this weight's block size and parts (a decode step runs it once per row
+  // of every layer: a generic loop's branches and divisions cost a quarter of a 1-row matmul).
   template <typename T>
+  bool expand_as(const T* sh, const T* oh, int64_t n, bool fold, const float* dx, const float* xs, float* s,
+                 float* o, float* share) const {
+#define TM_EXPAND(BS, SUP, OFF, ROW) \
+  if (bs == BS && !!supers == SUP && !!oh == OFF && !!xs == ROW) \
+    return expand_from<T, BS, SUP, OFF, ROW>(sh, oh, n, fold, dx, xs, s, o, share);
+#define TM_EXPAND_ROWS(BS, SUP, OFF) TM_EXPAND(BS, SUP, OFF, true) TM_EXPAND(BS, SUP, OFF, false)
+#define TM_EXPAND_OFFS(BS, SUP) TM_EXPAND_ROWS(BS, SUP, true) TM_EXPAND_ROWS(BS, SUP, false)
+    TM_EXPAND_OFFS(32, true) TM_EXPAND_OFFS(32, false) TM_EXPAND_OFFS(16, true) TM_EXPAND_OFFS(16, false)
+#undef TM_EXPAND_OFFS
+#undef TM_EXPAND_ROWS
+#undef TM_EXPAND
+    TORCH_CHECK(false, "no block kernel for blocks of ", bs);
+  }
+
+  // expand from float16 or int8 storage (T), row n's scales sh and offsets oh (OFF: there are some), in
+  // blocks of BS, with super-blocks (SUP) or not; ROW: dx and xs are given (see expand).
+  template <typename T, int BS, bool SUP, bool OFF, bool ROW>
   bool expand_from(const T* sh, const T* oh, int64_t n, bool fold, const float* dx, const float* xs, float* s,
                    float* o, float* share) const {
-    const c10::Half* sup = supers ? supers + n * supers_per_row * 2 : nullptr;
-    const bool folded = fold && center, any = oh || folded;
+    constexpr int64_t per_super = kSuper / BS;  // blocks in a super-block
+    const c10::Half* sup = SUP ? supers + n * supers_per_row * 2 : nullptr;
+    const bool folded = fold && center, any = OFF || folded;
     const float c = static_cast<float>(center);
     int64_t b = 0;
     float sum = 0.f;
 #ifdef TM_SIMD
     __m256 acc = _mm256_setzero_ps();
+    const __m256 cv = _mm256_set1_ps(folded ? c : 0.f);
     for (; b + 8 <= nb; b += 8) {  // eight blocks sit in one super-block (K-quants have whole ones)
-      const c10::Half* p = sup ? sup + (b * bs / kSuper) * 2 : nullptr;
-      __m256 sv = scale_vec(sh + b);
-      if (p) sv = _mm256_mul_ps(sv, _mm256_set1_ps(to_float(p[0])));
-      __m256 ov = _mm256_setzero_ps();
-      if (oh) {
-        ov = scale_vec(oh + b);
-        if (p) ov = _mm256_mul_ps(ov, _mm256_set1_ps(to_float(p[1])));
+      __m256 sv = scale_vec(sh + b), ov = _mm256_setzero_ps();
+      if (OFF) ov = scale_vec(oh + b);
+      if (SUP) {
+        const c10::Half* p = sup + (b / per_super) * 2;
+        sv = _mm256_mul_ps(sv, _mm256_set1_ps(to_float(p[0])));
+        if (OFF) ov = _mm256_mul_ps(ov, _mm256_set1_ps(to_float(p[1])));
       }
-      if (folded) ov = _mm256_sub_ps(ov, _mm256_mul_ps(_mm256_set1_ps(c), sv));
-      if (dx)
-        sv = _mm256_mul_ps(sv, bs == 32 ? _mm256_loadu_ps(dx + b)
+      ov = _mm256_fnmadd_ps(cv, sv, ov);  // minus center x scale (a zero center: no change)
+      if (ROW) {
+        sv = _mm256_mul_ps(sv, BS == 32 ? _mm256_loadu_ps(dx + b)
                                         : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(dx + b / 2)),
                                                                    _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+        acc = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + b), acc);
+      } else if (any) {
+        _mm256_storeu_ps(o + b, ov);
+      }
       _mm256_storeu_ps(s + b, sv);
-      if (any && xs) acc = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + b), acc);
-      else if (any) _mm256_storeu_ps(o + b, ov);
     }
     sum = hsum(acc);
 #endif
     for (; b < nb; ++b) {
-      const c10::Half* p = sup ? sup + (b * bs / kSuper) * 2 : nullptr;
-      s[b] = p ? to_float(sh[b]) * to_float(p[0]) : to_float(sh[b]);
+      const c10::Half* p = SUP ? sup + (b / per_super) * 2 : nullptr;
+      s[b] = SUP ? to_float(sh[b]) * to_float(p[0]) : to_float(sh[b]);
       float ob = 0.f;
-      if (oh) ob = p ? to_float(oh[b]) * to_float(p[1]) : to_float(oh[b]);
+      if (OFF) ob = SUP ? to_float(oh[b]) * to_float(p[1]) : to_float(oh[b]);
       if (folded) ob -= c * s[b];
-      if (any && xs) sum += ob * xs[b];
+      if (ROW && any) sum += ob * xs[b];
       else if (any) o[b] = ob;
-      if (dx) s[b] *= dx[b * bs / 32];
+      if (ROW) s[b] *= dx[b * BS / 32];
     }
-    if (xs) *share = sum;
+    if (ROW) *share = sum;
     return any;
   }
 
