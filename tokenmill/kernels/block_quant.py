@@ -20,8 +20,9 @@ Layout (`Blocks`), per weight row of K values:
          mode's choice, whose float kernel then reads them in place: speed over bytes.)
   center the codes' zero (Q4_0: 8, Q5_0: 16, Q6_K: 32), 0 for 8-bit codes.
 `matmul` handles few rows of activations (decode) by dequantizing each weight row in registers;
-`matmul_q8` (int8 activations) takes one row as a memory-bound pass and more as register tiles of 8
-rows against each weight row (fast at every batch size for 4-5-bit codes); `dequantize` writes the
+`matmul_q8` (int8 activations) takes one row as a memory-bound pass (K-quants with their sub-block
+scales applied in the integer sums) and more as register tiles of 8 rows against each weight row (fast
+at every batch size for 4-5-bit codes); `dequantize` writes the
 float32 weight for large batches, which then go to torch's GEMM.
 """
 
@@ -728,6 +729,72 @@ void matmul_q8_tiles(const int8_t* xq, const float* dx, const float* xs, int64_t
     }
   });
 }
+
+// One activation row against K-quant rows (int8 sub-block scales, float16 super-block pairs, codes of
+// 4-6 bits): the sub-block scales multiply the integer pair sums inside madd (in place of its ones),
+// so that a super-block's products need one float scale (its d) instead of a float scale per block;
+// a row's scales need no expanding (Blocks::expand, a quarter of a row's time at one row). The offsets'
+// share (mins, and the center's -center * scale) is taken per super-block from the activations' block
+// sums xs. `lanes`: the row's activation scales (scale_lanes); `masks`: spread_masks<BS>().
+template <int BS>
+std::vector<__m256i> spread_masks() {  // pshufb masks: int16 element a in the low 128-bit lane, b in the high
+  auto mask = [](int a, int b) {
+    alignas(32) int8_t m[32];
+    for (int i = 0; i < 16; ++i) m[i] = static_cast<int8_t>(2 * a + i % 2), m[16 + i] = static_cast<int8_t>(2 * b + i % 2);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
+  };
+  std::vector<__m256i> masks;
+  for (int k = 0; k < 4; ++k)
+    if (BS == 32) masks.push_back(mask(2 * k, 2 * k + 1));  // pair k of a super-block: its two groups' scales
+    else if (k < 2) masks.push_back(mask(4 * k, 4 * k + 2)), masks.push_back(mask(4 * k + 1, 4 * k + 3));  // lo, hi
+  return masks;
+}
+
+template <int BITS, int BS>
+inline float row_dot_q8_super(const int8_t* xq, const __m256* lanes, const float* xs, int64_t K, const Blocks& w,
+                              int64_t n, const __m256i* masks) {
+  constexpr int64_t kBlocks = kSuper / BS;
+  const uint8_t* codes = w.codes + n * w.code_bytes;
+  const uint8_t* high = w.high ? w.high + n * w.high_bytes : nullptr;
+  const int8_t* scales = w.scales8 + n * w.nb;
+  const int8_t* mins = w.offsets8 ? w.offsets8 + n * w.nb : nullptr;
+  const c10::Half* sup = w.supers + n * w.supers_per_row * 2;
+  const float center = static_cast<float>(w.center);
+  __m256 acc = _mm256_setzero_ps(), share = _mm256_setzero_ps();
+  for (int64_t q = 0; q < K / kSuper; ++q) {
+    const int8_t* sc = scales + q * kBlocks;
+    __m256i sv[2];  // the super-block's scales as int16, in both 128-bit lanes
+    for (int h = 0; h < kBlocks / 8; ++h)
+      sv[h] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
+    __m256 part = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {  // the super-block's four pairs of groups
+      const int64_t g = q * 8 + 2 * k;
+      if (k % 2 == 0) prefetch_ahead<BITS>(codes, high, g);
+      __m256i lo, hi;
+      unpack_pair<BITS>(codes, high, g / 2, lo, hi);
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32));
+      __m256i sums;  // codes below 64 times |x| <= 127: the int16 pair sums (and two of them added) fit
+      if (BS == 32)
+        sums = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)),
+                                 _mm256_shuffle_epi8(sv[0], masks[k]));
+      else
+        sums = _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_shuffle_epi8(sv[k / 2], masks[2 * (k % 2)])),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), _mm256_shuffle_epi8(sv[k / 2], masks[2 * (k % 2) + 1])));
+      part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lanes[g / 2], part);
+    }
+    const float d = to_float(sup[2 * q]), m = to_float(sup[2 * q + 1]);
+    acc = _mm256_fmadd_ps(part, _mm256_set1_ps(d), acc);
+    for (int h = 0; h < kBlocks / 8; ++h) {  // xs * (m * min - center * d * scale) over the blocks
+      const int64_t b = q * kBlocks + 8 * h;
+      const __m256 x = _mm256_loadu_ps(xs + b);
+      if (mins) share = _mm256_fmadd_ps(_mm256_mul_ps(scale_vec(mins + b), x), _mm256_set1_ps(m), share);
+      if (center != 0.f) share = _mm256_fmadd_ps(_mm256_mul_ps(scale_vec(scales + b), x), _mm256_set1_ps(-center * d), share);
+    }
+  }
+  return hsum(_mm256_add_ps(acc, share));
+}
 #endif
 
 template <int BITS, int BS>
@@ -742,6 +809,17 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
   float* outp = out.data_ptr<float>();
   // one activation row: its scales go into the weight scales once per weight row
   auto one_row = [&](int64_t i) {
+#ifdef TM_SIMD
+    if (paired(BITS) && w.scales8 && w.supers) {  // K-quants: no scales to expand (row_dot_q8_super)
+      const std::vector<__m256> lanes = scale_lanes(dx.data() + i * groups, 1, groups, true, (groups + 1) / 2);
+      const std::vector<__m256i> masks = spread_masks<BS>();
+      return at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n)
+          outp[i * N + n] = row_dot_q8_super<BITS, BS>(xq.data() + i * K, lanes.data(), xs.data() + i * nw, K, w, n,
+                                                        masks.data());
+      });
+    }
+#endif
     for_each_row(w, true, dx.data() + i * groups, xs.data() + i * nw,
                  [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float*, float share) {
                    outp[i * N + n] = row_dot_q8<BITS, BS>(xq.data() + i * K, K, c, h, s) + share;
