@@ -459,6 +459,7 @@ void dequantize_impl(const Blocks& w, torch::Tensor& out) {
 #ifdef TM_SIMD
     const __m256i cv = _mm256_set1_epi8(static_cast<char>(center));
     for (int64_t g = 0; g < w.K / 32; ++g) {
+      if (g % (BITS == 8 ? 2 : 4) == 0) prefetch_ahead<BITS>(c, h, g);  // every 64 bytes of codes
       Vec f[4];
       decode32<BITS>(c, h, g, cv, f);
       for (int i = 0; i < 4; ++i) {
