@@ -79,6 +79,11 @@ TINY_MODELS = {
         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
         first_k_dense_replace=1, n_group=4, topk_group=2)),
+    # sinks, biases everywhere, alternating window (8) / full layers, yarn; a swiglu_limit the random
+    # activations cross, so the clamps bite (biases and sinks random: see make_tiny_model)
+    "gpt-oss": (transformers.GptOssConfig, dict(
+        num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, swiglu_limit=0.3)),
 }
 
 
@@ -92,6 +97,9 @@ def make_tiny_model(name: str, directory, **overrides) -> transformers.PreTraine
     for module in model.modules():  # DeepSeek-V3's router bias starts at zero: make it choose
         if hasattr(module, "e_score_correction_bias"):
             module.e_score_correction_bias.normal_(std=0.05)
+        for name in ("sinks", "gate_up_proj_bias", "down_proj_bias"):  # GPT-OSS's start at zero
+            if hasattr(module, name):
+                getattr(module, name).data.normal_(std=0.5 if name == "sinks" else 0.05)
     model.save_pretrained(directory)
     return model
 

@@ -24,6 +24,8 @@ from tokenmill.executor import executor_for
     ("deepseek-v2", "ep"),
     ("deepseek-v2-yarn", "tp"),  # low-rank queries split by heads, group-limited routing, 2 shared experts
     ("deepseek-v3", "ep"),  # sigmoid routing with a correction bias, 8 experts: 4 per rank
+    ("gpt-oss", "tp"),  # sinks split by heads; expert biases (the down bias added once over the ranks)
+    ("gpt-oss", "ep"),
 ])
 def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, name, mode):
     hf = make_tiny_model(name, tmp_path)

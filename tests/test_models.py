@@ -145,8 +145,14 @@ def test_config_fields_are_read(tiny):
         assert (c.rope_scaling or {}).get("rope_type", "default") == h.rope_parameters["rope_type"]
     else:
         assert c.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
-        assert c.qkv_bias == name.startswith("qwen2")
+        assert c.qkv_bias == (name.startswith("qwen2") or name == "gpt-oss")
         assert c.qk_norm == name.startswith(("qwen3", "gemma3"))
+    if name == "gpt-oss":  # sinks on every layer, the window on the sliding ones
+        layers = load_model(directory).model.model.layers
+        assert [layer.self_attn.attn.sliding_window for layer in layers] == [
+            c.sliding_window if t == "sliding_attention" else None for t in hf.config.layer_types]
+        for ours, theirs in zip(layers, hf.model.layers):
+            assert torch.equal(ours.self_attn.attn.sinks, theirs.self_attn.sinks)
     if name.startswith("gemma"):
         assert list(c.layer_types) == hf.config.layer_types and c.sliding_window == hf.config.sliding_window
         windows = [layer.self_attn.attn.sliding_window for layer in load_model(directory).model.model.layers]

@@ -21,7 +21,7 @@ from tokenmill.attention.metadata import CommonAttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
-    supported_features: tuple[str, ...] = ()  # of "sliding_window", "logits_soft_cap"
+    supported_features: tuple[str, ...] = ()  # of "sliding_window", "logits_soft_cap", "sinks"
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, spec: AttentionSpec) -> tuple[int, ...]:
         """One layer's cache: K and V of every slot of every block (a latent spec: one tensor, values
@@ -30,7 +30,7 @@ class AttentionBackend(ABC):
 
     def check_layer(self, layer) -> None:
         """Raise if this backend cannot run the attention layer `layer` (e.g. a sliding window)."""
-        for feature in ("sliding_window", "logits_soft_cap"):
+        for feature in ("sliding_window", "logits_soft_cap", "sinks"):
             if getattr(layer, feature) is not None and feature not in self.supported_features:
                 raise ValueError(f"attention backend {self.name} does not support {feature} ({layer.layer_name})")
 
@@ -41,9 +41,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta,
-                scale: float, soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, soft_cap: float | None = None, kv_scales: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write the new K/V into `kv_cache`, attend (scores soft-capped: cap * tanh(s / cap), if set).
-        q: [T, H, D]; k, v: [T, KVH, D]; kv_scales: an int8 / fp8 cache's scales. Returns [T, H, D]."""
+        q: [T, H, D]; k, v: [T, KVH, D]; kv_scales: an int8 / fp8 cache's scales; sinks: [H] float32,
+        each head's extra softmax logit with no value. Returns [T, H, D]."""
 
 
 def get_attention_backend(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> AttentionBackend:

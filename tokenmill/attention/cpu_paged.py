@@ -1,5 +1,5 @@
 """CPU float32 compute: decode reads K/V straight from the blocks with a compiled kernel (no gather copy,
-no padding; sliding windows, soft-caps and latent MLA caches too; float32, float16 or bfloat16 caches,
+no padding; sliding windows, soft-caps, sinks and latent MLA caches too; float32, float16 or bfloat16 caches,
 and int8 / fp8 ones with their scales, dequantized as they are read), and the step's K/V are written
 in one call (a quantized cache: by a C++ quantizer that gives the torch path's bytes); a short chunk after cached tokens (a
 speculative verify step) runs as one decode per new token over the same blocks; other prompt chunks
@@ -43,19 +43,19 @@ class CpuPagedBackend(TorchSDPABackend):
                                        common.block_table[req], common.slot_mapping, common.block_size, common.device)
         return super().build_metadata(rows, sliding_window)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p, meta, scale, soft_cap=None, kv_scales=None):
+    def _prefill(self, q, k, v, k_cache, v_cache, p, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
         """A short chunk after cached tokens (a speculative verify step, a small prompt chunk): each
         new token is a decode of its own over the same blocks, with its own context length."""
         n = p.end - p.start
         if p.block_table is None or n > SHORT_CHUNK:
-            return super()._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap, kv_scales)
+            return super()._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap, kv_scales, sinks)
         total = p.mask.shape[1]
         lens = torch.arange(total - n + 1, total + 1, device=q.device)
         tables = p.block_table[None].expand(n, -1).contiguous()
         return paged_attention.paged_decode_attention(q[p.start : p.end].contiguous(), k_cache, v_cache, tables, lens,
-                                                      scale, meta.sliding_window, soft_cap, kv_scales)
+                                                      scale, meta.sliding_window, soft_cap, kv_scales, sinks)
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None, kv_scales=None):
+    def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
         return paged_attention.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
                                                       meta.decode_context_lens, scale, meta.sliding_window, soft_cap,
-                                                      kv_scales)
+                                                      kv_scales, sinks)

@@ -46,7 +46,7 @@ class TorchAttentionMetadata:
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch-sdpa"
-    supported_features = ("sliding_window", "logits_soft_cap")
+    supported_features = ("sliding_window", "logits_soft_cap", "sinks")
     needs_decode_mask = True
 
     def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None) -> TorchAttentionMetadata:
@@ -78,7 +78,7 @@ class TorchSDPABackend(AttentionBackend):
             prefills.append(PrefillMetadata(start, end, table, mask))
         return TorchAttentionMetadata(common.slot_mapping, d, decode_tables, decode_lens, decode_mask, prefills, w)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
         latent = kv_cache.shape[0] == 1
         k_cache = kv_cache[0]
         v_cache = k_cache[..., : v.shape[-1]] if latent else kv_cache[1]
@@ -87,15 +87,17 @@ class TorchSDPABackend(AttentionBackend):
         self._write_kv(k, None if latent else v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         d = meta.num_decodes
         if not meta.prefills:
-            return self._decode(q, k_cache, v_cache, meta, scale, soft_cap, kv_scales)
+            return self._decode(q, k_cache, v_cache, meta, scale, soft_cap, kv_scales, sinks)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         if d:
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, soft_cap, kv_scales)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, soft_cap, kv_scales, sinks)
         for p in meta.prefills:
-            out[p.start : p.end] = self._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap, kv_scales)
+            out[p.start : p.end] = self._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap, kv_scales,
+                                                 sinks)
         return out
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillMetadata, meta, scale, soft_cap=None, kv_scales=None):
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillMetadata, meta, scale, soft_cap=None, kv_scales=None,
+                 sinks=None):
         """One prompt chunk's (or verify step's) attention: [n, H, hd]. With nothing cached it attends
         the chunk's own K/V as computed (unquantized, as the float path does)."""
         latent = v_cache.data_ptr() == k_cache.data_ptr()
@@ -106,7 +108,7 @@ class TorchSDPABackend(AttentionBackend):
         else:
             ks, vs = _gather_kv(k_cache, v_cache, p.block_table[None], q.dtype, latent, kv_scales)
             ks, vs = ks[:, :, : p.mask.shape[1]], vs[:, :, : p.mask.shape[1]]
-        return _attend(qs, ks, vs, p.mask, scale, soft_cap)[0].transpose(0, 1)
+        return _attend(qs, ks, vs, p.mask, scale, soft_cap, sinks)[0].transpose(0, 1)
 
     def _write_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None):
         """The step's keys and values into their slots (v None: a latent cache, keys only; quantized
@@ -120,28 +122,34 @@ class TorchSDPABackend(AttentionBackend):
         if v is not None:
             v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None, kv_scales=None):
+    def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
         latent = v_cache.data_ptr() == k_cache.data_ptr()
         # keys, values: [D, KVH, L, hd]
         keys, values = _gather_kv(k_cache, v_cache, meta.decode_block_tables, q.dtype, latent, kv_scales)
-        return _attend(q.unsqueeze(2), keys, values, meta.decode_mask, scale, soft_cap).squeeze(2)
+        return _attend(q.unsqueeze(2), keys, values, meta.decode_mask, scale, soft_cap, sinks).squeeze(2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            soft_cap: float | None) -> torch.Tensor:
+            soft_cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v over [B, H, n, hd] queries and [B, KVH, L, hd] keys/values (heads
-    grouped); `mask` (True = attend) or, when None, causal over n == L. Soft-capped scores are
-    written out; otherwise SDPA."""
-    if soft_cap is None:
+    grouped); `mask` (True = attend) or, when None, causal over n == L. Soft-capped scores, and
+    sinks (each head's [H] logit in the softmax's denominator), are written out; otherwise SDPA."""
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / soft_cap)) * soft_cap
+    scores = q @ k.transpose(-1, -2) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,

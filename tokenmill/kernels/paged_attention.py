@@ -192,10 +192,11 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 
 // One (sequence, kv head): the G query heads that share it attend over L cached tokens.
 // key(t), value(t) point at token t's key row (D features) and value row (DV); key_scale(t),
-// value_scale(t) are the rows' scales (1 unless quantized); s: [G, L] scratch; o: [G, DV] output.
+// value_scale(t) are the rows' scales (1 unless quantized); s: [G, L] scratch; o: [G, DV] output;
+// sinks: the G heads' extra softmax logits (no value), or null.
 template <typename Row, typename Scale>
 void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float scale, float cap, Row key, Row value,
-            Scale key_scale, Scale value_scale, float* s, float* o) {
+            Scale key_scale, Scale value_scale, float* s, float* o, const float* sinks) {
 #ifdef TM_ATTN_SIMD
   if (D % 8 == 0 && DV % 8 == 0) {
     for (int64_t t0 = 0; t0 < L; t0 += 8) {  // scores, eight tokens at a time
@@ -219,7 +220,7 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
     soft_cap(s, G * L, cap);
     for (int64_t g = 0; g < G; ++g) {  // softmax
       float* sg = s + g * L;
-      float m = -std::numeric_limits<float>::infinity();
+      float m = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
       __m256 total = _mm256_setzero_ps();
       int64_t t = 0;
@@ -230,7 +231,8 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
       }
       alignas(32) float parts[8];
       _mm256_store_ps(parts, total);
-      float sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7];
+      float sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7] +
+                  (sinks ? std::exp(sinks[g] - m) : 0.f);
       for (; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
       const float inv = 1.f / sum;
       for (t = 0; t < L; ++t) sg[t] *= inv;
@@ -262,9 +264,9 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
   soft_cap(s, G * L, cap);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * L;
-    float m = -std::numeric_limits<float>::infinity();
+    float m = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
+    float sum = sinks ? std::exp(sinks[g] - m) : 0.f;
     for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
     for (int64_t t = 0; t < L; ++t) sg[t] /= sum;
   }
@@ -280,12 +282,13 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
 // may be strided: a view into the key rows); block_tables: [B, max_blocks] int64; context_lens: [B] int64;
 // out: [B, H, DV]. q and out float32; the caches float32, float16, bfloat16, int8 or fp8 (both alike); last
 // dims contiguous; k_scales, v_scales (int8 / fp8): [num_blocks, block_size, KVH] bfloat16, else null.
-// window > 0: only the last `window` tokens are attended; soft_cap > 0: scores are soft-capped.
+// window > 0: only the last `window` tokens are attended; soft_cap > 0: scores are soft-capped; sinks:
+// [H] float32 logits that join each head's softmax without a value, or null.
 template <typename T>
 void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
                        int64_t window, double soft_cap_value, torch::Tensor& out, const c10::BFloat16* k_scales,
-                       const c10::BFloat16* v_scales) {
+                       const c10::BFloat16* v_scales, const float* sinks) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), DV = v_cache.size(3);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t max_blocks = block_tables.size(1);
@@ -325,7 +328,8 @@ void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, con
       const int64_t first = b * H + kvh * G + g0;  // the first query head of this task
       attend(qp + first * D, heads, D, DV, L, static_cast<float>(scale), static_cast<float>(soft_cap_value),
              row(kp, k_cache.stride(1), k_cache.stride(2)), row(vp, v_cache.stride(1), v_cache.stride(2)),
-             scale_of(k_scales), scale_of(v_scales), scores.data(), op + first * DV);
+             scale_of(k_scales), scale_of(v_scales), scores.data(), op + first * DV,
+             sinks ? sinks + first % H : nullptr);
     }
   });
 }
@@ -334,7 +338,8 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
                             torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                             int64_t window, double soft_cap_value, torch::Tensor out,
                             c10::optional<torch::Tensor> k_scales = c10::nullopt,
-                            c10::optional<torch::Tensor> v_scales = c10::nullopt) {
+                            c10::optional<torch::Tensor> v_scales = c10::nullopt,
+                            c10::optional<torch::Tensor> sinks = c10::nullopt) {
   const bool quantized = k_cache.element_size() == 1;
   TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()), "scales come with int8 / fp8 caches only");
   const c10::BFloat16* ks = nullptr;
@@ -344,9 +349,13 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
                 "scales: contiguous bfloat16");
     ks = k_scales->data_ptr<c10::BFloat16>(), vs = v_scales->data_ptr<c10::BFloat16>();
   }
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
+                "sinks: contiguous float32, one per query head");
+  const float* sp = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   auto run = [&](auto element) {
     paged_decode_impl<decltype(element)>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
-                                         soft_cap_value, out, ks, vs);
+                                         soft_cap_value, out, ks, vs, sp);
   };
   switch (k_cache.scalar_type()) {
     case at::kHalf: return run(c10::Half());
@@ -387,11 +396,11 @@ def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            window: int | None = None, soft_cap: float | None = None,
-                           kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_scales: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [B, H, D] over each sequence's blocks; `kv_scales` [2, blocks, block_size, KVH]
-    for an int8 / fp8 cache."""
+    for an int8 / fp8 cache; `sinks` [H] float32 (each head's extra softmax logit)."""
     out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
     k_scales, v_scales = (None, None) if kv_scales is None else kv_scales
     load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window or 0,
-                                  soft_cap or 0.0, out, k_scales, v_scales)
+                                  soft_cap or 0.0, out, k_scales, v_scales, sinks)
     return out

@@ -20,3 +20,12 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2 I] -> gelu_tanh(gate) * up, [..., I] (GeGLU with the tanh approximation, as Gemma)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[..., 2 I] -> GPT-OSS's gated activation, [..., I]: gate clamped above at `limit`, up to
+    [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1). Bind alpha and limit with
+    functools.partial."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)

@@ -4,7 +4,9 @@ these modules by type), and runs the backend on the step's metadata. With `laten
 multi-head latent attention in its absorbed form: one shared key row per token (`head_dim` features,
 the last `latent_rope_dim` of them rotated) whose leading features are also the value. A quantized
 (int8 / fp8) cache comes with its scales tensor (`kv_scales`; a latent cache has one scale per token
-row, which its values share)."""
+row, which its values share). With `sinks` each query head has a learned logit (the `sinks` parameter,
+[heads]: GPT-OSS) that joins its softmax's denominator without a value, so a head may attend to
+nothing."""
 
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ import torch
 from torch import nn
 
 from tokenmill.attention.kv_spec import AttentionSpec, MLAAttentionSpec
+from tokenmill.distributed import parallel_state
 from tokenmill.layers.forward_context import get_forward_context
+from tokenmill.quantization.base import dense
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None, prefix: str = "",
-                 latent_rope_dim: int | None = None) -> None:
+                 latent_rope_dim: int | None = None, sinks: bool = False) -> None:
         super().__init__()
         self.latent_rope_dim = latent_rope_dim
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
@@ -29,6 +33,16 @@ class Attention(nn.Module):
         self.kv_scales: torch.Tensor | None = None  # [2, blocks, block_size, kv heads] for an int8 / fp8 cache
         self.backend = None
         self.kv_group = 0
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+
+    def weight_loader(self, kind: str, weight: torch.Tensor, shard=None) -> None:
+        """The checkpoint's `sinks` of every head: this tensor-parallel rank keeps its heads'."""
+        if kind != "sinks" or self.sinks is None:
+            raise ValueError(f"is a {kind!r} tensor, which attention layers do not hold")
+        first = parallel_state.tp_rank() * self.num_heads
+        if weight.shape[0] < first + self.num_heads:
+            raise ValueError(f"has shape {tuple(weight.shape)}, expected {self.num_heads * parallel_state.tp_size()} heads")
+        self.sinks.data.copy_(dense(weight)[first : first + self.num_heads])
 
     def kv_spec(self, cache_dtype: torch.dtype) -> AttentionSpec:
         if self.latent_rope_dim is not None:
@@ -44,4 +58,5 @@ class Attention(nn.Module):
         """q: [T, heads, D]; k, v: [T, kv heads, D] -> [T, heads, D] (latent: v is k's leading
         features, a view of it, and the output has v's width)."""
         meta = get_forward_context().attn_metadata[self.kv_group]
-        return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.logits_soft_cap, self.kv_scales)
+        return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.logits_soft_cap, self.kv_scales,
+                                    self.sinks)

@@ -6,9 +6,14 @@ group-limited choice (experts in groups; only the best `topk_groups` groups comp
 is its best expert, or the sum of its best two for V3), and a scale on the routed weights.
 
 `FusedMoE` stacks every expert's gate+up projection into one [E, 2I, H] tensor and the down
-projections into [E, H, I]. A forward pass sorts the (token, expert) pairs by expert and runs, for
-each expert that received tokens, one matmul over all of them: the Python loop is over active
-experts, never over tokens. Outputs are weighted by the routing weights and summed per token.
+projections into [E, H, I] (with biases [E, 2I] and [E, H] where the model has them: GPT-OSS). A
+weight format that quantizes experts (`QuantizationConfig.expert_method`: MXFP4, as GPT-OSS ships
+them) keeps each expert's two projections as block-quantized modules of that format instead
+(`ExpertProjection`), dequantized inside the block kernels' matmul. A forward pass sorts the
+(token, expert) pairs by expert and runs, for each expert that received tokens, one matmul pair over
+all of them: the Python loop is over active experts, never over tokens. The gated activation is
+SiLU by default (GPT-OSS: its clamped SwiGLU). Outputs are weighted by the routing weights and
+summed per token.
 
 Under tensor parallelism each rank holds every expert's share of the intermediate features (gate/up
 rows, down columns); its partial output and the shared experts' (split the same way) are summed
@@ -27,7 +32,7 @@ from torch import nn
 
 from tokenmill.distributed import expert_parallel, parallel_state
 from tokenmill.layers.activation import silu_and_mul
-from tokenmill.quantization.base import dense
+from tokenmill.quantization.base import LinearMethod, dense
 
 # checkpoint names of one expert's projections -> (our parameter, shard of it)
 EXPERT_PROJECTIONS = {
@@ -74,33 +79,39 @@ def select_experts(router_logits: torch.Tensor, routing: Routing,
     return weights * routing.scale if routing.scale != 1.0 else weights, ids
 
 
-def run_experts(rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """`rows` grouped by expert (counts[e] rows for expert e, in expert order) through their expert."""
-    out = torch.empty_like(rows)
-    start = 0
-    for expert, n in enumerate(counts.tolist()):
-        if n:
-            part = slice(start, start + n)
-            out[part] = silu_and_mul(rows[part] @ w13[expert].t()) @ w2[expert].t()
-            start += n
-    return out
-
-
-def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+def grouped_experts(x: torch.Tensor, num_experts: int, run_experts, weights: torch.Tensor,
                     ids: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, one matmul pair per active expert."""
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, one matmul pair per active
+    expert (`run_experts(rows grouped by expert, rows per expert)`)."""
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
     token_of = order // ids.shape[1]
-    out = run_experts(x.index_select(0, token_of), torch.bincount(flat, minlength=w13.shape[0]), w13, w2)
+    out = run_experts(x.index_select(0, token_of), torch.bincount(flat, minlength=num_experts))
     out.mul_(weights.flatten()[order].unsqueeze(1).to(out.dtype))
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
+class ExpertProjection(nn.Module):
+    """One expert's projection (rows x cols) in a block-quantized weight format: the format's
+    `LinearMethod` owns the storage and runs the matmul, as it does for a linear layer."""
+
+    def __init__(self, method: LinearMethod, rows: int, cols: int, prefix: str) -> None:
+        super().__init__()
+        self.prefix, self.quant_method = prefix, method
+        method.create_weights(self, cols, [rows], torch.get_default_dtype())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, None)
+
+
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, routing: Routing, hidden_size: int, intermediate_size: int,
-                 prefix: str = "") -> None:
+                 prefix: str = "", bias: bool = False, activation=silu_and_mul,
+                 method: LinearMethod | None = None) -> None:
+        """`activation`: [n, 2I] gate and up halves -> [n, I]; `method`: the experts' weight format
+        (None: dense in the default dtype)."""
         super().__init__()
+        self.activation, self.method = activation, method
         self.num_experts, self.routing, self.top_k = num_experts, routing, routing.top_k
         self.prefix = prefix
         self.layer_index = int(next((p for p in prefix.split(".") if p.isdigit()), -1))  # model.layers.N.…
@@ -116,37 +127,84 @@ class FusedMoE(nn.Module):
             self.experts, self.columns = range(num_experts), slice(rank * share, (rank + 1) * share)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         local, share = len(self.experts), len(range(intermediate_size)[self.columns])
-        self.w13 = nn.Parameter(torch.empty(local, 2 * share, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(local, hidden_size, share), requires_grad=False)
+        self.share = share
+        if method is None:
+            self.w13 = nn.Parameter(torch.empty(local, 2 * share, hidden_size), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(local, hidden_size, share), requires_grad=False)
+        else:
+            self.w13 = nn.ModuleList(ExpertProjection(method, 2 * share, hidden_size, f"{prefix}.{e}.gate_up_proj")
+                                     for e in self.experts)
+            self.w2 = nn.ModuleList(ExpertProjection(method, hidden_size, share, f"{prefix}.{e}.down_proj")
+                                    for e in self.experts)
+        self.w13_bias = nn.Parameter(torch.zeros(local, 2 * share), requires_grad=False) if bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(local, hidden_size), requires_grad=False) if bias else None
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def inactive_parameters(self) -> int:
         """Expert parameters a token does not use (it runs top_k of the num_experts)."""
-        return (self.num_experts - self.top_k) * (self.w13[0].numel() + self.w2[0].numel())
+        return (self.num_experts - self.top_k) * 3 * self.hidden_size * self.intermediate_size
 
     def checkpoint_keys(self) -> list[tuple[str, tuple[int, int]]]:
         """Every (parameter, (expert, shard)) the checkpoint must fill."""
-        return [(p, (e, s)) for e in range(self.num_experts) for p, s in (("w13", 0), ("w13", 1), ("w2", 0))]
+        kinds = ("w13", "w2") + (("w13_bias", "w2_bias") if self.w13_bias is not None else ())
+        return [(k, (e, s)) for e in range(self.num_experts) for k in kinds for s in ((0, 1) if "13" in k else (0,))]
 
     def weight_loader(self, kind: str, weight, shard: tuple[int | None, int]) -> None:
-        """`kind` "w13" or "w2"; `shard` (expert, 0 gate / 1 up); expert None: a tensor of every expert.
-        This rank keeps its experts and its share of their intermediate features."""
+        """`kind` "w13" or "w2" (or their "_bias"); `shard` (expert, 0 gate / 1 up); expert None: a
+        tensor of every expert. This rank keeps its experts and its share of their intermediate
+        features. A quantized format takes its experts one at a time, in whatever form its method
+        loads (a dense tensor to quantize, or the checkpoint's own codes)."""
         expert, part = shard
         if expert is not None and expert not in self.experts:
             return  # another rank's expert
-        src = dense(weight)
-        whole = (self.intermediate_size, self.hidden_size) if kind == "w13" else (self.hidden_size, self.intermediate_size)
-        want = whole if expert is not None else (self.num_experts, *whole)
-        if tuple(src.shape) != want:
-            raise ValueError(f"has shape {tuple(src.shape)}, expected {want}")
-        share = self.w2.shape[2]
-        rows = slice(part * share, (part + 1) * share) if kind == "w13" else slice(None)
+        if kind.endswith("_bias"):
+            whole = (self.intermediate_size,) if kind == "w13_bias" else (self.hidden_size,)
+        else:
+            whole = (self.intermediate_size, self.hidden_size) if kind == "w13" else (self.hidden_size, self.intermediate_size)
+        if kind not in ("w13", "w2") or self.method is None:
+            src = dense(weight)
+            want = whole if expert is not None else (self.num_experts, *whole)
+            if tuple(src.shape) != want:
+                raise ValueError(f"has shape {tuple(src.shape)}, expected {want}")
+        rows = slice(part * self.share, (part + 1) * self.share) if kind.startswith("w13") else slice(None)
+        if kind in ("w13", "w2") and self.method is not None:
+            if expert is None:
+                raise ValueError("holds every expert in one tensor; a quantized expert format loads them one by one")
+            src_rows, src_cols = (self.columns, slice(None)) if kind == "w13" else (slice(None), self.columns)
+            module = getattr(self, kind)[expert - self.experts.start]
+            self.method.load(module, weight, rows, src_rows, src_cols)
+            return
         dest = getattr(self, kind).data
         if expert is None:
             dest, src = dest[:, rows], src[self.experts.start:self.experts.stop]
         else:
             dest = dest[expert - self.experts.start, rows]
-        dest.copy_(src[..., self.columns, :] if kind == "w13" else src[..., self.columns])
+        if kind == "w13":
+            src = src[..., self.columns, :]
+        elif kind in ("w2", "w13_bias"):
+            src = src[..., self.columns]
+        dest.copy_(src)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`rows` grouped by local expert (counts[e] rows for expert e, in expert order) through their expert."""
+        out = torch.empty_like(rows)
+        down_bias = self.w2_bias is not None and (self.expert_parallel or parallel_state.tp_rank() == 0)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                part = slice(start, start + n)
+                gate_up = self._project(self.w13, e, rows[part])
+                if self.w13_bias is not None:
+                    gate_up += self.w13_bias[e]
+                out[part] = self._project(self.w2, e, self.activation(gate_up))
+                if down_bias:  # once over the ranks that sum their partial outputs
+                    out[part] += self.w2_bias[e]
+                start += n
+        return out
+
+    @staticmethod
+    def _project(weights, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return weights[expert](x) if isinstance(weights, nn.ModuleList) else x @ weights[expert].t()
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
                 shared: nn.Module | None = None, shared_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,10 +214,9 @@ class FusedMoE(nn.Module):
         self.expert_tokens += torch.bincount(ids.flatten(), minlength=self.num_experts)
         split = parallel_state.tp_size() > 1 and not self.expert_parallel
         if self.expert_parallel:
-            out = expert_parallel.dispatch_and_combine(
-                x, weights, ids, self.experts, lambda rows, counts: run_experts(rows, counts, self.w13, self.w2))
+            out = expert_parallel.dispatch_and_combine(x, weights, ids, self.experts, self.run_experts)
         else:
-            out = grouped_experts(x, self.w13, self.w2, weights, ids)
+            out = grouped_experts(x, self.num_experts, self.run_experts, weights, ids)
         if shared is not None:
             always = shared.partial(x) if split else shared(x)
             out = out + (always if shared_scale is None else shared_scale * always)

@@ -96,7 +96,8 @@ class DeepseekMoE(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
                                                         requires_grad=False)
         self.experts = FusedMoE(config.num_experts, config.routing, config.hidden_size,
-                                config.moe_intermediate_size, f"{prefix}.experts")
+                                config.moe_intermediate_size, f"{prefix}.experts",
+                                method=quant_config.expert_method(f"{prefix}.experts"))
         if config.n_shared_experts:
             self.shared_experts = LlamaMLP(config, quant_config, f"{prefix}.shared_experts",
                                            config.moe_intermediate_size * config.n_shared_experts)

@@ -96,12 +96,12 @@ class LlamaConfig(ModelConfig):
 
 class LlamaAttention(nn.Module):
     """Fused q/k/v projection, optional RMSNorm of each head's q and k (`config.qk_norm`, with `norm`),
-    rotation, attention (optionally windowed and soft-capped), output projection. Shared by the
-    model files of other families (Gemma)."""
+    rotation, attention (optionally windowed, soft-capped, with sinks), output projection. Shared by
+    the model files of other families (Gemma, GPT-OSS)."""
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
                  prefix: str, scale: float | None = None, sliding_window: int | None = None,
-                 soft_cap: float | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
+                 soft_cap: float | None = None, norm: type[RMSNorm] = RMSNorm, sinks: bool = False) -> None:
         super().__init__()
         heads, kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads,
@@ -113,7 +113,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim**-0.5, self.num_kv_heads,
-                              sliding_window, soft_cap, prefix=f"{prefix}.attn")
+                              sliding_window, soft_cap, prefix=f"{prefix}.attn", sinks=sinks)
         if config.qk_norm:
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
@@ -158,7 +158,8 @@ class LlamaSparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, quant_config, f"{prefix}.gate")
         self.experts = FusedMoE(config.num_experts, Routing(config.num_experts_per_tok, config.norm_topk_prob),
-                                config.hidden_size, config.moe_intermediate_size, f"{prefix}.experts")
+                                config.hidden_size, config.moe_intermediate_size, f"{prefix}.experts",
+                                method=quant_config.expert_method(f"{prefix}.experts"))
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, quant_config, f"{prefix}.shared_expert",
                                           config.shared_expert_intermediate_size)

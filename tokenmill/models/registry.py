@@ -24,6 +24,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 # GGUF general.architecture -> HF architecture name

@@ -4,7 +4,8 @@ A checkpoint tensor (HF naming, e.g. `model.layers.0.self_attn.q_proj.weight`) g
 a shard: fused layers hold several checkpoint modules (`packed_modules` of the model class, e.g.
 q/k/v -> qkv_proj shards 0/1/2), and an MoE layer's `experts.N.<projection>` go to its stacked
 expert tensors (`layers.fused_moe.EXPERT_PROJECTIONS`). A model class may rename checkpoint
-modules (`checkpoint_renames`, e.g. Mixtral's `block_sparse_moe` -> `mlp`). Modules with a
+modules (`checkpoint_renames`, e.g. Mixtral's `block_sparse_moe` -> `mlp`). Expert biases
+(`experts.N.<projection>.bias`) go to the experts' stacked biases. Modules with a
 `weight_loader` (linear layers, embeddings, experts) load it themselves in their own format; other
 parameters are copied. Every expected tensor must arrive.
 """
@@ -25,8 +26,8 @@ from tokenmill.quantization.unquantized import load_dense
 Shard = int | tuple[int | None, int] | None  # a fused layer's part; (expert, part) for experts
 Target = tuple[str, str, Shard]  # (module name, "weight" / "bias" / parameter name, shard)
 
-_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$")
-_ALL_EXPERTS = re.compile(r"(.*\.experts)\.(\w+)\.weight$")  # one tensor holding every expert (GGUF)
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.(weight|bias)$")
+_ALL_EXPERTS = re.compile(r"(.*\.experts)\.(\w+)\.(weight|bias)$")  # one tensor holding every expert (GGUF)
 
 
 def checkpoint_targets(model: nn.Module, name: str) -> Iterator[Target]:
@@ -37,9 +38,10 @@ def checkpoint_targets(model: nn.Module, name: str) -> Iterator[Target]:
     for old, new in getattr(model, "checkpoint_renames", {}).items():
         name = name.replace(old, new)
     m = _EXPERT.match(name) or _ALL_EXPERTS.match(name)
-    if m and m.groups()[-1] in EXPERT_PROJECTIONS:
-        param, part = EXPERT_PROJECTIONS[m.groups()[-1]]
-        yield m.group(1), param, (int(m.group(2)) if m.re is _EXPERT else None, part)
+    if m and m.groups()[-2] in EXPERT_PROJECTIONS:
+        param, part = EXPERT_PROJECTIONS[m.groups()[-2]]
+        kind = param if m.groups()[-1] == "weight" else f"{param}_bias"
+        yield m.group(1), kind, (int(m.group(2)) if m.re is _EXPERT else None, part)
         return
     head: LMHead | None = getattr(model, "lm_head", None)
     if name == "lm_head.weight" and head is not None and (head.tied or head.reads_embedding):

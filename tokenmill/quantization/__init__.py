@@ -20,6 +20,7 @@
              per output row, or an fp8 checkpoint (128x128 block scales as DeepSeek-V3, or per tensor /
              channel); its own C++ kernel on CPU (float32 activations), torch._scaled_mm on CUDA 8.9+
   mxfp4    - a dense checkpoint quantized on load to FP4 e2m1 with a power-of-two scale per 32 values
+             (MoE experts too), or a checkpoint in it (GPT-OSS: its experts; its other layers are dense)
   nvfp4    - the same with an e4m3 scale per 16 values and a float32 one per tensor (`fp4.py`)
   compressed-tensors - an llm-compressor checkpoint (`compressed_tensors.py`): fp8 (float-quantized),
              int4/int8 (pack-quantized, naive-quantized, int-quantized), NVFP4 and MXFP4 (nvfp4- and
@@ -38,8 +39,9 @@ from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf-q8", "int8", "int4", "awq", "gptq", "fp8", "mxfp4", "nvfp4",
                         "compressed-tensors")
-CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")  # read from an HF checkpoint's quantization_config
-ON_LOAD_METHODS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")  # applied to a dense checkpoint (fp8: either)
+# read from an HF checkpoint's quantization_config
+CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "mxfp4", "compressed-tensors")
+ON_LOAD_METHODS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")  # applied to a dense checkpoint (fp8, mxfp4: either)
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config",
            "resolve_quantization"]
@@ -128,7 +130,8 @@ def get_quantization_config(method: str, checkpoint, device: torch.device, exact
     if method in ("mxfp4", "nvfp4"):
         from tokenmill.quantization.fp4 import FP4Config
 
-        return FP4Config(method, int8_activations=not exact, device=device)
+        return FP4Config(method, int8_activations=not exact, device=device,
+                         experts_only=getattr(checkpoint, "quant_method", None) == "mxfp4")
     if method in ON_LOAD_METHODS:
         from tokenmill.quantization.int_quant import IntQuantConfig
 

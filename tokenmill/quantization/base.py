@@ -77,6 +77,11 @@ class QuantizationConfig(ABC):
         """The method for the linear layer named `prefix` (HF naming, e.g.
         `model.layers.0.self_attn.qkv_proj`, or `lm_head`)."""
 
+    def expert_method(self, prefix: str) -> LinearMethod | None:
+        """The format of the routed experts of the MoE layer `prefix` (e.g. `model.layers.0.mlp.experts`),
+        each projection of each expert held like a linear layer of it; None: dense experts."""
+        return None
+
     def checkpoint_names(self, prefix: str) -> list[str]:
         """The checkpoint weight names of the layer `prefix`, one per fused shard."""
         parent, _, module = prefix.rpartition(".")

@@ -18,9 +18,12 @@ kernel is the follow-up). The exact mode's float kernel widens them to 8-bit cod
 as for int8/int4: rounded to int8 per 32 values by default, float32 with an explicit
 `--dtype float32`. The LM head keeps 8 bits per channel (int8, as under int4). Input columns must
 be whole blocks of 32 (the block kernels' unit, for either format).
+The routed experts of MoE models are quantized the same way (`expert_method`), each expert's
+projections held as block-quantized modules (`layers.fused_moe.ExpertProjection`).
 Checkpoints already in MXFP4 / NVFP4 are read from compressed-tensors' layouts
-(`compressed_tensors.py`, through `unpack_e2m1`); GPT-OSS's `*_blocks`/`*_scales` experts are not
-read (no GPT-OSS model here yet).
+(`compressed_tensors.py`, through `unpack_e2m1`) and from GPT-OSS's (`quant_method: mxfp4`, its
+experts' `*_blocks` and E8M0 `*_scales`: `e8m0_codes`; the model file hands them over as `Codes`,
+and its other layers are dense in the checkpoint and stay so).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from tokenmill.quantization.base import LinearMethod, QuantizationConfig, dense
 from tokenmill.quantization.gguf import BlockLayout, BlockQuantLinearMethod
 from tokenmill.quantization.gguf_codes import Codes
 from tokenmill.quantization.int_quant import QuantizeOnLoadMethod
+from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2
@@ -87,6 +91,16 @@ def fp4_codes(q: np.ndarray, block_scales: np.ndarray, method: str) -> Codes:
     return Codes(q, (block_scales / 2).astype(np.float32), None, BLOCKS[method], layout.bits, layout.center)
 
 
+def e8m0_codes(blocks: torch.Tensor, scales: torch.Tensor) -> Codes:
+    """An MXFP4 tensor as GPT-OSS stores it: `blocks` uint8 [N, K / 32, 16] (two e2m1 values a byte,
+    the first in the low nibble), `scales` uint8 [N, K / 32] (E8M0: the block scale is
+    2^(byte - 127)) -> its `Codes` in the MXFP4 layout."""
+    rows = blocks.shape[0]
+    q = unpack_e2m1(blocks.reshape(rows, -1))
+    scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - 127)
+    return fp4_codes(q, scale.numpy(), "mxfp4")
+
+
 def quantize(weight: torch.Tensor, method: str) -> Codes:
     """`weight` [N, K] in `method`'s FP4 as `Codes`: q = 2 * e2m1 value, scales = block scale / 2."""
     block = BLOCKS[method]
@@ -110,17 +124,31 @@ class FP4LinearMethod(BlockQuantLinearMethod):
         super().create_weights(layer, input_size, output_sizes, params_dtype)
 
     def load(self, layer, weight, rows, src_rows, src_cols):
-        self.write(layer, quantize(dense(weight)[src_rows, src_cols], self.method), rows)
+        """A dense tensor is quantized; a checkpoint's own FP4 `Codes` are written as they are."""
+        if isinstance(weight, Codes):
+            self.write(layer, weight.columns(src_cols) if src_cols != slice(None) else weight, rows, src_rows)
+        else:
+            self.write(layer, quantize(dense(weight)[src_rows, src_cols], self.method), rows)
 
 
 class FP4Config(QuantizationConfig):
-    def __init__(self, method: str, int8_activations: bool, device: torch.device | str = "cpu") -> None:
+    """`experts_only`: a checkpoint that ships only its experts in FP4 (GPT-OSS): its linear layers
+    are dense in the checkpoint and stay dense."""
+
+    def __init__(self, method: str, int8_activations: bool, device: torch.device | str = "cpu",
+                 experts_only: bool = False) -> None:
         super().__init__()
         if method not in BLOCKS:
             raise ValueError(f"FP4 methods are {', '.join(BLOCKS)}; got {method!r}")
         self.name, self.int8_activations, self.device = method, int8_activations, device
+        self.experts_only = experts_only
+
+    def expert_method(self, prefix: str) -> LinearMethod:
+        return FP4LinearMethod(self.name, self.int8_activations, self.device)
 
     def linear_method(self, prefix: str) -> LinearMethod:
+        if self.experts_only:
+            return UnquantizedLinearMethod()
         if prefix.endswith("lm_head"):
             return QuantizeOnLoadMethod(8, None, True, self.int8_activations)
         return FP4LinearMethod(self.name, self.int8_activations, self.device)
