@@ -5,7 +5,11 @@ optionally against the kernels of an earlier git revision built side by side (sa
         [--rows 1[,16,...]] [--copies 12] [--mode q8|float] [--against REV]
 
 Random blocks of each type (as the tests build them) packed as `tokenmill.quantization.gguf` packs
-them for gguf-q8 (`--mode q8`, int8 activations) or the exact mode (`--mode float`). `--copies`
+them for gguf-q8 (`--mode q8`, int8 activations) or the exact mode (`--mode float`). FP4 types:
+`MXFP4`, `NVFP4` (a random weight quantized on load: e2m1 nibbles) and `MXFP4-5b`, `NVFP4-6b` (the
+same codes in the 5- / 6-bit integer layouts the kernels held them in before the nibble table;
+float32 scales; the exact mode widened those to 8 bits). Without --against, FP4 types take turns
+with each other pass by pass (compare them within one run). `--copies`
 weights are cycled so that each call reads its weight from memory, as a decode step does (one copy:
 from cache). Medians of --repeats passes over all copies. `--against REV`: the same calls on the
 kernels of `git show REV:tokenmill/kernels/block_quant.py` (with this tree's other kernels), and the
@@ -15,6 +19,7 @@ ratio; `--rows` then also reports the float32 GEMM on the dequantized weight (wh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -31,8 +36,28 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_quantization import random_gguf_tensor  # noqa: E402  (the tests' block builder)
 from tokenmill import kernels  # noqa: E402
 from tokenmill.kernels import block_quant  # noqa: E402
+from tokenmill.layers.fused_moe import ExpertProjection  # noqa: E402
 from tokenmill.layers.linear import ReplicatedLinear  # noqa: E402
-from tokenmill.quantization.gguf import GGUFConfig  # noqa: E402
+from tokenmill.quantization import fp4  # noqa: E402
+from tokenmill.quantization.gguf import BlockLayout, BlockQuantLinearMethod, GGUFConfig  # noqa: E402
+
+# FP4 in the integer layouts that hold codes -12..12: 5 bits (center 16) per 32, 6 bits (center 32) per 16
+FP4_INTEGER_LAYOUTS = {"MXFP4-5b": BlockLayout(5, 32, False, 16), "NVFP4-6b": BlockLayout(6, 16, False, 32)}
+
+
+def fp4_blocks(qtype: str, n: int, k: int, int8_activations: bool) -> block_quant.Blocks:
+    """A random weight in FP4 type `qtype` (see the module docstring), as the kernels take it."""
+    method_name = qtype.split("-")[0].lower()
+    w = torch.from_numpy(np.random.default_rng(0).normal(0, 0.05, (n, k)).astype(np.float32))
+    if qtype in FP4_INTEGER_LAYOUTS:
+        method = BlockQuantLinearMethod(FP4_INTEGER_LAYOUTS[qtype], int8_activations, half=False)
+    else:
+        method = fp4.FP4LinearMethod(method_name, int8_activations)
+    module = ExpertProjection(method, n, k, "w")
+    codes = fp4.quantize(w, method_name)
+    method.write(module, dataclasses.replace(codes, bits=method.bits, center=method.layout.center)
+                 if qtype in FP4_INTEGER_LAYOUTS else codes, slice(None))
+    return method.blocks(module)
 
 
 def kernels_at(rev: str):
@@ -49,13 +74,15 @@ def kernels_at(rev: str):
 
 
 def median_times(calls, copies, x, out, repeats: int) -> list[float]:
-    """Median time per call of each of `calls` over `repeats` passes through all copies; the calls take
-    turns pass by pass, so that a drift in the host's bandwidth hits them alike."""
+    """Median time per call of each of `calls` over `repeats` passes through all copies (one list for
+    all calls, or one per call); the calls take turns pass by pass, so that a drift in the host's
+    bandwidth hits them alike."""
     times = [[] for _ in calls]
+    per_call = copies if isinstance(copies[0], list) else [copies] * len(calls)
     for _ in range(repeats + 1):  # the first pass warms up
-        for call, own in zip(calls, times):
+        for call, own, weights in zip(calls, times, per_call):
             start = time.perf_counter()
-            for w in copies:
+            for w in weights:
                 call(x, *w.args(), out)
             own.append((time.perf_counter() - start) / len(copies))
     return [statistics.median(own[1:]) for own in times]
@@ -76,13 +103,27 @@ def main() -> None:
     builds = [("now", block_quant.load())] + ([(args.against, kernels_at(args.against))] if args.against else [])
     print(f"# {args.mode} kernel, {n}x{k}, {args.copies} copies, {torch.get_num_threads()} threads; G MAC/s = "
           "weights x rows / time")
-    head = f"{'type':6s} {'rows':>5s} " + " ".join(f"{label + ' us':>12s} {'G MAC/s':>8s}" for label, _ in builds)
+    head = f"{'type':8s} {'rows':>5s} " + " ".join(f"{label + ' us':>12s} {'G MAC/s':>8s}" for label, _ in builds)
     print(head + ("  ratio  GEMM us  G MAC/s" if args.against else "  GB/s"))
-    for qtype in args.types.split(","):
-        weight, _ = random_gguf_tensor(qtype, n, k, np.random.default_rng(0))
-        config = GGUFConfig({"w.weight": qtype}, int8_activations=args.mode == "q8")
+    types = args.types.split(",")
+    if not args.against and all("FP4" in t for t in types):  # the FP4 layouts take turns
+        copies = {t: [fp4_blocks(t, n, k, args.mode == "q8") for _ in range(args.copies)] for t in types}
+        for rows in map(int, args.rows.split(",")):
+            x, out = torch.randn(rows, k), torch.empty(rows, n)
+            calls = [getattr(block_quant.load(), name)] * len(types)
+            for t, time_ in zip(types, median_times(calls, [copies[t] for t in types], x, out, args.repeats)):
+                nbytes = sum(a.numel() * a.element_size() for a in copies[t][0].args()[:5] if a is not None)
+                print(f"{t:8s} {rows:5d} {time_ * 1e6:12.0f} {n * k * rows / time_ / 1e9:8.1f}  "
+                      f"{nbytes / time_ / 1e9:5.1f}", flush=True)
+        return
+    for qtype in types:
         copies = []
-        for _ in range(args.copies):
+        if "FP4" in qtype:
+            copies = [fp4_blocks(qtype, n, k, args.mode == "q8") for _ in range(args.copies)]
+        else:
+            weight, _ = random_gguf_tensor(qtype, n, k, np.random.default_rng(0))
+            config = GGUFConfig({"w.weight": qtype}, int8_activations=args.mode == "q8")
+        for _ in range(args.copies if not copies else 0):
             layer = ReplicatedLinear(k, n, quant_config=config, prefix="w")
             layer.weight_loader("weight", weight)
             copies.append(layer.quant_method.blocks(layer))
@@ -90,7 +131,7 @@ def main() -> None:
         for rows in map(int, args.rows.split(",")):
             x, out = torch.randn(rows, k), torch.empty(rows, n)
             times = median_times([getattr(ext, name) for _, ext in builds], copies, x, out, args.repeats)
-            line = f"{qtype:6s} {rows:5d} " + " ".join(f"{t * 1e6:12.0f} {n * k * rows / t / 1e9:8.1f}" for t in times)
+            line = f"{qtype:8s} {rows:5d} " + " ".join(f"{t * 1e6:12.0f} {n * k * rows / t / 1e9:8.1f}" for t in times)
             if args.against:
                 dense = block_quant.workspace(n, k)
 

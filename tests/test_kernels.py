@@ -18,10 +18,12 @@ from tokenmill.kernels import fused_ops, paged_attention
 
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 72])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("window, soft_cap", [(None, None), (24, None), (None, 2.0), (9, 1.5)])
+@pytest.mark.parametrize("window, soft_cap, sinks", [(None, None, False), (24, None, False), (None, 2.0, False),
+                                                     (9, 1.5, False), (None, None, True), (9, None, True)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap, cache_dtype):
-    """Against softmax(q k^T) v in float32 on the cache's values (16-bit caches widened as they are read)."""
+def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap, sinks, cache_dtype):
+    """Against softmax(q k^T) v in float32 on the cache's values (16-bit caches widened as they are read);
+    with sinks, each head's sink logit joins the softmax and its weight is dropped (GPT-OSS)."""
     torch.manual_seed(0)
     kv_heads, block_size, num_blocks = 2, 16, 64
     heads = kv_heads * group
@@ -36,7 +38,9 @@ def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap, 
         tables[i, :n] = perm[used : used + n]
         used += n
     q = torch.randn(len(lengths), heads, head_dim)
-    out = paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.3, window, soft_cap)
+    sink = torch.randn(heads) * 2 if sinks else None
+    out = paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.3, window, soft_cap,
+                                                 sinks=sink)
     k_cache, v_cache = k_cache.float(), v_cache.float()
     for i, length in enumerate(lengths.tolist()):
         start = max(0, length - window) if window else 0  # a window sees only the last `window` tokens
@@ -46,7 +50,11 @@ def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap, 
         scores = q[i][:, None] @ keys.transpose(1, 2) * 0.3  # [H, 1, L]
         if soft_cap:
             scores = soft_cap * torch.tanh(scores / soft_cap)
-        ref = (torch.softmax(scores, dim=-1) @ values)[:, 0]
+        if sinks:
+            probs = torch.softmax(torch.cat((scores, sink.view(-1, 1, 1)), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        ref = (probs @ values)[:, 0]
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
 
 

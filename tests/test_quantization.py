@@ -228,3 +228,37 @@ def test_quantization_errors():
         resolve_quantization("int3", "hf", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="quantization 'int4' runs the block kernels on CPU in float32"):
         resolve_quantization("int4", "hf", torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("method", ["mxfp4", "nvfp4"])
+def test_fp4_int8_activation_kernel_matches_its_torch_reference(method):
+    """FP4 weights stay the formats' own nibbles (decoded through a table to twice their e2m1 value):
+    MXFP4 in 4.25 bits a weight (E8M0 scale bytes), NVFP4 in 6 (float32 scales); the integer kernel
+    (one row, tiles, partial tiles) equals the torch rounding on the exact weights, the float kernel
+    the exact product, and both dequantize to code * scale bit for bit."""
+    from tokenmill.quantization import fp4
+    from tokenmill.quantization.fp4 import FP4Config
+
+    torch.manual_seed(4)
+    cols = 480  # 15 groups of 32: pairs of groups, then one alone
+    w = torch.randn(72, cols) * 0.05
+    w[2, :32] = 0  # an all-zero block
+    w[7, 100] = 3.0  # an outlier: its block's scale grows
+    codes = fp4.quantize(w, method)
+    ref = torch.from_numpy(codes.q).float() * torch.from_numpy(codes.scales).repeat_interleave(codes.block, dim=1)
+    for exact in (False, True):
+        layer = ReplicatedLinear(cols, 72, quant_config=FP4Config(method, int8_activations=not exact), prefix="w")
+        layer.weight_loader("weight", w)
+        blocks = layer.quant_method.blocks(layer)
+        assert blocks.bits == block_quant.E2M1_CODES and layer.codes.dtype == torch.uint8 and layer.high is None
+        assert layer.scales.dtype == (torch.uint8 if method == "mxfp4" else torch.float32)
+        weight_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales))
+        assert weight_bytes == 72 * cols * (4.25 if method == "mxfp4" else 6) / 8
+        assert torch.equal(block_quant.dequantize(blocks), ref)
+        for rows in (1, 3, 4, 7, 8, 17, 40, 300):
+            x = torch.randn(rows, cols)
+            if exact:
+                out, want = block_quant.matmul(x, blocks), x @ ref.T
+            else:
+                out, want = block_quant.matmul_q8(x, blocks), q8_reference(x, ref)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))

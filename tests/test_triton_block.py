@@ -63,7 +63,7 @@ from tokenmill.quantization import gguf
 
 make_tiny_model("qwen2-bias", sys.argv[2])  # q/k/v biases
 ids = [3, 17, 99, 5, 250, 64, 7]
-for quantization in ("int4", "int8", "nvfp4"):  # float32 activations widen NVFP4's codes to 8 bits
+for quantization in ("int4", "int8", "nvfp4", "mxfp4"):  # FP4: e2m1 nibbles (MXFP4's scales E8M0)
     loaded = load_model(sys.argv[2], quantization=quantization, dtype="float32")  # float32 activations: exact
     cpp = all_logits(make_runner(loaded), ids)
     gguf.runs_triton = lambda x: True
@@ -75,11 +75,56 @@ print("OK")
 
 
 def test_a_quantized_model_runs_the_triton_path_like_the_cpu_kernels(tmp_path):
-    """Every linear layer of a tiny model (int4 with its int8 LM head, int8, NVFP4; biases) through the Triton
+    """Every linear layer of a tiny model (int4 with its int8 LM head, int8, NVFP4, MXFP4; biases) through the Triton
     kernel, in the interpreter: the logits of the C++ kernels on the same blocks."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _MODEL, str(Path(__file__).parent), str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+_FP4 = r"""
+import torch
+from tokenmill.kernels import block_quant, triton_block
+from tokenmill.layers.linear import ReplicatedLinear
+from tokenmill.quantization import fp4
+from tokenmill.quantization.fp4 import FP4Config
+
+torch.manual_seed(0)
+# an MXFP4 checkpoint's tensor (as GPT-OSS stores it), scale bytes from E8M0's subnormal end (0, 1) up
+blocks = torch.randint(0, 256, (70, 5, 16), dtype=torch.uint8)
+scales = torch.randint(0, 140, (70, 5), dtype=torch.uint8)
+scales[0, :2] = torch.tensor([0, 1])
+values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
+nibbles = torch.stack((blocks & 15, blocks >> 4), -1).view(70, 5, 32).long()
+exact = (values[nibbles] * torch.exp2(scales.double() - 127)[..., None].float()).view(70, 160)
+w = torch.randn(70, 160) * 0.05
+for method in ("mxfp4", "nvfp4"):
+    layer = ReplicatedLinear(160, 70, quant_config=FP4Config(method, False), prefix="w")
+    if method == "mxfp4":
+        layer.quant_method.load(layer, fp4.e8m0_codes(blocks, scales), slice(None), slice(None), slice(None))
+    else:
+        layer.weight_loader("weight", w)
+    b = layer.quant_method.blocks(layer)
+    assert b.bits == block_quant.E2M1_CODES and triton_block.supports(b)
+    ref = block_quant.dequantize(b)
+    if method == "mxfp4":
+        assert torch.equal(ref, exact)
+    for m in (1, 19):
+        x = torch.randn(m, 160)
+        got, want = triton_block.matmul(x, b), x @ ref.T
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, (method, m)
+    decoded = triton_block.matmul(torch.eye(160), b).T  # every weight, as the kernel decodes it
+    assert torch.equal(decoded, ref), method
+print("OK")
+"""
+
+
+def test_triton_kernel_reads_fp4_nibbles_and_e8m0_scales():
+    """MXFP4 (E8M0 scales, subnormal ones included) and NVFP4 as the GPU path holds them (the same nibbles
+    as on CPU): the Triton kernel decodes every weight to the C++ kernels' values."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _FP4], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
 
 
@@ -89,5 +134,5 @@ def test_triton_kernel_refuses_layouts_it_lacks():
     w = block_quant.Blocks(torch.zeros(4, 128, dtype=torch.uint8), torch.zeros(4, 32, dtype=torch.uint8),
                            torch.zeros(4, 8, dtype=torch.int8), None, torch.zeros(4, 1, 2, dtype=torch.float16), 6, 32)
     assert not triton_block.supports(w)
-    with pytest.raises(ValueError, match="runs 4- and 8-bit codes without super-blocks; got 6-bit K-quant blocks"):
+    with pytest.raises(ValueError, match="without super-blocks; got 6-bit K-quant blocks"):
         triton_block.matmul(torch.zeros(1, 256), w)

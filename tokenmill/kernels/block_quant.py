@@ -19,6 +19,11 @@ Layout (`Blocks`), per weight row of K values:
          (Or scales and offsets in float32, the products already taken, and no supers: the exact
          mode's choice, whose float kernel then reads them in place: speed over bytes.)
   center the codes' zero (Q4_0: 8, Q5_0: 16, Q6_K: 32), 0 for 8-bit codes.
+  bits   4, 5, 6 or 8; or E2M1_CODES (-4): FP4 e2m1 nibbles (bit 3 the sign, bits 0-2 the index
+         into 0, 0.5, 1, 1.5, 2, 3, 4, 6) laid out as 4-bit codes, each decoded through a table to
+         the signed integer 2 * value (-12..12), center 0 (MXFP4 and NVFP4 in 4 bits a weight).
+  scales also uint8 E8M0 (MXFP4's power-of-two block scales: the scale is 2^(byte - 128), half the
+         block scale, as the codes are twice the e2m1 values), expanded exactly to float32.
 `matmul` handles few rows of activations (decode) by dequantizing each weight row in registers;
 `matmul_q8` (int8 activations) takes one row as a memory-bound pass (K-quants with their sub-block
 scales applied in the integer sums) and more as register tiles of 8 rows against each weight row (fast
@@ -35,6 +40,7 @@ import torch
 from tokenmill.kernels import cpu_kernels
 
 BLOCK = 32
+E2M1_CODES = -4  # `Blocks.bits` of FP4 e2m1 nibbles, decoded through a table (module docstring)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -51,6 +57,9 @@ _SOURCE = r"""
 namespace {
 
 constexpr int64_t kSuper = 256;
+constexpr int kE2M1 = -4;  // bits of FP4 e2m1 nibbles (see the module docstring)
+constexpr bool signed_codes(int bits) { return bits == 8 || bits == kE2M1; }
+constexpr int8_t kE2M1Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // 2 * e2m1
 
 #ifdef TM_SIMD
 using Vec = __m256;
@@ -112,6 +121,12 @@ inline __m256 scale_vec(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_s
 inline __m256 scale_vec(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// The activation scales of blocks b..b+7 (one per 32 values: blocks of 16 share them in pairs).
+inline __m256 block_dx(const float* dx, int64_t b, int64_t bs) {
+  return bs == 32 ? _mm256_loadu_ps(dx + b)
+                  : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(dx + b / 2)),
+                                             _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
 #endif
 
 // A packed weight (see the Python module's docstring); pointers to row 0.
@@ -124,6 +139,7 @@ struct Blocks {
   const int8_t* offsets8;
   const float* scales32;  // float32 storage (already times any super-block factor)
   const float* offsets32;
+  const uint8_t* scales_e8m0;  // E8M0 storage (powers of two, no offsets)
   const c10::Half* supers;
   int64_t N, K, nb, bs, center;
   int64_t code_bytes, high_bytes, supers_per_row;  // per row
@@ -139,6 +155,7 @@ struct Blocks {
         offsets8(o && o->scalar_type() == at::kChar ? o->data_ptr<int8_t>() : nullptr),
         scales32(s.scalar_type() == at::kFloat ? s.data_ptr<float>() : nullptr),
         offsets32(o && o->scalar_type() == at::kFloat ? o->data_ptr<float>() : nullptr),
+        scales_e8m0(s.scalar_type() == at::kByte ? s.data_ptr<uint8_t>() : nullptr),
         supers(su ? su->data_ptr<c10::Half>() : nullptr),
         N(c.size(0)), K(c.size(1) * (bits == 8 ? 1 : 2)), nb(s.size(1)), bs(block), center(centre),
         code_bytes(c.size(1)), high_bytes(h ? h->size(1) : 0), supers_per_row(su ? su->size(1) : 0) {}
@@ -149,6 +166,7 @@ struct Blocks {
   // instead of writing o, adds the offsets' share (sum of o * xs) to *share. Returns whether there are offsets.
   bool expand(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
     if (scales32) return expand32(n, fold, dx, xs, s, o, share);
+    if (scales_e8m0) return expand_e8m0(n, dx, s);
     if (scales8) return expand_as(scales8 + n * nb, offsets8 ? offsets8 + n * nb : nullptr, n, fold, dx, xs, s, o, share);
     return expand_as(scales + n * nb, offsets ? offsets + n * nb : nullptr, n, fold, dx, xs, s, o, share);
   }
@@ -197,9 +215,7 @@ struct Blocks {
       }
       if (folded) ov = _mm256_fnmadd_ps(cv, sv, ov);  // minus center x scale
       if (ROW) {
-        sv = _mm256_mul_ps(sv, BS == 32 ? _mm256_loadu_ps(dx + b)
-                                        : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(dx + b / 2)),
-                                                                   _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+        sv = _mm256_mul_ps(sv, block_dx(dx, b, BS));
         acc = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + b), acc);
       } else if (any) {
         _mm256_storeu_ps(o + b, ov);
@@ -228,7 +244,12 @@ struct Blocks {
     const float* orow = offsets32 ? offsets32 + n * nb : nullptr;
     const bool folded = fold && center, any = orow || folded;
     float sum = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
+    int64_t b = 0;
+#ifdef TM_SIMD
+    if (!any && dx)  // scales times the activation scales, eight at a time (FP4's float32 scales at one row)
+      for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(s + b, _mm256_mul_ps(_mm256_loadu_ps(sr + b), block_dx(dx, b, bs)));
+#endif
+    for (; b < nb; ++b) {
       const float ob = (orow ? orow[b] : 0.f) - (folded ? static_cast<float>(center) * sr[b] : 0.f);
       if (any && xs) sum += ob * xs[b];
       else if (any) o[b] = ob;
@@ -236,6 +257,31 @@ struct Blocks {
     }
     if (xs) *share = sum;
     return any;
+  }
+
+  // expand for E8M0 storage: s = 2^(byte - 128) (times dx), exactly, built from its float32 bits
+  // (exponent field byte - 1; bytes 1 and 0 give the subnormals 2^-127, 2^-128); no offsets, center 0.
+  bool expand_e8m0(int64_t n, const float* dx, float* s) const {
+    const uint8_t* e = scales_e8m0 + n * nb;
+    int64_t b = 0;
+#ifdef TM_SIMD
+    const __m256i one = _mm256_set1_epi32(1);
+    for (; b + 8 <= nb; b += 8) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e + b)));
+      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, one), 23);
+      const __m256i subnormal = _mm256_sllv_epi32(one, _mm256_add_epi32(v, _mm256_set1_epi32(21)));
+      __m256 sv = _mm256_castsi256_ps(_mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(v, one)));
+      if (dx) sv = _mm256_mul_ps(sv, block_dx(dx, b, bs));
+      _mm256_storeu_ps(s + b, sv);
+    }
+#endif
+    for (; b < nb; ++b) {
+      const uint32_t bits = e[b] >= 2 ? static_cast<uint32_t>(e[b] - 1) << 23 : 1u << (21 + e[b]);
+      float v;
+      std::memcpy(&v, &bits, 4);
+      s[b] = dx ? v * dx[b * bs / 32] : v;
+    }
+    return false;
   }
 
   // Whether row n's stored scales and offsets can be read as they are (no expand needed).
@@ -251,6 +297,7 @@ inline int code_at(const uint8_t* codes, const uint8_t* high, int64_t i) {
   if (BITS == 8) return reinterpret_cast<const int8_t*>(codes)[i];
   const int64_t g = i / 32, v = i % 32, L = g % 2, h = v / 16, j = v % 16;
   int u = v < 16 ? (codes[g * 16 + j] & 0x0F) : (codes[g * 16 + j] >> 4);
+  if (BITS == kE2M1) return kE2M1Values[u];
   if (BITS == 5) {
     const int64_t q = (16 * L + j) / 8, k = j % 8, bit = 8 * k + q + (h ? 0 : 4);
     u |= ((high[(g / 2) * 8 + bit / 8] >> (bit % 8)) & 1) << 4;
@@ -272,6 +319,11 @@ inline void prefetch_ahead(const uint8_t* codes, const uint8_t* high, int64_t g)
 }
 
 #ifdef TM_SIMD
+// kE2M1Values in both 128-bit lanes, for pshufb.
+inline __m256i e2m1_table() {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Values)));
+}
+
 // The 32 codes of group g of a row, value j in byte j.
 template <int BITS>
 inline __m256i unpack32(const uint8_t* codes, const uint8_t* high, int64_t g) {
@@ -279,6 +331,7 @@ inline __m256i unpack32(const uint8_t* codes, const uint8_t* high, int64_t g) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
   const __m128i m4 = _mm_set1_epi8(0x0F);
   __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+  if (BITS == kE2M1) return _mm256_shuffle_epi8(e2m1_table(), v);
   const int L = static_cast<int>(g % 2);
   if (BITS == 5) {  // 64-bit lanes 0-1 shift right (lo bits), 2-3 left (hi bits); a count of 64 gives 0
     long long word;
@@ -304,7 +357,10 @@ inline void unpack_pair(const uint8_t* codes, const uint8_t* high, int64_t p, __
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   lo = _mm256_and_si256(raw, m4);
   hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-  if (BITS == 5) {  // 64-bit lane q: lo takes bits 8k + 4 + q (right by q), hi bits 8k + q (left by 4 - q)
+  if (BITS == kE2M1) {
+    lo = _mm256_shuffle_epi8(e2m1_table(), lo);
+    hi = _mm256_shuffle_epi8(e2m1_table(), hi);
+  } else if (BITS == 5) {  // 64-bit lane q: lo takes bits 8k + 4 + q (right by q), hi bits 8k + q (left by 4 - q)
     long long word;
     std::memcpy(&word, high + p * 8, 8);
     const __m256i w = _mm256_set1_epi64x(word);
@@ -323,11 +379,19 @@ inline void unpack_pair(const uint8_t* codes, const uint8_t* high, int64_t p, __
 template <int BITS>
 inline void decode32(const uint8_t* codes, const uint8_t* high, int64_t g, __m256i center, Vec* f) {
   __m128i lo, hi;
-  if (BITS == 4) {  // the two nibble halves as they are, no 256-bit round trip
+  if (BITS == 4 || BITS == kE2M1) {  // the two nibble halves as they are, no 256-bit round trip
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
     const __m128i m4 = _mm_set1_epi8(0x0F), c = _mm256_castsi256_si128(center);
-    lo = _mm_sub_epi8(_mm_and_si128(raw, m4), c);
-    hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), c);
+    lo = _mm_and_si128(raw, m4);
+    hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    if (BITS == kE2M1) {
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Values));
+      lo = _mm_shuffle_epi8(table, lo);
+      hi = _mm_shuffle_epi8(table, hi);
+    } else {
+      lo = _mm_sub_epi8(lo, c);
+      hi = _mm_sub_epi8(hi, c);
+    }
   } else {
     __m256i v = unpack32<BITS>(codes, high, g);
     if (BITS != 8) v = _mm256_sub_epi8(v, center);  // codes below 64, centers up to 32: int8, exactly
@@ -547,6 +611,14 @@ void interleave_pairs(int8_t* xq, int64_t M, int64_t K) {
 constexpr bool paired(int) { return false; }
 #endif
 
+#ifdef TM_SIMD
+// Signed codes w against activations x as maddubs takes them: w becomes |w|, x takes w's sign.
+inline void unsign(__m256i& w, __m256i& x) {
+  x = _mm256_sign_epi8(x, w);
+  w = _mm256_sign_epi8(w, w);
+}
+#endif
+
 // One int8 activation row against one weight row whose scales s already hold the row's activation
 // scales (see Blocks::expand; the offsets, the codes' center folded in, are the caller's share).
 template <int BITS, int BS>
@@ -558,9 +630,9 @@ inline float row_dot_q8(const int8_t* xq, int64_t K, const uint8_t* codes, const
     const __m256i w = unpack32<BITS>(codes, high, g);
     // lanes 0-3 hold values 0..15 of the group, lanes 4-7 values 16..31 (a 16-block each for BS 16)
     const __m256 ws = BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
-    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;  // the products are unsigned by signed
+    const __m256i wabs = signed_codes(BITS) ? _mm256_sign_epi8(w, w) : w;  // the products are unsigned by signed
     __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
-    if (BITS == 8) x = _mm256_sign_epi8(x, w);
+    if (signed_codes(BITS)) x = _mm256_sign_epi8(x, w);
     const __m256i sums = dot4(wabs, x);
     into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), ws, into);
   };
@@ -568,8 +640,9 @@ inline float row_dot_q8(const int8_t* xq, int64_t K, const uint8_t* codes, const
   auto pair = [&](int64_t g, __m256& into) {
     __m256i lo, hi;
     unpack_pair<BITS>(codes, high, g / 2, lo, hi);
-    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
-    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32));
+    __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+    __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32));
+    if (signed_codes(BITS)) unsign(lo, xlo), unsign(hi, xhi);
     if (BS == 32) {
       const __m256i sums = dot4x2(lo, xlo, hi, xhi);
       into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), pair_lanes(s + g), into);
@@ -640,12 +713,17 @@ inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_
     for (; g + 2 <= end; g += 2) {
       __m256i lo, hi;
       unpack_pair<BITS>(codes, high, g / 2, lo, hi);
+      // signed codes (e2m1): |w| by x with w's sign, as for 8-bit codes
+      const __m256i ulo = signed_codes(BITS) ? _mm256_sign_epi8(lo, lo) : lo;
+      const __m256i uhi = signed_codes(BITS) ? _mm256_sign_epi8(hi, hi) : hi;
       if (BS == 32) {
         const __m256 ws = pair_lanes(s + g);
         for (int r = 0; r < RM; ++r) {
           const int8_t* xp = xq + r * K + g * 32;
-          const __m256i sums = dot4x2(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)), hi,
-                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
+          __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+          __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
+          if (signed_codes(BITS)) xlo = _mm256_sign_epi8(xlo, lo), xhi = _mm256_sign_epi8(xhi, hi);
+          const __m256i sums = dot4x2(ulo, xlo, uhi, xhi);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, lanes[r * units + g / 2]), acc[r]);
         }
       } else {  // blocks of 16: lo and hi have scales of their own
@@ -654,20 +732,23 @@ inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_
         const __m256 whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
         for (int r = 0; r < RM; ++r) {
           const int8_t* xp = xq + r * K + g * 32;
-          const __m256i plo = dot4(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
-          const __m256i phi = dot4(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
+          __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+          __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
+          if (signed_codes(BITS)) xlo = _mm256_sign_epi8(xlo, lo), xhi = _mm256_sign_epi8(xhi, hi);
+          const __m256i plo = dot4(ulo, xlo);
+          const __m256i phi = dot4(uhi, xhi);
           const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), whi, _mm256_mul_ps(_mm256_cvtepi32_ps(plo), wlo));
           acc[r] = _mm256_fmadd_ps(t, lanes[r * units + g / 2], acc[r]);
         }
       }
     }
-  for (; g < end; ++g) {  // 8-bit codes (signed: the products take |w| and x with w's sign), or an odd last group
+  for (; g < end; ++g) {  // 8-bit codes (signed, as e2m1's: the products take |w| and x with w's sign), or an odd last group
     const __m256i w = unpack32<BITS>(codes, high, g);
     const __m256 ws = BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
-    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;
+    const __m256i wabs = signed_codes(BITS) ? _mm256_sign_epi8(w, w) : w;
     for (int r = 0; r < RM; ++r) {
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * 32));
-      if (BITS == 8) x = _mm256_sign_epi8(x, w);
+      if (signed_codes(BITS)) x = _mm256_sign_epi8(x, w);
       const __m256i sums = dot4(wabs, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, lanes[r * units + (paired(BITS) ? g / 2 : g)]),
                                acc[r]);
@@ -835,7 +916,7 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
   for (int64_t i = 0; i < M; ++i) one_row(i);
 }
 
-// One call per (bits, block) the layouts have: 4, 5 bits in blocks of 32, 6 in blocks of 16, 8 in either.
+// One call per (bits, block) the layouts have: 4, 5 bits in blocks of 32, 6 in blocks of 16, 8 and e2m1 in either.
 template <template <int, int> class Op, typename... Args>
 void dispatch(int64_t bits, int64_t block, Args&&... args) {
   if (bits == 4 && block == 32) Op<4, 32>::run(args...);
@@ -843,6 +924,8 @@ void dispatch(int64_t bits, int64_t block, Args&&... args) {
   else if (bits == 6 && block == 16) Op<6, 16>::run(args...);
   else if (bits == 8 && block == 32) Op<8, 32>::run(args...);
   else if (bits == 8 && block == 16) Op<8, 16>::run(args...);
+  else if (bits == kE2M1 && block == 32) Op<kE2M1, 32>::run(args...);
+  else if (bits == kE2M1 && block == 16) Op<kE2M1, 16>::run(args...);
   else TORCH_CHECK(false, "no block kernel for ", bits, "-bit codes in blocks of ", block);
 }
 

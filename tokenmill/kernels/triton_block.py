@@ -1,7 +1,7 @@
 """Matmul on block-quantized weights on GPUs, in Triton: the `block_quant.Blocks` layout of 4- and 8-bit
-codes (int8 / int4 quantized on load, AWQ, GPTQ, compressed-tensors, FP4 held as 8-bit codes)
-dequantized tile by tile inside the GEMM, w = scale * (code - center) + offset, so the weights stay
-packed in GPU memory. Activations stay in the compute dtype (float16, bfloat16, or float32 with IEEE
+codes (int8 / int4 quantized on load, AWQ, GPTQ, compressed-tensors) and of FP4 e2m1 nibbles (with
+float32 or E8M0 scales: NVFP4, MXFP4) dequantized tile by tile inside the GEMM, w = scale * (code -
+center) + offset, so the weights stay packed in GPU memory. Activations stay in the compute dtype (float16, bfloat16, or float32 with IEEE
 products); accumulation in float32. 5- and 6-bit codes and K-quant super-blocks are not handled here
 (GGUF files run dense on GPUs). The kernel's logic is tested on CPU under TRITON_INTERPRET=1; it has
 not run on a GPU in this project's CI.
@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from tokenmill.kernels import block_quant
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # BLOCK_K: whole 32-value groups of 4-bit codes
 
@@ -24,8 +26,8 @@ def _kernel():
     @triton.jit
     def block_matmul(x_ptr, codes_ptr, scales_ptr, offsets_ptr, out_ptr, M, N, K, stride_x, stride_c, stride_s,
                      stride_o, BITS: tl.constexpr, BS: tl.constexpr, CENTER: tl.constexpr,
-                     HAS_OFFSETS: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
+                     HAS_OFFSETS: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr):
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -40,9 +42,21 @@ def _kernel():
                 byte = (rk // 32) * 16 + rk % 16
                 shift = (rk % 32) // 16 * 4
                 b = tl.load(codes_ptr + rn[:, None] * stride_c + byte[None, :], mask=wmask, other=0).to(tl.int32)
-                q = ((b >> shift[None, :]) & 0xF).to(tl.float32) - CENTER
+                nibble = (b >> shift[None, :]) & 0xF
+                if BITS == -4:  # e2m1: bit 3 the sign; index 0-7 -> twice 0, 0.5, 1, 1.5, 2, 3, 4, 6
+                    i = nibble & 7
+                    magnitude = tl.where(i < 4, i, (2 + (i & 1)) << ((i >> 1) - 1))
+                    q = tl.where(nibble >= 8, -magnitude, magnitude).to(tl.float32)
+                else:
+                    q = nibble.to(tl.float32) - CENTER
             group = rn[:, None] * stride_s + (rk // BS)[None, :]
-            w = q * tl.load(scales_ptr + group, mask=wmask, other=0.0).to(tl.float32)
+            if E8M0:  # scale 2^(byte - 128), built from its bits (2^-127, 2^-128: subnormal)
+                e = tl.load(scales_ptr + group, mask=wmask, other=0).to(tl.int32) - 1
+                bits = tl.where(e > 0, e << 23, 1 << (22 + tl.maximum(e, -1)))
+                scale = bits.to(tl.float32, bitcast=True)
+            else:
+                scale = tl.load(scales_ptr + group, mask=wmask, other=0.0).to(tl.float32)
+            w = q * scale
             if HAS_OFFSETS:
                 w += tl.load(offsets_ptr + group, mask=wmask, other=0.0).to(tl.float32)
             if IEEE:
@@ -66,8 +80,9 @@ def available() -> bool:
 
 def supports(w) -> bool:
     """Whether `w` (a `block_quant.Blocks`) is a layout this kernel runs."""
-    return w.bits in (4, 8) and w.high is None and w.supers is None and w.scales.dtype in (torch.float16,
-                                                                                           torch.float32)
+    e2m1 = w.bits == block_quant.E2M1_CODES
+    return ((w.bits in (4, 8) or e2m1) and w.high is None and w.supers is None
+            and w.scales.dtype in ((torch.float16, torch.float32) + ((torch.uint8,) if e2m1 else ())))
 
 
 def matmul(x: torch.Tensor, w) -> torch.Tensor:
@@ -75,7 +90,7 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
     import triton
 
     if not supports(w):
-        raise ValueError(f"the Triton block kernel runs 4- and 8-bit codes without super-blocks; got {w.bits}-bit "
+        raise ValueError(f"the Triton block kernel runs 4- and 8-bit codes and e2m1 nibbles without super-blocks; got {w.bits}-bit "
                          f"{'K-quant ' if w.supers is not None else ''}blocks")
     x = x.contiguous()
     (m, k), n = x.shape, w.shape[0]
@@ -84,5 +99,5 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _kernel()[grid](x, w.codes, w.scales, offsets, out, m, n, k, x.stride(0), w.codes.stride(0), w.scales.stride(0),
                     out.stride(0), BITS=w.bits, BS=w.block, CENTER=w.center, HAS_OFFSETS=w.offsets is not None,
-                    IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+                    E8M0=w.scales.dtype == torch.uint8, IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
     return out

@@ -130,8 +130,7 @@ def get_quantization_config(method: str, checkpoint, device: torch.device, exact
     if method in ("mxfp4", "nvfp4"):
         from tokenmill.quantization.fp4 import FP4Config
 
-        return FP4Config(method, int8_activations=not exact, device=device,
-                         experts_only=getattr(checkpoint, "quant_method", None) == "mxfp4")
+        return FP4Config(method, int8_activations=not exact, experts_only=getattr(checkpoint, "quant_method", None) == "mxfp4")
     if method in ON_LOAD_METHODS:
         from tokenmill.quantization.int_quant import IntQuantConfig
 

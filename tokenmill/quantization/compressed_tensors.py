@@ -103,7 +103,7 @@ class IntFormat(PackedFormat):
 
 
 class FP4Format(PackedFormat):
-    def __init__(self, fmt: str, weights: dict, where: str, device: torch.device) -> None:
+    def __init__(self, fmt: str, weights: dict, where: str) -> None:
         self.name, block = f"compressed-tensors {fmt}", FP4_FORMATS[fmt]
         if int(weights.get("num_bits", 4)) != 4 or weights.get("type", "float") != "float":
             raise ValueError(f"{where}: {fmt} needs 4-bit float weights")
@@ -111,7 +111,7 @@ class FP4Format(PackedFormat):
             raise ValueError(f"{where}: asymmetric FP4 weights are not supported")
         self.nvfp4, self.group_size, self.half = fmt.startswith("nv"), block, False
         self.method = "nvfp4" if self.nvfp4 else "mxfp4"
-        self.layout = fp4.layout(self.method, device)
+        self.layout = fp4.LAYOUTS[self.method]
         self.kinds = ("weight_packed", "weight_scale") + (("weight_global_scale",) if self.nvfp4 else ())
         self.optional_kinds = STATIC_INPUT_KINDS
 
@@ -166,18 +166,18 @@ class CompressedTensorsConfig(QuantizationConfig):
             kind = weights.get("type", "int")
             if fmt == "float-quantized" and (kind != "float" or int(weights.get("num_bits", 8)) != 8):
                 raise ValueError(f"{where}: float-quantized weights must be 8-bit floats (e4m3)")
-            self.groups.append((list(group.get("targets") or []), fmt, self._scheme(fmt, weights, where, device)))
+            self.groups.append((list(group.get("targets") or []), fmt, self._scheme(fmt, weights, where)))
         if any(fmt == "float-quantized" for _, fmt, _ in self.groups):
             check_device(device, dtype)
         if any(fmt != "float-quantized" for _, fmt, _ in self.groups):
             check_block_kernels("a compressed-tensors checkpoint with integer or FP4 weights", device, dtype)
 
     @staticmethod
-    def _scheme(fmt: str, weights: dict, where: str, device: torch.device):
+    def _scheme(fmt: str, weights: dict, where: str):
         if fmt in INT_FORMATS:
             return IntFormat(fmt, weights, where)
         if fmt in FP4_FORMATS:
-            return FP4Format(fmt, weights, where, device)
+            return FP4Format(fmt, weights, where)
         strategy = weights.get("strategy") or "tensor"
         if strategy not in ("tensor", "channel", "block"):
             raise ValueError(f"{where}: fp8 weights with strategy {strategy!r} are not supported (tensor, channel, block)")

@@ -9,14 +9,12 @@
 Values round to the nearest e2m1 value (ties to even, as the specs say).
 
 Twice an e2m1 value is an integer (0, +-1, 2, 3, 4, 6, 8, 12), so an FP4 weight is exactly an integer
-code times (block scale / 2). The codes -12..12 fit the block kernels' 5-bit codes (center 16, blocks
-of 32: MXFP4) and 6-bit ones (center 32, blocks of 16: NVFP4, as Q6_K lays them out), with float32
-scales (powers of two like 2^-20 do not fit float16), so they run on the block kernels
-(`tokenmill.kernels.block_quant`), dequantized inside the matmul to exactly code * scale: 6 bits a
-weight for MXFP4, 8 for NVFP4 (codes and scales), not the formats' 4.25 / 4.5 (a 4-bit e2m1 lookup
-kernel is the follow-up). The exact mode's float kernel widens them to 8-bit codes. Activations
-as for int8/int4: rounded to int8 per 32 values by default, float32 with an explicit
-`--dtype float32`. The LM head keeps 8 bits per channel (int8, as under int4). Input columns must
+code times (block scale / 2). On CPU the block kernels (`tokenmill.kernels.block_quant`) keep the
+format's own nibbles and decode them through a 16-entry table to those signed codes (pshufb), then
+multiply as they do 8-bit codes: MXFP4 in 4.25 bits a weight (its power-of-two scales as E8M0
+bytes), NVFP4 in 6 (float32 scales: an e4m3 scale times the tensor's float32 one does not fit 16
+bits exactly). The Triton kernel on other devices reads the same nibbles and scales. Activations as for int8/int4:
+rounded to int8 per 32 values by default, float32 with an explicit `--dtype float32`. The LM head keeps 8 bits per channel (int8, as under int4). Input columns must
 be whole blocks of 32 (the block kernels' unit, for either format).
 The routed experts of MoE models are quantized the same way (`expert_method`), each expert's
 projections held as block-quantized modules (`layers.fused_moe.ExpertProjection`).
@@ -31,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill.kernels.block_quant import E2M1_CODES
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig, dense
 from tokenmill.quantization.gguf import BlockLayout, BlockQuantLinearMethod
 from tokenmill.quantization.gguf_codes import Codes
@@ -40,8 +39,8 @@ from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2
 BLOCKS = {"mxfp4": 32, "nvfp4": 16}
-# the narrowest block-kernel layout that holds codes -12..12 in each format's block size
-LAYOUTS = {"mxfp4": BlockLayout(5, 32, False, 16), "nvfp4": BlockLayout(6, 16, False, 32)}
+# the formats' nibbles in each one's block size (MXFP4's scales as E8M0 bytes)
+LAYOUTS = {"mxfp4": BlockLayout(E2M1_CODES, 32, False, e8m0=True), "nvfp4": BlockLayout(E2M1_CODES, 16, False)}
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
 
@@ -78,12 +77,6 @@ def block_scales(w: torch.Tensor, method: str) -> torch.Tensor:
     return s * glob
 
 
-def layout(method: str, device: torch.device | str = "cpu") -> BlockLayout:
-    """Where `method`'s weights are packed: the narrow `LAYOUTS` for the CPU kernels, 8-bit codes for
-    the Triton kernel on other devices (it runs 4- and 8-bit codes)."""
-    return LAYOUTS[method] if torch.device(device).type == "cpu" else BlockLayout(8, BLOCKS[method], False)
-
-
 def fp4_codes(q: np.ndarray, block_scales: np.ndarray, method: str) -> Codes:
     """Codes 2 * e2m1 [N, K] with the scale each e2m1 value multiplies per block, as `Codes` in
     `method`'s layout (scales halved)."""
@@ -113,8 +106,8 @@ def quantize(weight: torch.Tensor, method: str) -> Codes:
 
 
 class FP4LinearMethod(BlockQuantLinearMethod):
-    def __init__(self, method: str, int8_activations: bool, device: torch.device | str = "cpu") -> None:
-        super().__init__(layout(method, device), int8_activations, half=False)
+    def __init__(self, method: str, int8_activations: bool) -> None:
+        super().__init__(LAYOUTS[method], int8_activations, half=False)
         self.method = method
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
@@ -135,20 +128,19 @@ class FP4Config(QuantizationConfig):
     """`experts_only`: a checkpoint that ships only its experts in FP4 (GPT-OSS): its linear layers
     are dense in the checkpoint and stay dense."""
 
-    def __init__(self, method: str, int8_activations: bool, device: torch.device | str = "cpu",
-                 experts_only: bool = False) -> None:
+    def __init__(self, method: str, int8_activations: bool, experts_only: bool = False) -> None:
         super().__init__()
         if method not in BLOCKS:
             raise ValueError(f"FP4 methods are {', '.join(BLOCKS)}; got {method!r}")
-        self.name, self.int8_activations, self.device = method, int8_activations, device
+        self.name, self.int8_activations = method, int8_activations
         self.experts_only = experts_only
 
     def expert_method(self, prefix: str) -> LinearMethod:
-        return FP4LinearMethod(self.name, self.int8_activations, self.device)
+        return FP4LinearMethod(self.name, self.int8_activations)
 
     def linear_method(self, prefix: str) -> LinearMethod:
         if self.experts_only:
             return UnquantizedLinearMethod()
         if prefix.endswith("lm_head"):
             return QuantizeOnLoadMethod(8, None, True, self.int8_activations)
-        return FP4LinearMethod(self.name, self.int8_activations, self.device)
+        return FP4LinearMethod(self.name, self.int8_activations)

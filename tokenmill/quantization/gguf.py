@@ -60,11 +60,12 @@ def bfloat16_gemm() -> bool:
 
 @dataclass(frozen=True)
 class BlockLayout:
-    bits: int  # 4, 5, 6 or 8 per code
+    bits: int  # 4, 5, 6 or 8 per code; or block_quant.E2M1_CODES (FP4 nibbles through a table)
     block: int  # values per scale: 32, or 16
     offsets: bool
     center: int = 0  # the codes' zero (8-bit codes are signed: 0)
     supers: bool = False  # K-quant super-block scales
+    e8m0: bool = False  # scales stored as E8M0 bytes (powers of two: MXFP4)
 
     def widest(self, other: BlockLayout) -> BlockLayout:
         bits = max(self.bits, other.bits)
@@ -82,11 +83,26 @@ LAYOUTS = {
 }
 
 
+# twice the e2m1 values by nibble, and the nibble of each code -12..12 (a code that is none: nibble 0)
+_E2M1_VALUE = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)
+_E2M1_NIBBLE = np.zeros(25, dtype=np.uint8)
+for _nibble in range(15, -1, -1):  # 0 keeps nibble 0 (+0)
+    _E2M1_NIBBLE[_E2M1_VALUE[_nibble] + 12] = _nibble
+
+
 def _half(a: np.ndarray) -> np.ndarray:
     h = a.astype(np.float16)
     if not np.array_equal(h.astype(np.float32), a):
         raise ValueError("block scales do not fit float16 exactly")
     return h
+
+
+def _e8m0(a: np.ndarray) -> np.ndarray:
+    """Scales 2^(byte - 128) as their bytes (`block_quant`'s E8M0 storage)."""
+    mantissa, exponent = np.frexp(a)
+    if not (np.all(mantissa == 0.5) and np.all((exponent >= -127) & (exponent <= 127))):
+        raise ValueError("block scales are not powers of two that E8M0 holds")
+    return (exponent - 1 + 128).astype(np.uint8)
 
 
 def _int8(a: np.ndarray) -> np.ndarray:
@@ -123,7 +139,9 @@ def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool 
         offsets = None if offsets is None else np.repeat(offsets, repeat, axis=1)
     if layout.offsets and offsets is None:
         offsets = np.zeros_like(scales)
-    if int_scales:
+    if layout.e8m0:
+        to = _e8m0
+    elif int_scales:
         to = _int8
     else:
         to = (lambda a: a.astype(np.float16 if half else np.float32)) if round_half or not half else _half  # noqa: E731
@@ -132,7 +150,12 @@ def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool 
     if layout.bits == 8:
         out["codes"] = q.astype(np.int8)
         return out
-    u = (q + layout.center).astype(np.uint8).reshape(rows, -1, 32)
+    if layout.bits == block_quant.E2M1_CODES:  # nibbles: bit 3 the sign, bits 0-2 the magnitude's index
+        u = _E2M1_NIBBLE[q + 12].reshape(rows, -1, 32)
+        if not np.array_equal(_E2M1_VALUE[u], q.reshape(u.shape)):
+            raise ValueError("codes are not twice e2m1 values")
+    else:
+        u = (q + layout.center).astype(np.uint8).reshape(rows, -1, 32)
     low = u & 0x0F
     out["codes"] = (low[..., :16] | (low[..., 16:] << 4)).reshape(rows, -1)
     if layout.bits in (5, 6):  # groups 2p, 2p+1 share a record: [pair, L, h, j] for value 16h + j of group 2p + L
@@ -197,7 +220,7 @@ class BlockQuantLinearMethod(LinearMethod):
                               if bits in (5, 6) else None)
         half = self.half
         dtype = (torch.int8 if self.int_scales else torch.float16) if half else torch.float32
-        layer.register_buffer("scales", torch.empty(rows, nb, dtype=dtype))
+        layer.register_buffer("scales", torch.empty(rows, nb, dtype=torch.uint8 if self.layout.e8m0 else dtype))
         layer.register_buffer("offsets", torch.empty(rows, nb, dtype=dtype) if self.layout.offsets else None)
         layer.register_buffer("supers", torch.empty(rows, input_size // SUPER, 2, dtype=torch.float16)
                               if self.layout.supers and half else None)
