@@ -21,7 +21,8 @@ Layout (`Blocks`), per weight row of K values:
   center the codes' zero (Q4_0: 8, Q5_0: 16, Q6_K: 32), 0 for 8-bit codes.
   bits   4, 5, 6 or 8; or E2M1_CODES (-4): FP4 e2m1 nibbles (bit 3 the sign, bits 0-2 the index
          into 0, 0.5, 1, 1.5, 2, 3, 4, 6) laid out as 4-bit codes, each decoded through a table to
-         the signed integer 2 * value (-12..12), center 0 (MXFP4 and NVFP4 in 4 bits a weight).
+         12 + 2 * value (0..24), center 12: unsigned codes like the others (MXFP4 and NVFP4 in 4
+         bits a weight).
   scales also uint8 E8M0 (MXFP4's power-of-two block scales: the scale is 2^(byte - 128), half the
          block scale, as the codes are twice the e2m1 values), expanded exactly to float32.
 `matmul` handles few rows of activations (decode) by dequantizing each weight row in registers;
@@ -58,8 +59,7 @@ namespace {
 
 constexpr int64_t kSuper = 256;
 constexpr int kE2M1 = -4;  // bits of FP4 e2m1 nibbles (see the module docstring)
-constexpr bool signed_codes(int bits) { return bits == 8 || bits == kE2M1; }
-constexpr int8_t kE2M1Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // 2 * e2m1
+constexpr int8_t kE2M1Codes[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};  // 12 + 2 * e2m1
 
 #ifdef TM_SIMD
 using Vec = __m256;
@@ -166,7 +166,7 @@ struct Blocks {
   // instead of writing o, adds the offsets' share (sum of o * xs) to *share. Returns whether there are offsets.
   bool expand(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
     if (scales32) return expand32(n, fold, dx, xs, s, o, share);
-    if (scales_e8m0) return expand_e8m0(n, dx, s);
+    if (scales_e8m0) return expand_e8m0(n, fold, dx, xs, s, o, share);
     if (scales8) return expand_as(scales8 + n * nb, offsets8 ? offsets8 + n * nb : nullptr, n, fold, dx, xs, s, o, share);
     return expand_as(scales + n * nb, offsets ? offsets + n * nb : nullptr, n, fold, dx, xs, s, o, share);
   }
@@ -246,8 +246,17 @@ struct Blocks {
     float sum = 0.f;
     int64_t b = 0;
 #ifdef TM_SIMD
-    if (!any && dx)  // scales times the activation scales, eight at a time (FP4's float32 scales at one row)
-      for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(s + b, _mm256_mul_ps(_mm256_loadu_ps(sr + b), block_dx(dx, b, bs)));
+    if (!orow) {  // eight at a time: the folded center's offsets and the activation scales (FP4's float32 scales)
+      const __m256 negc = _mm256_set1_ps(-static_cast<float>(center));
+      __m256 acc = _mm256_setzero_ps();
+      for (; b + 8 <= nb; b += 8) {
+        const __m256 sv = _mm256_loadu_ps(sr + b);
+        if (folded && xs) acc = _mm256_fmadd_ps(_mm256_mul_ps(negc, sv), _mm256_loadu_ps(xs + b), acc);
+        else if (folded) _mm256_storeu_ps(o + b, _mm256_mul_ps(negc, sv));
+        _mm256_storeu_ps(s + b, dx ? _mm256_mul_ps(sv, block_dx(dx, b, bs)) : sv);
+      }
+      sum = hsum(acc);
+    }
 #endif
     for (; b < nb; ++b) {
       const float ob = (orow ? orow[b] : 0.f) - (folded ? static_cast<float>(center) * sr[b] : 0.f);
@@ -259,29 +268,42 @@ struct Blocks {
     return any;
   }
 
-  // expand for E8M0 storage: s = 2^(byte - 128) (times dx), exactly, built from its float32 bits
-  // (exponent field byte - 1; bytes 1 and 0 give the subnormals 2^-127, 2^-128); no offsets, center 0.
-  bool expand_e8m0(int64_t n, const float* dx, float* s) const {
+  // expand for E8M0 storage: s = 2^(byte - 128), exactly, built from its float32 bits (exponent field
+  // byte - 1; bytes 1 and 0 give the subnormals 2^-127, 2^-128); no offsets but the folded center's.
+  bool expand_e8m0(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
     const uint8_t* e = scales_e8m0 + n * nb;
+    const bool folded = fold && center;
+    const float c = static_cast<float>(center);
+    float sum = 0.f;
     int64_t b = 0;
 #ifdef TM_SIMD
     const __m256i one = _mm256_set1_epi32(1);
+    __m256 acc = _mm256_setzero_ps();
     for (; b + 8 <= nb; b += 8) {
       const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e + b)));
       const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, one), 23);
       const __m256i subnormal = _mm256_sllv_epi32(one, _mm256_add_epi32(v, _mm256_set1_epi32(21)));
       __m256 sv = _mm256_castsi256_ps(_mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(v, one)));
+      if (folded) {
+        const __m256 ov = _mm256_mul_ps(_mm256_set1_ps(-c), sv);
+        if (xs) acc = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + b), acc);
+        else _mm256_storeu_ps(o + b, ov);
+      }
       if (dx) sv = _mm256_mul_ps(sv, block_dx(dx, b, bs));
       _mm256_storeu_ps(s + b, sv);
     }
+    sum = hsum(acc);
 #endif
     for (; b < nb; ++b) {
       const uint32_t bits = e[b] >= 2 ? static_cast<uint32_t>(e[b] - 1) << 23 : 1u << (21 + e[b]);
       float v;
       std::memcpy(&v, &bits, 4);
+      if (folded && xs) sum += -c * v * xs[b];
+      else if (folded) o[b] = -c * v;
       s[b] = dx ? v * dx[b * bs / 32] : v;
     }
-    return false;
+    if (xs) *share = sum;
+    return folded;
   }
 
   // Whether row n's stored scales and offsets can be read as they are (no expand needed).
@@ -297,7 +319,7 @@ inline int code_at(const uint8_t* codes, const uint8_t* high, int64_t i) {
   if (BITS == 8) return reinterpret_cast<const int8_t*>(codes)[i];
   const int64_t g = i / 32, v = i % 32, L = g % 2, h = v / 16, j = v % 16;
   int u = v < 16 ? (codes[g * 16 + j] & 0x0F) : (codes[g * 16 + j] >> 4);
-  if (BITS == kE2M1) return kE2M1Values[u];
+  if (BITS == kE2M1) return kE2M1Codes[u];
   if (BITS == 5) {
     const int64_t q = (16 * L + j) / 8, k = j % 8, bit = 8 * k + q + (h ? 0 : 4);
     u |= ((high[(g / 2) * 8 + bit / 8] >> (bit % 8)) & 1) << 4;
@@ -319,9 +341,9 @@ inline void prefetch_ahead(const uint8_t* codes, const uint8_t* high, int64_t g)
 }
 
 #ifdef TM_SIMD
-// kE2M1Values in both 128-bit lanes, for pshufb.
+// kE2M1Codes in both 128-bit lanes, for pshufb.
 inline __m256i e2m1_table() {
-  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Values)));
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Codes)));
 }
 
 // The 32 codes of group g of a row, value j in byte j.
@@ -385,13 +407,12 @@ inline void decode32(const uint8_t* codes, const uint8_t* high, int64_t g, __m25
     lo = _mm_and_si128(raw, m4);
     hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
     if (BITS == kE2M1) {
-      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Values));
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Codes));
       lo = _mm_shuffle_epi8(table, lo);
       hi = _mm_shuffle_epi8(table, hi);
-    } else {
-      lo = _mm_sub_epi8(lo, c);
-      hi = _mm_sub_epi8(hi, c);
     }
+    lo = _mm_sub_epi8(lo, c);
+    hi = _mm_sub_epi8(hi, c);
   } else {
     __m256i v = unpack32<BITS>(codes, high, g);
     if (BITS != 8) v = _mm256_sub_epi8(v, center);  // codes below 64, centers up to 32: int8, exactly
@@ -611,14 +632,6 @@ void interleave_pairs(int8_t* xq, int64_t M, int64_t K) {
 constexpr bool paired(int) { return false; }
 #endif
 
-#ifdef TM_SIMD
-// Signed codes w against activations x as maddubs takes them: w becomes |w|, x takes w's sign.
-inline void unsign(__m256i& w, __m256i& x) {
-  x = _mm256_sign_epi8(x, w);
-  w = _mm256_sign_epi8(w, w);
-}
-#endif
-
 // One int8 activation row against one weight row whose scales s already hold the row's activation
 // scales (see Blocks::expand; the offsets, the codes' center folded in, are the caller's share).
 template <int BITS, int BS>
@@ -630,9 +643,9 @@ inline float row_dot_q8(const int8_t* xq, int64_t K, const uint8_t* codes, const
     const __m256i w = unpack32<BITS>(codes, high, g);
     // lanes 0-3 hold values 0..15 of the group, lanes 4-7 values 16..31 (a 16-block each for BS 16)
     const __m256 ws = BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
-    const __m256i wabs = signed_codes(BITS) ? _mm256_sign_epi8(w, w) : w;  // the products are unsigned by signed
+    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;  // the products are unsigned by signed
     __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
-    if (signed_codes(BITS)) x = _mm256_sign_epi8(x, w);
+    if (BITS == 8) x = _mm256_sign_epi8(x, w);
     const __m256i sums = dot4(wabs, x);
     into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), ws, into);
   };
@@ -640,9 +653,8 @@ inline float row_dot_q8(const int8_t* xq, int64_t K, const uint8_t* codes, const
   auto pair = [&](int64_t g, __m256& into) {
     __m256i lo, hi;
     unpack_pair<BITS>(codes, high, g / 2, lo, hi);
-    __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
-    __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32));
-    if (signed_codes(BITS)) unsign(lo, xlo), unsign(hi, xhi);
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32));
     if (BS == 32) {
       const __m256i sums = dot4x2(lo, xlo, hi, xhi);
       into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), pair_lanes(s + g), into);
@@ -713,17 +725,12 @@ inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_
     for (; g + 2 <= end; g += 2) {
       __m256i lo, hi;
       unpack_pair<BITS>(codes, high, g / 2, lo, hi);
-      // signed codes (e2m1): |w| by x with w's sign, as for 8-bit codes
-      const __m256i ulo = signed_codes(BITS) ? _mm256_sign_epi8(lo, lo) : lo;
-      const __m256i uhi = signed_codes(BITS) ? _mm256_sign_epi8(hi, hi) : hi;
       if (BS == 32) {
         const __m256 ws = pair_lanes(s + g);
         for (int r = 0; r < RM; ++r) {
           const int8_t* xp = xq + r * K + g * 32;
-          __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
-          __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
-          if (signed_codes(BITS)) xlo = _mm256_sign_epi8(xlo, lo), xhi = _mm256_sign_epi8(xhi, hi);
-          const __m256i sums = dot4x2(ulo, xlo, uhi, xhi);
+          const __m256i sums = dot4x2(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)), hi,
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, lanes[r * units + g / 2]), acc[r]);
         }
       } else {  // blocks of 16: lo and hi have scales of their own
@@ -732,23 +739,20 @@ inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_
         const __m256 whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
         for (int r = 0; r < RM; ++r) {
           const int8_t* xp = xq + r * K + g * 32;
-          __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
-          __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
-          if (signed_codes(BITS)) xlo = _mm256_sign_epi8(xlo, lo), xhi = _mm256_sign_epi8(xhi, hi);
-          const __m256i plo = dot4(ulo, xlo);
-          const __m256i phi = dot4(uhi, xhi);
+          const __m256i plo = dot4(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
+          const __m256i phi = dot4(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
           const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), whi, _mm256_mul_ps(_mm256_cvtepi32_ps(plo), wlo));
           acc[r] = _mm256_fmadd_ps(t, lanes[r * units + g / 2], acc[r]);
         }
       }
     }
-  for (; g < end; ++g) {  // 8-bit codes (signed, as e2m1's: the products take |w| and x with w's sign), or an odd last group
+  for (; g < end; ++g) {  // 8-bit codes (signed: the products take |w| and x with w's sign), or an odd last group
     const __m256i w = unpack32<BITS>(codes, high, g);
     const __m256 ws = BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
-    const __m256i wabs = signed_codes(BITS) ? _mm256_sign_epi8(w, w) : w;
+    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;
     for (int r = 0; r < RM; ++r) {
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * 32));
-      if (signed_codes(BITS)) x = _mm256_sign_epi8(x, w);
+      if (BITS == 8) x = _mm256_sign_epi8(x, w);
       const __m256i sums = dot4(wabs, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, lanes[r * units + (paired(BITS) ? g / 2 : g)]),
                                acc[r]);

@@ -43,7 +43,7 @@ def _kernel():
                 shift = (rk % 32) // 16 * 4
                 b = tl.load(codes_ptr + rn[:, None] * stride_c + byte[None, :], mask=wmask, other=0).to(tl.int32)
                 nibble = (b >> shift[None, :]) & 0xF
-                if BITS == -4:  # e2m1: bit 3 the sign; index 0-7 -> twice 0, 0.5, 1, 1.5, 2, 3, 4, 6
+                if BITS == -4:  # e2m1 (its code less its center): bit 3 the sign; index 0-7 -> twice 0, 0.5, 1, 1.5, 2, 3, 4, 6
                     i = nibble & 7
                     magnitude = tl.where(i < 4, i, (2 + (i & 1)) << ((i >> 1) - 1))
                     q = tl.where(nibble >= 8, -magnitude, magnitude).to(tl.float32)

@@ -10,8 +10,8 @@ Values round to the nearest e2m1 value (ties to even, as the specs say).
 
 Twice an e2m1 value is an integer (0, +-1, 2, 3, 4, 6, 8, 12), so an FP4 weight is exactly an integer
 code times (block scale / 2). On CPU the block kernels (`tokenmill.kernels.block_quant`) keep the
-format's own nibbles and decode them through a 16-entry table to those signed codes (pshufb), then
-multiply as they do 8-bit codes: MXFP4 in 4.25 bits a weight (its power-of-two scales as E8M0
+format's own nibbles and decode them through a 16-entry table to those codes plus 12 (pshufb), then
+multiply as they do other codes with a center: MXFP4 in 4.25 bits a weight (its power-of-two scales as E8M0
 bytes), NVFP4 in 6 (float32 scales: an e4m3 scale times the tensor's float32 one does not fit 16
 bits exactly). The Triton kernel on other devices reads the same nibbles and scales. Activations as for int8/int4:
 rounded to int8 per 32 values by default, float32 with an explicit `--dtype float32`. The LM head keeps 8 bits per channel (int8, as under int4). Input columns must
@@ -40,7 +40,7 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2
 BLOCKS = {"mxfp4": 32, "nvfp4": 16}
 # the formats' nibbles in each one's block size (MXFP4's scales as E8M0 bytes)
-LAYOUTS = {"mxfp4": BlockLayout(E2M1_CODES, 32, False, e8m0=True), "nvfp4": BlockLayout(E2M1_CODES, 16, False)}
+LAYOUTS = {"mxfp4": BlockLayout(E2M1_CODES, 32, False, 12, e8m0=True), "nvfp4": BlockLayout(E2M1_CODES, 16, False, 12)}
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
 
