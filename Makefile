@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 run: $(STAMP)
 	$(VENV)/bin/tokenmill serve --host 127.0.0.1 --port 8000
