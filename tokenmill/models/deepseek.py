@@ -26,7 +26,7 @@ from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.layers.mla import MLAAttention
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, yarn_mscale
-from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
+from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, PreNormDecoderLayer
 from tokenmill.models.utils import load_checkpoint
 from tokenmill.quantization.base import QuantizationConfig
 
@@ -107,7 +107,7 @@ class DeepseekMoE(nn.Module):
                             shared=getattr(self, "shared_experts", None))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: DeepseekConfig, rotary: RotaryEmbedding, scale: float,
                  quant_config: QuantizationConfig, prefix: str, layer: int) -> None:
         super().__init__()
@@ -120,12 +120,6 @@ class DeepseekDecoderLayer(nn.Module):
         sparse = layer in c.sparse_layers
         self.mlp = DeepseekMoE(c, quant_config, f"{prefix}.mlp") if sparse else LlamaMLP(c, quant_config,
                                                                                          f"{prefix}.mlp")
-
-    def forward(self, positions, hidden, residual):
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekModel(LlamaModel):

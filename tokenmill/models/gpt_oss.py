@@ -29,7 +29,7 @@ from tokenmill.layers.fused_moe import FusedMoE, Routing
 from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaModel
+from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaModel, PreNormDecoderLayer
 from tokenmill.quantization.base import QuantizationConfig
 from tokenmill.quantization.fp4 import e8m0_codes
 from tokenmill.quantization.gguf_codes import Codes
@@ -66,7 +66,7 @@ class GptOssMoE(nn.Module):
         return self.experts(x, self.router(x))
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: GptOssConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
                  prefix: str, layer: int) -> None:
         super().__init__()
@@ -76,12 +76,6 @@ class GptOssDecoderLayer(nn.Module):
                                         sinks=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GptOssMoE(config, quant_config, f"{prefix}.mlp")
-
-    def forward(self, positions, hidden, residual):
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class GptOssModel(LlamaModel):

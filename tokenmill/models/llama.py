@@ -173,7 +173,19 @@ class LlamaSparseMoeBlock(nn.Module):
                             shared_scale=torch.sigmoid(self.shared_expert_gate(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class PreNormDecoderLayer(nn.Module):
+    """The residual stream of a pre-norm decoder layer: norm, attention, add; norm, MLP, add (the adds
+    fused into the next norm). Subclasses build `input_layernorm`, `self_attn`,
+    `post_attention_layernorm` and `mlp` (Llama, DeepSeek, GPT-OSS)."""
+
+    def forward(self, positions, hidden, residual):
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
                  prefix: str, layer: int) -> None:
         super().__init__()
@@ -183,12 +195,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sparse = config.num_experts and layer in config.sparse_layers
         self.mlp = (LlamaSparseMoeBlock if sparse else LlamaMLP)(config, quant_config, f"{prefix}.mlp")
-
-    def forward(self, positions, hidden, residual):
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
     def decode_parts(self) -> LayerParts | None:
         """This layer for the compiled decode step, or None when it has parts the step lacks."""
