@@ -6,9 +6,10 @@ optionally against the kernels of an earlier git revision built side by side (sa
 
 Random blocks of each type (as the tests build them) packed as `tokenmill.quantization.gguf` packs
 them for gguf-q8 (`--mode q8`, int8 activations) or the exact mode (`--mode float`). FP4 types:
-`MXFP4`, `NVFP4` (a random weight quantized on load: e2m1 nibbles) and `MXFP4-5b`, `NVFP4-6b` (the
-same codes in the 5- / 6-bit integer layouts the kernels held them in before the nibble table;
-float32 scales; the exact mode widened those to 8 bits). Without --against, FP4 types take turns
+`MXFP4`, `NVFP4` (a random weight quantized on load: e2m1 nibbles; E8M0 / e4m3 scale bytes) and
+`MXFP4-5b`, `NVFP4-6b` (the same codes in the 5- / 6-bit integer layouts the kernels held them in
+before the nibble table; float32 scales; the exact mode widened those to 8 bits), `NVFP4-f32` (the
+nibbles with float32 scales, as NVFP4 was held before its e4m3 scale bytes). Without --against, FP4 types take turns
 with each other pass by pass (compare them within one run). `--copies`
 weights are cycled so that each call reads its weight from memory, as a decode step does (one copy:
 from cache). Medians of --repeats passes over all copies. `--against REV`: the same calls on the
@@ -41,22 +42,24 @@ from tokenmill.layers.linear import ReplicatedLinear  # noqa: E402
 from tokenmill.quantization import fp4  # noqa: E402
 from tokenmill.quantization.gguf import BlockLayout, BlockQuantLinearMethod, GGUFConfig  # noqa: E402
 
-# FP4 in the integer layouts that hold codes -12..12: 5 bits (center 16) per 32, 6 bits (center 32) per 16
-FP4_INTEGER_LAYOUTS = {"MXFP4-5b": BlockLayout(5, 32, False, 16), "NVFP4-6b": BlockLayout(6, 16, False, 32)}
+# FP4 in the integer layouts that hold codes -12..12: 5 bits (center 16) per 32, 6 bits (center 32) per 16;
+# and NVFP4's nibbles with float32 scales
+FP4_FORMER_LAYOUTS = {"MXFP4-5b": BlockLayout(5, 32, False, 16), "NVFP4-6b": BlockLayout(6, 16, False, 32),
+                      "NVFP4-f32": BlockLayout(block_quant.E2M1_CODES, 16, False, 12)}
 
 
 def fp4_blocks(qtype: str, n: int, k: int, int8_activations: bool) -> block_quant.Blocks:
     """A random weight in FP4 type `qtype` (see the module docstring), as the kernels take it."""
     method_name = qtype.split("-")[0].lower()
     w = torch.from_numpy(np.random.default_rng(0).normal(0, 0.05, (n, k)).astype(np.float32))
-    if qtype in FP4_INTEGER_LAYOUTS:
-        method = BlockQuantLinearMethod(FP4_INTEGER_LAYOUTS[qtype], int8_activations, half=False)
+    if qtype in FP4_FORMER_LAYOUTS:
+        method = BlockQuantLinearMethod(FP4_FORMER_LAYOUTS[qtype], int8_activations, half=False)
     else:
         method = fp4.FP4LinearMethod(method_name, int8_activations)
     module = ExpertProjection(method, n, k, "w")
     codes = fp4.quantize(w, method_name)
     method.write(module, dataclasses.replace(codes, bits=method.bits, center=method.layout.center)
-                 if qtype in FP4_INTEGER_LAYOUTS else codes, slice(None))
+                 if qtype in FP4_FORMER_LAYOUTS else codes, slice(None))
     return method.blocks(module)
 
 

@@ -133,7 +133,7 @@ def test_fp4_codes_are_e2m1_times_their_block_scale(method):
     w[5, 40] = 1.0  # an outlier: its block's scale grows, the others keep theirs
     codes = fp4.quantize(w, method)
     block = fp4.BLOCKS[method]
-    q, scales = torch.from_numpy(codes.q).float(), torch.from_numpy(codes.scales)
+    q, scales = torch.from_numpy(codes.q).float(), torch.from_numpy(codes.full_scales())
     assert codes.block == block and scales.dtype == torch.float32 and scales.shape == (80, 256 // block)
     assert set(q.abs().unique().tolist()) <= {0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0}
     block_scale = scales * 2  # what each e2m1 value multiplies
@@ -144,6 +144,8 @@ def test_fp4_codes_are_e2m1_times_their_block_scale(method):
         glob = float(w.abs().max()) / (448 * 6)
         e4m3 = (block_scale / glob).to(torch.float8_e4m3fn).float()
         assert torch.equal(e4m3 * torch.tensor(glob, dtype=torch.float32), block_scale)
+        assert torch.equal(torch.from_numpy(codes.scales), e4m3)  # held as the e4m3 values and the tensor's scale
+        assert (codes.row_scales == torch.tensor(glob, dtype=torch.float32).item() / 2).all()
     assert torch.all(q[3, :16] == 0)
     # nearest: no e2m1 value (saturating at 6) is closer to the weight over its block scale
     safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))  # NVFP4's zero block: scale 0

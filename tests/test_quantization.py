@@ -233,7 +233,8 @@ def test_quantization_errors():
 @pytest.mark.parametrize("method", ["mxfp4", "nvfp4"])
 def test_fp4_int8_activation_kernel_matches_its_torch_reference(method):
     """FP4 weights stay the formats' own nibbles (decoded through a table to twice their e2m1 value):
-    MXFP4 in 4.25 bits a weight (E8M0 scale bytes), NVFP4 in 6 (float32 scales); the integer kernel
+    MXFP4 in 4.25 bits a weight (E8M0 scale bytes), NVFP4 in 4.5 (e4m3 scale bytes, subnormal ones
+    included, and a float32 factor per row); the integer kernel
     (one row, tiles, partial tiles) equals the torch rounding on the exact weights, the float kernel
     the exact product, and both dequantize to code * scale bit for bit."""
     from tokenmill.quantization import fp4
@@ -244,16 +245,21 @@ def test_fp4_int8_activation_kernel_matches_its_torch_reference(method):
     w = torch.randn(72, cols) * 0.05
     w[2, :32] = 0  # an all-zero block
     w[7, 100] = 3.0  # an outlier: its block's scale grows
+    w[9, :32] *= 1e-4  # tiny blocks: NVFP4's e4m3 scales there are subnormal
     codes = fp4.quantize(w, method)
-    ref = torch.from_numpy(codes.q).float() * torch.from_numpy(codes.scales).repeat_interleave(codes.block, dim=1)
+    scales = torch.from_numpy(codes.full_scales())
+    ref = torch.from_numpy(codes.q).float() * scales.repeat_interleave(codes.block, dim=1)
+    if method == "nvfp4":
+        assert 0 < codes.scales[9, 0] < 2**-6  # e4m3's subnormal range
     for exact in (False, True):
         layer = ReplicatedLinear(cols, 72, quant_config=FP4Config(method, int8_activations=not exact), prefix="w")
         layer.weight_loader("weight", w)
         blocks = layer.quant_method.blocks(layer)
         assert blocks.bits == block_quant.E2M1_CODES and layer.codes.dtype == torch.uint8 and layer.high is None
-        assert layer.scales.dtype == (torch.uint8 if method == "mxfp4" else torch.float32)
+        assert layer.scales.dtype == (torch.uint8 if method == "mxfp4" else torch.float8_e4m3fn)
         weight_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales))
-        assert weight_bytes == 72 * cols * (4.25 if method == "mxfp4" else 6) / 8
+        assert weight_bytes == 72 * cols * (4.25 if method == "mxfp4" else 4.5) / 8
+        assert (layer.supers is None) if method == "mxfp4" else (layer.supers.shape == (72, 1))
         assert torch.equal(block_quant.dequantize(blocks), ref)
         for rows in (1, 3, 4, 7, 8, 17, 40, 300):
             x = torch.randn(rows, cols)

@@ -99,6 +99,7 @@ values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4
 nibbles = torch.stack((blocks & 15, blocks >> 4), -1).view(70, 5, 32).long()
 exact = (values[nibbles] * torch.exp2(scales.double() - 127)[..., None].float()).view(70, 160)
 w = torch.randn(70, 160) * 0.05
+w[3, :32] *= 3e-5  # NVFP4: two blocks whose e4m3 scales are subnormal
 for method in ("mxfp4", "nvfp4"):
     layer = ReplicatedLinear(160, 70, quant_config=FP4Config(method, False), prefix="w")
     if method == "mxfp4":
@@ -110,6 +111,10 @@ for method in ("mxfp4", "nvfp4"):
     ref = block_quant.dequantize(b)
     if method == "mxfp4":
         assert torch.equal(ref, exact)
+    else:
+        assert layer.scales.dtype == torch.float8_e4m3fn and 0 < layer.scales[3, :2].float().max() < 2**-6
+        codes = fp4.quantize(w, method)
+        assert torch.equal(ref, torch.from_numpy(codes.q * codes.full_scales().repeat(16, axis=1)).float())
     for m in (1, 19):
         x = torch.randn(m, 160)
         got, want = triton_block.matmul(x, b), x @ ref.T
@@ -120,9 +125,10 @@ print("OK")
 """
 
 
-def test_triton_kernel_reads_fp4_nibbles_and_e8m0_scales():
-    """MXFP4 (E8M0 scales, subnormal ones included) and NVFP4 as the GPU path holds them (the same nibbles
-    as on CPU): the Triton kernel decodes every weight to the C++ kernels' values."""
+def test_triton_kernel_reads_fp4_nibbles_and_their_scale_bytes():
+    """MXFP4 (E8M0 scales, subnormal ones included) and NVFP4 (e4m3 scale bytes, subnormal ones included,
+    times a float32 factor per row) as the GPU path holds them (the same nibbles and scale bytes as on
+    CPU): the Triton kernel decodes every weight to the C++ kernels' values."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _FP4], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]

@@ -24,7 +24,10 @@ Layout (`Blocks`), per weight row of K values:
          12 + 2 * value (0..24), center 12: unsigned codes like the others (MXFP4 and NVFP4 in 4
          bits a weight).
   scales also uint8 E8M0 (MXFP4's power-of-two block scales: the scale is 2^(byte - 128), half the
-         block scale, as the codes are twice the e2m1 values), expanded exactly to float32.
+         block scale, as the codes are twice the e2m1 values), or float8_e4m3fn (NVFP4's block scales)
+         with `supers` float32 [N, 1], the factor of every scale in its row (NVFP4's tensor scale, halved);
+         both expanded exactly to float32 (an e4m3 value times the factor: one rounding, as NVFP4's
+         own dequantization).
 `matmul` handles few rows of activations (decode) by dequantizing each weight row in registers;
 `matmul_q8` (int8 activations) takes one row as a memory-bound pass (K-quants with their sub-block
 scales applied in the integer sums) and more as register tiles of 8 rows against each weight row (fast
@@ -139,7 +142,9 @@ struct Blocks {
   const int8_t* offsets8;
   const float* scales32;  // float32 storage (already times any super-block factor)
   const float* offsets32;
-  const uint8_t* scales_e8m0;  // E8M0 storage (powers of two, no offsets)
+  const uint8_t* scales_e8m0;  // E8M0 storage (powers of two, no offsets), or:
+  const uint8_t* scales_e4m3;  // float8 e4m3 storage (no offsets), times the row's float32 factor:
+  const float* row_scales;     // (`supers` given as float32 [N, 1])
   const c10::Half* supers;
   int64_t N, K, nb, bs, center;
   int64_t code_bytes, high_bytes, supers_per_row;  // per row
@@ -156,9 +161,13 @@ struct Blocks {
         scales32(s.scalar_type() == at::kFloat ? s.data_ptr<float>() : nullptr),
         offsets32(o && o->scalar_type() == at::kFloat ? o->data_ptr<float>() : nullptr),
         scales_e8m0(s.scalar_type() == at::kByte ? s.data_ptr<uint8_t>() : nullptr),
-        supers(su ? su->data_ptr<c10::Half>() : nullptr),
+        scales_e4m3(s.scalar_type() == at::kFloat8_e4m3fn ? reinterpret_cast<const uint8_t*>(s.data_ptr()) : nullptr),
+        row_scales(su && su->scalar_type() == at::kFloat ? su->data_ptr<float>() : nullptr),
+        supers(su && su->scalar_type() == at::kHalf ? su->data_ptr<c10::Half>() : nullptr),
         N(c.size(0)), K(c.size(1) * (bits == 8 ? 1 : 2)), nb(s.size(1)), bs(block), center(centre),
-        code_bytes(c.size(1)), high_bytes(h ? h->size(1) : 0), supers_per_row(su ? su->size(1) : 0) {}
+        code_bytes(c.size(1)), high_bytes(h ? h->size(1) : 0), supers_per_row(supers ? su->size(1) : 0) {
+    TORCH_CHECK(!scales_e4m3 || row_scales, "e4m3 block scales need their float32 factor per row (supers [N, 1])");
+  }
 
   // Row n's scale and offset per block as float32 (stored value times its super-block's). `fold`: the
   // offsets also take -center * scale (for kernels that keep codes unsigned); `dx` (one activation
@@ -166,7 +175,8 @@ struct Blocks {
   // instead of writing o, adds the offsets' share (sum of o * xs) to *share. Returns whether there are offsets.
   bool expand(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
     if (scales32) return expand32(n, fold, dx, xs, s, o, share);
-    if (scales_e8m0) return expand_e8m0(n, fold, dx, xs, s, o, share);
+    if (scales_e8m0) return expand_bytes<false>(scales_e8m0 + n * nb, 1.f, fold, dx, xs, s, o, share);
+    if (scales_e4m3) return expand_bytes<true>(scales_e4m3 + n * nb, row_scales[n], fold, dx, xs, s, o, share);
     if (scales8) return expand_as(scales8 + n * nb, offsets8 ? offsets8 + n * nb : nullptr, n, fold, dx, xs, s, o, share);
     return expand_as(scales + n * nb, offsets ? offsets + n * nb : nullptr, n, fold, dx, xs, s, o, share);
   }
@@ -268,10 +278,13 @@ struct Blocks {
     return any;
   }
 
-  // expand for E8M0 storage: s = 2^(byte - 128), exactly, built from its float32 bits (exponent field
-  // byte - 1; bytes 1 and 0 give the subnormals 2^-127, 2^-128); no offsets but the folded center's.
-  bool expand_e8m0(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
-    const uint8_t* e = scales_e8m0 + n * nb;
+  // expand for one-byte storage, exactly: E8M0 (s = 2^(byte - 128), built from its float32 bits:
+  // exponent field byte - 1; bytes 1 and 0 give the subnormals 2^-127, 2^-128), or E4M3 (an e4m3 value
+  // times `factor`: a normal one's bits as a float32's, its exponent rebiased by 120; a subnormal one
+  // its mantissa times 2^-9: no float32 subnormals); no offsets but the folded center's.
+  template <bool E4M3>
+  bool expand_bytes(const uint8_t* e, float factor, bool fold, const float* dx, const float* xs, float* s, float* o,
+                    float* share) const {
     const bool folded = fold && center;
     const float c = static_cast<float>(center);
     float sum = 0.f;
@@ -281,9 +294,19 @@ struct Blocks {
     __m256 acc = _mm256_setzero_ps();
     for (; b + 8 <= nb; b += 8) {
       const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e + b)));
-      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, one), 23);
-      const __m256i subnormal = _mm256_sllv_epi32(one, _mm256_add_epi32(v, _mm256_set1_epi32(21)));
-      __m256 sv = _mm256_castsi256_ps(_mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(v, one)));
+      __m256 sv;
+      if (E4M3) {
+        const __m256i m = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
+        const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(m, 20), _mm256_set1_epi32(120 << 23));
+        const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(0x1p-9f));
+        sv = _mm256_blendv_ps(subnormal, _mm256_castsi256_ps(normal),
+                              _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, _mm256_set1_epi32(7))));
+        sv = _mm256_mul_ps(sv, _mm256_set1_ps(factor));
+      } else {
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, one), 23);
+        const __m256i subnormal = _mm256_sllv_epi32(one, _mm256_add_epi32(v, _mm256_set1_epi32(21)));
+        sv = _mm256_castsi256_ps(_mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(v, one)));
+      }
       if (folded) {
         const __m256 ov = _mm256_mul_ps(_mm256_set1_ps(-c), sv);
         if (xs) acc = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + b), acc);
@@ -295,9 +318,12 @@ struct Blocks {
     sum = hsum(acc);
 #endif
     for (; b < nb; ++b) {
-      const uint32_t bits = e[b] >= 2 ? static_cast<uint32_t>(e[b] - 1) << 23 : 1u << (21 + e[b]);
+      const uint32_t m = e[b] & 0x7F;
+      const uint32_t bits = E4M3 ? (m << 20) + (120u << 23)
+                                 : (e[b] >= 2 ? static_cast<uint32_t>(e[b] - 1) << 23 : 1u << (21 + e[b]));
       float v;
       std::memcpy(&v, &bits, 4);
+      if (E4M3) v = (m > 7 ? v : static_cast<float>(m) * 0x1p-9f) * factor;
       if (folded && xs) sum += -c * v * xs[b];
       else if (folded) o[b] = -c * v;
       s[b] = dx ? v * dx[b * bs / 32] : v;

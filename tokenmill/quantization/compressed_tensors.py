@@ -118,8 +118,14 @@ class FP4Format(PackedFormat):
     def codes(self, parts: dict[str, torch.Tensor]) -> Codes:
         q = fp4.unpack_e2m1(parts["weight_packed"])
         s = parts["weight_scale"]
-        if self.nvfp4:
-            scales = s.float() / parts["weight_global_scale"].float().reshape(())
+        tensor_scale = 1.0
+        if self.nvfp4:  # the e4m3 scales, and the tensor's 1 / global scale (as NVFP4 kernels multiply it)
+            if s.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"is {s.dtype}, but NVFP4 scales are float8_e4m3fn")
+            scales = s.float()
+            if not torch.isfinite(scales).all() or (scales < 0).any():
+                raise ValueError("holds a negative or NaN e4m3 block scale")
+            tensor_scale = float(1 / parts["weight_global_scale"].float().reshape(()))
         else:
             if s.dtype != torch.uint8:
                 raise ValueError(f"is {s.dtype}, but MXFP4 scales are uint8 E8M0 exponents")
@@ -129,7 +135,7 @@ class FP4Format(PackedFormat):
         if tuple(scales.shape) != (q.shape[0], q.shape[1] // self.group_size):
             raise ValueError(f"has shape {tuple(s.shape)}, expected {(q.shape[0], q.shape[1] // self.group_size)} "
                              f"(one scale per {self.group_size} values)")
-        return fp4.fp4_codes(q, scales.numpy(), self.method)
+        return fp4.fp4_codes(q, scales.numpy(), self.method, tensor_scale)
 
 
 class CompressedTensorsConfig(QuantizationConfig):

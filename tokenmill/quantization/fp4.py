@@ -12,8 +12,9 @@ Twice an e2m1 value is an integer (0, +-1, 2, 3, 4, 6, 8, 12), so an FP4 weight 
 code times (block scale / 2). On CPU the block kernels (`tokenmill.kernels.block_quant`) keep the
 format's own nibbles and decode them through a 16-entry table to those codes plus 12 (pshufb), then
 multiply as they do other codes with a center: MXFP4 in 4.25 bits a weight (its power-of-two scales as E8M0
-bytes), NVFP4 in 6 (float32 scales: an e4m3 scale times the tensor's float32 one does not fit 16
-bits exactly). The Triton kernel on other devices reads the same nibbles and scales. Activations as for int8/int4:
+bytes), NVFP4 in 4.5 (its e4m3 scales as bytes, and the tensor's float32 scale, halved, once per row:
+the kernels multiply the two as they expand a row's scales, the one rounding of NVFP4's own
+dequantization). The Triton kernel on other devices reads the same nibbles and scales. Activations as for int8/int4:
 rounded to int8 per 32 values by default, float32 with an explicit `--dtype float32`. The LM head keeps 8 bits per channel (int8, as under int4). Input columns must
 be whole blocks of 32 (the block kernels' unit, for either format).
 The routed experts of MoE models are quantized the same way (`expert_method`), each expert's
@@ -40,7 +41,8 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2
 BLOCKS = {"mxfp4": 32, "nvfp4": 16}
 # the formats' nibbles in each one's block size (MXFP4's scales as E8M0 bytes)
-LAYOUTS = {"mxfp4": BlockLayout(E2M1_CODES, 32, False, 12, e8m0=True), "nvfp4": BlockLayout(E2M1_CODES, 16, False, 12)}
+LAYOUTS = {"mxfp4": BlockLayout(E2M1_CODES, 32, False, 12, e8m0=True),
+           "nvfp4": BlockLayout(E2M1_CODES, 16, False, 12, e4m3=True)}
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
 
@@ -64,24 +66,30 @@ def unpack_e2m1(packed: torch.Tensor) -> np.ndarray:
     return np.where(nibbles & 8, -magnitudes, magnitudes)
 
 
-def block_scales(w: torch.Tensor, method: str) -> torch.Tensor:
-    """The scale of every block, [N, K / block] float32: the factor each e2m1 value multiplies."""
+def block_scales(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale of every block of `w` [N, K / block, block] as (block factors [N, K / block], tensor
+    factor []) float32, whose product (one rounding) each e2m1 value multiplies: MXFP4 a power of two
+    and 1; NVFP4 an e4m3 value and the tensor's float32 scale."""
     amax = w.abs().amax(-1)
     if method == "mxfp4":
         _, exponent = torch.frexp(amax)  # amax = m * 2^exponent, m in [0.5, 1): floor(log2) = exponent - 1
         e = torch.where(amax > 0, exponent - 1 - 2, torch.zeros_like(exponent)).clamp(-125, 127)
-        return torch.ldexp(torch.ones_like(amax), e)
+        return torch.ldexp(torch.ones_like(amax), e), torch.tensor(1.0)
     tensor_amax = float(amax.max()) if amax.numel() else 0.0
     glob = torch.tensor(tensor_amax / (E4M3_MAX * E2M1_MAX) if tensor_amax > 0 else 1.0, dtype=torch.float32)
-    s = (amax / E2M1_MAX / glob).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return s * glob
+    return (amax / E2M1_MAX / glob).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float(), glob
 
 
-def fp4_codes(q: np.ndarray, block_scales: np.ndarray, method: str) -> Codes:
-    """Codes 2 * e2m1 [N, K] with the scale each e2m1 value multiplies per block, as `Codes` in
-    `method`'s layout (scales halved)."""
+def fp4_codes(q: np.ndarray, block_scales: np.ndarray, method: str, tensor_scale: float = 1.0) -> Codes:
+    """Codes 2 * e2m1 [N, K] with the scale each e2m1 value multiplies per block (times `tensor_scale`,
+    NVFP4's), as `Codes` in `method`'s layout (the scales halved; NVFP4's e4m3 ones as they are, the
+    tensor's halved as every row's factor)."""
     layout = LAYOUTS[method]
-    return Codes(q, (block_scales / 2).astype(np.float32), None, BLOCKS[method], layout.bits, layout.center)
+    scales = block_scales.astype(np.float32)
+    if layout.e4m3:
+        return Codes(q, scales, None, BLOCKS[method], layout.bits, layout.center,
+                     row_scales=np.full(q.shape[0], np.float32(tensor_scale) / 2, dtype=np.float32))
+    return Codes(q, scales * np.float32(tensor_scale / 2), None, BLOCKS[method], layout.bits, layout.center)
 
 
 def e8m0_codes(blocks: torch.Tensor, scales: torch.Tensor) -> Codes:
@@ -95,14 +103,15 @@ def e8m0_codes(blocks: torch.Tensor, scales: torch.Tensor) -> Codes:
 
 
 def quantize(weight: torch.Tensor, method: str) -> Codes:
-    """`weight` [N, K] in `method`'s FP4 as `Codes`: q = 2 * e2m1 value, scales = block scale / 2."""
+    """`weight` [N, K] in `method`'s FP4 as `Codes`: q = 2 * e2m1 value times half its block scale."""
     block = BLOCKS[method]
     rows, cols = weight.shape
     w = weight.detach().float().reshape(rows, cols // block, block)
-    scale = block_scales(w, method)
+    factors, glob = block_scales(w, method)
+    scale = factors * glob
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.where(scale[..., None] > 0, round_e2m1(w / safe[..., None]), torch.zeros_like(w, dtype=torch.int16))
-    return fp4_codes(q.reshape(rows, cols).numpy(), scale.numpy(), method)
+    return fp4_codes(q.reshape(rows, cols).numpy(), factors.numpy(), method, float(glob))
 
 
 class FP4LinearMethod(BlockQuantLinearMethod):

@@ -66,6 +66,7 @@ class BlockLayout:
     center: int = 0  # the codes' zero (8-bit codes are signed: 0)
     supers: bool = False  # K-quant super-block scales
     e8m0: bool = False  # scales stored as E8M0 bytes (powers of two: MXFP4)
+    e4m3: bool = False  # scales stored as e4m3 bytes times a float32 factor per row (NVFP4)
 
     def widest(self, other: BlockLayout) -> BlockLayout:
         bits = max(self.bits, other.bits)
@@ -105,6 +106,14 @@ def _e8m0(a: np.ndarray) -> np.ndarray:
     return (exponent - 1 + 128).astype(np.uint8)
 
 
+def _e4m3(a: np.ndarray) -> np.ndarray:
+    """Scales that are e4m3 values as those (`block_quant`'s e4m3 storage, viewed as bytes)."""
+    b = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch.float8_e4m3fn)
+    if not torch.equal(b.float(), torch.from_numpy(np.asarray(a, dtype=np.float32))):
+        raise ValueError("block scales are not e4m3 values")
+    return b.view(torch.uint8).numpy()
+
+
 def _int8(a: np.ndarray) -> np.ndarray:
     b = a.astype(np.int8)
     if not np.array_equal(b.astype(np.float32), a):
@@ -120,7 +129,11 @@ def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool 
     scales and offsets (a K-quant's own sub-block integers, beside its supers; they must fit)."""
     q, scales, offsets, supers = codes.q, codes.scales, codes.offsets, codes.supers
     rows, cols = q.shape
-    if not half:
+    if layout.e4m3:  # e4m3 scales as they are, their row factors where `supers` go
+        if codes.row_scales is None or offsets is not None:
+            raise ValueError("e4m3 block scales need their float32 factor per row, and no offsets")
+        supers = codes.row_scales.astype(np.float32).reshape(rows, 1)
+    elif not half:
         scales, offsets, supers = codes.full_scales(), codes.full_offsets(), None
         layout = dataclasses.replace(layout, supers=False)
     if layout.supers and supers is None:  # a legacy type beside K-quants: super-blocks of one
@@ -141,12 +154,14 @@ def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool 
         offsets = np.zeros_like(scales)
     if layout.e8m0:
         to = _e8m0
+    elif layout.e4m3:
+        to = _e4m3
     elif int_scales:
         to = _int8
     else:
         to = (lambda a: a.astype(np.float16 if half else np.float32)) if round_half or not half else _half  # noqa: E731
     out = {"codes": None, "high": None, "scales": to(scales), "offsets": None if offsets is None else to(offsets),
-           "supers": None if supers is None else _half(supers)}
+           "supers": None if supers is None else supers if layout.e4m3 else _half(supers)}
     if layout.bits == 8:
         out["codes"] = q.astype(np.int8)
         return out
@@ -220,10 +235,15 @@ class BlockQuantLinearMethod(LinearMethod):
                               if bits in (5, 6) else None)
         half = self.half
         dtype = (torch.int8 if self.int_scales else torch.float16) if half else torch.float32
-        layer.register_buffer("scales", torch.empty(rows, nb, dtype=torch.uint8 if self.layout.e8m0 else dtype))
+        if self.layout.e8m0 or self.layout.e4m3:
+            dtype = torch.uint8 if self.layout.e8m0 else torch.float8_e4m3fn
+        layer.register_buffer("scales", torch.empty(rows, nb, dtype=dtype))
         layer.register_buffer("offsets", torch.empty(rows, nb, dtype=dtype) if self.layout.offsets else None)
-        layer.register_buffer("supers", torch.empty(rows, input_size // SUPER, 2, dtype=torch.float16)
-                              if self.layout.supers and half else None)
+        if self.layout.e4m3:  # the e4m3 scales' factor per row
+            layer.register_buffer("supers", torch.empty(rows, 1, dtype=torch.float32))
+        else:
+            layer.register_buffer("supers", torch.empty(rows, input_size // SUPER, 2, dtype=torch.float16)
+                                  if self.layout.supers and half else None)
 
     def load(self, layer, weight, rows, src_rows, src_cols):
         codes = weight.codes()

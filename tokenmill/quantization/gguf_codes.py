@@ -19,7 +19,9 @@ class Codes:
     """One tensor's weights as codes [N, K] (int16 values in -center .. 2**bits - center - 1) times
     scales [N, K / block], plus offsets [N, K / block] (None: zero). With `supers` [N, K / 256, 2]
     (K-quants), scales and offsets are small integers (as float32) to multiply by each super-block's
-    scale (supers[..., 0]) and min (supers[..., 1]); `full_scales`/`full_offsets` give the products."""
+    scale (supers[..., 0]) and min (supers[..., 1]); with `row_scales` [N] (NVFP4: its e4m3 block
+    scales and the tensor's float32 scale), every scale of row n is times row_scales[n] (no offsets).
+    `full_scales`/`full_offsets` give the products."""
 
     q: np.ndarray
     scales: np.ndarray
@@ -28,6 +30,7 @@ class Codes:
     bits: int
     center: int = 0
     supers: np.ndarray | None = None
+    row_scales: np.ndarray | None = None
 
     def columns(self, cols: slice) -> Codes:
         """Columns `cols` (a tensor-parallel rank's), in whole blocks. K-quant super-blocks that the
@@ -49,6 +52,8 @@ class Codes:
         return np.repeat(self.supers[..., which], SUPER // self.block, axis=1)
 
     def full_scales(self) -> np.ndarray:
+        if self.row_scales is not None:
+            return (self.scales * self.row_scales[:, None]).astype(np.float32)
         return self.scales if self.supers is None else self.scales * self._per_block(0)
 
     def full_offsets(self) -> np.ndarray | None:
