@@ -258,6 +258,44 @@ def test_unsupported_gguf_tensor_type(tmp_path):
         load_model(str(tmp_path / "m.gguf"))
 
 
+def test_gguf_header_reads_as_gguf_py_reads_it(tmp_path):
+    """Our header parser (`loader/gguf_file.py`) against gguf-py's reader on one file: every metadata
+    type (scalars, strings, arrays of numbers and of strings), value tensors and block tensors
+    (their bytes a row of blocks per row), a non-default alignment; a truncated file is an error."""
+    import gguf
+
+    from tokenmill.loader.gguf_file import GGUFFile
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_uint8("t.u8", 200), w.add_int8("t.i8", -3), w.add_uint16("t.u16", 60000), w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 4_000_000_000), w.add_int32("t.i32", -5), w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**63), w.add_int64("t.i64", -(2**40)), w.add_float64("t.f64", 0.1), w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo"), w.add_array("t.ints", [1, -2, 3]), w.add_array("t.floats", [0.5, 1.5])
+    w.add_array("t.strs", ["a", "", "ü" * 40]), w.add_custom_alignment(64)
+    rng = np.random.default_rng(0)
+    q4 = rng.integers(0, 256, (6, 2 * 18), dtype=np.uint8)  # 6 rows of two Q4_0 blocks
+    w.add_tensor("a", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("b", rng.standard_normal((2, 2, 4)).astype(np.float16))
+    w.add_tensor("c", q4, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    ours, theirs = GGUFFile(tmp_path / "m.gguf"), gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    assert ours.fields == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields["t.strs"] == ["a", "", "ü" * 40] and ours.fields["t.u64"] == 2**63
+    assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == [
+        ("a", gguf.GGMLQuantizationType.F32, (3, 5)), ("b", gguf.GGMLQuantizationType.F16, (2, 2, 4)),
+        ("c", gguf.GGMLQuantizationType.Q4_0, (6, 64))]
+    for mine, ref in zip(ours.tensors, theirs.tensors):
+        assert mine.data.dtype == ref.data.dtype and np.array_equal(mine.data, ref.data)
+    assert np.array_equal(ours.tensors[2].data, q4)
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: theirs.tensors[2].data_offset + 10])  # inside c
+    with pytest.raises(ValueError, match="tensor c runs past the end"):
+        GGUFFile(tmp_path / "cut.gguf")
+    (tmp_path / "head.gguf").write_bytes(data[:100])
+    with pytest.raises(ValueError, match="cannot read GGUF file.*ends inside its header"):
+        load_model(str(tmp_path / "head.gguf"))
+
+
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 20)

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.config import ModelConfig
+from tokenmill.loader.gguf_file import GGUFFile
 from tokenmill.models.registry import GGUF_ARCHITECTURES, config_from_hf_dict
 from tokenmill.quantization.gguf_codes import Codes, unpack
 
@@ -117,14 +118,13 @@ class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.reader = GGUFReader(str(path))
-        except Exception as e:  # the gguf package raises several types on damaged files
+            self.reader = GGUFFile(path)
+        except (ValueError, OSError) as e:  # a damaged or truncated file, or an empty one (mmap)
             raise ValueError(f"cannot read GGUF file {path}: {e}") from None
         self.config = self._read_config()
 
     def _field(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.reader.fields.get(key, default)
 
     def _read_config(self) -> ModelConfig:
         arch = self._field("general.architecture")
@@ -135,7 +135,7 @@ class GGUFCheckpoint:
         heads = p("attention.head_count")
         hidden = p("embedding_length")
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = p("vocab_size") or (len(tokens.data) if tokens else None)
+        vocab = p("vocab_size") or (len(tokens) if tokens else None)
         names = {t.name for t in self.reader.tensors}
         if "rope_freqs.weight" in names:
             raise ValueError(f"{self.path.name}: GGUF rope frequency factors (rope_freqs) are not supported yet")
