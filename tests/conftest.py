@@ -28,11 +28,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
-def hf_default_model(default_model):
+def hf_default_model(default_model, tmp_path_factory):
     """transformers' float32 model on the default model's GGUF weights (the reference), loaded once."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from helpers import hf_from_gguf
 
-    src = default_model.source
-    return AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                dtype=torch.float32).eval()
+    return hf_from_gguf(default_model.source.path, tmp_path_factory.mktemp("hf-default"))

@@ -358,6 +358,35 @@ EVAL_ITEMS = [
 ]
 
 
+def hf_from_gguf(path, scratch) -> transformers.PreTrainedModel:
+    """transformers' float32 model on a GGUF file's weights (the reference), read from a copy of the
+    file in directory `scratch` without its tokenizer metadata: gguf-py's reader, under transformers'
+    loader, spends a minute on a 262k-token vocabulary's arrays, which the model does not use. The copy
+    keeps every other key/value pair, the tensor table and the tensor data byte for byte, and states
+    the vocabulary's size (`{arch}.vocab_size`), which transformers otherwise counts from the tokens."""
+    import mmap
+    import struct
+    from pathlib import Path
+
+    from tokenmill.loader.gguf_file import GGUFFile
+
+    src, dst = Path(path), Path(scratch) / Path(path).name
+    f = GGUFFile(src)
+    arch = f.fields["general.architecture"]
+    keep = [k for k in f.fields if not k.startswith("tokenizer.") and k != f"{arch}.vocab_size"]
+    key = f"{arch}.vocab_size".encode()
+    vocab = struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, len(f.fields["tokenizer.ggml.tokens"]))
+    with open(src, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m, open(dst, "wb") as out:
+        out.write(m[:8] + struct.pack("<QQ", len(f.tensors), len(keep) + 1))
+        for k in keep:
+            out.write(m[slice(*f.field_spans[k])])
+        out.write(vocab + m[slice(*f.table_span)])
+        out.write(b"\0" * (-out.tell() % f.alignment))
+        out.write(m[f.data_start:])
+    return transformers.AutoModelForCausalLM.from_pretrained(str(dst.parent), gguf_file=dst.name,
+                                                             dtype=torch.float32).eval()
+
+
 def reference_loglikelihood(hf_model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
     """transformers' (summed logprob, all-greedy) of the continuation's tokens after the context's."""
     ids, context_ids = tokenizer.encode(context + continuation), tokenizer.encode(context)

@@ -164,16 +164,7 @@ def test_config_fields_are_read(tiny):
 
 # --- the default model: SmolLM2-135M-Instruct GGUF (Q4_1) against transformers' own GGUF loader ---
 
-@pytest.fixture(scope="module")
-def smollm_reference(default_model):
-    from transformers import AutoModelForCausalLM
-
-    src = default_model.source
-    return AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                dtype=torch.float32).eval()
-
-
-def test_smollm2_gguf_matches_transformers(default_model, tokenizer, smollm_reference):
+def test_smollm2_gguf_matches_transformers(default_model, tokenizer, hf_default_model):
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
              "1, 2, 3, 4,", "Les fleurs du jardin sont", "Q: What is 7 times 8?\nA:", "The quick brown fox",
              "In machine learning, a transformer is"]
@@ -181,13 +172,13 @@ def test_smollm2_gguf_matches_transformers(default_model, tokenizer, smollm_refe
     runner = make_runner(default_model, num_blocks=16)
     for ids in batch[:3]:
         with torch.no_grad():
-            ref = smollm_reference(torch.tensor([ids])).logits[0]
+            ref = hf_default_model(torch.tensor([ids])).logits[0]
         ours = all_logits(runner, ids)
         assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
     del runner
     ours = run_core(make_core("smollm2-135m-instruct", num_blocks=64, loaded=default_model), batch, GREEDY)
     for i, ids in enumerate(batch):
-        ref, ref_logits = greedy_reference(smollm_reference, ids, 32)
+        ref, ref_logits = greedy_reference(hf_default_model, ids, 32)
         assert_same_greedy(ours[str(i)], ref, ref_logits)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import all_logits, assert_same_greedy, greedy_reference, make_core, make_runner, run_core
+from helpers import all_logits, assert_same_greedy, greedy_reference, hf_from_gguf, make_core, make_runner, run_core
 from tokenmill.loader import load_model
 from tokenmill.loader.source import resolve_model
 from tokenmill.sampling_params import SamplingParams
@@ -25,14 +25,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time"
 
 
 @pytest.fixture(scope="module", params=["gemma-3-270m", "qwen2.5-coder-0.5b"])
-def real(request):
+def real(request, tmp_path_factory):
     if not FETCH.is_file():
         pytest.skip(f"{FETCH} is not here (the shared models folder)")
     path = Path(subprocess.run(["bash", str(FETCH), request.param], check=True, capture_output=True, text=True,
                                timeout=1800).stdout.strip().splitlines()[-1])
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = hf_from_gguf(path, tmp_path_factory.mktemp(request.param))
     loaded = load_model(str(path), dtype="float32")  # the exact mode
     yield request.param, str(path), loaded, hf, load_tokenizer(resolve_model(str(path)))
     del hf, loaded

@@ -30,7 +30,9 @@ class GGUFTensor(NamedTuple):
 
 
 class GGUFFile:
-    """`fields`: metadata by key (numbers, strings, lists); `tensors`: in file order."""
+    """`fields`: metadata by key (numbers, strings, lists); `tensors`: in file order. Where the header's
+    parts lie, for copying them: `field_spans` (each key/value pair's bytes), `table_span` (the tensor
+    table's), `data_start` (the tensor data's, which the table's offsets count from)."""
 
     def __init__(self, path: str | Path) -> None:
         with open(path, "rb") as f:
@@ -43,13 +45,18 @@ class GGUFFile:
             raise ValueError(f"it is GGUF version {version}; versions 2 and 3 are read (little-endian)")
         tensor_count, field_count = self._unpack("<Q"), self._unpack("<Q")
         self.fields: dict[str, Any] = {}
+        self.field_spans: dict[str, tuple[int, int]] = {}
         for _ in range(field_count):
+            start = self._pos
             key = self._string()
             self.fields[key] = self._value(self._unpack("<I"))
+            self.field_spans[key] = (start, self._pos)
+        start = self._pos
         table = [self._tensor_entry() for _ in range(tensor_count)]
-        alignment = int(self.fields.get("general.alignment", _DEFAULT_ALIGNMENT))
-        data_start = -(-self._pos // alignment) * alignment
-        self.tensors = [self._tensor(name, ggml_type, shape, data_start + offset)
+        self.table_span = (start, self._pos)
+        self.alignment = int(self.fields.get("general.alignment", _DEFAULT_ALIGNMENT))
+        self.data_start = -(-self._pos // self.alignment) * self.alignment
+        self.tensors = [self._tensor(name, ggml_type, shape, self.data_start + offset)
                         for name, ggml_type, shape, offset in table]
 
     def _read(self, n: int) -> bytes:
