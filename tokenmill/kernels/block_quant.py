@@ -47,8 +47,6 @@ BLOCK = 32
 E2M1_CODES = -4  # `Blocks.bits` of FP4 e2m1 nibbles, decoded through a table (module docstring)
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>

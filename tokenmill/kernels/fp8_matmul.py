@@ -23,8 +23,6 @@ import torch
 from tokenmill.kernels import cpu_kernels
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cstdint>
 #ifdef TM_ATTN_SIMD  // AVX2 + FMA + F16C, as paged_attention's fp8 conversion (defined before this module)
 #define TM_FP8_SIMD 1

@@ -12,8 +12,6 @@ import torch
 from tokenmill.kernels import cpu_kernels
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
 
 // x: [T, H] contiguous. With residual: x += residual first (x then holds the new residual).

@@ -21,8 +21,6 @@ import torch
 from tokenmill.kernels import cpu_kernels
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
 #include <algorithm>
 #include <cstring>
