@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from helpers import make_tiny_model, write_tiny_gguf
 from test_server_utils import metric_values, model_available, running_server
-from test_tensor_parallel import PROMPTS, TOKENS, parallel_run, run_parallel, single_tokens
+from test_tensor_parallel import PROMPTS, TOKENS, parallel_runs, run_parallel, single_tokens
 
 from tokenmill.bench import prometheus, report
 from tokenmill.bench.cli import main as bench_main
@@ -17,7 +17,7 @@ from tokenmill.config import EngineConfig, ParallelConfig
 from tokenmill.executor import executor_for
 
 
-@pytest.mark.parametrize("name,mode", [
+TWO_RANK_MODELS = [
     ("qwen2-moe", "tp"),  # a gated shared expert and a dense layer beside the routed one
     ("qwen2-moe", "ep"),
     ("deepseek-v2", "tp"),  # MLA (queries straight from the hidden state) + routed and shared experts
@@ -26,12 +26,34 @@ from tokenmill.executor import executor_for
     ("deepseek-v3", "ep"),  # sigmoid routing with a correction bias, 8 experts: 4 per rank
     ("gpt-oss", "tp"),  # sinks split by heads; expert biases (the down bias added once over the ranks)
     ("gpt-oss", "ep"),
-])
-def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, name, mode):
-    hf = make_tiny_model(name, tmp_path)
-    tokens, stats = parallel_run(str(tmp_path), mode=mode)
-    assert tokens == single_tokens(str(tmp_path))
-    config = hf.config
+]
+GGUF_MODELS = [("deepseek-v2", "tp"), ("qwen3-moe", "ep")]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Each model of this module's comparisons and its two-rank run (all in one driver process):
+    (name, mode, "hf" or "gguf") -> (path, transformers config, tokens, routing statistics)."""
+    cases, hf_dirs = {}, {}
+    for name, mode in TWO_RANK_MODELS:
+        if name not in hf_dirs:
+            directory = tmp_path_factory.mktemp(name)
+            hf_dirs[name] = (str(directory), make_tiny_model(name, directory).config)
+        cases[name, mode, "hf"] = hf_dirs[name]
+    for name, mode in GGUF_MODELS:
+        # llama.cpp's layout: a layer's experts in one Q8_0 tensor each for gate, up and down
+        hf = make_tiny_model(name, tmp_path_factory.mktemp(f"{name}-hf"))
+        path = tmp_path_factory.mktemp(f"{name}-gguf") / "m.gguf"
+        write_tiny_gguf(hf, path, {"ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0", "ffn_gate_exps": "Q8_0"})
+        cases[name, mode, "gguf"] = (str(path), hf.config)
+    runs = parallel_runs([(path, "float32", mode) for (_, mode, _), (path, _) in cases.items()])
+    return {key: (*case, *run) for (key, case), run in zip(cases.items(), runs)}
+
+
+@pytest.mark.parametrize("name,mode", TWO_RANK_MODELS)
+def test_two_ranks_give_the_greedy_tokens_of_one(two_rank_runs, name, mode):
+    path, config, tokens, stats = two_rank_runs[name, mode, "hf"]
+    assert tokens == single_tokens(path)
     forwarded = sum(len(p) + TOKENS - 1 for p in PROMPTS)  # the last sampled token is never fed
     expert_tokens = stats["expert_tokens"]
     for counts in expert_tokens.values():
@@ -44,19 +66,17 @@ def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, name, mode):
         assert stats["moe_rank_tokens"] == []
 
 
-@pytest.mark.parametrize("name,mode", [("deepseek-v2", "tp"), ("qwen3-moe", "ep")])
-def test_gguf_stacked_experts_split_by_features_and_by_experts(tmp_path, name, mode):
+@pytest.mark.parametrize("name,mode", GGUF_MODELS)
+def test_gguf_stacked_experts_split_by_features_and_by_experts(two_rank_runs, name, mode):
     """llama.cpp's layout: a layer's experts in one Q8_0 tensor each for gate, up and down (sliced by
     rows / columns under TP, by experts under EP), DeepSeek's latent projection as k_b and v_b."""
-    hf = make_tiny_model(name, tmp_path / "hf")
-    path = tmp_path / "m.gguf"
-    write_tiny_gguf(hf, path, {"ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0", "ffn_gate_exps": "Q8_0"})
-    assert parallel_run(str(path), mode=mode)[0] == single_tokens(str(path))
+    path, _, tokens, _ = two_rank_runs[name, mode, "gguf"]
+    assert tokens == single_tokens(path)
 
 
 def test_expert_count_that_does_not_divide_is_refused(tmp_path):
     make_tiny_model("mixtral", tmp_path, num_local_experts=3)
-    done = run_parallel(str(tmp_path), mode="ep")
+    done = run_parallel([(str(tmp_path), "float32", "ep")])
     assert done.returncode != 0
     assert "3 experts do not split over 2 ranks (--enable-expert-parallel needs a multiple of " \
            "--tensor-parallel-size)" in done.stderr

@@ -26,7 +26,8 @@ PROMPTS = [[1, 5, 9, 33, 70, 101, 7], [3, 4, 200], list(range(10, 60))]  # the l
 TOKENS = 12
 
 # run the engine core with --tensor-parallel-size N in a fresh process (the driver binds itself to
-# its share of the cores and joins a process group: not in the test process)
+# its share of the cores and joins a process group: not in the test process), one job after another:
+# a module's models share one driver process, whose start and imports (~4 s) each job paid alone
 _RUN = r"""
 import json, sys
 from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig
@@ -35,43 +36,42 @@ from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.executor import executor_for
 from tokenmill.sampling_params import SamplingParams
 
-model, dtype, size, prompts, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
-config = EngineConfig(model=model, dtype=dtype, cache=CacheConfig(num_blocks=64),
-                      parallel=ParallelConfig(tensor_parallel_size=size, enable_expert_parallel=sys.argv[6] == "ep"))
-executor = executor_for(config)
-core = EngineCore(config, executor, set())
-out = {}
-for i, p in enumerate(prompts):
-    core.add_request(EngineCoreRequest(str(i), p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)))
-    out[str(i)] = []
-while core.has_unfinished():
-    for o in core.step():
-        out[o.request_id].extend(o.new_token_ids)
-assert core.kv.num_free_blocks == core.kv.num_blocks, "KV blocks leaked"
-stats = core.stats()
-executor.close()
-print("STATS " + json.dumps({"expert_tokens": stats.expert_tokens, "moe_rank_tokens": stats.moe_rank_tokens}))
-print("RESULT " + json.dumps(out))
+jobs, size, prompts, tokens = json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+for model, dtype, mode in jobs:
+    config = EngineConfig(model=model, dtype=dtype, cache=CacheConfig(num_blocks=64),
+                          parallel=ParallelConfig(tensor_parallel_size=size, enable_expert_parallel=mode == "ep"))
+    executor = executor_for(config)
+    core = EngineCore(config, executor, set())
+    out = {}
+    for i, p in enumerate(prompts):
+        core.add_request(EngineCoreRequest(str(i), p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)))
+        out[str(i)] = []
+    while core.has_unfinished():
+        for o in core.step():
+            out[o.request_id].extend(o.new_token_ids)
+    assert core.kv.num_free_blocks == core.kv.num_blocks, "KV blocks leaked"
+    stats = core.stats()
+    executor.close()
+    print("RESULT " + json.dumps({"tokens": [out[str(i)] for i in range(len(prompts))],
+                                  "stats": {"expert_tokens": stats.expert_tokens,
+                                            "moe_rank_tokens": stats.moe_rank_tokens}}), flush=True)
 """
 
 
-def run_parallel(model: str, dtype: str = "float32", size: int = 2, mode: str = "tp") -> subprocess.CompletedProcess:
-    """`mode` "ep": with --enable-expert-parallel."""
-    return subprocess.run([sys.executable, "-c", _RUN, model, dtype, str(size), json.dumps(PROMPTS), str(TOKENS), mode],
+def run_parallel(jobs: list[tuple[str, str, str]], size: int = 2) -> subprocess.CompletedProcess:
+    """One driver process running each of `jobs` (model, dtype, mode) in turn; mode "ep": with
+    --enable-expert-parallel."""
+    return subprocess.run([sys.executable, "-c", _RUN, json.dumps(jobs), str(size), json.dumps(PROMPTS), str(TOKENS)],
                           capture_output=True, text=True, timeout=600)
 
 
-def parallel_run(model: str, dtype: str = "float32", mode: str = "tp") -> tuple[list[list[int]], dict]:
-    """(greedy tokens of each prompt, the engine's routing statistics at the end)."""
-    done = run_parallel(model, dtype, mode=mode)
+def parallel_runs(jobs: list[tuple[str, str, str]]) -> list[tuple[list[list[int]], dict]]:
+    """(greedy tokens of each prompt, the engine's routing statistics at the end) of each job."""
+    done = run_parallel(jobs)
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.split("RESULT ", 1)[1])
-    stats = json.loads(done.stdout.split("STATS ", 1)[1].split("\n", 1)[0])
-    return [out[str(i)] for i in range(len(PROMPTS))], stats
-
-
-def parallel_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
-    return parallel_run(model, dtype)[0]
+    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == len(jobs), done.stdout[-3000:]
+    return [(r["tokens"], r["stats"]) for r in results]
 
 
 def single_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
@@ -80,39 +80,62 @@ def single_tokens(model: str, dtype: str = "float32") -> list[list[int]]:
     return [out[str(i)] for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("name,overrides", [
-    ("llama-gqa-untied", {}),
-    ("llama-mqa-tied", {}),  # 1 kv head on 2 ranks: replicated; the head shares the split embedding
-    ("gemma3", {}),  # sliding windows, q/k norms, scaled embedding
-    ("qwen2-bias", {"vocab_size": 251}),  # q/k/v biases; 126 + 125 vocabulary rows
-])
-def test_two_ranks_give_the_greedy_tokens_of_one(tmp_path, name, overrides):
-    hf = make_tiny_model(name, tmp_path, **overrides)
-    ours = parallel_tokens(str(tmp_path))
-    assert ours == single_tokens(str(tmp_path))
+TWO_RANK_MODELS = {
+    "llama-gqa-untied": {},
+    "llama-mqa-tied": {},  # 1 kv head on 2 ranks: replicated; the head shares the split embedding
+    "gemma3": {},  # sliding windows, q/k norms, scaled embedding
+    "qwen2-bias": {"vocab_size": 251},  # q/k/v biases; 126 + 125 vocabulary rows
+}
+GGUF_DTYPES = ["float32", "auto"]  # the exact mode's float kernel; int8 activations
+CT_VARIANTS = ["mixed", "w8a16-channel-asym"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every checkpoint this module compares with one process, with its two-rank greedy run (all in one
+    driver process): key -> (path, dtype, transformers model or None, tokens)."""
+    from test_compressed_tensors import write_checkpoint
+
+    cases = {}
+    for name, overrides in TWO_RANK_MODELS.items():
+        directory = tmp_path_factory.mktemp(name)
+        cases[name] = (str(directory), "float32", make_tiny_model(name, directory, **overrides))
+    hf = make_tiny_model("llama-gqa-untied", tmp_path_factory.mktemp("gguf-hf"))
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    # o_proj (64 columns) and down_proj (128) are split by columns: 32 and 64 per rank, whole blocks
+    write_tiny_gguf(hf, path, {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_0",
+                               "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "Q8_0"})
+    for dtype in GGUF_DTYPES:
+        cases[f"gguf-{dtype}"] = (str(path), dtype, None)
+    for variant in CT_VARIANTS:
+        directory = tmp_path_factory.mktemp(f"ct-{variant}")
+        write_checkpoint(make_tiny_model("llama-gqa-untied", directory / "hf"), directory / "ct", variant)
+        cases[f"ct-{variant}"] = (str(directory / "ct"), "float32", None)
+    runs = parallel_runs([(path, dtype, "tp") for path, dtype, _ in cases.values()])
+    return {key: (*case, tokens) for (key, case), (tokens, _) in zip(cases.items(), runs)}
+
+
+@pytest.mark.parametrize("name", TWO_RANK_MODELS)
+def test_two_ranks_give_the_greedy_tokens_of_one(two_rank_runs, name):
+    path, _, hf, ours = two_rank_runs[name]
+    assert ours == single_tokens(path)
     for prompt, tokens in zip(PROMPTS, ours):  # and so transformers' (the tie rule)
         assert_same_greedy(tokens, *greedy_reference(hf, prompt, TOKENS))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "auto"])  # the exact mode's float kernel; int8 activations
-def test_gguf_blocks_split_by_rows_and_by_whole_blocks_of_columns(tmp_path, dtype):
-    hf = make_tiny_model("llama-gqa-untied", tmp_path / "hf")
-    path = tmp_path / "tiny.gguf"
-    # o_proj (64 columns) and down_proj (128) are split by columns: 32 and 64 per rank, whole blocks
-    write_tiny_gguf(hf, path, {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_0",
-                               "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "Q8_0"})
-    assert parallel_tokens(str(path), dtype) == single_tokens(str(path), dtype)
+@pytest.mark.parametrize("dtype", GGUF_DTYPES)
+def test_gguf_blocks_split_by_rows_and_by_whole_blocks_of_columns(two_rank_runs, dtype):
+    path, _, _, ours = two_rank_runs[f"gguf-{dtype}"]
+    assert ours == single_tokens(path, dtype)
 
 
-@pytest.mark.parametrize("variant", ["mixed", "w8a16-channel-asym"])
-def test_compressed_tensors_layers_split_by_rows_and_columns(tmp_path, variant):
+@pytest.mark.parametrize("variant", CT_VARIANTS)
+def test_compressed_tensors_layers_split_by_rows_and_columns(two_rank_runs, variant):
     """fp8 per channel (attention), MXFP4 (MLP), a dense down projection; int8 per channel with zero
     points: o_proj and down_proj split by columns, 32 and 64 per rank (per-channel scales repeat per
     block of the split)."""
-    from test_compressed_tensors import write_checkpoint
-
-    write_checkpoint(make_tiny_model("llama-gqa-untied", tmp_path / "hf"), tmp_path / "ct", variant)
-    assert parallel_tokens(str(tmp_path / "ct")) == single_tokens(str(tmp_path / "ct"))
+    path, _, _, ours = two_rank_runs[f"ct-{variant}"]
+    assert ours == single_tokens(path)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
@@ -140,7 +163,7 @@ def test_k_quant_columns_split_inside_super_blocks(qtype, int8_activations):
 
 def test_layers_that_cannot_split_are_refused_clearly(tmp_path):
     make_tiny_model("llama-mha", tmp_path / "three", num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
-    done = run_parallel(str(tmp_path / "three"))
+    done = run_parallel([(str(tmp_path / "three"), "float32", "tp")])
     assert done.returncode != 0
     assert "3 query / 3 kv heads do not split over 2 ranks" in done.stderr
 
