@@ -736,10 +736,20 @@ std::vector<__m256> scale_lanes(const float* dx, int64_t M, int64_t groups, bool
   return lanes;
 }
 
+constexpr int kTile = 8;  // activation rows per register tile: one float vector across them (sum_lanes8)
+
+// Lane r: the sum of a[r]'s eight lanes (eight horizontal sums in seven adds and two permutes).
+inline __m256 sum_lanes8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
 // RM int8 activation rows (K apart, ordered as quantize_rows + interleave_pairs leave them) against
 // one weight row whose scales s are expanded with the codes' center folded into the offsets, which the
-// caller adds: total[r] += sum over the blocks of groups [g, end) of s * dx * (q . x). The weight's codes
-// are unpacked once for all RM rows; each row keeps one accumulator (RM independent chains).
+// caller adds: total[r] += sum over the blocks of groups [g, end) of s * dx * (q . x), for all kTile
+// entries of total (those past RM add 0). The weight's codes are unpacked once for all RM rows; each
+// row keeps one accumulator (RM independent chains).
 template <int BITS, int BS, int RM>
 inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_t K, const uint8_t* codes,
                     const uint8_t* high, const float* s, int64_t g, int64_t end, float* total) {
@@ -782,11 +792,12 @@ inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_
                                acc[r]);
     }
   }
-  for (int r = 0; r < RM; ++r) total[r] += hsum(acc[r]);
+  __m256 all[kTile];  // the rows past RM add nothing
+  for (int r = 0; r < kTile; ++r) all[r] = r < RM ? acc[r] : _mm256_setzero_ps();
+  _mm256_storeu_ps(total, _mm256_add_ps(_mm256_loadu_ps(total), sum_lanes8(all)));
 }
 
 // tile_q8 for any rows <= kTile (the last, partial tile).
-constexpr int kTile = 8;
 template <int BITS, int BS>
 inline void tile_q8_rows(int rows, const int8_t* xq, const __m256* lanes, int64_t units, int64_t K,
                          const uint8_t* codes, const uint8_t* high, const float* s, int64_t g, int64_t end,
@@ -818,6 +829,16 @@ void matmul_q8_tiles(const int8_t* xq, const float* dx, const float* xs, int64_t
   }
   const int64_t units = paired(BITS) ? (groups + 1) / 2 : groups;
   const std::vector<__m256> lanes = scale_lanes(dx, M, groups, paired(BITS), units);
+  // the block sums of each tile's rows, transposed: lane r of [t * nb + b] is row t * kTile + r's sum
+  // over block b, so that a weight row's offsets' share for the whole tile is nb multiply-adds
+  const int64_t tiles = (M + kTile - 1) / kTile;
+  std::vector<__m256> xs_tiles(tiles * nb);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      alignas(32) float v[kTile] = {};
+      for (int64_t r = 0; r < kTile && t * kTile + r < M; ++r) v[r] = xs[(t * kTile + r) * nb + b];
+      xs_tiles[t * nb + b] = _mm256_load_ps(v);
+    }
   at::parallel_for(0, N, kChunk, [&](int64_t begin, int64_t end) {
     std::vector<float> s(kChunk * nb), o(kChunk * nb);
     bool offsets = false;
@@ -834,10 +855,25 @@ void matmul_q8_tiles(const int8_t* xq, const float* dx, const float* xs, int64_t
                                    w.high ? w.high + n * w.high_bytes : nullptr, &s[j * nb], g,
                                    std::min(groups, g + kSlab), total[j]);
           }
-        for (int64_t j = 0; j < rows; ++j)
-          for (int r = 0; r < tile; ++r)
-            store_rows<1>(total[j] + r, offsets ? &o[j * nb] : nullptr, xs + (m0 + r) * nb, nb,
-                          outp + (m0 + r) * N + n0 + j, N);
+        const __m256* xt = xs_tiles.data() + (m0 / kTile) * nb;
+        for (int64_t j0 = 0; j0 < rows; j0 += 4) {  // four weight rows at a time, each on two chains
+          __m256 v[4][2];
+          for (int q = 0; q < 4; ++q) v[q][0] = _mm256_loadu_ps(total[j0 + q]), v[q][1] = _mm256_setzero_ps();
+          if (offsets) {  // rows past `rows` read stale offsets and are not stored
+            const float* oj = &o[j0 * nb];
+            auto block = [&](int64_t b, int c) {
+              for (int q = 0; q < 4; ++q) v[q][c] = _mm256_fmadd_ps(_mm256_set1_ps(oj[q * nb + b]), xt[b], v[q][c]);
+            };
+            int64_t b = 0;
+            for (; b + 2 <= nb; b += 2) block(b, 0), block(b + 1, 1);
+            if (b < nb) block(b, 0);
+          }
+          for (int q = 0; q < 4 && j0 + q < rows; ++q) {
+            alignas(32) float lane[kTile];
+            _mm256_store_ps(lane, _mm256_add_ps(v[q][0], v[q][1]));
+            for (int r = 0; r < tile; ++r) outp[(m0 + r) * N + n0 + j0 + q] = lane[r];
+          }
+        }
       }
     }
   });
