@@ -64,11 +64,11 @@ def test_block_quant_linear_computes_on_the_gguf_weights(qtype):
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 
 
-def q8_reference(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """`block_quant.matmul_q8` written with torch ops: x rounded to int8 per 32 values (scale max|x| /
+def q8_reference(x: torch.Tensor, ref: torch.Tensor, span: int = 32) -> torch.Tensor:
+    """`block_quant.matmul_q8` written with torch ops: x rounded to int8 per `span` values (scale max|x| /
     127, round half to even), times the exact weights."""
     m = x.shape[0]
-    blocks = x.view(m, -1, 32)
+    blocks = x.view(m, -1, span)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     rounded = (torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))) * d).view(x.shape)
     return rounded @ ref.T
@@ -94,12 +94,14 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype):
         assert layer.scales.dtype == torch.int8 and layer.supers.dtype == torch.float16
         assert weight_bytes <= 80 * cols * (method.bits + 0.625) / 8  # file: 4.5 (Q4_K) to 6.5625 (Q6_K) bits
     assert torch.equal(block_quant.dequantize(method.blocks(layer)), ref)
+    span = method.blocks(layer).activation_span  # a K-quant's super-block shares one activation scale
+    assert span == (256 if qtype.endswith("_K") else 32)
     # the integer kernel: one row, tiles of 8 rows and partial ones, blocks of 256 rows; then (for 6-8
     # bits, or on CPUs with a faster float GEMM) dequantize + GEMM on the same rounded activations
     for rows in (1, 3, 4, 7, 8, 17, 40, 300):
         x = torch.randn(rows, cols)
         out = block_quant.matmul_q8(x, method.blocks(layer))
-        want = q8_reference(x, ref)
+        want = q8_reference(x, ref, span)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
     limit = method.fused_max_tokens
     for rows in (1, 40) if limit is None else (limit, limit + 1):
@@ -107,7 +109,7 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype):
         out = layer(x)
         # past the limit on AMX CPUs: torch's bfloat16 GEMM on the weight and activations rounded to bfloat16
         big = limit is not None and rows > limit and method.bf16_gemm
-        want = (x.bfloat16() @ ref.bfloat16().T).float() if big else q8_reference(x, ref)
+        want = (x.bfloat16() @ ref.bfloat16().T).float() if big else q8_reference(x, ref, span)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
         exact = x @ ref.T
         assert ((out - exact).norm() / exact.norm()).item() < 0.02
@@ -139,7 +141,7 @@ def test_fused_layers_of_mixed_types_take_the_widest_layout(types, bits):
         want = x @ ref.T  # the float kernel, on either layout
         torch.testing.assert_close(block_quant.matmul(x, method.blocks(layer)), want, rtol=1e-5,
                                    atol=1e-5 * max(1.0, want.abs().max().item()))
-        want = q8_reference(x, ref) if int8_activations else want
+        want = q8_reference(x, ref, method.blocks(layer).activation_span) if int8_activations else want
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 
 

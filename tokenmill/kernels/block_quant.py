@@ -29,8 +29,8 @@ Layout (`Blocks`), per weight row of K values:
          both expanded exactly to float32 (an e4m3 value times the factor: one rounding, as NVFP4's
          own dequantization).
 `matmul` handles few rows of activations (decode) by dequantizing each weight row in registers;
-`matmul_q8` (int8 activations) takes one row as a memory-bound pass (K-quants with their sub-block
-scales applied in the integer sums) and more as register tiles of 8 rows against each weight row (fast
+`matmul_q8` (int8 activations: a scale per 32 values, per 256 for K-quants) takes one row as a
+memory-bound pass (K-quants summed in integers to the end of each super-block) and more as register tiles of 8 rows against each weight row (fast
 at every batch size for 4-5-bit codes); `dequantize` writes the
 float32 weight for large batches, which then go to torch's GEMM.
 """
@@ -583,49 +583,55 @@ void dequantize_impl(const Blocks& w, torch::Tensor& out) {
   });
 }
 
-// --- int8 activations (llama.cpp's scheme): each 32-value block of an activation row becomes int8
-// codes with one float scale (max |x| / 127), and a weight block's dot product is an integer sum
+// --- int8 activations (llama.cpp's scheme): each 32-value block of an activation row (each 256-value
+// super-block, for K-quants: activation_span) becomes int8 codes with one float scale (max |x| / 127),
+// and a weight block's dot product is an integer sum
 // times both scales; the offsets (and the codes' center) meet the rounded activations too, so the
 // result is the rounded activations times the exact weights (what `round_activations` + a float GEMM
 // computes). Not exact; several times fewer instructions per weight than decoding it to float.
 
-// x [M, K] -> xq int8 [M, K], dx [M, K/32] (scale per 32 values), xs [M, K/BS] (sums of the rounded values).
-// The vector path rounds as nearbyint does (the default rounding mode: half to even).
+// x [M, K] -> xq int8 [M, K], dx [M, K/32] (scale per 32 values), xs [M, K/BS] (sums of the rounded
+// values) and, where given, xsum [M, K/BS] (those sums as integers: the codes' sums per block). One
+// scale, max |x| / 127 over `span` values (32, or 256: a K-quant super-block, as llama.cpp's q8_K),
+// written for each of their 32-value groups. The vector path rounds as nearbyint does (half to even).
 template <int BS>
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs) {
-  at::parallel_for(0, M * K / 32, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* v = x + i * 32;
-      int8_t* q = xq + i * 32;
-#ifdef TM_SIMD
-      __m256 f[4], amax = _mm256_setzero_ps();
-      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-      for (int j = 0; j < 4; ++j) {
-        f[j] = _mm256_loadu_ps(v + 8 * j);
-        amax = _mm256_max_ps(amax, _mm256_and_ps(f[j], abs_mask));
-      }
-      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-      m = _mm_max_ss(m, _mm_movehdup_ps(m));
-      const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      __m256i c[4];
-      for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], _mm256_set1_ps(id)));
-      // int32 -> int8 (packs work within 128-bit lanes: one permute puts the values back in order)
-      const __m256i w16 = _mm256_packs_epi32(c[0], c[1]), w16b = _mm256_packs_epi32(c[2], c[3]);
-      const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b8);
-      dx[i] = d;
-#else
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t span, int8_t* xq, float* dx, float* xs,
+                   int16_t* xsum) {
+  const int64_t per = span / 32;  // groups per scale
+  at::parallel_for(0, M * K / span, 64 / per, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
       float amax = 0.f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      dx[i] = d;
-      for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+#ifdef TM_SIMD
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t j = 0; j < span; j += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + u * span + j), abs_mask));
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
+      for (int64_t j = 0; j < span; ++j) amax = std::max(amax, std::fabs(x[u * span + j]));
 #endif
-      for (int h = 0; h < 32 / BS; ++h) {
-        int32_t sum = 0;
-        for (int j = h * BS; j < (h + 1) * BS; ++j) sum += q[j];
-        xs[i * (32 / BS) + h] = d * static_cast<float>(sum);
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      for (int64_t i = u * per; i < (u + 1) * per; ++i) {
+        const float* v = x + i * 32;
+        int8_t* q = xq + i * 32;
+#ifdef TM_SIMD
+        __m256i c[4];
+        for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), _mm256_set1_ps(id)));
+        // int32 -> int8 (packs work within 128-bit lanes: one permute puts the values back in order)
+        const __m256i w16 = _mm256_packs_epi32(c[0], c[1]), w16b = _mm256_packs_epi32(c[2], c[3]);
+        const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b8);
+#else
+        for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+#endif
+        dx[i] = d;
+        for (int h = 0; h < 32 / BS; ++h) {
+          int32_t sum = 0;
+          for (int j = h * BS; j < (h + 1) * BS; ++j) sum += q[j];
+          xs[i * (32 / BS) + h] = d * static_cast<float>(sum);
+          if (xsum) xsum[i * (32 / BS) + h] = static_cast<int16_t>(sum);
+        }
       }
     }
   });
@@ -880,11 +886,12 @@ void matmul_q8_tiles(const int8_t* xq, const float* dx, const float* xs, int64_t
 }
 
 // One activation row against K-quant rows (int8 sub-block scales, float16 super-block pairs, codes of
-// 4-6 bits): the sub-block scales multiply the integer pair sums inside madd (in place of its ones),
-// so that a super-block's products need one float scale (its d) instead of a float scale per block;
-// a row's scales need no expanding (Blocks::expand, a quarter of a row's time at one row). The offsets'
-// share (mins, and the center's -center * scale) is taken per super-block from the activations' block
-// sums xs. `lanes`: the row's activation scales (scale_lanes); `masks`: spread_masks<BS>().
+// 4-6 bits), the activations rounded with one scale per super-block (quantize_rows' span 256): the
+// sub-block scales multiply the integer pair sums inside madd (in place of its ones), so that a
+// super-block's sum stays an integer to its end and needs one float multiply-add (its d times the
+// activations' scale); a row's scales need no expanding (Blocks::expand, a quarter of a row's time at
+// one row). The offsets' share is integer too: the codes' center times the scales, and the mins, each a
+// madd against the activations' integer block sums xsum. `masks`: spread_masks<BS>().
 template <int BS>
 std::vector<__m256i> spread_masks() {  // pshufb masks: int16 element a in the low 128-bit lane, b in the high
   auto mask = [](int a, int b) {
@@ -899,8 +906,19 @@ std::vector<__m256i> spread_masks() {  // pshufb masks: int16 element a in the l
   return masks;
 }
 
+// A super-block's int8 values v (8 or 16 of them, one per block) against the activations' int16 block
+// sums: the products summed in pairs, as int32 lanes.
+template <int BS>
+inline __m256i block_sums_dot(const int8_t* v, const int16_t* sums) {
+  if (BS == 16)
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)));
+  return _mm256_zextsi128_si256(_mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))),
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums))));
+}
+
 template <int BITS, int BS>
-inline float row_dot_q8_super(const int8_t* xq, const __m256* lanes, const float* xs, int64_t K, const Blocks& w,
+inline float row_dot_q8_super(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t K, const Blocks& w,
                               int64_t n, const __m256i* masks) {
   constexpr int64_t kBlocks = kSuper / BS;
   const uint8_t* codes = w.codes + n * w.code_bytes;
@@ -908,14 +926,14 @@ inline float row_dot_q8_super(const int8_t* xq, const __m256* lanes, const float
   const int8_t* scales = w.scales8 + n * w.nb;
   const int8_t* mins = w.offsets8 ? w.offsets8 + n * w.nb : nullptr;
   const c10::Half* sup = w.supers + n * w.supers_per_row * 2;
-  const float center = static_cast<float>(w.center);
+  const __m256i center = _mm256_set1_epi32(static_cast<int>(w.center));
   __m256 acc = _mm256_setzero_ps(), share = _mm256_setzero_ps();
   for (int64_t q = 0; q < K / kSuper; ++q) {
     const int8_t* sc = scales + q * kBlocks;
     __m256i sv[2];  // the super-block's scales as int16, in both 128-bit lanes
     for (int h = 0; h < kBlocks / 8; ++h)
       sv[h] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
-    __m256 part = _mm256_setzero_ps();
+    __m256i isum = _mm256_setzero_si256();
     for (int k = 0; k < 4; ++k) {  // the super-block's four pairs of groups
       const int64_t g = q * 8 + 2 * k;
       if (k % 2 == 0) prefetch_ahead<BITS>(codes, high, g);
@@ -931,27 +949,34 @@ inline float row_dot_q8_super(const int8_t* xq, const __m256* lanes, const float
         sums = _mm256_add_epi32(
             _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_shuffle_epi8(sv[k / 2], masks[2 * (k % 2)])),
             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), _mm256_shuffle_epi8(sv[k / 2], masks[2 * (k % 2) + 1])));
-      part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lanes[g / 2], part);
+      isum = _mm256_add_epi32(isum, sums);
     }
-    const float d = to_float(sup[2 * q]), m = to_float(sup[2 * q + 1]);
-    acc = _mm256_fmadd_ps(part, _mm256_set1_ps(d), acc);
-    for (int h = 0; h < kBlocks / 8; ++h) {  // xs * (m * min - center * d * scale) over the blocks
-      const int64_t b = q * kBlocks + 8 * h;
-      const __m256 x = _mm256_loadu_ps(xs + b);
-      if (mins) share = _mm256_fmadd_ps(_mm256_mul_ps(scale_vec(mins + b), x), _mm256_set1_ps(m), share);
-      if (center != 0.f) share = _mm256_fmadd_ps(_mm256_mul_ps(scale_vec(scales + b), x), _mm256_set1_ps(-center * d), share);
-    }
+    const int16_t* bsum = xsum + q * kBlocks;
+    if (w.center) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(block_sums_dot<BS>(sc, bsum), center));
+    const float d = dx[q * 8];  // the super-block's activation scale (all its groups')
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * to_float(sup[2 * q])), acc);
+    if (mins)
+      share = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums_dot<BS>(mins + q * kBlocks, bsum)),
+                              _mm256_set1_ps(d * to_float(sup[2 * q + 1])), share);
   }
   return hsum(_mm256_add_ps(acc, share));
 }
 #endif
+
+// The values that share one activation scale: a K-quant's super-block where the one-row kernel is
+// row_dot_q8_super (int8 sub-block scales beside float16 supers), else a 32-value group. Every kernel
+// on such a weight rounds the activations alike, so that a token's result does not depend on its batch.
+inline int64_t activation_span(const Blocks& w) { return w.scales8 && w.supers ? kSuper : 32; }
 
 template <int BITS, int BS>
 void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out) {
   const int64_t M = x.size(0), K = w.K, N = w.N, nw = w.nb, groups = K / 32;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * groups), xs(M * nw);
-  quantize_rows<BS>(x.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
+  const bool super_rows = paired(BITS) && activation_span(w) == kSuper;  // row_dot_q8_super at one row
+  std::vector<int16_t> xsum(super_rows ? M * nw : 0);
+  quantize_rows<BS>(x.data_ptr<float>(), M, K, activation_span(w), xq.data(), dx.data(), xs.data(),
+                    super_rows ? xsum.data() : nullptr);
 #ifdef TM_SIMD
   if (paired(BITS)) interleave_pairs(xq.data(), M, K);
 #endif
@@ -959,13 +984,12 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
   // one activation row: its scales go into the weight scales once per weight row
   auto one_row = [&](int64_t i) {
 #ifdef TM_SIMD
-    if (paired(BITS) && w.scales8 && w.supers) {  // K-quants: no scales to expand (row_dot_q8_super)
-      const std::vector<__m256> lanes = scale_lanes(dx.data() + i * groups, 1, groups, true, (groups + 1) / 2);
+    if (super_rows) {  // K-quants: no scales to expand (row_dot_q8_super)
       const std::vector<__m256i> masks = spread_masks<BS>();
       return at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n)
-          outp[i * N + n] = row_dot_q8_super<BITS, BS>(xq.data() + i * K, lanes.data(), xs.data() + i * nw, K, w, n,
-                                                        masks.data());
+          outp[i * N + n] = row_dot_q8_super<BITS, BS>(xq.data() + i * K, dx.data() + i * groups, xsum.data() + i * nw,
+                                                        K, w, n, masks.data());
       });
     }
 #endif
@@ -1054,6 +1078,12 @@ class Blocks:
     def args(self) -> tuple:
         return (self.codes, self.high, self.scales, self.offsets, self.supers, self.bits, self.block, self.center)
 
+    @property
+    def activation_span(self) -> int:
+        """How many activation values `matmul_q8` rounds with one scale: a K-quant super-block (256) when
+        the sub-block scales are int8 beside float16 supers (llama.cpp's q8_K), else a 32-value group."""
+        return 256 if self.supers is not None and self.scales.dtype == torch.int8 else BLOCK
+
 
 def matmul(x: torch.Tensor, w: Blocks) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ dequantized weight [N, K].T -> [M, N]."""
@@ -1062,10 +1092,10 @@ def matmul(x: torch.Tensor, w: Blocks) -> torch.Tensor:
     return out
 
 
-def round_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] rounded as `matmul_q8` rounds it: to int8 codes per 32 values, scale max|x| / 127
-    (half to even), returned as floats."""
-    blocks = x.view(x.shape[0], -1, 32)
+def round_activations(x: torch.Tensor, span: int = BLOCK) -> torch.Tensor:
+    """x [M, K] rounded as `matmul_q8` rounds it: to int8 codes per `span` values (`Blocks.activation_span`),
+    scale max|x| / 127 (half to even), returned as floats."""
+    blocks = x.view(x.shape[0], -1, span)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return (torch.round(blocks * inverse) * d).view(x.shape)

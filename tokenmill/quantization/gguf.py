@@ -198,7 +198,8 @@ def runs_triton(x: torch.Tensor) -> bool:
 
 
 class BlockQuantLinearMethod(LinearMethod):
-    """`int8_activations`: the activations are rounded to int8 per 32 values; few-token steps then
+    """`int8_activations`: the activations are rounded to int8 per 32 values (per 256 for K-quants, as
+    llama.cpp does: `Blocks.activation_span`); few-token steps then
     multiply integers (`block_quant.matmul_q8`), larger ones run the float GEMM on the rounded values
     (so a token's result does not depend on the batch it is in). Otherwise float32 activations, exact."""
 
@@ -281,7 +282,7 @@ class BlockQuantLinearMethod(LinearMethod):
                 out = (flat.to(torch.bfloat16) @ weight.to(torch.bfloat16).t()).float()
             else:
                 if self.int8_activations:  # the kernel's rounding: a token's result does not depend on its batch
-                    flat = block_quant.round_activations(flat)
+                    flat = block_quant.round_activations(flat, w.activation_span)
                 out = flat @ weight.t()
         if bias is not None:
             out += bias
