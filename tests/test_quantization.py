@@ -74,13 +74,15 @@ def q8_reference(x: torch.Tensor, ref: torch.Tensor, span: int = 32) -> torch.Te
     return rounded @ ref.T
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("qtype", PACKED)
-def test_int8_activation_kernel_matches_its_torch_reference(qtype):
+def test_int8_activation_kernel_matches_its_torch_reference(qtype, wide):
     """gguf-q8's integer dot products equal the same rounding written in torch, on every layout
     (4-, 5-, 6- and 8-bit codes, blocks of 32 and of 16), held in about the file's own bits, and so
     does its large-batch GEMM path; both stay within ~1% of the exact product."""
     rng = np.random.default_rng(2)
-    cols = 512 if qtype.endswith("_K") else 480  # 15 groups of 32: pairs of groups, then one alone
+    # 15 groups of 32 (eight, then pairs and one alone) or 28 (eight at a time, then four); K-quants: 2 or 4 supers
+    cols = (1024 if wide else 512) if qtype.endswith("_K") else (896 if wide else 480)
     weight, ref = random_gguf_tensor(qtype, 80, cols, rng)
     layer = ReplicatedLinear(cols, 80, quant_config=GGUFConfig({"w.weight": qtype}, int8_activations=True), prefix="w")
     layer.weight_loader("weight", weight)
