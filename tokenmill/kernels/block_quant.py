@@ -964,8 +964,9 @@ inline float row_dot_q8_super(const int8_t* xq, const float* dx, const int16_t* 
 #endif
 
 #ifdef TM_SIMD
-// One activation row against a weight row of 4-5-bit codes (or e2m1 nibbles) with float16 scales, and
-// offsets or not, per 32 values and no super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, int4 on load): the scales
+// One activation row against a weight row of 4-, 5- or 8-bit codes (or e2m1 nibbles) with float16 scales,
+// and offsets or not, per 32 values and no super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, int4 / int8 on
+// load): the scales
 // are read and multiplied by the activations' eight at a time inside the row loop, and the offsets'
 // share (offset minus center times scale, times the activations' block sums xs) taken with them; no
 // expand pass over the row first (Blocks::expand: a quarter of the time of a row of 896 columns).
@@ -989,6 +990,14 @@ inline float row_dot_q8_half(const int8_t* xq, const float* dx, const float* xs,
     const __m256 lanes = _mm256_permutevar8x32_ps(sv, _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
     into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lanes, into);
   };
+  // one group g, its activations in natural order (8-bit codes, and a paired row's odd last group), i its lane in sv
+  auto group = [&](int64_t g, __m256 sv, int i, __m256& into) {
+    const __m256i w = unpack32<BITS>(codes, high, g);
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+    if (BITS == 8) x = _mm256_sign_epi8(x, w);  // the products are unsigned by signed: |w| times x of w's sign
+    const __m256i sums = dot4(BITS == 8 ? _mm256_sign_epi8(w, w) : w, x);
+    into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_permutevar8x32_ps(sv, _mm256_set1_epi32(i)), into);
+  };
   // the scales of groups g..g+7 times their activations' (and their offsets' share into `share`)
   auto scales8 = [&](const c10::Half* s8, const c10::Half* o8, const float* d8, const float* x8) {
     const __m256 c = scale_vec(s8);
@@ -998,12 +1007,19 @@ inline float row_dot_q8_half(const int8_t* xq, const float* dx, const float* xs,
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
     const __m256 sv = scales8(sc + g, of ? of + g : nullptr, dx + g, xs + g);
-    prefetch_ahead<BITS>(codes, high, g);
-    pair(g, sv, 0, acc0);
-    pair(g + 2, sv, 2, acc1);
-    prefetch_ahead<BITS>(codes, high, g + 4);
-    pair(g + 4, sv, 4, acc0);
-    pair(g + 6, sv, 6, acc1);
+    for (int i = 0; i < 8; i += 4) {  // 64 bytes of codes a prefetch
+      prefetch_ahead<BITS>(codes, high, g + i);
+      if (paired(BITS)) {
+        pair(g + i, sv, i, acc0);
+        pair(g + i + 2, sv, i + 2, acc1);
+      } else {
+        group(g + i, sv, i, acc0);
+        group(g + i + 1, sv, i + 1, acc1);
+        prefetch_ahead<BITS>(codes, high, g + i + 2);
+        group(g + i + 2, sv, i + 2, acc0);
+        group(g + i + 3, sv, i + 3, acc1);
+      }
+    }
   }
   if (g < groups) {  // the last eight groups' scales (rows have at least eight), those done masked off
     const int64_t base = groups - 8;
@@ -1013,12 +1029,9 @@ inline float row_dot_q8_half(const int8_t* xq, const float* dx, const float* xs,
     const __m256 o = of ? _mm256_and_ps(scale_vec(of + base), keep) : _mm256_setzero_ps();
     share = _mm256_fmadd_ps(_mm256_fmadd_ps(negc, c, o), _mm256_loadu_ps(xs + base), share);
     const __m256 sv = _mm256_mul_ps(c, _mm256_loadu_ps(dx + base));
-    for (; g + 2 <= groups; g += 2) pair(g, sv, static_cast<int>(g - base), acc0);
-    if (g < groups) {  // a row's odd last group, its activations in natural order
-      const __m256i sums = dot4(unpack32<BITS>(codes, high, g),
-                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32)));
-      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_permutevar8x32_ps(sv, _mm256_set1_epi32(7)), acc1);
-    }
+    if (paired(BITS))
+      for (; g + 2 <= groups; g += 2) pair(g, sv, static_cast<int>(g - base), acc0);
+    for (; g < groups; ++g) group(g, sv, static_cast<int>(g - base), acc1);
   }
   return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), share));
 }
@@ -1053,7 +1066,7 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
                                                         K, w, n, masks.data());
       });
     }
-    if (paired(BITS) && BS == 32 && w.scales && !w.supers && groups >= 8)  // float16 scales: row_dot_q8_half
+    if (BS == 32 && w.scales && !w.supers && groups >= 8)  // float16 scales: row_dot_q8_half
       return at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n)
           outp[i * N + n] = row_dot_q8_half<BITS>(xq.data() + i * K, dx.data() + i * groups, xs.data() + i * nw, K, w, n);
