@@ -9,7 +9,7 @@ Per configuration, in a fresh process: token perplexity on the corpus tokenmill 
 (`tokenmill eval perplexity`, --ppl-chunks chunks) and its delta vs float32; bytes of all weights
 held (parameters and buffers, shared ones once); KV bytes per token; single-stream decode tok/s after a
 256-token prompt; output tok/s of 16 concurrent requests of 200 prompt tokens x --out-tokens. `--write`
-puts the tables into BENCHMARKS.md between the quantization-table markers. `--only` runs the
+puts the tables into docs/benchmarks/quantization.md between the quantization-table markers. `--only` runs the
 configurations whose label contains one of its words; `--against REV` runs each configuration also on
 git revision REV (a worktree with its own kernel build), right after this tree's, and prints the
 speed ratios (this tree / REV).
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b", help="comma-separated model names")
     ap.add_argument("--ppl-chunks", type=int, default=12, help="corpus chunks (~2,000 characters) to score")
     ap.add_argument("--out-tokens", type=int, default=128, help="tokens per request in the 16-concurrent run")
-    ap.add_argument("--write", action="store_true", help="put the tables into BENCHMARKS.md")
+    ap.add_argument("--write", action="store_true", help="put the tables into docs/benchmarks/quantization.md")
     ap.add_argument("--only", default=None, help="comma-separated words: run only the configurations whose "
                     "weights or KV label contains one (e.g. int8,fp8)")
     ap.add_argument("--against", metavar="REV", default=None, help="also run every configuration on this git "
@@ -168,7 +168,7 @@ def main() -> None:
     if baseline is not None:
         subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=False)
     if args.write:
-        path = ROOT / "BENCHMARKS.md"
+        path = ROOT / "docs" / "benchmarks" / "quantization.md"
         doc = path.read_text()
         if BEGIN in doc:
             doc = doc[: doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
