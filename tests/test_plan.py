@@ -22,7 +22,8 @@ _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
              max_position_embeddings=1024)
 CONFIGS = {
     "llama-gqa": (transformers.LlamaConfig, "LlamaForCausalLM", dict(num_key_value_heads=2)),
-    "mistral-window": (transformers.MistralConfig, "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=24)),
+    "mistral-window": (transformers.MistralConfig, "MistralForCausalLM",
+                       dict(num_key_value_heads=2, sliding_window=24)),
     "gemma3": (transformers.Gemma3TextConfig, "Gemma3ForCausalLM", dict(
         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=3,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
@@ -91,7 +92,7 @@ def test_llama_weight_bytes_and_roofline_by_hand():
     assert (facts.linear, facts.head, facts.embedding, facts.other) == (linear, 256 * 64, 256 * 64, 2 * 2 * 64 + 64)
     held, read, _ = facts.weight_bytes("float32")
     assert held == 4 * (linear + 2 * 256 * 64 + 320) and read == 4 * (linear + 256 * 64 + 320)
-    held4, read4, _ = facts.weight_bytes("int4")
+    _, read4, _ = facts.weight_bytes("int4")
     assert read4 == linear * 5 / 8 + 256 * 64 * 8.5 / 8 + 320 * 2
     hw = Hardware("t", "cpu", 1e9, 1e9, {"float32": 2e9})
     context = 64

@@ -20,6 +20,8 @@ def add_plan_parser(sub) -> None:
     plan.add_argument("--hardware", default="auto",
                       help=f"auto (this machine, measured once and cached) or one of {', '.join(HARDWARE)} "
                            "(default: %(default)s)")
+    plan.add_argument("--remeasure", action="store_true",
+                      help="with --hardware auto: measure this machine again (run it when the machine is idle)")
     plan.add_argument("--context", type=int, default=4096, help="tokens per sequence (default: %(default)s)")
     plan.add_argument("--concurrency", type=int, default=1, help="sequences decoding together (default: %(default)s)")
     plan.add_argument("--kv-cache-dtype", default="float16", choices=[k for k in KV_DTYPE_BYTES if k != "bfloat16"],
@@ -39,8 +41,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
     memory = None if args.memory_gib is None else args.memory_gib * 2**30
-    plan = build_plan(model_facts(args.model), resolve_hardware(args.hardware), args.context, args.concurrency,
-                      args.kv_cache_dtype, memory)
+    hardware = resolve_hardware(args.hardware, args.remeasure)
+    plan = build_plan(model_facts(args.model), hardware, args.context, args.concurrency, args.kv_cache_dtype, memory)
     if args.json:
         print(json.dumps(plan, indent=1))
     else:
@@ -53,11 +55,13 @@ def render(p: dict) -> None:
 
     console = Console()
     m, hw = p["model"], p["hardware"]
-    params = f"{_n(m['total_params'])} parameters" + (
-        f", {_n(m['active_params'])} active ({m['experts_per_token']} of {m['experts']} experts)" if m["experts"] else "")
+    params = f"{_n(m['total_params'])} parameters"
+    if m["experts"]:
+        params += f", {_n(m['active_params'])} active ({m['experts_per_token']} of {m['experts']} experts)"
+    rates = ", ".join(f"{k} {v / 1e12:,.3g} TFLOP/s" for k, v in hw["flops"].items())
     console.print(f"[bold]{m['name']}[/] ({m['architecture']}, {params}, {m['weights']}) on [bold]{hw['name']}[/]: "
                   f"{hw['memory_bytes'] / 1e9:.0f} GB at {hw['bandwidth'] / 1e9:,.0f} GB/s, "
-                  + ", ".join(f"{k} {v / 1e12:,.3g} TFLOP/s" for k, v in hw["flops"].items()) + f"  [dim]({hw['source']})[/]")
+                  f"{rates}  [dim]({hw['source']})[/]")
     console.print(f"context {p['context']}, concurrency {p['concurrency']}, KV {p['kv_dtype']}, "
                   f"{p['memory_for_model'] / 1e9:.1f} GB for weights + KV; the longest context one sequence fits: "
                   f"{p['max_context_one_sequence']:,} (model: {m['max_context']:,})")

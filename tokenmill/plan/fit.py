@@ -3,7 +3,11 @@ engine sizes it (`make_kv_cache_config`), for `serve --max-model-len auto`."""
 
 from __future__ import annotations
 
-from tokenmill.attention.kv_spec import AttentionSpec, make_kv_cache_config, window_pool_blocks
+from tokenmill.attention.kv_spec import (
+    AttentionSpec,
+    make_kv_cache_config,
+    window_pool_blocks,
+)
 from tokenmill.config import CacheConfig
 
 

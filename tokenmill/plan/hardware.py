@@ -81,19 +81,20 @@ def cache_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "tokenmill" / "hardware.json"
 
 
-def resolve_hardware(name: str) -> Hardware:
-    """A table entry (`h100`, `m4-max`, ...) or `auto`: this machine, measured once and cached."""
+def resolve_hardware(name: str, remeasure: bool = False) -> Hardware:
+    """A table entry (`h100`, `m4-max`, ...) or `auto`: this machine, measured once and cached
+    (`remeasure`: measured again, e.g. after a run on a busy machine)."""
     if name == "auto":
-        return this_machine()
+        return this_machine(remeasure)
     key = name.lower().replace("_", "-")
     if key not in HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; known: auto, {', '.join(HARDWARE)}")
     return HARDWARE[key]
 
 
-def this_machine() -> Hardware:
+def this_machine(remeasure: bool = False) -> Hardware:
     path = cache_path()
-    if path.is_file():
+    if path.is_file() and not remeasure:
         try:
             return Hardware(**json.loads(path.read_text()))
         except (json.JSONDecodeError, TypeError) as e:
@@ -105,29 +106,41 @@ def this_machine() -> Hardware:
 
 
 def measure(threads: int = 2) -> Hardware:
-    """This machine, with `threads` torch threads (a few seconds): bandwidth from copying a 256 MiB
-    tensor (read + write bytes over the best of 5 copies), float32 matmul rate from a 1024^3 GEMM and,
-    where torch has a CPU int8 matmul (`torch._int_mm`), its rate too; memory from the OS."""
+    """This machine, with `threads` torch threads (a few seconds): bandwidth from summing a 256 MiB
+    tensor (a read stream, as a decode step reads its weights; the best of 5 passes), the float32 rate
+    of a 1024^3 torch GEMM and the int8 rate of the engine's own block kernel (`matmul_q8` on 8-bit
+    blocks, 64 rows: what prefill runs on quantized weights) where it is built; memory from the OS."""
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         src = torch.ones(64 * 2**20)
-        dst = torch.empty_like(src)
-        bandwidth = 2 * src.nbytes / _best(lambda: dst.copy_(src))
+        bandwidth = src.nbytes / _best(src.sum)
         a = torch.randn(1024, 1024)
         flops = {"float32": 2 * 1024**3 / _best(lambda: a @ a)}
-        try:
-            q = torch.randint(-64, 64, (1024, 1024), dtype=torch.int8)
-            flops["int8"] = 2 * 1024**3 / _best(lambda: torch._int_mm(q, q))
-        except (RuntimeError, AttributeError, NotImplementedError):
-            pass
+        int8 = _block_kernel_rate(torch)
+        if int8:
+            flops["int8"] = int8
     finally:
         torch.set_num_threads(previous)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware("this machine", "cpu", float(memory), bandwidth, flops,
                     f"measured {time.strftime('%Y-%m-%d')} with {threads} threads (cached in {cache_path()})")
+
+
+def _block_kernel_rate(torch) -> float | None:
+    """int8-activation multiply-adds of the engine's block kernel on a 1024 x 1024 Q8_0-like weight, as
+    FLOP/s (None without the compiled kernels)."""
+    from tokenmill.kernels import block_quant
+
+    if block_quant.load() is None:
+        return None
+    n = k = 1024
+    w = block_quant.Blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8), None,
+                           torch.full((n, k // 32), 0.01, dtype=torch.float16), None, None, 8, 0)
+    x = torch.randn(64, k)
+    return 2 * 64 * n * k / _best(lambda: block_quant.matmul_q8(x, w))
 
 
 def _best(fn, repeats: int = 5) -> float:

@@ -65,7 +65,7 @@ class ModelFacts:
     experts_per_token: int
     layers: list[LayerKV]
     max_context: int
-    file_format: str | None = None  # the checkpoint's own: "gguf Q4_1" (its main tensor type), "bfloat16"
+    file_format: str | None = None  # the checkpoint's own: "gguf Q4_K_M", "bfloat16"
     file_bytes: int | None = None  # what its weight tensors take
     file_read_bytes: int | None = None  # of those, what a batch-1 decode step reads
     file_expert_bytes: int = 0  # of those, the routed experts'
@@ -115,7 +115,8 @@ class ModelFacts:
         experts = self.experts * bits / 8
         head = self.head * head_bits / 8
         shared_head = self.tied and head_bits == plain
-        held = self.linear * bits / 8 + experts + head + (self.other + (0 if shared_head else self.embedding)) * plain / 8
+        plain_params = self.other + (0 if shared_head else self.embedding)
+        held = self.linear * bits / 8 + experts + head + plain_params * plain / 8
         read = self.linear * bits / 8 + head + self.other * plain / 8
         return held, read, experts
 
@@ -130,7 +131,7 @@ def model_facts(model: str | None) -> ModelFacts:
     ckpt = open_checkpoint(source)
     facts = facts_from_config(ckpt.config, source.name)
     if source.kind == "gguf":
-        _add_gguf_sizes(facts, ckpt.reader.tensors)
+        _add_gguf_sizes(facts, ckpt.reader.tensors, ckpt.reader.fields.get("general.file_type"))
     else:
         _add_safetensors_sizes(facts, ckpt.files, ckpt.config.torch_dtype, getattr(ckpt, "quant_method", None))
     return facts
@@ -169,9 +170,12 @@ def facts_from_config(config, name: str) -> ModelFacts:
                       max_context=config.max_position_embeddings, **counts)
 
 
-def _add_gguf_sizes(facts: ModelFacts, tensors) -> None:
+def _add_gguf_sizes(facts: ModelFacts, tensors, file_type: int | None) -> None:
     """The file's own blocks: every tensor's bytes; a step reads all but the embedding table (unless
-    it is also the head) and the unused experts."""
+    it is also the head) and the unused experts. Named by the file's `general.file_type` (a mix such as
+    Q4_K_M), else by the tensor type holding most bytes."""
+    from gguf import LlamaFileType
+
     held = read = experts = 0
     types: dict[str, int] = {}
     for t in tensors:
@@ -182,7 +186,11 @@ def _add_gguf_sizes(facts: ModelFacts, tensors) -> None:
             experts += size
         elif t.name != "token_embd.weight" or facts.tied:
             read += size
-    facts.file_format = f"gguf {max(types, key=types.get)}"  # the type holding most bytes
+    try:
+        name = LlamaFileType(file_type).name.removeprefix("MOSTLY_")
+    except ValueError:
+        name = max(types, key=types.get)
+    facts.file_format = f"gguf {name}"
     facts.file_bytes, facts.file_read_bytes, facts.file_expert_bytes = held, read, experts
 
 

@@ -31,38 +31,41 @@ def build_plan(facts: ModelFacts, hw: Hardware, context: int, concurrency: int, 
         if f == "file" and facts.file_bytes is None:
             continue
         held = facts.weight_bytes(f)[0]
-        weights.append(dict(format=facts.file_format if f == "file" else f, key=f, bytes=held,
-                            bits_per_weight=8 * held / facts.total_params, fits=held <= memory,
-                            sequences_that_fit=rl.sequences_that_fit(facts, f, kv_dtype, n, memory),
-                            decode_batch1_tokens_per_s=decode(f, batch=1).tokens_per_s,
-                            decode_tokens_per_s=decode(f).tokens_per_s,
-                            prefill_tokens_per_s=rl.prefill(facts, hw, f, n).tokens_per_s))
-    kv = [dict(dtype=d, bytes_per_token=facts.kv_bytes_per_token(d), bytes_per_sequence=facts.kv_bytes_per_sequence(n, d),
-               sequences_that_fit=rl.sequences_that_fit(facts, fmt, d, n, memory),
-               decode_tokens_per_s=decode(kv=d).tokens_per_s) for d in KV_DTYPES]
-    batches = sorted({*rl.BATCHES, c})
-    plan = dict(
-        model=dict(name=facts.name, architecture=facts.architecture, total_params=facts.total_params,
-                   active_params=facts.active_params, weights=facts.file_format or "float16 (config only)",
-                   layers=len(facts.layers), window_layers=sum(layer.window is not None for layer in facts.layers),
-                   latent_kv=any(layer.tensors == 1 for layer in facts.layers), experts=facts.num_experts,
-                   experts_per_token=facts.experts_per_token, max_context=facts.max_context),
-        hardware=asdict(hw), memory_for_model=memory, context=n, concurrency=c, weight_format=fmt, kv_dtype=kv_dtype,
-        compute=hw.compute_rate(fmt)[0],
-        weights=weights, kv=kv,
-        decode=[dict(batch=b, **asdict(decode(batch=b))) for b in batches],
-        prefill=asdict(rl.prefill(facts, hw, fmt, n)),
-        crossover_batch=rl.crossover_batch(facts, hw, fmt, kv_dtype, n),
-        max_context_one_sequence=rl.max_context_that_fits(facts, fmt, kv_dtype, memory),
-        speculative=[dict(acceptance=a, drafts=k, tokens_per_step=rl.expected_tokens_per_verify(a, k),
-                          speedup_batch1=rl.speculative_speedup(facts, hw, fmt, kv_dtype, n, a, k),
-                          speedup=rl.speculative_speedup(facts, hw, fmt, kv_dtype, n, a, k, batch=c))
-                     for a, k in SPECULATIVE],
-        tensor_parallel=[dict(devices=t, decode_batch1_tokens_per_s=decode(batch=1, devices=t).tokens_per_s,
-                              decode_tokens_per_s=decode(devices=t).tokens_per_s,
-                              sequences_that_fit=rl.sequences_that_fit(facts, fmt, kv_dtype, n, memory, t))
-                         for t in TENSOR_PARALLEL],
-    )
+        weights.append({
+            "format": facts.file_format if f == "file" else f, "key": f, "bytes": held,
+            "bits_per_weight": 8 * held / facts.total_params, "fits": held <= memory,
+            "sequences_that_fit": rl.sequences_that_fit(facts, f, kv_dtype, n, memory),
+            "decode_batch1_tokens_per_s": decode(f, batch=1).tokens_per_s,
+            "decode_tokens_per_s": decode(f).tokens_per_s,
+            "prefill_tokens_per_s": rl.prefill(facts, hw, f, n).tokens_per_s,
+        })
+    kv = [{"dtype": d, "bytes_per_token": facts.kv_bytes_per_token(d),
+           "bytes_per_sequence": facts.kv_bytes_per_sequence(n, d),
+           "sequences_that_fit": rl.sequences_that_fit(facts, fmt, d, n, memory),
+           "decode_tokens_per_s": decode(kv=d).tokens_per_s} for d in KV_DTYPES]
+    layers = facts.layers
+    plan = {
+        "model": {"name": facts.name, "architecture": facts.architecture, "total_params": facts.total_params,
+                  "active_params": facts.active_params, "weights": facts.file_format or "float16 (config only)",
+                  "layers": len(layers), "window_layers": sum(layer.window is not None for layer in layers),
+                  "latent_kv": any(layer.tensors == 1 for layer in layers), "experts": facts.num_experts,
+                  "experts_per_token": facts.experts_per_token, "max_context": facts.max_context},
+        "hardware": asdict(hw), "memory_for_model": memory, "context": n, "concurrency": c,
+        "weight_format": fmt, "kv_dtype": kv_dtype, "compute": hw.compute_rate(fmt)[0],
+        "weights": weights, "kv": kv,
+        "decode": [{"batch": b, **asdict(decode(batch=b))} for b in sorted({*rl.BATCHES, c})],
+        "prefill": asdict(rl.prefill(facts, hw, fmt, n)),
+        "crossover_batch": rl.crossover_batch(facts, hw, fmt, kv_dtype, n),
+        "max_context_one_sequence": rl.max_context_that_fits(facts, fmt, kv_dtype, memory),
+        "speculative": [{"acceptance": a, "drafts": k, "tokens_per_step": rl.expected_tokens_per_verify(a, k),
+                         "speedup_batch1": rl.speculative_speedup(facts, hw, fmt, kv_dtype, n, a, k),
+                         "speedup": rl.speculative_speedup(facts, hw, fmt, kv_dtype, n, a, k, batch=c)}
+                        for a, k in SPECULATIVE],
+        "tensor_parallel": [{"devices": t, "decode_batch1_tokens_per_s": decode(batch=1, devices=t).tokens_per_s,
+                             "decode_tokens_per_s": decode(devices=t).tokens_per_s,
+                             "sequences_that_fit": rl.sequences_that_fit(facts, fmt, kv_dtype, n, memory, t)}
+                            for t in TENSOR_PARALLEL],
+    }
     plan["recommendations"] = recommendations(plan)
     return plan
 

@@ -49,7 +49,7 @@ def decode_step(facts: ModelFacts, hw: Hardware, fmt: str, kv_dtype: str, batch:
 
 def prefill(facts: ModelFacts, hw: Hardware, fmt: str, tokens: int) -> Step:
     """A prompt of `tokens` in one pass: attention over the causal half of the prompt on average."""
-    held, read, experts = facts.weight_bytes(fmt)
+    _held, read, experts = facts.weight_bytes(fmt)
     flops = tokens * (2 * facts.active_matmul_params + facts.attention_flops(tokens) / 2)
     return _step(read + experts * facts.expert_fraction(tokens), flops, tokens, hw, hw.compute_rate(fmt)[1])
 
