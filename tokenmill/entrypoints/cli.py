@@ -159,10 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
-    """`serve`, `router`, `disagg-proxy`, `bench`, `eval` and `train-draft-head` live in their own packages."""
+    """`serve`, `router`, `disagg-proxy`, `bench`, `eval`, `plan` and `train-draft-head` live in their own packages."""
     from tokenmill.bench.cli import add_bench_parser
     from tokenmill.eval.cli import add_eval_parser
     from tokenmill.kv_transfer.cli import add_proxy_parser
+    from tokenmill.plan.cli import add_plan_parser
     from tokenmill.router.cli import add_router_parser
     from tokenmill.server.cli import add_serve_parser
     from tokenmill.spec_decode.train_head import add_train_head_parser
@@ -172,6 +173,7 @@ def _add_optional_commands(sub) -> None:
     add_proxy_parser(sub)
     add_bench_parser(sub)
     add_eval_parser(sub)
+    add_plan_parser(sub)
     add_train_head_parser(sub)
 
 
