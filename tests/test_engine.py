@@ -197,6 +197,6 @@ def test_a_rejection_names_its_field_and_kind(tiny):
     # min_tokens beyond the room the context leaves (max_tokens unset: the engine fills it in)
     short = make_core(directory, num_blocks=8, loaded=loaded, max_model_len=64)
     with pytest.raises(RequestRejected, match=r"min_tokens must be <= max_tokens \(4\), got 20") as e:
-        short.add_request(EngineCoreRequest("min", [1] * 60, SamplingParams(min_tokens=20)))
+        short.add_request(EngineCoreRequest("min", [1] * 60, SamplingParams(max_tokens=None, min_tokens=20)))
     assert (e.value.param, e.value.code) == ("min_tokens", "invalid_value")
     assert not core.has_unfinished() and not short.has_unfinished()
