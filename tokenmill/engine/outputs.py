@@ -19,8 +19,8 @@ TokenLogprobs = dict[int, Logprob]  # the sampled token and the top-N, by token 
 
 @dataclass
 class ModelRunnerOutput:
-    """Per request that sampled this step: its new token ids (one today; several once speculative
-    tokens are verified) and, if it asked, their logprobs. Requests in the middle of a prompt have
+    """Per request that sampled this step: its new token ids (one, or the accepted drafts and one more
+    when it verified speculative tokens) and, if it asked, their logprobs. Requests in the middle of a prompt have
     no entry there, but their prompt logprobs for this chunk if they asked."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
