@@ -123,7 +123,7 @@ def test_engines_decode_from_transferred_kv_as_one_engine_would(random_model, co
     assert tokens == [] and "never-sent" in error
     for core in (producer, consumer):
         assert core.kv.num_free_blocks == core.kv.num_blocks
-        core.kv_transfer.close()
+        core.executor.kv_connector.close()
 
 
 def test_a_plain_engine_refuses_a_transfer(random_model):

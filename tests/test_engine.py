@@ -180,3 +180,23 @@ def test_requests_that_can_never_fit_are_rejected(tiny):
     while core.has_unfinished():
         core.step()
     assert_pool_whole(core)
+
+
+def test_a_rejection_names_its_field_and_kind(tiny):
+    """The front end maps a rejection to its HTTP error by these fields, never by the message's text."""
+    directory, _, loaded = tiny
+    core = make_core(directory, num_blocks=8, loaded=loaded, max_model_len=512)
+    cases = [(EngineCoreRequest("long", [1] * 500, SamplingParams(max_tokens=20)), "prompt", "context_length_exceeded"),
+             (EngineCoreRequest("big", [1] * 100, SamplingParams(max_tokens=100)), "prompt", "context_length_exceeded"),
+             (EngineCoreRequest("oov", [1, 99999], SamplingParams()), "prompt", "invalid_value"),
+             (EngineCoreRequest("bias", [1], SamplingParams(logit_bias={99999: 1.0})), "logit_bias", "invalid_value")]
+    for request, param, code in cases:
+        with pytest.raises(RequestRejected) as e:
+            core.add_request(request)
+        assert (e.value.param, e.value.code) == (param, code), (request.request_id, str(e.value))
+    # min_tokens beyond the room the context leaves (max_tokens unset: the engine fills it in)
+    short = make_core(directory, num_blocks=8, loaded=loaded, max_model_len=64)
+    with pytest.raises(RequestRejected, match=r"min_tokens must be <= max_tokens \(4\), got 20") as e:
+        short.add_request(EngineCoreRequest("min", [1] * 60, SamplingParams(max_tokens=None, min_tokens=20)))
+    assert (e.value.param, e.value.code) == ("min_tokens", "invalid_value")
+    assert not core.has_unfinished() and not short.has_unfinished()

@@ -15,6 +15,7 @@ from helpers import make_core, make_tiny_model, run_core
 
 from tokenmill.config import EngineConfig, ParallelConfig
 from tokenmill.executor import PipelineExecutor
+from tokenmill.kv_transfer.config import KVTransferConfig
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
@@ -144,6 +145,17 @@ def test_layouts_that_do_not_fit_the_model_are_refused_before_workers_start(tiny
     config = EngineConfig(model=tiny, parallel=ParallelConfig(**layout))
     with pytest.raises(ValueError, match=message):
         PipelineExecutor(config)
+
+
+def test_kv_transfer_with_a_pipeline_is_refused_before_workers_start(tiny):
+    """Each stage holds only its own layers' KV cache, so a transfer cannot move a prompt's KV from one
+    process. Before this refusal, a pipelined producer finished its requests without sending their KV
+    and a pipelined consumer never admitted the requests it held: they waited forever."""
+    for role in ("producer", "consumer"):
+        config = EngineConfig(model=tiny, parallel=ParallelConfig(pipeline_parallel_size=2),
+                              kv_transfer=KVTransferConfig(role, "SharedMemoryConnector"))
+        with pytest.raises(ValueError, match="--kv-role does not run with --pipeline-parallel-size > 1"):
+            PipelineExecutor(config)
 
 
 def test_bad_options_are_refused_naming_them():

@@ -162,7 +162,7 @@ class FakeCore:
         return bool(self.pending)
 
     def step(self):
-        outs = [EngineCoreOutput(r, [7], 1.0, "length") for r in self.pending]
+        outs = [EngineCoreOutput(request_id=r, new_token_ids=[7], timestamp=1.0, finish_reason="length") for r in self.pending]
         self.pending = []
         return outs
 

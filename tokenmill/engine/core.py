@@ -1,6 +1,7 @@
-"""Engine core: the step loop. Each step is the step contract — `Scheduler.schedule()`, then
-`Executor.execute()` (forward pass and sampling on the workers), then
-`Scheduler.update_from_output()` — plus turning the result into `EngineCoreOutput`s.
+"""Engine core: the step loop. Each step is the step contract — `Scheduler.schedule()`, then the
+executor (forward pass and sampling on the workers), then `Scheduler.update_from_output()` — plus
+turning the result into `EngineCoreOutput`s. One loop serves every executor: steps go through a batch
+queue as long as the executor runs steps at once (1 without a pipeline, P for a pipeline of P stages).
 
 It works on token ids only; text (detokenization, stop strings) is the output processor's job, so
 the core can run in its own process with the HTTP front end elsewhere.
@@ -27,6 +28,7 @@ from tokenmill.engine.request import SPEC_PRIOR, EngineCoreRequest, Request, Req
 from tokenmill.engine.scheduler import RequestUpdate, Scheduler
 from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from tokenmill.executor import Executor
+from tokenmill.kv_transfer.base import KVConnectorOutput, check_supported, scheduler_connector
 from tokenmill.spec_decode import Proposer, RunnerDrafts, draft_length, eligible
 from tokenmill.spec_decode.ngram import NgramProposer
 
@@ -59,11 +61,12 @@ class EngineStats:
 
 class RequestRejected(ValueError):
     """A request that can never run (too long for the context or the KV pool, bad ids, ...);
-    `param` names the request field at fault."""
+    `param` names the request field at fault, `code` the kind of fault (OpenAI's error codes:
+    "context_length_exceeded" for a request too long for the context or the KV pool, else "invalid_value")."""
 
-    def __init__(self, message: str, param: str = "prompt") -> None:
+    def __init__(self, message: str, param: str = "prompt", code: str = "invalid_value") -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class EngineCore:
@@ -78,15 +81,18 @@ class EngineCore:
         self.model_config = executor.model_config
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        check_supported(config)  # before the executor builds the KV connector's worker half
         self.kv_cache_config = executor.initialize_kv_cache()
         kv_config = self.kv_cache_config
         self.kv = KVCacheCoordinator([  # one manager per pool: windowed pools return blocks as they leave the window
             KVCacheManager(blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                            HASH_FUNCTIONS[config.cache.prefix_cache_hash], window)
             for blocks, window in zip(kv_config.pool_blocks, kv_config.pool_windows)])
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        # a pipeline's steps in flight, oldest first (None: one step at a time)
-        self.batch_queue: deque[SchedulerOutput] | None = deque() if executor.max_concurrent_batches > 1 else None
+        # disaggregated prefill/decode (later: KV-cache tiers): the scheduler half of the KV connector
+        self.kv_connector = scheduler_connector(config, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.kv_connector)
+        # steps submitted and not collected yet, oldest first, with when each was submitted
+        self.batch_queue: deque[tuple[SchedulerOutput, float]] = deque()
         self.requests: dict[str, Request] = {}
         self.last_schedule: SchedulerOutput | None = None  # what the latest step ran (stats, tests)
         self._tokenizer_data = tokenizer_data
@@ -97,11 +103,6 @@ class EngineCore:
         if spec is not None:
             self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram"
                              else RunnerDrafts())
-        self.kv_transfer = None  # disaggregated prefill/decode: this engine's side (tokenmill.kv_transfer.engine)
-        if config.kv_transfer is not None:
-            from tokenmill.kv_transfer.engine import KVTransfer
-
-            self.kv_transfer = KVTransfer(config.kv_transfer, self)
 
     @property
     def structured(self):
@@ -141,22 +142,20 @@ class EngineCore:
         if total > self.max_model_len:
             raise RequestRejected(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} exceeds the maximum "
-                f"context length of {self.max_model_len} tokens"
-            )
+                f"context length of {self.max_model_len} tokens", "prompt", "context_length_exceeded")
         if total > self.capacity_tokens:
             raise RequestRejected(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} tokens does not fit in the "
-                f"KV cache ({self.capacity_tokens} tokens); raise --kv-cache-memory or lower max_tokens"
-            )
-        try:
-            params = dataclasses.replace(params, max_tokens=max_tokens)
-        except ValueError as e:  # e.g. min_tokens beyond the room left in the context
-            raise RequestRejected(str(e), str(e).split(" ", 1)[0]) from None
+                f"KV cache ({self.capacity_tokens} tokens); raise --kv-cache-memory or lower max_tokens",
+                "prompt", "context_length_exceeded")
+        if params.min_tokens > max_tokens:  # the room left in the context is less than min_tokens
+            raise RequestRejected(f"min_tokens must be <= max_tokens ({max_tokens}), got {params.min_tokens!r}",
+                                  "min_tokens")
+        params = dataclasses.replace(params, max_tokens=max_tokens)
         if params.kv_transfer_id is not None:
-            if self.kv_transfer is None:
+            if self.kv_connector is None:
                 raise RequestRejected("kv_transfer_params needs a server started with --kv-role", "kv_transfer_params")
-            if self.kv_transfer.config.is_producer:
-                params = self.kv_transfer.prefill_only(params)
+            params = self.kv_connector.prepare(params)
         request = Request(core_request, params, self.eos_token_ids)
         budget = params.reasoning.budget if params.reasoning is not None else None
         if params.structured_output is not None or budget is not None:
@@ -176,10 +175,9 @@ class EngineCore:
             self._schedule(request)
 
     def _schedule(self, request: Request) -> None:
-        """Hand a request to the scheduler — on a consumer of disaggregated prefill, once its KV is in."""
-        if self.kv_transfer is not None and self.kv_transfer.receives(request):
-            self.kv_transfer.start_receiving(request)  # scheduled by KVTransfer.admit_received
-        else:
+        """Hand a request to the scheduler — one the KV connector holds (a consumer of disaggregated
+        prefill), once its KV is in (see `_connector_output`)."""
+        if self.kv_connector is None or not self.kv_connector.hold(request):
             self.scheduler.add(request)
 
     def _start(self, request: Request) -> EngineCoreOutput | None:
@@ -191,8 +189,9 @@ class EngineCore:
         logger.warning("request %s: %s", request.request_id, error)
         request.status = RequestStatus.FINISHED_ABORTED
         del self.requests[request.request_id]
-        return EngineCoreOutput(request.request_id, [], time.monotonic(), "abort", arrival_time=request.times.arrival,
-                                error=error, error_param="structured_output")
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], timestamp=time.monotonic(),
+                                finish_reason="abort", arrival_time=request.times.arrival, error=error,
+                                error_param="structured_output")
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Move requests whose grammar finished compiling to the scheduler (never blocks)."""
@@ -216,14 +215,14 @@ class EngineCore:
             if request in self.compiling:
                 self.compiling.remove(request)
                 request.status = RequestStatus.FINISHED_ABORTED
-            elif self.kv_transfer is not None and self.kv_transfer.abort(rid):
-                request.status = RequestStatus.FINISHED_ABORTED
+            elif self.kv_connector is not None and self.kv_connector.request_finished(request):
+                request.status = RequestStatus.FINISHED_ABORTED  # it was held: never reached the scheduler
             else:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self.compiling) or bool(self.batch_queue)
-                or (self.kv_transfer is not None and bool(self.kv_transfer.receiving)))
+                or (self.kv_connector is not None and self.kv_connector.has_held()))
 
     def stats(self) -> EngineStats:
         stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting) + len(self.compiling),
@@ -234,8 +233,8 @@ class EngineCore:
         stats.spec_accepted_tokens, stats.spec_accepted_per_position = spec.num_accepted_tokens, list(
             spec.accepted_per_position)
         stats.spec_draft_seconds, stats.spec_verify_seconds = spec.draft_seconds, spec.verify_seconds
-        if self.kv_transfer is not None:
-            t = self.kv_transfer.stats
+        if self.kv_connector is not None:
+            t = self.kv_connector.stats
             stats.kv_transfers, stats.kv_transfer_bytes, stats.kv_transfer_seconds = t.num_transfers, t.num_bytes, t.seconds
         if self._structured is not None:
             c = self._structured.compiler.stats
@@ -250,77 +249,61 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.batch_queue is not None:
-            return self._step_pipelined()
-        failed = self._admit_compiled() if self.compiling else []
-        if self.kv_transfer is not None and self.kv_transfer.receiving:
-            failed += [self._fail(rid, error) for rid, error in self.kv_transfer.admit_received()]
-        sched = self.last_schedule = self.scheduler.schedule()
-        if not sched.num_scheduled_tokens:
-            if sched.finished_request_ids:  # nothing to run, but the runner still drops their state
-                self.executor.execute(sched)
-            if self.compiling and not failed:  # nothing to run but grammars compiling: wait a little
-                wait_futures([r.structured.future for r in self.compiling], timeout=0.01,
-                             return_when=FIRST_COMPLETED)
-            if self.kv_transfer is not None and not failed:  # or KV on its way
-                self.kv_transfer.wait(0.01)
-            return failed
-        failed += self._attach_grammar(sched)
-        if isinstance(self.proposer, RunnerDrafts):
-            sched.draft_lengths = self._wanted_drafts(sched)
-        start = time.perf_counter()
-        try:
-            output = self.executor.execute(sched)
-        except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
-            logger.exception("a step of %d requests failed; finishing them with an error",
-                             len(sched.num_scheduled_tokens))
-            return failed + [self._fail(rid, "the engine failed while running this request")
-                             for rid in list(sched.num_scheduled_tokens)]
-        if sched.spec_token_ids:  # a step that verified drafts (and ran whatever else was scheduled)
-            self.scheduler.spec_stats.verify_seconds += time.perf_counter() - start - output.draft_seconds
-        if self.kv_transfer is not None and self.kv_transfer.config.is_producer:
-            self.kv_transfer.send_prefilled(sched)  # before their blocks return to the pool
-        updates = self.scheduler.update_from_output(sched, output)
-        if self.proposer is not None:
-            self._propose(output)
-        return failed + [self._output(u) for u in updates]
-
-    def _step_pipelined(self) -> list[EngineCoreOutput]:
-        """A step with several in flight (a pipeline, vLLM's batch queue): while the queue has room,
-        schedule the requests that are not in flight and submit them; when it is full or there is
-        nothing new to run, take the oldest step's output. Returns what that step produced."""
-        failed = self._admit_compiled() if self.compiling else []
-        queue, scheduler = self.batch_queue, self.scheduler
+        """One turn of the step loop (vLLM's step with a batch queue): while the queue has room, schedule
+        the requests not in flight and submit them; when it is full, or nothing new can run, take the
+        oldest step's output. Without a pipeline the queue holds one step, so each turn runs one step.
+        Returns what this turn produced, per request."""
+        outputs = self._admit_compiled() if self.compiling else []
+        queue = self.batch_queue
         if len(queue) < self.executor.max_concurrent_batches:
-            sched = self.last_schedule = scheduler.schedule()
-            if sched.num_scheduled_tokens or sched.finished_request_ids:
-                failed += self._attach_grammar(sched)
+            sched = self.last_schedule = self.scheduler.schedule()
+            if sched.num_scheduled_tokens or sched.finished_request_ids or sched.kv_connector_metadata is not None:
+                outputs += self._attach_grammar(sched)
+                if isinstance(self.proposer, RunnerDrafts):
+                    sched.draft_lengths = self._wanted_drafts(sched)
                 try:
                     self.executor.submit(sched)
                 except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
-                    logger.exception("submitting a step of %d requests failed", len(sched.num_scheduled_tokens))
-                    return failed + [self._fail(rid, "the engine failed while running this request")
-                                     for rid in list(sched.num_scheduled_tokens)]
-                scheduler.in_flight.update(sched.num_scheduled_tokens)
-                queue.append(sched)
+                    return outputs + self._fail_step(sched)
+                self.scheduler.in_flight.update(sched.num_scheduled_tokens)
+                queue.append((sched, time.perf_counter()))
                 if len(queue) < self.executor.max_concurrent_batches:
-                    return failed  # room for another step before waiting on the oldest
+                    return outputs  # room for another step before waiting on the oldest
         if not queue:
-            if self.compiling and not failed:  # nothing to run but grammars compiling: wait a little
+            if self.compiling and not outputs:  # nothing to run but grammars compiling: wait a little
                 wait_futures([r.structured.future for r in self.compiling], timeout=0.01,
                              return_when=FIRST_COMPLETED)
-            return failed
-        sched = queue.popleft()
-        scheduler.in_flight.difference_update(sched.num_scheduled_tokens)
+            return outputs
+        sched, start = queue.popleft()
+        self.scheduler.in_flight.difference_update(sched.num_scheduled_tokens)
         try:
             output = self.executor.collect()
         except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
-            logger.exception("a step of %d requests failed; finishing them with an error",
-                             len(sched.num_scheduled_tokens))
-            return failed + [self._fail(rid, "the engine failed while running this request")
-                             for rid in list(sched.num_scheduled_tokens) if rid in self.requests]
-        updates = scheduler.update_from_output(sched, output)
-        return failed + [self._output(u) for u in updates]
+            return outputs + self._fail_step(sched)
+        if sched.spec_token_ids:  # a step that verified drafts (and ran whatever else was scheduled)
+            self.scheduler.spec_stats.verify_seconds += time.perf_counter() - start - output.draft_seconds
+        outputs += self._connector_output(output.kv_connector_output)
+        updates = self.scheduler.update_from_output(sched, output)
+        if self.proposer is not None and sched.num_scheduled_tokens:
+            self._propose(output)
+        return outputs + [self._output(u) for u in updates]
+
+    def _fail_step(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        """A step raised: finish its requests with an error (and those whose KV fetch it was to start)."""
+        meta = sched.kv_connector_metadata
+        lost = list(sched.num_scheduled_tokens) + (self.kv_connector.step_failed(meta) if meta is not None else [])
+        logger.exception("a step of %d requests failed; finishing them with an error", len(lost))
+        return [self._fail(rid, "the engine failed while running this request") for rid in lost if rid in self.requests]
+
+    def _connector_output(self, output: KVConnectorOutput | None) -> list[EngineCoreOutput]:
+        """The KV connector's report on a step: held requests whose KV is in go to the scheduler; those
+        whose KV failed finish with the error."""
+        if self.kv_connector is None:
+            return []
+        ready, failed = self.kv_connector.update_connector_output(output)
+        for request in ready:
+            self.scheduler.add(request)
+        return [self._fail(rid, error) for rid, error in failed.items() if rid in self.requests]
 
     def _worth(self, request: Request, num_running: int) -> int:
         """Drafts worth verifying for `request` in a batch of `num_running`, by its acceptance rate: a
@@ -400,7 +383,8 @@ class EngineCore:
         """Finish a request because the engine failed on it (its blocks return to the pool)."""
         request = self.requests.pop(request_id)
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        return EngineCoreOutput(request_id, [], time.monotonic(), "abort", arrival_time=request.times.arrival,
+        return EngineCoreOutput(request_id=request_id, new_token_ids=[], timestamp=time.monotonic(),
+                                finish_reason="abort", arrival_time=request.times.arrival,
                                 first_scheduled_time=request.times.first_scheduled, error=error)
 
     def _output(self, update: RequestUpdate) -> EngineCoreOutput:
@@ -408,7 +392,8 @@ class EngineCore:
         if status is not None:
             del self.requests[request.request_id]
         timestamp = request.times.tokens[-1] if request.times.tokens else time.monotonic()
-        return EngineCoreOutput(request.request_id, update.new_token_ids, timestamp,
-                                status.value if status else None, update.new_logprobs, request.num_cached_tokens,
-                                request.times.arrival, request.times.first_scheduled, update.error,
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=update.new_token_ids, timestamp=timestamp,
+                                finish_reason=status.value if status else None, new_logprobs=update.new_logprobs,
+                                num_cached_tokens=request.num_cached_tokens, arrival_time=request.times.arrival,
+                                first_scheduled_time=request.times.first_scheduled, error=update.error,
                                 prompt_logprobs=update.prompt_logprobs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.kv_transfer.base import KVConnectorOutput
+
 
 @dataclass
 class Logprob:
@@ -17,8 +19,8 @@ TokenLogprobs = dict[int, Logprob]  # the sampled token and the top-N, by token 
 
 @dataclass
 class ModelRunnerOutput:
-    """Per request that sampled this step: its new token ids (one today; several once speculative
-    tokens are verified) and, if it asked, their logprobs. Requests in the middle of a prompt have
+    """Per request that sampled this step: its new token ids (one, or the accepted drafts and one more
+    when it verified speculative tokens) and, if it asked, their logprobs. Requests in the middle of a prompt have
     no entry there, but their prompt logprobs for this chunk if they asked."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -28,11 +30,12 @@ class ModelRunnerOutput:
     # speculative decoding with heads on the target (Medusa): drafts for each request's next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_seconds: float = 0.0  # time spent drafting them
+    kv_connector_output: KVConnectorOutput | None = None  # what the KV connector's worker half finished
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineCoreOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request (built by keyword: its fields are many and grow)."""
 
     request_id: str
     new_token_ids: list[int]

@@ -93,7 +93,6 @@ class Request(TokenSequence):
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
-        self.num_external_tokens = 0  # prompt tokens whose KV a prefill engine sent into its blocks (kv_transfer)
         self.num_preemptions = 0
         self.times = RequestTimes(core_request.arrival_time)
         self.structured = None  # StructuredState of a constrained request (set by the engine core)

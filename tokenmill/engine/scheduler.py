@@ -10,6 +10,9 @@ prompt tokens found in the prefix cache are not computed again, so they cost no 
 The step contract: `schedule() -> SchedulerOutput` -> executor -> `ModelRunnerOutput` ->
 `update_from_output(...)`, which advances each request, appends its sampled tokens (stopping at the
 first one that ends it) and finishes the requests that are done.
+
+A KV connector (`tokenmill.kv_transfer.base`), when the engine has one, is asked at admission for
+prompt tokens beyond the pool's prefix hits, and its work for the step rides on the `SchedulerOutput`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tokenmill.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.request_queue import POLICIES
 from tokenmill.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.kv_transfer.base import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +65,10 @@ class SpecDecodingStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheCoordinator, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheCoordinator, max_model_len: int,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
+        self.connector = connector
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # waiting or running
@@ -130,15 +136,16 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and not out.preempted_request_ids \
                 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if request.num_external_tokens:  # its KV came from a prefill engine into the blocks it holds
-                computed_blocks, num_computed = None, request.num_external_tokens
-            else:
-                computed_blocks, num_computed = self.kv.get_computed_blocks(request)
-            request.num_computed_tokens = num_computed
+            computed_blocks, num_hits = self.kv.get_computed_blocks(request)
+            num_external = self.connector.get_num_new_matched_tokens(request, num_hits) if self.connector else 0
+            num_computed = request.num_computed_tokens = num_hits + num_external
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
                 request.num_computed_tokens = 0
                 break
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_hits,
+                                                        num_external)
             self.waiting.pop()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
@@ -150,6 +157,8 @@ class Scheduler:
             self._send(out, request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out, self.requests)
         return out
 
     def _send(self, out: SchedulerOutput, request: Request) -> None:
@@ -234,7 +243,6 @@ class Scheduler:
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_external_tokens = 0  # its blocks are gone: the prompt is computed here
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -248,6 +256,8 @@ class Scheduler:
         request.status = status
         request.times.finished = time.monotonic()
         self.kv.free(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)
         self.requests.pop(request.request_id, None)
         if request.request_id in self._in_runner:
             self._in_runner.discard(request.request_id)

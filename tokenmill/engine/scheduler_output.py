@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.kv_transfer.base import KVConnectorMetadata
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -61,6 +62,8 @@ class SchedulerOutput:
     # proposers that draft during the step (Medusa heads, a draft model): the most drafts each request
     # may use after it (set by the engine core after scheduling; requests not listed draft nothing)
     draft_lengths: dict[str, int] = field(default_factory=dict)
+    # the KV connector's work for this step (loads before the forward, saves after), from its scheduler half
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -27,8 +27,9 @@ class Executor(ABC):
     dtype: torch.dtype
     device: torch.device
     quantization: str
-    # steps in flight at once: above 1 (a pipeline, one per stage) the core calls `submit` and `collect`
+    # steps in flight at once (the engine core's batch queue): above 1 a pipeline, one step per stage
     max_concurrent_batches: int = 1
+    _done: ModelRunnerOutput | None = None  # `submit`'s output until `collect` (one step at a time)
 
     @abstractmethod
     def initialize_kv_cache(self) -> KVCacheConfig:
@@ -43,6 +44,16 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step on every worker; the sampled tokens (from the driver worker)."""
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Start a step; its output comes from `collect`, in submission order. An executor that runs
+        one step at a time runs it here (a failure raises here)."""
+        self._done = self.execute(sched)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest step submitted and not collected yet."""
+        output, self._done = self._done, None
+        return output
 
     def check_health(self) -> None:
         """Raise (saying why) if a worker this executor needs is gone."""

@@ -26,6 +26,7 @@ from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.executor.abstract import size_kv_cache
 from tokenmill.executor.multiproc import MultiprocExecutor
+from tokenmill.kv_transfer.base import check_supported
 from tokenmill.loader import open_checkpoint
 from tokenmill.loader.source import resolve_model
 from tokenmill.worker.model_runner import ModelRunner
@@ -96,6 +97,7 @@ class PipelineExecutor(MultiprocExecutor):
     """The driver of a pipeline: stage 0's rank 0."""
 
     def __init__(self, config: EngineConfig) -> None:
+        check_supported(config)  # KV transfer (--kv-role) moves one process's cache: refused before workers start
         p = config.parallel  # a layout that does not fit the model fails before any worker starts
         layers = open_checkpoint(resolve_model(config.model)).config.num_hidden_layers
         parallel_state.layer_partition(layers, p.pipeline_parallel_size, p.pipeline_layer_partition)

@@ -7,12 +7,16 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.executor.abstract import Executor, load_configured_model, size_kv_cache
+from tokenmill.kv_transfer.base import KVConnectorWorker, worker_connector
 from tokenmill.loader import LoadedModel
 from tokenmill.worker.model_runner import ModelRunner
 
 
 class UniProcExecutor(Executor):
-    """`loaded`: an already loaded model to run (else the config's model is loaded here)."""
+    """`loaded`: an already loaded model to run (else the config's model is loaded here). With a KV
+    connector configured, its worker half runs around each step of the runner."""
+
+    kv_connector: KVConnectorWorker | None = None
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -27,6 +31,7 @@ class UniProcExecutor(Executor):
         self._share("kv", kv_config)
         self.runner.initialize_kv_cache(kv_config)
         self.runner.warm_up()
+        self.kv_connector = worker_connector(self.config, self.runner)
         return kv_config
 
     def expert_load(self) -> dict[int, list[int]]:
@@ -34,7 +39,9 @@ class UniProcExecutor(Executor):
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._share("step", sched)
-        return self.runner.execute(sched)
+        if self.kv_connector is None:
+            return self.runner.execute(sched)
+        return self.kv_connector.execute(sched, self.runner.execute)
 
     def _share(self, kind: str, payload: object) -> None:
         """Hand what this runner is about to run to the other ranks' runners (there are none here)."""

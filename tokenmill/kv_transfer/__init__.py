@@ -1,9 +1,10 @@
 """Disaggregated prefill/decode: a producer engine prefills prompts and sends their KV blocks to a
 consumer engine, which decodes (`tokenmill serve --kv-role producer|consumer`, `tokenmill disagg-proxy`).
 
-`config.py` (the flags), `connector.py` (the connector interface), two connectors —
-`torch_distributed.py` (send/recv in a 2-rank gloo / NCCL group) and `shared_memory.py` (one host) —
-`engine.py` (the engine core's side), `proxy.py` (the OpenAI-compatible front)."""
+`base.py` (the KV connector seam: a scheduler half in the engine core, a worker half by the KV caches),
+`disaggregated.py` (both halves for prefill/decode), `config.py` (the flags), `connector.py` (the
+transport interface) and two transports — `torch_distributed.py` (send/recv in a 2-rank gloo / NCCL
+group) and `shared_memory.py` (one host) — and `proxy.py` (the OpenAI-compatible front)."""
 
 from __future__ import annotations
 
@@ -20,5 +21,5 @@ def _shared_memory():
     return SharedMemoryConnector
 
 
-# connector name -> its class (imported on use: the flags are checked without torch)
+# transport (`kv_connector`) name -> its class (imported on use: the flags are checked without torch)
 CONNECTORS = {"TorchDistributedConnector": _torch_distributed, "SharedMemoryConnector": _shared_memory}

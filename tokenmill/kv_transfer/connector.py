@@ -1,5 +1,6 @@
-"""The KV connector interface: how a producer engine hands the KV blocks of a prefilled prompt to a
-consumer engine.
+"""The transports of disaggregated prefill/decode (`kv_connector`: `TorchDistributedConnector`,
+`SharedMemoryConnector`): how the worker half of a producer engine's KV connector hands the KV blocks
+of a prefilled prompt to a consumer engine's (`disaggregated.py`).
 
 Both sides meet at a torch.distributed `TCPStore` the producer hosts (`kv_ip`:`kv_port`). A payload is
 a list of tensors laid out like the engine's caches (`KVLayout`: one entry per cache tensor, its
@@ -44,7 +45,7 @@ def describe(layout: KVLayout) -> str:
     return "; ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in layout)
 
 
-class KVConnector(ABC):
+class KVTransport(ABC):
     def __init__(self, config: KVTransferConfig, layout: KVLayout, device: torch.device) -> None:
         self.config, self.layout, self.device = config, layout, device
         self.timeout = timedelta(seconds=config.kv_timeout)

@@ -16,7 +16,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from tokenmill.kv_transfer.connector import BLOCK_DIM, KVConnector, KVTransferError
+from tokenmill.kv_transfer.connector import BLOCK_DIM, KVTransferError, KVTransport
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
-class SharedMemoryConnector(KVConnector):
+class SharedMemoryConnector(KVTransport):
     def __init__(self, config, layout, device) -> None:
         super().__init__(config, layout, device)
         self._segments: dict[str, float] = {}  # producer: segments offered, by when

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tokenmill.kv_transfer.connector import BLOCK_DIM, KVConnector, KVTransferError, StagedPayloads
+from tokenmill.kv_transfer.connector import BLOCK_DIM, KVTransferError, KVTransport, StagedPayloads
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ _PRODUCER, _CONSUMER = 0, 1
 _FOREVER = timedelta(days=365)  # the sender waits for the consumer's next fetch without a deadline
 
 
-class TorchDistributedConnector(KVConnector):
+class TorchDistributedConnector(KVTransport):
     def __init__(self, config, layout, device) -> None:
         self.group = None
         self._sender: threading.Thread | None = None
