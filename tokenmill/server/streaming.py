@@ -12,13 +12,14 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.server.request_stream import RequestStream, StreamOutput
+if TYPE_CHECKING:  # the router and the disaggregation proxy use this module without the engine
+    from tokenmill.server.request_stream import RequestStream, StreamOutput
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
