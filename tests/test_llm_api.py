@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
 from helpers import EVAL_ITEMS, check_eval_result
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.engine.request_queue import PriorityQueue
+from tokenmill.engine_args import EngineArgs, add_engine_args
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +161,46 @@ def test_eval_scores_with_the_engine_as_transformers_does(llm, hf_default_model,
     result = evaluate("multiple_choice", EVAL_ITEMS, EngineScorer(llm).score(texts))
     check_eval_result(result, EVAL_ITEMS, hf_default_model, tokenizer)
     assert pool_whole(llm)
+
+
+def test_engine_args_defaults_are_the_config_trees_and_the_flags():
+    """One set of engine arguments: EngineArgs' defaults build the config tree's defaults, the flags'
+    defaults are EngineArgs', and its default model is the loader's."""
+    from tokenmill.loader.source import DEFAULT_MODEL
+
+    assert EngineArgs(model=None).create_engine_config() == EngineConfig()
+    assert EngineArgs().model == DEFAULT_MODEL
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
+    flags = parser.parse_args(["--no-enable-prefix-caching", "--scheduling-policy", "priority",
+                               "--max-num-seqs", "8", "--kv-cache-dtype", "int8", "--speculative-config", '{"method": "ngram"}'])
+    keywords = EngineArgs(enable_prefix_caching=False, scheduling_policy="priority", max_num_seqs=8,
+                          kv_cache_dtype="int8", speculative_config={"method": "ngram"})
+    assert EngineArgs.from_cli_args(flags).create_engine_config() == keywords.create_engine_config()
+    staged = parser.parse_args(["-pp", "2", "--pipeline-layer-partition", "1,2"])
+    assert EngineArgs.from_cli_args(staged).create_engine_config().parallel.pipeline_layer_partition == (1, 2)
+
+
+def test_a_wrong_engine_argument_is_named_before_anything_loads():
+    with pytest.raises(TypeError, match="unknown engine argument.*enable_prefix_cache;"):
+        LLM(model="smollm2-135m-instruct", enable_prefix_cache=False)
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
+        LLM(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="kv_role must be one of producer, consumer"):
+        LLM(kv_transfer_config={"kv_role": "both"})
+    with pytest.raises(ValueError, match="unknown field.*kv_prot"):
+        LLM(kv_transfer_config={"kv_role": "producer", "kv_prot": 1})
+
+
+def test_llm_takes_prefix_caching_and_the_scheduling_policy():
+    """Settings the keyword arguments could not reach before EngineArgs: prefix caching off (a repeated
+    prompt is computed again) and the priority policy."""
+    with LLM(model="smollm2-135m-instruct", num_kv_blocks=64, enable_prefix_caching=False,
+             scheduling_policy="priority") as llm:
+        assert isinstance(llm.engine.core.scheduler.waiting, PriorityQueue)
+        prompt = {"prompt_token_ids": list(range(100, 140))}
+        outs = [llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0] for _ in range(2)]
+        assert outs[1].num_cached_tokens == 0
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)

@@ -15,6 +15,7 @@ from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import core_process
+from tokenmill.server.messages import AbortRequests, AddRejected, AddRequest, Shutdown, StepDone
 from tokenmill.server.request_stream import copy_step
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
@@ -174,41 +175,42 @@ def test_core_loop_handles_adds_rejections_aborts_and_shutdown():
     inputs, outputs = queue.Queue(), queue.Queue()
     params = SamplingParams()
     for rid in ("a", "too-long", "broken", "b"):
-        inputs.put(("add", EngineCoreRequest(rid, [1, 2], params, 0.0)))
-    inputs.put(("abort", ["b"]))
+        inputs.put(AddRequest(EngineCoreRequest(rid, [1, 2], params, 0.0)))
+    inputs.put(AbortRequests(["b"]))
     core = FakeCore()
-    inputs.put(("shutdown",))
+    inputs.put(Shutdown())
     core_process._loop(core, inputs, outputs)
     messages = []
     while not outputs.empty():
         messages.append(outputs.get())
-    rejected = {m[1]: m[2] for m in messages if m[0] == "rejected"}
+    rejected = {m.request_id: m.message for m in messages if isinstance(m, AddRejected)}
     # a bug in add_request is logged, not forwarded (no exception names or internals to the client)
     assert rejected == {"too-long": "prompt too long",
                         "broken": "the engine could not accept this request (see the server log)"}
     # shutdown came in the same drain as the adds: the loop stops before stepping
-    assert not [m for m in messages if m[0] == "step"]
+    assert not [m for m in messages if isinstance(m, StepDone)]
     assert core.aborted == ["broken", "b"]
 
 
 def test_core_loop_steps_and_reports_stats():
     inputs, outputs = queue.Queue(), queue.Queue()
     core = FakeCore()
-    inputs.put(("add", EngineCoreRequest("a", [1], SamplingParams(), 0.0, cache_salt="salt")))
+    inputs.put(AddRequest(EngineCoreRequest("a", [1], SamplingParams(), 0.0, cache_salt="salt")))
     real_drain = core_process._drain
     calls = []
 
     def drain(q, block):  # after the first step, ask the loop to stop
         calls.append(block)
-        return real_drain(q, False) if len(calls) == 1 else [("shutdown",)]
+        return real_drain(q, False) if len(calls) == 1 else [Shutdown()]
 
     core_process._drain, saved = drain, core_process._drain
     try:
         core_process._loop(core, inputs, outputs)
     finally:
         core_process._drain = saved
-    kind, outs, stats = outputs.get()
-    assert kind == "step" and [o.request_id for o in outs] == ["a"]
+    message = outputs.get()
+    outs, stats = message.outputs, message.stats
+    assert isinstance(message, StepDone) and [o.request_id for o in outs] == ["a"]
     assert stats["num_received"] == 1 and stats["prefix_cache_queries"] == 5 and stats["prefix_cache_hits"] == 2
     assert stats["num_blocks"] == 10
 

@@ -205,3 +205,36 @@ def test_served_engine_reports_a_dead_worker_and_recovers(tp_server):
     again = client.completions.create(model="tiny-tp", prompt="The quick brown fox", max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert again.choices[0].text == first.choices[0].text  # two fresh ranks, the same greedy answer
+
+
+# two tensor-parallel LLMs one after the other in one process, the first shut down by its `with`, the
+# second by garbage collection: each joins the default process group afresh and leaves no worker behind
+_TWO_LLMS = r"""
+import gc, json, sys
+import torch.distributed as dist
+from tokenmill import LLM, SamplingParams
+
+params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+with LLM(sys.argv[1], dtype="float32", num_kv_blocks=64, tensor_parallel_size=2) as llm:
+    first = llm.generate([[1, 5, 9, 33]], params, use_tqdm=False)[0].outputs[0].token_ids
+    workers = llm.engine.core.executor.workers.processes
+assert not dist.is_initialized() and not any(w.is_alive() for w in workers), "shutdown() left the group or a worker"
+llm = LLM(sys.argv[1], dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+second = llm.generate([[1, 5, 9, 33]], params, use_tqdm=False)[0].outputs[0].token_ids
+workers = llm.engine.core.executor.workers.processes
+del llm
+gc.collect()
+assert not dist.is_initialized() and not any(w.is_alive() for w in workers), "a collected LLM left the group or a worker"
+print("TOKENS " + json.dumps([list(first), list(second)]), flush=True)
+"""
+
+
+@pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
+def test_a_second_parallel_llm_in_one_process_after_shutdown(tmp_path, tokenizer):
+    make_tiny_model("llama-gqa-untied", tmp_path, vocab_size=len(tokenizer.hf))
+    tokenizer.hf.save_pretrained(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _TWO_LLMS, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("TOKENS "))
+    first, second = json.loads(line[len("TOKENS "):])
+    assert first == second and len(first) == 6

@@ -1,27 +1,147 @@
-"""Command-line flags that build an `EngineConfig`, shared by `generate`, `serve` and `bench offline`."""
+"""`EngineArgs`: the engine's settings as one flat set of fields, shared by every way of starting an
+engine: the flags of `serve`, `generate`, `bench offline` and `eval` (`add_engine_args` / `EngineArgs.from_cli_args`),
+`LLM(**kwargs)` and the draft-head trainers. `create_engine_config()` builds the `EngineConfig` tree
+(`tokenmill.config`), whose dataclasses validate every value, so a flag and a keyword are checked by
+the same code and say the same thing when wrong.
+
+This module imports neither torch nor the engine (the config tree is imported when a config is built,
+the names of weight formats and cache dtypes when argparse first checks or prints them), so every
+command's parser is built without them: `tokenmill router --help` does not load torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from tokenmill.config import (KV_CACHE_DTYPES, PREFIX_CACHE_HASHES, CacheConfig, EngineConfig, ParallelConfig,
-                              SchedulerConfig, SpeculativeConfig)
-from tokenmill.loader.source import DEFAULT_MODEL
-from tokenmill.quantization import QUANTIZATION_METHODS
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig, SpeculativeConfig
+    from tokenmill.kv_transfer.config import KVTransferConfig
+
+# the same name as tokenmill.loader.source.DEFAULT_MODEL (a test checks it): importing that package loads torch
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class _LazyNames:
+    """A tuple of names read from a module that imports torch when argparse first checks a value
+    against it or prints an error, not when the parser is built (an argument with these choices needs
+    a metavar: argparse formats the choices of one without it as it adds it)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(self.module), self.name))
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+
+QUANTIZATION_CHOICES = _LazyNames("tokenmill.quantization", "QUANTIZATION_METHODS")
+KV_CACHE_DTYPE_CHOICES = _LazyNames("tokenmill.config", "KV_CACHE_DTYPES")
+PREFIX_CACHE_HASH_CHOICES = _LazyNames("tokenmill.config", "PREFIX_CACHE_HASHES")
+
+
+@dataclass
+class EngineArgs:
+    """Every engine setting, by the name of its flag (`--kv-cache-memory` is `kv_cache_memory`). The
+    defaults are those of the `EngineConfig` tree (a test checks that `EngineArgs(model=None)` builds
+    `EngineConfig()`); `speculative_config` and `kv_transfer_config` take a config, a dict of its
+    fields or its JSON text."""
+
+    model: str | None = DEFAULT_MODEL  # an alias, a .gguf file or an HF directory (None: the default model)
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    quantization: str = "auto"
+    quantization_group_size: int | None = None
+    quantization_symmetric: bool | None = None
+    max_model_len: int | None = None
+    kv_cache_memory: float = 1.0  # GiB
+    num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    prefix_cache_hash: str = "blake2b"
+    grammar_timeout: float = 30.0
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
+    pipeline_layer_partition: tuple[int, ...] | str = ()  # layers per stage, or "A,B,..."
+    distributed_executor_backend: str = "mp"
+    scheduling_policy: str = "fcfs"
+    kv_transfer_config: KVTransferConfig | dict | str | None = None  # disaggregated prefill/decode; None: off
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, caller: str, **kwargs: Any) -> EngineArgs:
+        """From keywords (`LLM(**kwargs)`): a name that is not a setting is a TypeError naming it."""
+        unknown = sorted(set(kwargs) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"{caller} got unknown engine argument(s) {', '.join(unknown)}; the engine arguments "
+                            f"are {', '.join(cls.names())}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """From the flags `add_engine_args` added; `--kv-role` with `--kv-transfer-config` where the command has them."""
+        values = {name: getattr(args, name) for name in cls.names() if hasattr(args, name)}
+        if hasattr(args, "kv_role"):
+            from tokenmill.kv_transfer.config import KVTransferConfig
+
+            values["kv_transfer_config"] = KVTransferConfig.from_args(args.kv_role, args.kv_transfer_config)
+        return cls(**values)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated configuration tree (ValueError naming the setting at fault)."""
+        from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device, seed=self.seed, quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size, quantization_symmetric=self.quantization_symmetric,
+            grammar_timeout=self.grammar_timeout,
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory,
+                              num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
+                              prefix_cache_hash=self.prefix_cache_hash, cache_dtype=self.kv_cache_dtype),
+            speculative=_speculative(self.speculative_config),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    pipeline_parallel_size=self.pipeline_parallel_size,
+                                    pipeline_layer_partition=_layer_partition(self.pipeline_layer_partition),
+                                    distributed_executor_backend=self.distributed_executor_backend,
+                                    enable_expert_parallel=self.enable_expert_parallel),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=self.max_model_len, policy=self.scheduling_policy),
+            kv_transfer=_kv_transfer(self.kv_transfer_config),
+        )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    cache, sched = CacheConfig(), SchedulerConfig()
+    """The flags of every field but `kv_transfer_config` (`serve`'s `--kv-role` / `--kv-transfer-config`)."""
+    d = EngineArgs()
     m = parser.add_argument_group("model")
-    m.add_argument("--model", default=DEFAULT_MODEL,
+    m.add_argument("--model", default=d.model,
                    help=f"model to load: an alias ({DEFAULT_MODEL}), a .gguf file, or an HF checkpoint directory "
                         "with config.json and *.safetensors; never downloaded (default: %(default)s)")
-    m.add_argument("--dtype", default="auto",
+    m.add_argument("--dtype", default=d.dtype,
                    help="compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, "
                         "bfloat16 or float16; an explicit float32 also picks the exact GGUF mode (see "
                         "--quantization) (default: %(default)s)")
-    m.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default: %(default)s)")
-    m.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="auto",
+    m.add_argument("--device", default=d.device, help="torch device: cpu, cuda or cuda:N (default: %(default)s)")
+    m.add_argument("--quantization", choices=QUANTIZATION_CHOICES, metavar="METHOD", default=d.quantization,
                    help="weight format: gguf = keep a GGUF file's quantized blocks (Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/"
                         "Q4_K/Q5_K/Q6_K) packed and dequantize inside the matmul (CPU, float32; exactly the file's "
                         "weights, 3-7x fewer bytes per decode step); gguf-q8 = the same with decode activations "
@@ -44,36 +164,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="int8 / int4: codes symmetric around zero (one scale per group) or asymmetric (a scale and "
                         "a minimum per group, a closer fit for skewed groups) (default: int8 symmetric, int4 "
                         "asymmetric)")
-    m.add_argument("--seed", type=int, default=0,
+    m.add_argument("--seed", type=int, default=d.seed,
                    help="global random seed; a request's own 'seed' overrides it (default: %(default)s)")
-    m.add_argument("--max-model-len", type=int, default=sched.max_model_len,
+    m.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     c = parser.add_argument_group("KV cache and scheduling")
-    c.add_argument("--kv-cache-memory", type=float, default=cache.kv_cache_memory_gib, metavar="GIB",
+    c.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory, metavar="GIB",
                    help="memory for the paged KV cache in GiB; sets the number of blocks (default: %(default)s)")
-    c.add_argument("--num-kv-blocks", type=int, default=cache.num_blocks,
+    c.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV cache blocks (overrides --kv-cache-memory)")
-    c.add_argument("--kv-cache-dtype", default=cache.cache_dtype, choices=KV_CACHE_DTYPES, metavar="DTYPE",
+    c.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPE_CHOICES, metavar="DTYPE",
                    help="dtype the KV cache stores keys and values in: auto (float16 with the default gguf-q8 "
                         "weights, else the compute dtype), float32, bfloat16 or float16; a 16-bit cache under "
                         "float32 compute halves the bytes per token. int8, fp8_e4m3 (alias fp8) and fp8_e5m2 store "
                         "one byte per value plus a scale per token and kv head (about 1.9x the tokens of a 16-bit "
                         "cache at a little accuracy; an MLA latent cache: one scale per token) (default: %(default)s)")
-    c.add_argument("--block-size", type=int, default=cache.block_size,
+    c.add_argument("--block-size", type=int, default=d.block_size,
                    help="tokens per KV cache block (default: %(default)s)")
-    c.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,
+    c.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="most sequences running in one step (default: %(default)s)")
-    c.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
+    c.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=cache.enable_prefix_caching,
+                   default=d.enable_prefix_caching,
                    help="reuse the KV blocks of identical prompt prefixes across requests (default: on)")
-    c.add_argument("--prefix-cache-hash", choices=PREFIX_CACHE_HASHES, default=cache.prefix_cache_hash,
+    c.add_argument("--prefix-cache-hash", choices=PREFIX_CACHE_HASH_CHOICES, metavar="HASH",
+                   default=d.prefix_cache_hash,
                    help="hash for prefix-cache block keys: blake2b = keyed with a random per-process key "
                         "(collision-resistant, unpredictable), sha256 = the same keys in every process, builtin = "
                         "Python's hash (fastest, 64-bit); a hit always checks the block's tokens and parent too "
                         "(default: %(default)s)")
-    c.add_argument("--grammar-timeout", type=float, default=30.0,
+    c.add_argument("--grammar-timeout", type=float, default=d.grammar_timeout,
                    help="seconds a structured-output grammar (JSON schema, regex, EBNF) may take to compile, in "
                         "a worker process that is killed when it runs over; the request is then rejected "
                         "(HTTP 400) (default: %(default)s)")
@@ -93,7 +214,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "logprobs and structured output (drafts cut where the grammar rejects them, each verified "
                         "position masked); requests with \"speculative\": false, and constrained ones while "
                         "thinking, decode without it. Default: off")
-    c.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+    c.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, metavar="N",
                    help="split every layer over N processes on this host (attention heads, MLP columns and the "
                         "vocabulary; one all-reduce after attention and one after the MLP), joined by "
                         "torch.distributed: gloo on CPU (each rank bound to its share of the cores), NCCL on CUDA "
@@ -104,43 +225,46 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(expert e on rank e // (experts / N)) instead of splitting every expert; tokens travel "
                         "to their experts' ranks and back by all-to-all, attention stays tensor-parallel. "
                         "Needs an MoE model whose expert count divides by N (default: off)")
-    c.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+    c.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size, metavar="N",
                    help="split the decoder layers into N consecutive stages, each in its own process(es) (times "
                         "--tensor-parallel-size); the hidden state passes between stages point to point over "
                         "torch.distributed and up to N steps are in flight at once (default: %(default)s)")
-    c.add_argument("--pipeline-layer-partition", default=None, metavar="A,B,...",
+    c.add_argument("--pipeline-layer-partition", default=d.pipeline_layer_partition, metavar="A,B,...",
                    help="decoder layers per pipeline stage, e.g. 10,12 (must sum to the model's layers; "
                         "default: an even split, which needs the layers to divide by --pipeline-parallel-size)")
-    c.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+    c.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=d.distributed_executor_backend,
                    help="how the workers of a tensor- or pipeline-parallel engine start: mp (processes spawned "
                         "here) or ray (Ray actors in a placement group of a local Ray cluster on 127.0.0.1, "
                         "started if none runs in this process; needs the ray package) (default: %(default)s)")
-    c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.policy,
+    c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
                    help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
                         "first (default: %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size, quantization_symmetric=args.quantization_symmetric,
-        grammar_timeout=args.grammar_timeout,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
-                          num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                          prefix_cache_hash=args.prefix_cache_hash, cache_dtype=args.kv_cache_dtype),
-        speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                pipeline_parallel_size=args.pipeline_parallel_size,
-                                pipeline_layer_partition=_layer_partition(args.pipeline_layer_partition),
-                                distributed_executor_backend=args.distributed_executor_backend,
-                                enable_expert_parallel=args.enable_expert_parallel),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, policy=args.scheduling_policy),
-    )
+    return EngineArgs.from_cli_args(args).create_engine_config()
 
 
-def _layer_partition(text: str | None) -> tuple[int, ...]:
+def _speculative(value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+    from tokenmill.config import SpeculativeConfig
+
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    return SpeculativeConfig.from_json(value if isinstance(value, str) else json.dumps(value))
+
+
+def _kv_transfer(value: KVTransferConfig | dict | str | None) -> KVTransferConfig | None:
+    from tokenmill.kv_transfer.config import KVTransferConfig
+
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    return KVTransferConfig.from_args(None, value if isinstance(value, str) else json.dumps(value))
+
+
+def _layer_partition(value: tuple[int, ...] | str) -> tuple[int, ...]:
+    if not isinstance(value, str):
+        return tuple(value)
     try:
-        return tuple(int(part) for part in text.split(",")) if text else ()
+        return tuple(int(part) for part in value.split(",")) if value else ()
     except ValueError:
-        raise ValueError(f"--pipeline-layer-partition must be comma-separated layer counts, got {text!r}") from None
+        raise ValueError(f"--pipeline-layer-partition must be comma-separated layer counts, got {value!r}") from None

@@ -1,4 +1,4 @@
-"""The interface every attention backend implements, and the choice of backend.
+"""The interface every attention backend implements (the choice of one is `selector.py`).
 
 A backend owns the shape of a layer's KV cache, turns the runner's `CommonAttentionMetadata` into
 its own per-step metadata (once per step, shared by its layers), and runs attention: write the
@@ -6,7 +6,7 @@ step's new K/V into the layer's cache at `slot_mapping`, then attend over cached
 the causal mask. An int8 / fp8 cache has a scales tensor beside it (`tokenmill.attention.kv_quant`):
 the backend quantizes as it writes and dequantizes as it reads. Backends: `torch_sdpa` (plain
 PyTorch, CPU and CUDA) and `cpu_paged` (a compiled paged decode kernel, CPU float32). GPU kernels plug
-in here.
+in here, and into `selector.get_attention_backend`.
 """
 
 from __future__ import annotations
@@ -46,16 +46,3 @@ class AttentionBackend(ABC):
         """Write the new K/V into `kv_cache`, attend (scores soft-capped: cap * tanh(s / cap), if set).
         q: [T, H, D]; k, v: [T, KVH, D]; kv_scales: an int8 / fp8 cache's scales; sinks: [H] float32,
         each head's extra softmax logit with no value. Returns [T, H, D]."""
-
-
-def get_attention_backend(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> AttentionBackend:
-    """The compiled paged kernel on CPU when compute is float32 (the cache float32, float16, bfloat16,
-    int8 or fp8) and it builds, else torch ops."""
-    from tokenmill.attention.cpu_paged import CpuPagedBackend
-    from tokenmill.attention.torch_sdpa import TorchSDPABackend
-    from tokenmill.kernels import paged_attention
-
-    if (device.type == "cpu" and dtype == torch.float32 and cache_dtype in paged_attention.CACHE_DTYPES
-            and paged_attention.load() is not None):
-        return CpuPagedBackend()
-    return TorchSDPABackend()

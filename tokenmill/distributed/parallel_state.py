@@ -1,8 +1,8 @@
 """This process's place in its engine's tensor-parallel group, and the collectives the layers call.
 
 One engine with `tensor_parallel_size` N runs N processes, rank 0 the driver (in the engine core's
-process) and ranks 1..N-1 workers (`tokenmill.executor.multiproc`), joined in one torch.distributed
-group: gloo on CPU, NCCL on CUDA, rendezvous over TCP on 127.0.0.1. Layers built while a group is
+process) and ranks 1..N-1 workers (`tokenmill.executor.worker_process`), joined in one
+torch.distributed group: gloo on CPU, NCCL on CUDA, rendezvous over TCP on 127.0.0.1. Layers built while a group is
 set up take their rank and size from here; with none (the default) they hold whole weights and call
 no collective.
 

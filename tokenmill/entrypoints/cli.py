@@ -1,16 +1,15 @@
-"""The `tokenmill` command: info, generate, serve, router, disagg-proxy, bench, eval."""
+"""The `tokenmill` command: info, generate, serve, router, disagg-proxy, bench, eval, plan, train-draft-head."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import time
 
-from tokenmill.config import KV_CACHE_DTYPES
-from tokenmill.engine_args import add_engine_args, engine_config_from_args
-from tokenmill.loader.source import DEFAULT_MODEL
-from tokenmill.quantization import QUANTIZATION_METHODS
+from tokenmill.engine_args import (DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, add_engine_args,
+                                   engine_config_from_args)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -19,9 +18,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--dtype", default="auto", help="compute dtype to report for (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default: %(default)s)")
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_METHODS,
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES, metavar="METHOD",
                         help="weight format to report for, resolved as `serve` resolves it (default: %(default)s)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, metavar="DTYPE",
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES, metavar="DTYPE",
                         help="KV cache dtype to report sizes for, as `serve` takes it (int8 / fp8_e4m3 / fp8_e5m2: "
                              "quantized, with scales); auto as `serve` resolves it (default: %(default)s)")
 
@@ -132,7 +131,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# the commands that live in their own packages -> the module and function that add their parser; only the
+# module of the command being run is imported (`tokenmill router` never loads the engine or torch)
+OPTIONAL_COMMANDS = {
+    "serve": ("tokenmill.server.cli", "add_serve_parser"),
+    "router": ("tokenmill.router.cli", "add_router_parser"),
+    "disagg-proxy": ("tokenmill.kv_transfer.cli", "add_proxy_parser"),
+    "bench": ("tokenmill.bench.cli", "add_bench_parser"),
+    "eval": ("tokenmill.eval.cli", "add_eval_parser"),
+    "plan": ("tokenmill.plan.cli", "add_plan_parser"),
+    "train-draft-head": ("tokenmill.spec_decode.train_head", "add_train_head_parser"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command` (one of OPTIONAL_COMMANDS) only that one of them."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,31 +167,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed for this request's sampling")
     gen.set_defaults(func=cmd_generate)
 
-    _add_optional_commands(sub)
+    for name, (module, add_parser) in OPTIONAL_COMMANDS.items():
+        if command in (None, name):
+            getattr(importlib.import_module(module), add_parser)(sub)
     return parser
 
 
-def _add_optional_commands(sub) -> None:
-    """`serve`, `router`, `disagg-proxy`, `bench`, `eval`, `plan` and `train-draft-head` live in their own packages."""
-    from tokenmill.bench.cli import add_bench_parser
-    from tokenmill.eval.cli import add_eval_parser
-    from tokenmill.kv_transfer.cli import add_proxy_parser
-    from tokenmill.plan.cli import add_plan_parser
-    from tokenmill.router.cli import add_router_parser
-    from tokenmill.server.cli import add_serve_parser
-    from tokenmill.spec_decode.train_head import add_train_head_parser
-
-    add_serve_parser(sub)
-    add_router_parser(sub)
-    add_proxy_parser(sub)
-    add_bench_parser(sub)
-    add_eval_parser(sub)
-    add_plan_parser(sub)
-    add_train_head_parser(sub)
+def _command_of(argv: list[str]) -> str | None:
+    """The optional command `argv` runs, if it names one (else None: every parser is built)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--log-level")
+    pre.add_argument("command", nargs="?")
+    known, _ = pre.parse_known_args(argv)
+    return known.command if known.command in OPTIONAL_COMMANDS else None
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command_of(argv)).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)

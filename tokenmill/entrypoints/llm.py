@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import RequestOutput
+from tokenmill.engine_args import EngineArgs
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -22,28 +25,29 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].outputs[0].text
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu", seed: int = 0,
-                 quantization: str = "auto",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 kv_cache_memory: float = 1.0, num_kv_blocks: int | None = None, block_size: int = 16,
-                 kv_cache_dtype: str = "auto", speculative_config: dict | None = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 distributed_executor_backend: str = "mp", engine_config: EngineConfig | None = None,
-                 enable_expert_parallel: bool = False) -> None:
-        """The keyword arguments build the engine's configuration; `engine_config` gives all of it instead."""
-        config = engine_config or EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed, quantization=quantization,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, num_blocks=num_kv_blocks,
-                              cache_dtype=kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
-            speculative=SpeculativeConfig(**speculative_config) if speculative_config else None,
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                                    distributed_executor_backend=distributed_executor_backend,
-                                    enable_expert_parallel=enable_expert_parallel),
-        )
+    def __init__(self, model: str | None = None, *, engine_config: EngineConfig | None = None, **kwargs: Any) -> None:
+        """`kwargs`: any `EngineArgs` field (the `serve` flags' names: `enable_prefix_caching`,
+        `scheduling_policy`, `kv_transfer_config`, `tensor_parallel_size`, ...), checked by the same
+        configuration tree as the flags; `engine_config` gives the whole configuration instead."""
+        if engine_config is not None and (kwargs or model is not None):
+            raise TypeError("LLM() takes engine_config or engine arguments, not both")
+        config = engine_config or EngineArgs.from_kwargs("LLM()", model=model, **kwargs).create_engine_config()
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        # worker processes / Ray actors and the process group go when the LLM does, or at exit
+        self._release = weakref.finalize(self, _release, self.engine)
+
+    def shutdown(self) -> None:
+        """Release what this LLM started: tensor- or pipeline-parallel workers (processes or Ray actors),
+        the torch.distributed process group, a KV-transfer connection. A second call does nothing; the
+        LLM cannot generate afterwards. Also run by `with LLM(...) as llm:` and when the LLM is collected."""
+        self._release()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -73,6 +77,8 @@ class LLM:
         return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
 
     def _run(self, requests: list[tuple[str | list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        if not self._release.alive:
+            raise RuntimeError("this LLM was shut down; create a new one to generate")
         ids = []
         try:
             for prompt, params in requests:
@@ -99,3 +105,10 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
             return list(prompt["prompt_token_ids"])
         return prompt["prompt"]
     return prompt
+
+
+def _release(engine: LLMEngine) -> None:
+    core = engine.core
+    if core.kv_transfer is not None:
+        core.kv_transfer.close()
+    core.executor.close()

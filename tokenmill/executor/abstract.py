@@ -58,6 +58,10 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raise (saying why) if a worker this executor needs is gone."""
 
+    def close(self) -> None:
+        """Release what the executor started (worker processes or actors, the process group); nothing
+        for a runner in this process."""
+
 
 def load_configured_model(config: EngineConfig) -> LoadedModel:
     """The model `config` names, as it asks (dtype, device, weight format), on this process's

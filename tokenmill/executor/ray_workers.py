@@ -2,8 +2,8 @@
 (`--distributed-executor-backend ray`), one per bundle of a placement group (a CPU each, or a GPU
 each on CUDA), on a local Ray cluster this process starts on 127.0.0.1 unless Ray is already
 initialized here. The ranks still meet over torch.distributed on 127.0.0.1; each actor runs
-`serve_rank`, as a worker process would, and a rank that dies ends its actor's task, which `dead`
-reports."""
+`worker_process.serve_rank`, as a worker process would, and a rank that dies ends its actor's task,
+which `dead` reports."""
 
 from __future__ import annotations
 
@@ -94,6 +94,6 @@ class _RankActor:
     """One worker rank."""
 
     def serve(self, config: EngineConfig, rank: int, init_method: str) -> None:
-        from tokenmill.executor.multiproc import serve_rank
+        from tokenmill.executor.worker_process import serve_rank
 
         serve_rank(config, rank, init_method)

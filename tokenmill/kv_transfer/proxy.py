@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from tokenmill.router.upstream import (CLIENT_CLOSED, add_generation_routes, error_body, read_body, relay,
                                       request_headers, response_headers)
-from tokenmill.server.streaming import ClientDisconnected, run_until_disconnect
+from tokenmill.asgi import ClientDisconnected, run_until_disconnect
 
 logger = logging.getLogger("tokenmill.disagg_proxy")
 

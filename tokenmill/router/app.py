@@ -27,7 +27,7 @@ from tokenmill.router.prompt import routing_text
 from tokenmill.router.replicas import ReplicaSet, check_all, health_loop
 from tokenmill.router.upstream import (CLIENT_CLOSED, add_generation_routes, error_body, read_body, relay,
                                       request_headers)
-from tokenmill.server.streaming import ClientDisconnected, run_until_disconnect
+from tokenmill.asgi import ClientDisconnected, run_until_disconnect
 
 logger = logging.getLogger("tokenmill.router")
 

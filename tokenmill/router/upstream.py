@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.server.streaming import ClientDisconnected, run_until_disconnect, stream_response
+from tokenmill.asgi import ClientDisconnected, run_until_disconnect, stream_response
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; it never reaches anyone
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -185,7 +184,8 @@ def _run(args: argparse.Namespace) -> int:
     from tokenmill.server.metrics import ServerMetrics
 
     try:
-        config = dataclasses.replace(engine_config_from_args(args), kv_transfer=kv_transfer_from_args(args))
+        kv_transfer_from_args(args)  # the checks of --kv-role against the other flags
+        config = engine_config_from_args(args)
         limits = limits_from_args(args)
         chat_template = read_chat_template(args.chat_template)
         if args.max_queue is not None and args.max_queue < 1:

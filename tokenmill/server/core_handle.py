@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from tokenmill.config import EngineConfig
 from tokenmill.server.core_process import run_engine_core
+from tokenmill.server.messages import CoreReady, InitCore, LoadFailed, Shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,13 @@ class CoreHandle:
     def alive(self) -> bool:
         return self.proc.is_alive()
 
-    def put(self, message: tuple) -> None:
+    def put(self, message: object) -> None:
+        """Send the core one of the front-end messages of `tokenmill.server.messages`."""
         self.inputs.put(message)
 
     def init(self, eos_token_ids, tokenizer_data) -> dict:
         """Send what the core needs from the tokenizer; wait until the model is loaded. Its ready info."""
-        self.inputs.put(("init", sorted(eos_token_ids), tokenizer_data))
+        self.inputs.put(InitCore(sorted(eos_token_ids), tokenizer_data))
         while True:
             try:
                 msg = self.outputs.get(timeout=_POLL_SECONDS)
@@ -55,12 +57,12 @@ class CoreHandle:
                         f"the engine core process exited (code {self.proc.exitcode}) while loading the model"
                     ) from None
                 continue
-            if msg[0] == "ready":
-                return msg[1]
-            if msg[0] == "error":
-                raise EngineStartupError(msg[1])
+            if isinstance(msg, CoreReady):
+                return msg.info
+            if isinstance(msg, LoadFailed):
+                raise EngineStartupError(msg.message)
 
-    def start_reader(self, deliver: Callable[[tuple], None], on_dead: Callable[[str], None]) -> None:
+    def start_reader(self, deliver: Callable[[object], None], on_dead: Callable[[str], None]) -> None:
         """Hand each core message to `deliver`; call `on_dead(reason)` once if the process goes away."""
         def read() -> None:
             while not self._stopping.is_set():
@@ -90,7 +92,7 @@ class CoreHandle:
         proc = self.proc
         if proc.is_alive():
             try:
-                self.inputs.put(("shutdown",))
+                self.inputs.put(Shutdown())
             except (OSError, ValueError):
                 pass
             proc.join(timeout)

@@ -1,24 +1,6 @@
 """The engine-core process: loads the model, runs `EngineCore.step()` in a loop, and talks to the
-HTTP front end through two multiprocessing queues (the role of vLLM's EngineCoreProc).
-
-Messages in (front end -> core):
-    ("init", eos_token_ids, tokenizer_data)    first, from the front end's tokenizer (loaded meanwhile);
-                                               tokenizer_data: structured.backend.TokenizerData or None
-    ("add", EngineCoreRequest)                 one sample's request (n > 1 was fanned out before)
-    ("abort", [request_id, ...])
-    ("reset_prefix_cache",)                    drop all cached prefix blocks
-    ("shutdown",)
-Messages out (core -> front end):
-    ("ready", info_dict)                       once the model is loaded
-    ("error", message)                         loading failed; the process then exits
-    ("step", [EngineCoreOutput, ...], stats)   after every step that ran
-    ("stats", stats)                           after adds/aborts that changed the queues
-    ("rejected", request_id, message, param)   EngineCore refused an add (never crashes the loop); param:
-                                               the request field at fault
-    ("prefix_cache_reset", num_blocks_dropped) answer to reset_prefix_cache
-    ("fatal", message)                         the step loop raised; the process then exits
-
-Only token ids cross the boundary: tokenization and detokenization stay in the front end.
+HTTP front end through two multiprocessing queues (the role of vLLM's EngineCoreProc); the messages
+are the dataclasses of `tokenmill.server.messages`.
 """
 
 from __future__ import annotations
@@ -33,6 +15,9 @@ import time
 import traceback
 
 from tokenmill.config import EngineConfig
+from tokenmill.server.messages import (AbortRequests, AddRejected, AddRequest, CoreFailed, CoreReady, InitCore,
+                                       LoadFailed, PrefixCacheReset, ResetPrefixCache, Shutdown, StatsChanged,
+                                       StepDone)
 
 logger = logging.getLogger(__name__)
 
@@ -89,19 +74,20 @@ def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
         core = EngineCore(config, executor, set(eos_token_ids), tokenizer_data)
         if tokenizer_data is not None:
             _ = core.structured  # build the grammar compiler now, not on the step loop at the first request
-        outputs.put(("ready", _ready_info(core, time.monotonic() - start)))
+        outputs.put(CoreReady(_ready_info(core, time.monotonic() - start)))
     except BaseException as e:  # noqa: BLE001 - report every load failure, then exit
-        outputs.put(("error", f"{type(e).__name__}: {e}"))
+        outputs.put(LoadFailed(f"{type(e).__name__}: {e}"))
         _flush(outputs)
         return
     try:
         _loop(core, inputs, outputs)
     except BaseException as e:  # noqa: BLE001
-        outputs.put(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        outputs.put(CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     _flush(outputs)
 
 
 def _wait_for_init(inputs) -> tuple[list[int], object] | None:
+    """The `InitCore` message's contents; None if the front end went away or asked for anything else."""
     parent = multiprocessing.parent_process()
     while True:
         try:
@@ -110,9 +96,9 @@ def _wait_for_init(inputs) -> tuple[list[int], object] | None:
             if parent is not None and not parent.is_alive():
                 return None
             continue
-        if msg[0] != "init":
+        if not isinstance(msg, InitCore):
             return None
-        return list(msg[1]), (msg[2] if len(msg) > 2 else None)
+        return list(msg.eos_token_ids), msg.tokenizer_data
 
 
 def _flush(outputs) -> None:
@@ -131,27 +117,26 @@ def _loop(core, inputs, outputs) -> None:
         messages = _drain(inputs, block=not busy)
         changed = False
         for msg in messages:
-            kind = msg[0]
-            if kind == "shutdown":
-                return
-            if kind == "add":
-                request = msg[1]
-                num_received += 1
-                changed = True
-                try:
-                    core.add_request(request)
-                except RequestRejected as e:
-                    outputs.put(("rejected", request.request_id, str(e), e.param))
-                except Exception:  # noqa: BLE001 - one bad request must not take the engine down
-                    logger.exception("request %s could not be added", request.request_id)
-                    core.abort_requests([request.request_id])
-                    outputs.put(("rejected", request.request_id, "the engine could not accept this request "
-                                 "(see the server log)", None))
-            elif kind == "abort":
-                core.abort_requests(msg[1])
-                changed = True
-            elif kind == "reset_prefix_cache":
-                outputs.put(("prefix_cache_reset", core.reset_prefix_cache()))
+            match msg:
+                case Shutdown():
+                    return
+                case AddRequest(request):
+                    num_received += 1
+                    changed = True
+                    try:
+                        core.add_request(request)
+                    except RequestRejected as e:
+                        outputs.put(AddRejected(request.request_id, str(e), e.param))
+                    except Exception:  # noqa: BLE001 - one bad request must not take the engine down
+                        logger.exception("request %s could not be added", request.request_id)
+                        core.abort_requests([request.request_id])
+                        outputs.put(AddRejected(request.request_id, "the engine could not accept this request "
+                                                "(see the server log)", None))
+                case AbortRequests(request_ids):
+                    core.abort_requests(request_ids)
+                    changed = True
+                case ResetPrefixCache():
+                    outputs.put(PrefixCacheReset(core.reset_prefix_cache()))
         now = time.monotonic()
         if now - last_parent_check >= _PARENT_CHECK_INTERVAL:
             last_parent_check = now
@@ -160,9 +145,9 @@ def _loop(core, inputs, outputs) -> None:
             core.executor.check_health()  # a dead tensor-parallel worker is reported even while idle
         if core.has_unfinished():
             step_outputs = core.step()
-            outputs.put(("step", step_outputs, stats_snapshot(core, num_received)))
+            outputs.put(StepDone(step_outputs, stats_snapshot(core, num_received)))
         elif changed:
-            outputs.put(("stats", stats_snapshot(core, num_received)))
+            outputs.put(StatsChanged(stats_snapshot(core, num_received)))
 
 
 def _drain(inputs, block: bool) -> list:

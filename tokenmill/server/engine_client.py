@@ -24,6 +24,8 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.loader.source import resolve_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.core_handle import CoreHandle
+from tokenmill.server.messages import (AbortRequests, AddRejected, AddRequest, CoreFailed, PrefixCacheReset,
+                                       ResetPrefixCache, StatsChanged, StepDone)
 from tokenmill.server.request_stream import (EngineDeadError, QueueFullError, RequestRejected, RequestStream, copy_step,
                                              failure_of)
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
@@ -219,7 +221,7 @@ class EngineClient:
         self._children[request_id] = [c.request_id for c in children]
         for child in children:
             self._parent[child.request_id] = request_id
-            self._core.put(("add", child))
+            self._core.put(AddRequest(child))
             self._num_sent += 1
         return stream
 
@@ -229,7 +231,7 @@ class EngineClient:
         child_ids = self._forget(request_id)
         if result is not None:
             if child_ids and self.healthy:
-                self._core.put(("abort", child_ids))
+                self._core.put(AbortRequests(child_ids))
             if self.metrics is not None:
                 self.metrics.on_abort(result)
 
@@ -239,7 +241,7 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason or "the engine core process is not running")
         waiter = asyncio.get_running_loop().create_future()
         self._reset_waiters.append(waiter)
-        self._core.put(("reset_prefix_cache",))
+        self._core.put(ResetPrefixCache())
         return await waiter
 
     def _forget(self, request_id: str) -> list[str]:
@@ -256,32 +258,32 @@ class EngineClient:
         except RuntimeError:  # loop closed during shutdown
             pass
 
-    def _on_message(self, core: CoreHandle, msg: tuple) -> None:
+    def _on_message(self, core: CoreHandle, msg: object) -> None:
         if core is not self._core:
             return  # from a core that was replaced
         self._last_progress = time.monotonic()
-        kind = msg[0]
         try:
-            if kind == "step":
-                self._on_step(msg[1])
-                self._on_stats(msg[2])
-            elif kind == "stats":
-                self._on_stats(msg[1])
-            elif kind == "rejected":
-                self._on_rejected(msg[1], msg[2], msg[3])
-            elif kind == "prefix_cache_reset":
-                if self._reset_waiters:
-                    self._reset_waiters.pop(0).set_result(msg[1])
-            elif kind == "fatal":
-                logger.error("engine core failed:\n%s", msg[1])
-                self._on_dead(core, "the engine core failed; see the server log")
+            match msg:
+                case StepDone(outputs, stats):
+                    self._on_step(outputs)
+                    self._on_stats(stats)
+                case StatsChanged(stats):
+                    self._on_stats(stats)
+                case AddRejected(request_id, message, param):
+                    self._on_rejected(request_id, message, param)
+                case PrefixCacheReset(num_blocks_dropped):
+                    if self._reset_waiters:
+                        self._reset_waiters.pop(0).set_result(num_blocks_dropped)
+                case CoreFailed(message):
+                    logger.error("engine core failed:\n%s", message)
+                    self._on_dead(core, "the engine core failed; see the server log")
         except Exception:  # a bug here must not kill the reader; fail loudly in the log
-            logger.exception("error handling engine core message %r", kind)
+            logger.exception("error handling engine core message %s", type(msg).__name__)
 
     def _on_step(self, core_outputs: list) -> None:
         results, to_abort = self._processor.process(core_outputs)
         if to_abort:
-            self._core.put(("abort", to_abort))  # stop strings found here: free their blocks now
+            self._core.put(AbortRequests(to_abort))  # stop strings found here: free their blocks now
         if self.metrics is not None and results:
             self.metrics.on_outputs(results)
         for result in results:
@@ -289,7 +291,7 @@ class EngineClient:
             error = failure_of(result)
             if error is not None:  # one sample failed: the request fails (its other samples stop too)
                 self._processor.abort(result.request_id)
-                self._core.put(("abort", self._forget(result.request_id)))  # unknown ids are ignored
+                self._core.put(AbortRequests(self._forget(result.request_id)))  # unknown ids are ignored
                 if stream is not None:
                     stream.put(error)
                 continue
@@ -311,7 +313,7 @@ class EngineClient:
         self._processor.abort(request_id)
         others = [c for c in self._forget(request_id) if c != core_request_id]
         if others:
-            self._core.put(("abort", others))
+            self._core.put(AbortRequests(others))
         if stream is not None:
             stream.put(RequestRejected(message, param))
 

@@ -1,80 +1,30 @@
-"""HTTP plumbing for long requests: SSE responses and noticing a client that went away.
+"""The server's streamed responses: SSE events, several requests' outputs merged.
 
-Both paths watch the ASGI `receive` channel for `http.disconnect` while generating, and cancel
-the generation when it arrives; cancellation closes the request's `RequestStream`, which aborts
-it in the engine core (its KV blocks are freed at the core's next step).
+A response stops when the client goes away (`tokenmill.asgi`); cancellation closes the request's
+`RequestStream`, which aborts it in the engine core (its KV blocks are freed at the core's next step).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.server.request_stream import RequestStream, StreamOutput
+from tokenmill.asgi import ClientDisconnected, run_until_disconnect, stream_response
+
+if TYPE_CHECKING:
+    from tokenmill.server.request_stream import RequestStream, StreamOutput
+
+__all__ = ["ClientDisconnected", "SSEResponse", "choice_chunk_builder", "gather_or_cancel", "merge_streams",
+           "run_until_disconnect", "sse"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before the response was ready."""
-
-
-async def wait_for_disconnect(receive: Receive) -> None:
-    """Return when the client disconnects (the request body must already have been read)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and raising ClientDisconnected) if the client leaves first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    watcher.cancel()
-    if not task.done():  # the client left first
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientDisconnected
-    return task.result()
-
-
-async def stream_response(send: Send, receive: Receive, status: int, headers: list[tuple[bytes, bytes]],
-                          pump: Callable[[Send], Awaitable[None]], aclose: Callable[[], Awaitable[object]]
-                          ) -> BaseException | None:
-    """Start a streamed response and run `pump(send)` until it ends or the client disconnects; then
-    cancel what still runs and close the source with `aclose` (errors there are no longer anyone's to
-    answer). Returns the pump's exception, if it raised one."""
-    tasks: list[asyncio.Future] = []
-    try:
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        tasks = [asyncio.ensure_future(pump(send)), asyncio.ensure_future(wait_for_disconnect(receive))]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        return tasks[0].exception() if tasks[0].done() and not tasks[0].cancelled() else None
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        with contextlib.suppress(Exception):
-            await aclose()
 
 
 def sse(data: dict | str) -> str:

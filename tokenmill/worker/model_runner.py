@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from tokenmill.attention.backend import get_attention_backend
+from tokenmill.attention.selector import get_attention_backend
 from tokenmill.attention.kv_quant import SCALE_DTYPE, is_quantized
 from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig
 from tokenmill.attention.metadata import CommonAttentionMetadata, build_common_metadata

@@ -1,0 +1,87 @@
+"""The worker side of a parallel engine: what a rank runs, as a process spawned by
+`MultiprocExecutor` (`process_main`) or as a Ray actor (`ray_workers.py`), both through `serve_rank`.
+The driver (rank 0, in the engine core's process) joins the group with the same `join_and_load`."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.distributed import parallel_state
+from tokenmill.executor.abstract import load_configured_model
+from tokenmill.loader import LoadedModel
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def join_and_load(config: EngineConfig, rank: int, init_method: str) -> LoadedModel:
+    """Join the group (a world of tp * pp ranks) and load this rank's shard of the model."""
+    device = torch.device(config.device)
+    p = config.parallel
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    else:  # each rank its own share of the cores (the runner then uses that many threads)
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= p.world_size:
+            share = len(cores) // p.world_size
+            os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
+    parallel_state.init_model_parallel(rank, p.tensor_parallel_size, p.pipeline_parallel_size, init_method, device,
+                                       p.pipeline_layer_partition)
+    loaded = load_configured_model(config)
+    if p.pipeline_parallel_size > 1 and not hasattr(loaded.model.model, "stage_layers"):
+        raise ValueError(f"--pipeline-parallel-size: {type(loaded.model).__name__} does not split into pipeline "
+                         "stages yet (Llama-family and DeepSeek models do)")
+    return loaded
+
+
+def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
+    """A worker rank (a process or a Ray actor): load its shard, then run what the driver sends until
+    told to stop; a failure is logged and ends the process (the driver sees a dead rank)."""
+    from tokenmill.executor.pipeline import serve_pipeline_stage  # pipeline.py builds on the driver's module
+
+    try:
+        runner = ModelRunner(join_and_load(config, rank, init_method), config)
+        if config.parallel.pipeline_parallel_size > 1:
+            serve_pipeline_stage(runner)
+        else:
+            _serve_tensor_parallel(runner)
+    except Exception:  # noqa: BLE001 - a worker's failure is logged here; the driver sees it as a dead rank
+        logger.exception("rank %d failed", rank)
+        os._exit(1)
+    parallel_state.destroy_tensor_parallel()
+
+
+def _serve_tensor_parallel(runner: ModelRunner) -> None:
+    """Run whatever the driver broadcasts until told to stop."""
+    while True:
+        kind, payload = parallel_state.broadcast_object()
+        if kind == "step":
+            runner.execute(payload)
+        elif kind == "kv":
+            runner.initialize_kv_cache(payload)
+            runner.warm_up()
+        elif kind == "stop":
+            break
+
+
+def process_main(config: EngineConfig, rank: int, init_method: str) -> None:
+    """A worker process's entry point (spawned by `WorkerProcesses`): ends with its parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s [rank{rank}] %(message)s")
+    parent = multiprocessing.parent_process()
+
+    def watch_parent() -> None:  # an orphaned worker would otherwise wait in a collective
+        while parent is None or parent.is_alive():
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    serve_rank(config, rank, init_method)
