@@ -126,7 +126,7 @@ def _loop(core, inputs, outputs) -> None:
                     try:
                         core.add_request(request)
                     except RequestRejected as e:
-                        outputs.put(AddRejected(request.request_id, str(e), e.param))
+                        outputs.put(AddRejected(request.request_id, str(e), e.param, e.code))
                     except Exception:  # noqa: BLE001 - one bad request must not take the engine down
                         logger.exception("request %s could not be added", request.request_id)
                         core.abort_requests([request.request_id])

@@ -269,8 +269,8 @@ class EngineClient:
                     self._on_stats(stats)
                 case StatsChanged(stats):
                     self._on_stats(stats)
-                case AddRejected(request_id, message, param):
-                    self._on_rejected(request_id, message, param)
+                case AddRejected(request_id, message, param, code):
+                    self._on_rejected(request_id, message, param, code)
                 case PrefixCacheReset(num_blocks_dropped):
                     if self._reset_waiters:
                         self._reset_waiters.pop(0).set_result(num_blocks_dropped)
@@ -305,7 +305,7 @@ class EngineClient:
         if self.metrics is not None:
             self.metrics.on_stats(stats)
 
-    def _on_rejected(self, core_request_id: str, message: str, param: str | None) -> None:
+    def _on_rejected(self, core_request_id: str, message: str, param: str | None, code: str) -> None:
         request_id = self._parent.get(core_request_id)
         if request_id is None:
             return
@@ -315,7 +315,7 @@ class EngineClient:
         if others:
             self._core.put(AbortRequests(others))
         if stream is not None:
-            stream.put(RequestRejected(message, param))
+            stream.put(RequestRejected(message, param, code))
 
     def _fail_all(self, reason: str) -> None:
         for stream in list(self._streams.values()):

@@ -82,11 +82,13 @@ class StatsChanged:
 
 @dataclass(frozen=True)
 class AddRejected:
-    """The core refused an add (it never crashes the loop); `param`: the request field at fault."""
+    """The core refused an add (it never crashes the loop); `param`: the request field at fault,
+    `code`: the kind of fault (`RequestRejected.code`)."""
 
     request_id: str
     message: str
     param: str | None
+    code: str = "invalid_value"
 
 
 @dataclass(frozen=True)

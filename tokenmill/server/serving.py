@@ -44,8 +44,7 @@ def engine_error(e: Exception, structured_param: str | None = None) -> APIError:
         return APIError(504, str(e), "timeout_error", None, "request_timeout")
     if isinstance(e, RequestRejected):
         param = structured_param if e.param == "structured_output" and structured_param else e.param
-        limit = "context" in str(e) or "KV cache" in str(e)
-        return bad_request(str(e), param, "context_length_exceeded" if limit else "invalid_value")
+        return bad_request(str(e), param, e.code)
     if isinstance(e, RequestFailed):
         return APIError(500, str(e), "internal_server_error", None, "engine_request_failed")
     return APIError(500, "internal server error", "internal_server_error", None, None)
