@@ -127,8 +127,9 @@ class _SamplingRequest(_Body):
                               found[1][1])
         return found[0] if found else None
 
-    def _logit_bias(self) -> dict[int, float] | None:
-        """OpenAI's {"token id as a string": bias in [-100, 100]}."""
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """OpenAI's {"token id as a string": bias in [-100, 100]}, keyed by the ids (a 400 for a key that
+        is not one); the only place its keys are parsed."""
         if not self.logit_bias:
             return None
         bias = {}
@@ -151,7 +152,7 @@ class _SamplingRequest(_Body):
                   "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,
                   "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
                   "include_stop_str_in_output": self.include_stop_str_in_output,
-                  "structured_output": structured_output, "logit_bias": self._logit_bias(),
+                  "structured_output": structured_output, "logit_bias": self.logit_bias_ids(),
                   "prompt_logprobs": prompt_logprobs, "speculative": self.speculative}
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
