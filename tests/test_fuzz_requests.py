@@ -57,9 +57,9 @@ SAMPLING = {
     "stop_token_ids": field(st.lists(ints, max_size=3)),
     "logit_bias": field(st.dictionaries(keys, floats, max_size=5)),
     "priority": field(ints), "ignore_eos": field(st.booleans()), "prompt_logprobs": field(ints),
-    "structured_outputs": field(st.one_of(st.fixed_dictionaries({"regex": regexes}),
-                                          st.fixed_dictionaries({"json": schemas}),
-                                          st.fixed_dictionaries({"choice": st.lists(st.text(max_size=4), max_size=3)}))),
+    "structured_outputs": field(st.one_of(
+        st.fixed_dictionaries({"regex": regexes}), st.fixed_dictionaries({"json": schemas}),
+        st.fixed_dictionaries({"choice": st.lists(st.text(max_size=4), max_size=3)}))),
     "response_format": field(st.one_of(st.just({"type": "json_object"}),
                                        schemas.map(lambda s: {"type": "json_schema",
                                                               "json_schema": {"name": "x", "schema": s}}))),

@@ -142,7 +142,8 @@ def test_an_empty_language_is_refused_when_the_request_starts(spec):
     manager = _manager()
     try:
         kind, value = spec
-        state = _state(manager, StructuredOutputSpec.json(value) if kind == "json" else StructuredOutputSpec(kind, value))
+        spec = StructuredOutputSpec.json(value) if kind == "json" else StructuredOutputSpec(kind, value)
+        state = _state(manager, spec)
         error = state.start()
         assert error is not None and "matches no output" in error
     finally:
