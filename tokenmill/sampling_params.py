@@ -10,6 +10,10 @@ from tokenmill.structured.spec import ReasoningSpec, StructuredOutputSpec
 _GREEDY_EPS = 1e-5
 # Most top-N logprobs a request may ask for per generated token.
 MAX_LOGPROBS = 20
+# The seeds torch.Generator.manual_seed takes: any 64-bit value, signed or unsigned. Sample i of an n > 1
+# request is seeded with seed + i, so seed + n - 1 must fit too: checked here, when the request is admitted,
+# not when the model runner builds the generator in the middle of a step of other requests.
+SEED_MIN, SEED_END = -(2**63), 2**64
 
 
 def _is_int(x) -> bool:
@@ -94,8 +98,9 @@ class SamplingParams:
                 bad(field, "must be in [-2, 2]")
         if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be > 0")
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", "must be an int or None")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_END - self.n):
+            bad("seed", f"must fit in 64 bits, as must seed + n - 1 (sample i of n is seeded with seed + i): "
+                        f"an int in [-2**63, 2**64 - {self.n}]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             bad("max_tokens", "must be an int >= 0 or None")
         if self.max_tokens == 0 and self.prompt_logprobs is None:

@@ -367,10 +367,12 @@ class EngineCore:
                 elif state is not None and state.needs_mask and request.samples_after(num_new):
                     masks.append(self.structured.bitmask([state]))
                     constrained.append(rid)
-            except Exception:  # noqa: BLE001 - only this request is lost
+            except Exception as e:  # noqa: BLE001 - only this request is lost
+                from tokenmill.structured.manager import grammar_failure
+
                 logger.exception("request %s: its grammar failed", rid)
                 del sched.num_scheduled_tokens[rid]
-                failed.append(self._fail(rid, "the structured-output grammar failed"))
+                failed.append(self._fail(rid, *grammar_failure(e)))
         if constrained or verifying:
             first, verify_rows = len(constrained), {}
             for rid, m in zip(verifying, verify_masks):
@@ -379,13 +381,14 @@ class EngineCore:
             sched.grammar = GrammarBitmask(constrained, torch.cat(masks + verify_masks), verify_rows)
         return failed
 
-    def _fail(self, request_id: str, error: str) -> EngineCoreOutput:
+    def _fail(self, request_id: str, error: str, error_param: str | None = None) -> EngineCoreOutput:
         """Finish a request because the engine failed on it (its blocks return to the pool)."""
         request = self.requests.pop(request_id)
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         return EngineCoreOutput(request_id=request_id, new_token_ids=[], timestamp=time.monotonic(),
                                 finish_reason="abort", arrival_time=request.times.arrival,
-                                first_scheduled_time=request.times.first_scheduled, error=error)
+                                first_scheduled_time=request.times.first_scheduled, error=error,
+                                error_param=error_param)
 
     def _output(self, update: RequestUpdate) -> EngineCoreOutput:
         request, status = update.request, update.status

@@ -21,9 +21,10 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.router.upstream import (CLIENT_CLOSED, add_generation_routes, error_body, read_body, relay,
-                                      request_headers, response_headers)
 from tokenmill.asgi import ClientDisconnected, run_until_disconnect
+from tokenmill.http_front import install_error_handlers, parse_json_object, read_body
+from tokenmill.router.upstream import (CLIENT_CLOSED, add_generation_routes, error_body, relay, request_headers,
+                                      response_headers)
 
 logger = logging.getLogger("tokenmill.disagg_proxy")
 
@@ -63,6 +64,7 @@ def build_proxy_app(prefill_url: str, decode_url: str, connect_timeout: float = 
             await holder["client"].aclose()
 
     app = FastAPI(title="tokenmill disagg-proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app, logger)
 
     def unreachable(which: int, e: Exception) -> JSONResponse:
         message = f"the {names[which]} server ({urls[which]}) failed: {type(e).__name__}"
@@ -84,10 +86,7 @@ def build_proxy_app(prefill_url: str, decode_url: str, connect_timeout: float = 
 
     async def generation(request: Request, path: str) -> Response:
         body = await read_body(request, MAX_BODY_BYTES)
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = None  # the decode server answers the 400
+        data = parse_json_object(body)  # the server's 400 for a body neither server would take, answered here
         if not transferable(data):
             return await forward(request, DECODE, "POST", path, body)
         transfer_id = f"xfer-{uuid.uuid4().hex}"

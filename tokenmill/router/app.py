@@ -17,17 +17,16 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tokenmill.http_front import install_error_handlers, parse_json_object, read_body
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import PrefixPolicy
 from tokenmill.router.prompt import routing_text
 from tokenmill.router.replicas import ReplicaSet, check_all, health_loop
-from tokenmill.router.upstream import (CLIENT_CLOSED, add_generation_routes, error_body, read_body, relay,
-                                      request_headers)
 from tokenmill.asgi import ClientDisconnected, run_until_disconnect
+from tokenmill.router.upstream import CLIENT_CLOSED, add_generation_routes, error_body, relay, request_headers
 
 logger = logging.getLogger("tokenmill.router")
 
@@ -77,11 +76,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
     app = FastAPI(title="tokenmill router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.replicas, app.state.policy, app.state.metrics = replicas, policy, metrics
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        body = error_body(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind, None)
-        return JSONResponse(body, status_code=e.status_code)
+    install_error_handlers(app, logger)
 
     def unavailable(message: str) -> JSONResponse:
         metrics.unavailable.inc()
@@ -136,6 +131,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
 
     async def generation(request: Request, path: str) -> Response:
         body = await read_body(request, settings.max_body_bytes)
+        parse_json_object(body)  # the server's 400 for a body no replica would take, answered here
         return await forward(request, "POST", path, body, routing_text(path, body))
 
     add_generation_routes(app, generation)

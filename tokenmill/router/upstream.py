@@ -7,12 +7,12 @@ import json
 from collections.abc import Awaitable, Callable
 
 import httpx
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.asgi import ClientDisconnected, run_until_disconnect, stream_response
+from tokenmill.http_front import APIError
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; it never reaches anyone
 
@@ -52,20 +52,8 @@ def add_generation_routes(app, generation: Callable[[Request, str], Awaitable[Re
         app.add_api_route(path, route_for(path), methods=["POST"], include_in_schema=False)
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The client's request body; 413 once it exceeds `max_bytes`."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise HTTPException(413, f"request body exceeds {max_bytes} bytes")
-    return bytes(body)
-
-
 def error_body(status: int, message: str, kind: str, code: str) -> dict:
     """An OpenAI-style error, as the replicas send them."""
-    from tokenmill.server.protocol import APIError
-
     return APIError(status, message, kind, None, code).to_dict()
 
 

@@ -1,8 +1,8 @@
 """The FastAPI app: routes, API-key check, body limits, and OpenAI-style errors for everything.
 
-No route lets an exception reach the client as a stack trace: `APIError`s carry their status,
-HTTP errors (404 route, 405 method) are reshaped, anything else is logged and answered with a
-plain 500.
+No route lets an exception reach the client as a stack trace: the body limit and the error handlers
+are the ones every front shares (`tokenmill/http_front.py`): `APIError`s carry their status, HTTP
+errors (404 route, 405 method) are reshaped, anything else is logged and answered with a JSON 500.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import tokenmill
+from tokenmill.http_front import install_error_handlers, read_body
 from tokenmill.server.engine_client import EngineClient
 from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.limits import RequestLimits
@@ -75,28 +75,11 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
     app.state.ctx = ctx
     app.openapi = lambda: _openapi(app)
 
-    # ---- errors ------------------------------------------------------------------------------
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path}: {e.detail}"
-        return JSONResponse(APIError(e.status_code, message, kind).to_dict(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+    install_error_handlers(app, logger)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         return JSONResponse(bad_request(f"invalid request: {e.errors()[0].get('msg')}").to_dict(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
-        body = APIError(500, "internal server error (see the server log)", "internal_server_error").to_dict()
-        return JSONResponse(body, status_code=500)
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -109,20 +92,6 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
         if not ok:
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                            "authentication_error", None, "invalid_api_key")
-
-    async def read_body(request: Request) -> bytes:
-        limit = settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                           "invalid_request_error", None, "request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
-                               None, "request_too_large")
-        return bytes(body)
 
     # ---- routes ----------------------------------------------------------------------------------
 
@@ -158,7 +127,8 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
         """The OpenAI generation endpoints: stamp arrival, check the key, parse the body, serve."""
         arrival = time.monotonic()
         check_api_key(request)
-        return await create(ctx, parse_body(body_type, await read_body(request)), request, arrival)
+        body = await read_body(request, settings.max_body_bytes)
+        return await create(ctx, parse_body(body_type, body), request, arrival)
 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest), summary="Completions (OpenAI)")
     async def completions(request: Request) -> Response:
@@ -181,7 +151,7 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
     @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         check_api_key(request)
-        req = parse_body(TokenizeRequest, await read_body(request))
+        req = parse_body(TokenizeRequest, await read_body(request, settings.max_body_bytes))
         ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of prompt or messages", "prompt")
@@ -197,7 +167,7 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
     @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         check_api_key(request)
-        req = parse_body(DetokenizeRequest, await read_body(request))
+        req = parse_body(DetokenizeRequest, await read_body(request, settings.max_body_bytes))
         ctx.check_model(req.model)
         ctx.check_token_ids(req.tokens, "tokens")
         return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})

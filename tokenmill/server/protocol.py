@@ -22,26 +22,10 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tokenmill.http_front import APIError, bad_request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.limits import CHAT_TEMPLATE_KWARGS
 from tokenmill.structured.spec import StructuredOutputSpec
-
-
-class APIError(Exception):
-    """An error to send as `{"error": {"message", "type", "param", "code"}}` with `status`."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
 
 
 # ---- request bodies -------------------------------------------------------------------------------
@@ -143,15 +127,21 @@ class _SamplingRequest(_Body):
                               found[1][1])
         return found[0] if found else None
 
-    def _logit_bias(self) -> dict[int, float] | None:
-        """OpenAI's {"token id as a string": bias in [-100, 100]}."""
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """OpenAI's {"token id as a string": bias in [-100, 100]}, keyed by the ids (a 400 for a key that
+        is not one); the only place its keys are parsed."""
         if not self.logit_bias:
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit():
-                raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
-            bias[int(key)] = value
+            try:  # ASCII only: str.isdigit() and int() also take other scripts' digits ("²" is a digit, no int)
+                token = int(key) if key.isascii() else -1
+            except ValueError:
+                token = -1
+            if token < 0:
+                raise bad_request(f"logit_bias keys must be token ids (decimal integers >= 0), got {key[:40]!r}",
+                                  "logit_bias")
+            bias[token] = value
         return bias
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
@@ -162,7 +152,7 @@ class _SamplingRequest(_Body):
                   "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,
                   "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
                   "include_stop_str_in_output": self.include_stop_str_in_output,
-                  "structured_output": structured_output, "logit_bias": self._logit_bias(),
+                  "structured_output": structured_output, "logit_bias": self.logit_bias_ids(),
                   "prompt_logprobs": prompt_logprobs, "speculative": self.speculative}
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
@@ -170,8 +160,6 @@ class _SamplingRequest(_Body):
             kwargs["kv_transfer_id"] = self._kv_transfer_id()
         if not -(2**63) <= self.priority < 2**63:
             raise bad_request(f"priority must fit in 64 bits, got {self.priority}", "priority")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise bad_request(f"seed must fit in 64 bits, got {self.seed}", "seed")
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)

@@ -115,7 +115,7 @@ class ServingContext:
         if len(bias) > lim.max_logit_bias:
             raise bad_request(f"logit_bias has {len(bias)} entries; at most {lim.max_logit_bias} are allowed",
                               "logit_bias")
-        self.check_token_ids([int(k) for k in bias if k.isdigit()], "logit_bias")
+        self.check_token_ids(list(req.logit_bias_ids() or ()), "logit_bias")
         tools = getattr(req, "tools", None) or []
         if len(tools) > lim.max_tools:
             raise bad_request(f"tools has {len(tools)} entries; at most {lim.max_tools} are allowed", "tools")

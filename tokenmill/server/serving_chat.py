@@ -294,8 +294,8 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, plan: _ChatPl
         if include_usage:
             yield sse(dict(base, choices=[], usage=usage(num_prompt, completion_tokens, cached,
                                                          _reasoning_tokens(ctx, plan, tokens))))
-    except ENGINE_ERRORS as e:
-        yield sse(engine_error(e).to_dict())
+    except ENGINE_ERRORS as e:  # the same error as a non-streamed request gets (a dead-end grammar: a 400)
+        yield sse(engine_error(e, plan.structured_param).to_dict())
     finally:
         stream.close()
     yield "data: [DONE]\n\n"

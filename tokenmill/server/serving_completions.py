@@ -64,7 +64,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     structured_param = spec[1] if spec else None
     await wait_started(streams, structured_param)
     if req.stream:
-        events = _stream(ctx, req, request_id, model, created, prompts, streams)
+        events = _stream(ctx, req, request_id, model, created, prompts, streams, structured_param)
         return SSEResponse(events, on_close=lambda: [s.close() for s in streams])
     try:
         finals = await run_until_disconnect(request, gather_or_cancel(*(_last(s) for s in streams)))
@@ -118,7 +118,7 @@ def _prompt_fields(ctx: ServingContext, req: CompletionRequest, ids: list[int], 
 
 
 async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str, created: int,
-                  prompts: list[tuple[str, list[int]]], streams: list[RequestStream]):
+                  prompts: list[tuple[str, list[int]]], streams: list[RequestStream], structured_param: str | None):
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": None}
     include_usage = req.include_usage
@@ -163,8 +163,8 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             yield sse(dict(base, choices=[], usage=usage(prompt_tokens, completion_tokens, sum(cached))))
-    except ENGINE_ERRORS as e:
-        yield sse(engine_error(e).to_dict())
+    except ENGINE_ERRORS as e:  # the same error as a non-streamed request gets (a dead-end grammar: a 400)
+        yield sse(engine_error(e, structured_param).to_dict())
     finally:
         for s in streams:
             s.close()

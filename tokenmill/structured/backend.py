@@ -114,6 +114,7 @@ class GrammarMatcher:
         import xgrammar as xgr
 
         self._m = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)  # unlimited rollback
+        self._vocab_size = compiled.tokenizer_info.vocab_size
         self.num_accepted = 0
 
     def accept(self, tokens: list[int]) -> int:
@@ -153,6 +154,15 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (1 bit per token)."""
         self._m.fill_next_token_bitmask(bitmask, row)
+
+    def allows_nothing(self) -> bool:
+        """True when no token (a stop token included) may come next: the grammar's language is empty
+        from here on. Checked once when the matcher starts, so such a constraint is refused at admission."""
+        if self.is_terminated():
+            return False
+        bitmask = allocate_bitmask(1, self._vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        return not bitmask.any()
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted: the output is complete and must end."""

@@ -37,6 +37,19 @@ from tokenmill.structured.spec import ReasoningSpec, StructuredOutputSpec, clean
 logger = logging.getLogger(__name__)
 
 
+class ConstraintDeadEnd(ValueError):
+    """The grammar allows no next token and is not complete: a constraint no output can satisfy (the
+    client's fault: the request ends with a 400 naming the constraint, not an engine failure)."""
+
+
+def grammar_failure(e: Exception) -> tuple[str, str | None]:
+    """The error message and error_param of a request whose grammar failed during a step: a dead end
+    names the constraint (`structured_output`), anything else is the engine's failure."""
+    if isinstance(e, ConstraintDeadEnd):
+        return str(e), "structured_output"
+    return "the structured-output grammar failed", None
+
+
 class _ReasoningTracker:
     def __init__(self, spec: ReasoningSpec) -> None:
         self.spec = spec
@@ -92,6 +105,8 @@ class StructuredState:
             return f"cannot compile the {self.spec.kind} constraint: {clean_error(e)}"
         self.matcher = GrammarMatcher(compiled, self._stop_token_ids)
         self.future = None
+        if self.matcher.allows_nothing():  # e.g. the regex "[^\\s\\S]", or a schema that is only a $ref to itself
+            return f"the {self.spec.kind} constraint matches no output at all: no token can start it"
         return None
 
     @property
@@ -153,6 +168,9 @@ class StructuredOutputManager:
             self._bitmask = allocate_bitmask(max(len(states), 2 * self._bitmask.shape[0]), self.vocab_size)
         for row, state in enumerate(states):
             state.fill(self._bitmask, row)
+            if not self._bitmask[row].any():
+                raise ConstraintDeadEnd(f"the {state.spec.kind} constraint cannot be continued: no token can "
+                                        f"follow the {state.matcher.num_accepted} tokens generated so far")
         return self._bitmask[: len(states)].clone()
 
     def bitmask_for_draft(self, state: StructuredState, drafts: list[int]) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""What every HTTP front (`serve`, `router`, `disagg-proxy`) does the same way with a request: read the
+body under a size limit, parse JSON under a depth limit, and answer every failure as an OpenAI-style
+JSON error (`{"error": {"message", "type", "param", "code"}}`), never a plain-text 500.
+
+Kept free of torch, pydantic and the engine: the router and the proxy import it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+# How deeply a body's arrays and objects may nest: pydantic's JSON parser (the server's) stops at this
+# depth, so every front refuses the same bodies.
+MAX_JSON_DEPTH = 200
+
+
+class APIError(Exception):
+    """An error to send as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def invalid_json(message: str) -> APIError:
+    return bad_request(message, None, "invalid_json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; 413 as soon as it is known to exceed `limit` bytes (declared or received)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                       "invalid_request_error", None, "request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error", None,
+                           "request_too_large")
+    return bytes(body)
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A body that must be a JSON object, or a 400: empty, not UTF-8 JSON, nested deeper than
+    MAX_JSON_DEPTH, or not an object at the top."""
+    if not raw.strip():
+        raise invalid_json("the request body is empty; send a JSON object")
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise invalid_json(f"the request body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise invalid_json(f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(data, dict):
+        raise invalid_json("the request body must be a JSON object")
+    if _deeper_than(data, MAX_JSON_DEPTH):
+        raise invalid_json(f"the request body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels")
+    return data
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether arrays / objects nest more than `limit` levels (iteratively: no recursion to overflow)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def install_error_handlers(app, logger: logging.Logger) -> None:
+    """APIError with its status; Starlette's HTTP errors (404 route, 405 method) reshaped; anything
+    else logged and answered with a JSON 500 (no stack trace reaches the client)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(APIError(e.status_code, message, kind).to_dict(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        body = APIError(500, "internal server error (see the server log)", "internal_server_error").to_dict()
+        return JSONResponse(body, status_code=500)
