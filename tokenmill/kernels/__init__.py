@@ -3,9 +3,10 @@
 All of them are one extension module, built when the package is installed (setup.py) once per
 instruction-set variant (`variants`: portable x86-64, AVX2, AVX2 + AVX-VNNI, AVX-512 + VNNI);
 `cpu_kernels()` loads the best variant this CPU runs, so a first start compiles nothing. Where no
-prebuilt variant fits (another architecture, or the package was installed without them) or the sources
-have changed since the install, it builds them from source into a cache instead, once per CPU kind
-(`-march=native`, about a minute on two cores), saying so in the log. It returns None when neither
+prebuilt variant fits (another architecture), it is missing (installed without them, or built against
+another torch) or the sources have changed since the install, it builds them from source into a cache
+instead, once per CPU kind (`-march=native`, or the variant's flags; about a minute on two cores),
+saying so in the log. It returns None when neither
 works here (no compiler, no OpenMP), so callers fall back to plain torch ops.
 
 $TOKENMILL_CPU_ARCH chooses the build: a variant's name loads that variant (`x86-64`: the portable
@@ -59,7 +60,7 @@ def _load():
 
 
 def _prebuilt(variant: variants.Variant):
-    """(the variant's installed module, None) or (None, why it cannot be used)."""
+    """(the variant's installed module, "") or (None, why it cannot be used)."""
     try:
         module = importlib.import_module(f"{__name__}.{variant.module}")
     except ImportError as e:
