@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile

@@ -67,7 +67,7 @@ def _prebuilt(variant: variants.Variant):
         return None, f"prebuilt variant {variant.name} not installed ({e})"
     source = variants.sources_dir()
     if source is not None and module.sources_hash != variants.sources_hash(source):
-        return None, f"prebuilt variant {variant.name} is older than {source} (reinstall to rebuild it)"
+        return None, f"prebuilt variant {variant.name} was built from other sources than {source} (reinstall)"
     return module, ""
 
 
