@@ -68,7 +68,8 @@ def kernel_build():
             python_cflags = set(sysconfig.get_config_var("CFLAGS").split())
             for command in ("compiler_so", "linker_so", "linker_so_cxx"):
                 if hasattr(self.compiler, command):
-                    setattr(self.compiler, command, [f for f in getattr(self.compiler, command) if f not in python_cflags])
+                    flags = [f for f in getattr(self.compiler, command) if f not in python_cflags]
+                    setattr(self.compiler, command, flags)
             super().build_extensions()
 
         def build_extension(self, ext):
