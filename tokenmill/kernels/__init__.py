@@ -1,13 +1,17 @@
-"""C++ CPU kernels, compiled on first use with the system compiler (`torch.utils.cpp_extension`).
+"""C++ CPU kernels (csrc/ at the repository root), with a Python wrapper module per kernel family here.
 
-Each kernel module keeps its source next to a Python wrapper; `cpu_kernels()` compiles them all as
-one extension (one translation unit, so the compiled decode step calls the very functions the
-Python wrappers call), once per CPU kind (`-march=native`), and returns None when that is
-impossible here (no compiler, no OpenMP), so callers fall back to plain torch ops.
+All of them are one extension module, built when the package is installed (setup.py) once per
+instruction-set variant (`variants`: portable x86-64, AVX2, AVX2 + AVX-VNNI, AVX-512 + VNNI);
+`cpu_kernels()` loads the best variant this CPU runs, so a first start compiles nothing. Where no
+prebuilt variant fits (another architecture), it is missing (installed without them, or built against
+another torch) or the sources have changed since the install, it builds them from source into a cache
+instead, once per CPU kind (`-march=native`, or the variant's flags; about a minute on two cores),
+saying so in the log. It returns None when neither
+works here (no compiler, no OpenMP), so callers fall back to plain torch ops.
 
-The sources include ATen and torch's pybind11 casters (`PRELUDE`), not `<torch/extension.h>`: that
-header adds the whole C++ frontend (modules, optimizers, autograd API), and parsing it took about
-half of a build (51 of ~90 s on a 2-core Zen 3, against 27 s for the prelude).
+$TOKENMILL_CPU_ARCH chooses the build: a variant's name loads that variant (`x86-64`: the portable
+scalar paths; `haswell`: AVX2 without VNNI; the tests run both), any other -march builds from source.
+$TOKENMILL_DISABLE_CPU_KERNELS=1 turns the kernels off.
 """
 
 from __future__ import annotations
@@ -15,79 +19,87 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import logging
 import os
 import platform
 import sys
 from pathlib import Path
 
+from tokenmill.kernels import variants
+
 logger = logging.getLogger(__name__)
 
-_built: dict[str, object] = {}
-
-# What the kernels use of torch: tensors and operators (ATen), at::parallel_for, and the bindings;
-# `torch::` names ATen's, as <torch/types.h> would
-PRELUDE = """
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/utils/pybind.h>
-namespace torch { using namespace at; }
-"""
+_loaded: list[object] = []  # [the module, or None], once looked for
 
 
 def cpu_kernels():
-    """The extension holding every kernel module's functions, or None when it cannot be built here.
-    Built with -ffp-contract=off: no multiply-add is fused unless the source writes one."""
-    from tokenmill.kernels import block_quant, decode_step, fp8_matmul, fused_ops, paged_attention
-
-    modules = (block_quant, fused_ops, paged_attention, decode_step, fp8_matmul)
-    return build("cpu", "\n".join(m._SOURCE for m in modules), [f for m in modules for f in m.FUNCTIONS],
-                 extra_cflags=("-ffp-contract=off",))
+    """The extension holding every kernel function, or None when it cannot be loaded nor built here."""
+    if not _loaded:
+        _loaded.append(None if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS") else _load())
+    return _loaded[0]
 
 
-def build(name: str, source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()):
-    """The compiled extension `name`, or None when it cannot be built here (logged once)."""
-    if name in _built:
-        return _built[name]
-    module = None
-    if not os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
-        # the build runs `ninja` from PATH; the one pip installed sits next to this Python
-        bin_dir = os.path.dirname(sys.executable)
-        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            arch = target_arch()
-            full_name = f"tokenmill_{name}_{_cpu_tag()}" + ("" if arch == "native" else f"_{arch.replace('-', '_')}")
-            build_dir = _build_root() / full_name
-            with _exclusive(build_dir):
-                module = load_inline(
-                    name=full_name,
-                    cpp_sources=PRELUDE + source,
-                    no_implicit_headers=True,
-                    functions=functions,
-                    extra_cflags=["-O3", f"-march={arch}", "-fopenmp", *extra_cflags],
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(build_dir),
-                    verbose=False,
-                )
-        except Exception as e:  # no compiler, no ninja, no OpenMP: fall back to torch ops
-            logger.warning("CPU kernel %s unavailable (%s); using torch ops instead", name, e)
-    _built[name] = module
-    return module
+def _load():
+    arch = os.environ.get("TOKENMILL_CPU_ARCH")
+    variant = variants.named(arch) if arch else variants.best_for(cpu_flags())
+    if variant is None:
+        why = f"$TOKENMILL_CPU_ARCH={arch} is not a prebuilt variant" if arch else "no prebuilt variant for this CPU"
+    else:
+        module, why = _prebuilt(variant)
+        if module is not None:
+            logger.info("CPU kernels: prebuilt variant %s", variant.name)
+            return module
+    source = variants.sources_dir()
+    if source is None:
+        logger.warning("CPU kernels unavailable (%s, and no sources to build); using torch ops instead", why)
+        return None
+    march = arch or (variant.name if variant else "native")
+    logger.warning("CPU kernels: building from source for %s (%s)", march, why)
+    return build_from_source(source, march)
 
 
-def target_arch() -> str:
-    """The -march the kernels are built for: `native` (every instruction set this CPU has: AVX2 and
-    FMA select the vector paths), or $TOKENMILL_CPU_ARCH, e.g. `x86-64` for the portable scalar
-    paths (what a CPU without AVX2 runs; the tests build it to check those paths too)."""
-    return os.environ.get("TOKENMILL_CPU_ARCH", "native")
+def _prebuilt(variant: variants.Variant):
+    """(the variant's installed module, "") or (None, why it cannot be used)."""
+    try:
+        module = importlib.import_module(f"{__name__}.{variant.module}")
+    except ImportError as e:
+        return None, f"prebuilt variant {variant.name} not installed ({e})"
+    source = variants.sources_dir()
+    if source is not None and module.sources_hash != variants.sources_hash(source):
+        return None, f"prebuilt variant {variant.name} was built from other sources than {source} (reinstall)"
+    return module, ""
+
+
+def build_from_source(source: Path, march: str, name: str = "cpu"):
+    """The sources in `source` compiled for -march `march` (`native`, or a variant's name: its flags) into
+    the cache (`_build_root`), or None when that fails here (logged)."""
+    # the build runs `ninja` from PATH; the one pip installed sits next to this Python
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    target = variants.Variant(march, frozenset())
+    full_name = f"tokenmill_{name}_{_cpu_tag()}" + ("" if march == "native" else target.module.removeprefix("_cpu"))
+    build_dir = _build_root() / full_name
+    try:
+        from torch.utils.cpp_extension import load
+
+        with _exclusive(build_dir):
+            return load(
+                name=full_name,
+                sources=[str(p) for p in variants.sources(source)],
+                extra_cflags=[*target.cflags, *variants.CFLAGS, f"-DTM_SOURCES_HASH={variants.sources_hash(source)}"],
+                extra_ldflags=list(variants.LDFLAGS),
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+    except Exception as e:  # no compiler, no ninja, no OpenMP: fall back to torch ops
+        logger.warning("CPU kernels unavailable (%s); using torch ops instead", e)
+        return None
 
 
 def _build_root() -> Path:
-    """Where builds are cached: $TORCH_EXTENSIONS_DIR, else ~/.cache/tokenmill/kernels."""
+    """Where builds from source are cached: $TORCH_EXTENSIONS_DIR, else ~/.cache/tokenmill/kernels."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenmill", "kernels")
     return Path(root)

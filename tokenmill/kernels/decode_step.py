@@ -2,8 +2,8 @@
 
 A decode step of a small model is thousands of tiny kernel calls: SmolLM2-135M runs 30 layers of
 about ten each per token, and from Python every call costs more in module dispatch, argument
-checks and temporaries than the kernel itself (about 40% of a token's time). This loop makes the
-same calls from C++, layer by layer, to the very functions the Python path calls (they are compiled
+checks and temporaries than the kernel itself (about 40% of a token's time). This loop (csrc/decode_step.cpp) makes the
+same calls from C++, layer by layer, to the very functions the Python path calls (they are linked
 into the same extension, `tokenmill.kernels.cpu_kernels`), in the same order on the same inputs,
 so its results are bit-identical to the module-by-module forward:
 
@@ -26,91 +26,9 @@ from torch import nn
 
 from tokenmill.kernels import cpu_kernels, paged_attention
 
-_SOURCE = r"""
-namespace decode_step {
-
-// A linear layer: kind 0 dense (w [N, K]), 1 blocks with float activations, 2 blocks with int8
-// activations (w: codes, then the rest of `block_quant.Blocks`); absent tensors are empty.
-struct Linear {
-  torch::Tensor w, high, scales, offsets, supers, bias;
-  int64_t kind, bits, center;
-};
-
-inline c10::optional<torch::Tensor> present(const torch::Tensor& t) {
-  return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
-}
-
-// As the Python path: F.linear for dense weights; the block kernel, then `out += bias`.
-torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
-  if (l.kind == 0) return at::linear(x, l.w, present(l.bias));
-  auto out = torch::empty({x.size(0), l.w.size(0)}, x.options());
-  const int64_t block = l.w.size(1) * (l.bits == 8 ? 1 : 2) / l.scales.size(1);
-  auto kernel = l.kind == 1 ? block_quant_matmul : block_quant_matmul_q8;
-  kernel(x, l.w, present(l.high), l.scales, present(l.offsets), present(l.supers), l.bits, block, l.center, out);
-  if (l.bias.numel()) out += l.bias;
-  return out;
-}
-
-}  // namespace decode_step
-
-// hidden: [T, hidden] (every token a decode); residual: the stream so far (absent before the first
-// layer). Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, k scales, v
-// scales (empty unless the cache is int8 / fp8), then
-// (w, high, scales, offsets, supers, bias) of qkv, o, gate_up, down; `ints` holds (kind, bits,
-// center) of those four.
-// Returns {hidden, residual} after the last layer (the final norm is the caller's).
-std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
-                                         torch::Tensor positions, torch::Tensor slots,
-                                         torch::Tensor block_tables, torch::Tensor context_lens,
-                                         torch::Tensor cos_sin, std::vector<torch::Tensor> tensors,
-                                         std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
-                                         int64_t head_dim, double eps, double scale) {
-  using decode_step::Linear;
-  const int64_t T = hidden.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
-  constexpr size_t kTensors = 6 + 4 * 6, kInts = 4 * 3;
-  const size_t layers = tensors.size() / kTensors;
-  torch::Tensor res = residual ? *residual : torch::Tensor();
-  for (size_t i = 0; i < layers; ++i) {
-    const torch::Tensor* t = tensors.data() + kTensors * i;
-    const int64_t* k = ints.data() + kInts * i;
-    auto make = [&](int j) {
-      const torch::Tensor* l = t + 6 + 6 * j;
-      return Linear{l[0], l[1], l[2], l[3], l[4], l[5], k[3 * j], k[3 * j + 1], k[3 * j + 2]};
-    };
-    const Linear qkv_proj = make(0), o_proj = make(1), gate_up_proj = make(2), down_proj = make(3);
-
-    auto normed = torch::empty_like(hidden);
-    add_rms_norm(hidden, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, t[0], eps, normed);
-    res = hidden;
-    auto qkv = decode_step::linear(qkv_proj, normed).view({T, H + 2 * KVH, D});
-    rotary_inplace(qkv.narrow(1, 0, H + KVH), positions, cos_sin);
-    const bool quantized = t[4].numel() > 0;
-    if (quantized)
-      write_kv_quantized(qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH), t[2], t[3], t[4], t[5], slots);
-    else
-      write_kv(qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH), t[2], t[3], slots);
-    auto attn = torch::empty({T, H, D}, hidden.options());
-    paged_decode_attention(qkv.narrow(1, 0, H).contiguous(), t[2], t[3], block_tables, context_lens, scale, 0, 0.0,
-                           attn, decode_step::present(t[4]), decode_step::present(t[5]));
-    auto o = decode_step::linear(o_proj, attn.view({T, H * D}));
-
-    normed = torch::empty_like(o);
-    add_rms_norm(o, res, t[1], eps, normed);
-    res = o;
-    auto gate_up = decode_step::linear(gate_up_proj, normed);
-    auto act = torch::empty({T, gate_up.size(1) / 2}, hidden.options());
-    silu_and_mul(gate_up, act);
-    hidden = decode_step::linear(down_proj, act);
-  }
-  return {hidden, res};
-}
-"""
-
-FUNCTIONS = ["decode_layers"]
-
 
 def load():
-    """The compiled extension, or None when it cannot be built here."""
+    """The compiled extension (`tokenmill.kernels.cpu_kernels`), or None when there is none here."""
     return cpu_kernels()
 
 

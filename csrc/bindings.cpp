@@ -1,0 +1,33 @@
+// The Python module of the CPU kernels: every function the wrappers in tokenmill/kernels call. Built once
+// per instruction-set variant (setup.py; TORCH_EXTENSION_NAME is the variant's module name), or from these
+// sources at run time where no prebuilt variant fits (tokenmill/kernels/__init__.py). Errors raised with
+// TORCH_CHECK reach Python as RuntimeError with their message (torch::wrap_pybind_function).
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "block_quant.h"
+#include "decode_step.h"
+#include "fp8_matmul.h"
+#include "fused_ops.h"
+#include "paged_attention.h"
+
+#define TM_DEF(name) m.def(#name, torch::wrap_pybind_function(name), #name)
+#define TM_STRING(x) TM_STRING_(x)
+#define TM_STRING_(x) #x
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  TM_DEF(block_quant_matmul);
+  TM_DEF(block_quant_matmul_q8);
+  TM_DEF(block_quant_dequantize);
+  TM_DEF(add_rms_norm);
+  TM_DEF(rotary_inplace);
+  TM_DEF(silu_and_mul);
+  TM_DEF(paged_decode_attention);
+  TM_DEF(write_kv);
+  TM_DEF(write_kv_quantized);
+  TM_DEF(decode_layers);
+  TM_DEF(fp8_matmul);
+  TM_DEF(fp8_dequantize);
+  // Which sources it was built from (a digest given by the build): a stale prebuilt module is not loaded.
+  m.attr("sources_hash") = TM_STRING(TM_SOURCES_HASH);
+}

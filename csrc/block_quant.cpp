@@ -1,0 +1,1140 @@
+#include "block_quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TM_SIMD 1
+#endif
+
+namespace {
+
+constexpr int64_t kSuper = 256;
+constexpr int kE2M1 = -4;  // bits of FP4 e2m1 nibbles (see the module docstring)
+constexpr int8_t kE2M1Codes[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};  // 12 + 2 * e2m1
+
+#ifdef TM_SIMD
+using Vec = __m256;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vset1(float a) { return _mm256_set1_ps(a); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float hsum(Vec v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// Per int32 lane, the sum of its four u8 x s8 byte products: VNNI's one instruction (vpdpbusd) where the
+// CPU has it (AVX-512 VNNI or AVX-VNNI), else AVX2's maddubs (pairs into saturating int16) + madd.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TM_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define TM_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+inline __m256i dot4(__m256i u, __m256i s) {
+#ifdef TM_VNNI
+  return dpbusd(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+// dot4(u0, s0) + dot4(u1, s1); AVX2 adds the int16 pair sums before widening them, so the callers keep
+// each lane's four pairs within int16 (codes below 64 times |x| <= 127). The same sums on either path.
+inline __m256i dot4x2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#ifdef TM_VNNI
+  return dpbusd(dpbusd(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
+                           _mm256_set1_epi16(1));
+#endif
+}
+
+#endif
+
+// A float16 value as float (F16C's one-instruction conversion where the vector paths are built).
+inline float to_float(c10::Half h) {
+#ifdef TM_SIMD
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+
+#ifdef TM_SIMD
+// Eight stored scales (float16 or int8) as floats.
+inline __m256 scale_vec(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 scale_vec(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// The activation scales of blocks b..b+7 (one per 32 values: blocks of 16 share them in pairs).
+inline __m256 block_dx(const float* dx, int64_t b, int64_t bs) {
+  return bs == 32 ? _mm256_loadu_ps(dx + b)
+                  : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(dx + b / 2)),
+                                             _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+#endif
+
+// A packed weight (see the Python module's docstring); pointers to row 0.
+struct Blocks {
+  const uint8_t* codes;
+  const uint8_t* high;
+  const c10::Half* scales;  // float16 storage, or:
+  const c10::Half* offsets;
+  const int8_t* scales8;  // int8 storage (K-quant sub-scales and mins: small integers), or:
+  const int8_t* offsets8;
+  const float* scales32;  // float32 storage (already times any super-block factor)
+  const float* offsets32;
+  const uint8_t* scales_e8m0;  // E8M0 storage (powers of two, no offsets), or:
+  const uint8_t* scales_e4m3;  // float8 e4m3 storage (no offsets), times the row's float32 factor:
+  const float* row_scales;     // (`supers` given as float32 [N, 1])
+  const c10::Half* supers;
+  int64_t N, K, nb, bs, center;
+  int64_t code_bytes, high_bytes, supers_per_row;  // per row
+
+  Blocks(const torch::Tensor& c, const c10::optional<torch::Tensor>& h, const torch::Tensor& s,
+         const c10::optional<torch::Tensor>& o, const c10::optional<torch::Tensor>& su, int64_t bits, int64_t block,
+         int64_t centre)
+      : codes(reinterpret_cast<const uint8_t*>(c.data_ptr())),
+        high(h ? reinterpret_cast<const uint8_t*>(h->data_ptr()) : nullptr),
+        scales(s.scalar_type() == at::kHalf ? s.data_ptr<c10::Half>() : nullptr),
+        offsets(o && o->scalar_type() == at::kHalf ? o->data_ptr<c10::Half>() : nullptr),
+        scales8(s.scalar_type() == at::kChar ? s.data_ptr<int8_t>() : nullptr),
+        offsets8(o && o->scalar_type() == at::kChar ? o->data_ptr<int8_t>() : nullptr),
+        scales32(s.scalar_type() == at::kFloat ? s.data_ptr<float>() : nullptr),
+        offsets32(o && o->scalar_type() == at::kFloat ? o->data_ptr<float>() : nullptr),
+        scales_e8m0(s.scalar_type() == at::kByte ? s.data_ptr<uint8_t>() : nullptr),
+        scales_e4m3(s.scalar_type() == at::kFloat8_e4m3fn ? reinterpret_cast<const uint8_t*>(s.data_ptr()) : nullptr),
+        row_scales(su && su->scalar_type() == at::kFloat ? su->data_ptr<float>() : nullptr),
+        supers(su && su->scalar_type() == at::kHalf ? su->data_ptr<c10::Half>() : nullptr),
+        N(c.size(0)),
+        K(c.size(1) * (bits == 8 ? 1 : 2)),
+        nb(s.size(1)),
+        bs(block),
+        center(centre),
+        code_bytes(c.size(1)),
+        high_bytes(h ? h->size(1) : 0),
+        supers_per_row(supers ? su->size(1) : 0) {
+    TORCH_CHECK(!scales_e4m3 || row_scales, "e4m3 block scales need their float32 factor per row (supers [N, 1])");
+  }
+
+  // Row n's scale and offset per block as float32 (stored value times its super-block's). `fold`: the
+  // offsets also take -center * scale (for kernels that keep codes unsigned); `dx` (one activation
+  // row's scale per 32 values): the scales are then multiplied by it. `xs` (that row's sums per block):
+  // instead of writing o, adds the offsets' share (sum of o * xs) to *share. Returns whether there are offsets.
+  bool expand(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
+    if (scales32) return expand32(n, fold, dx, xs, s, o, share);
+    if (scales_e8m0) return expand_bytes<false>(scales_e8m0 + n * nb, 1.f, fold, dx, xs, s, o, share);
+    if (scales_e4m3) return expand_bytes<true>(scales_e4m3 + n * nb, row_scales[n], fold, dx, xs, s, o, share);
+    if (scales8)
+      return expand_as(scales8 + n * nb, offsets8 ? offsets8 + n * nb : nullptr, n, fold, dx, xs, s, o, share);
+    return expand_as(scales + n * nb, offsets ? offsets + n * nb : nullptr, n, fold, dx, xs, s, o, share);
+  }
+
+  // expand_from compiled for this weight's block size and parts (a decode step runs it once per row
+  // of every layer: a generic loop's branches and divisions cost a quarter of a 1-row matmul). A call,
+  // not inlined: inlined into the multi-row tiles, they measured 2-5% slower.
+  template <typename T>
+  __attribute__((noinline)) bool expand_as(const T* sh, const T* oh, int64_t n, bool fold, const float* dx,
+                                           const float* xs, float* s, float* o, float* share) const {
+    TORCH_CHECK(bs == 16 || bs == 32, "no block kernel for blocks of ", bs);
+    switch ((bs == 16) * 8 + !!supers * 4 + !!oh * 2 + !!xs) {
+#define TM_EXPAND(BS, SUP, OFF, ROW)             \
+  case (BS == 16) * 8 + SUP * 4 + OFF * 2 + ROW: \
+    return expand_from<T, BS, SUP, OFF, ROW>(sh, oh, n, fold, dx, xs, s, o, share);
+#define TM_EXPAND_ROWS(BS, SUP, OFF) TM_EXPAND(BS, SUP, OFF, true) TM_EXPAND(BS, SUP, OFF, false)
+#define TM_EXPAND_OFFS(BS, SUP) TM_EXPAND_ROWS(BS, SUP, true) TM_EXPAND_ROWS(BS, SUP, false)
+      TM_EXPAND_OFFS(32, true) TM_EXPAND_OFFS(32, false) TM_EXPAND_OFFS(16, true) TM_EXPAND_OFFS(16, false)
+#undef TM_EXPAND_OFFS
+#undef TM_EXPAND_ROWS
+#undef TM_EXPAND
+    }
+    return false;  // not reached: every case is above
+  }
+
+  // expand from float16 or int8 storage (T), row n's scales sh and offsets oh (OFF: there are some), in
+  // blocks of BS, with super-blocks (SUP) or not; ROW: dx and xs are given (see expand).
+  template <typename T, int BS, bool SUP, bool OFF, bool ROW>
+  bool expand_from(const T* sh, const T* oh, int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o,
+                   float* share) const {
+    constexpr int64_t per_super = kSuper / BS;  // blocks in a super-block
+    const c10::Half* sup = SUP ? supers + n * supers_per_row * 2 : nullptr;
+    const bool folded = fold && center, any = OFF || folded;
+    const float c = static_cast<float>(center);
+    int64_t b = 0;
+    float sum = 0.f;
+#ifdef TM_SIMD
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 cv = _mm256_set1_ps(c);
+    for (; b + 8 <= nb; b += 8) {  // eight blocks sit in one super-block (K-quants have whole ones)
+      __m256 sv = scale_vec(sh + b), ov = _mm256_setzero_ps();
+      if (OFF) ov = scale_vec(oh + b);
+      if (SUP) {
+        const c10::Half* p = sup + (b / per_super) * 2;
+        sv = _mm256_mul_ps(sv, _mm256_set1_ps(to_float(p[0])));
+        if (OFF) ov = _mm256_mul_ps(ov, _mm256_set1_ps(to_float(p[1])));
+      }
+      if (folded) ov = _mm256_fnmadd_ps(cv, sv, ov);  // minus center x scale
+      if (ROW) {
+        sv = _mm256_mul_ps(sv, block_dx(dx, b, BS));
+        acc = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + b), acc);
+      } else if (any) {
+        _mm256_storeu_ps(o + b, ov);
+      }
+      _mm256_storeu_ps(s + b, sv);
+    }
+    sum = hsum(acc);
+#endif
+    for (; b < nb; ++b) {
+      const c10::Half* p = SUP ? sup + (b / per_super) * 2 : nullptr;
+      s[b] = SUP ? to_float(sh[b]) * to_float(p[0]) : to_float(sh[b]);
+      float ob = 0.f;
+      if (OFF) ob = SUP ? to_float(oh[b]) * to_float(p[1]) : to_float(oh[b]);
+      if (folded) ob -= c * s[b];
+      if (ROW && any)
+        sum += ob * xs[b];
+      else if (any)
+        o[b] = ob;
+      if (ROW) s[b] *= dx[b * BS / 32];
+    }
+    if (ROW) *share = sum;
+    return any;
+  }
+
+  // expand for float32 storage (what the exact mode keeps: its kernel then reads the rows in place).
+  bool expand32(int64_t n, bool fold, const float* dx, const float* xs, float* s, float* o, float* share) const {
+    const float* sr = scales32 + n * nb;
+    const float* orow = offsets32 ? offsets32 + n * nb : nullptr;
+    const bool folded = fold && center, any = orow || folded;
+    float sum = 0.f;
+    int64_t b = 0;
+#ifdef TM_SIMD
+    if (!orow) {  // eight at a time: the folded center's offsets and the activation scales (FP4's float32 scales)
+      const __m256 negc = _mm256_set1_ps(-static_cast<float>(center));
+      __m256 acc = _mm256_setzero_ps();
+      for (; b + 8 <= nb; b += 8) {
+        const __m256 sv = _mm256_loadu_ps(sr + b);
+        if (folded && xs)
+          acc = _mm256_fmadd_ps(_mm256_mul_ps(negc, sv), _mm256_loadu_ps(xs + b), acc);
+        else if (folded)
+          _mm256_storeu_ps(o + b, _mm256_mul_ps(negc, sv));
+        _mm256_storeu_ps(s + b, dx ? _mm256_mul_ps(sv, block_dx(dx, b, bs)) : sv);
+      }
+      sum = hsum(acc);
+    }
+#endif
+    for (; b < nb; ++b) {
+      const float ob = (orow ? orow[b] : 0.f) - (folded ? static_cast<float>(center) * sr[b] : 0.f);
+      if (any && xs)
+        sum += ob * xs[b];
+      else if (any)
+        o[b] = ob;
+      s[b] = dx ? sr[b] * dx[b * bs / 32] : sr[b];
+    }
+    if (xs) *share = sum;
+    return any;
+  }
+
+  // expand for one-byte storage, exactly: E8M0 (s = 2^(byte - 128), built from its float32 bits:
+  // exponent field byte - 1; bytes 1 and 0 give the subnormals 2^-127, 2^-128), or E4M3 (an e4m3 value
+  // times `factor`: a normal one's bits as a float32's, its exponent rebiased by 120; a subnormal one
+  // its mantissa times 2^-9: no float32 subnormals); no offsets but the folded center's.
+  template <bool E4M3>
+  bool expand_bytes(const uint8_t* e, float factor, bool fold, const float* dx, const float* xs, float* s, float* o,
+                    float* share) const {
+    const bool folded = fold && center;
+    const float c = static_cast<float>(center);
+    float sum = 0.f;
+    int64_t b = 0;
+#ifdef TM_SIMD
+    const __m256i one = _mm256_set1_epi32(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e + b)));
+      __m256 sv;
+      if (E4M3) {
+        const __m256i m = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
+        const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(m, 20), _mm256_set1_epi32(120 << 23));
+        const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(0x1p-9f));
+        sv = _mm256_blendv_ps(subnormal, _mm256_castsi256_ps(normal),
+                              _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, _mm256_set1_epi32(7))));
+        sv = _mm256_mul_ps(sv, _mm256_set1_ps(factor));
+      } else {
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, one), 23);
+        const __m256i subnormal = _mm256_sllv_epi32(one, _mm256_add_epi32(v, _mm256_set1_epi32(21)));
+        sv = _mm256_castsi256_ps(_mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(v, one)));
+      }
+      if (folded) {
+        const __m256 ov = _mm256_mul_ps(_mm256_set1_ps(-c), sv);
+        if (xs)
+          acc = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + b), acc);
+        else
+          _mm256_storeu_ps(o + b, ov);
+      }
+      if (dx) sv = _mm256_mul_ps(sv, block_dx(dx, b, bs));
+      _mm256_storeu_ps(s + b, sv);
+    }
+    sum = hsum(acc);
+#endif
+    for (; b < nb; ++b) {
+      const uint32_t m = e[b] & 0x7F;
+      const uint32_t bits =
+          E4M3 ? (m << 20) + (120u << 23) : (e[b] >= 2 ? static_cast<uint32_t>(e[b] - 1) << 23 : 1u << (21 + e[b]));
+      float v;
+      std::memcpy(&v, &bits, 4);
+      if (E4M3) v = (m > 7 ? v : static_cast<float>(m) * 0x1p-9f) * factor;
+      if (folded && xs)
+        sum += -c * v * xs[b];
+      else if (folded)
+        o[b] = -c * v;
+      s[b] = dx ? v * dx[b * bs / 32] : v;
+    }
+    if (xs) *share = sum;
+    return folded;
+  }
+
+  // Whether row n's stored scales and offsets can be read as they are (no expand needed).
+  bool in_place(bool fold, const float* dx) const { return scales32 && !dx && !(fold && center); }
+};
+
+// Value i of a row: unsigned for 4-6 bits, signed for 8. The top bits of groups 2p and 2p+1 (L = 0,
+// 1) share one record of the high plane, laid out for `unpack_pair`; value 16h + j of group L sits
+// in byte 16L + j = 8q + k of the pair's lo (h = 0) or hi (h = 1) vector. 5 bits: 8 bytes, bit
+// 8k + 4 + q (lo) or 8k + q (hi); 6 bits: 16 bytes, bits 2L + 4h (two) of byte j.
+template <int BITS>
+inline int code_at(const uint8_t* codes, const uint8_t* high, int64_t i) {
+  if (BITS == 8) return reinterpret_cast<const int8_t*>(codes)[i];
+  const int64_t g = i / 32, v = i % 32, L = g % 2, h = v / 16, j = v % 16;
+  int u = v < 16 ? (codes[g * 16 + j] & 0x0F) : (codes[g * 16 + j] >> 4);
+  if (BITS == kE2M1) return kE2M1Codes[u];
+  if (BITS == 5) {
+    const int64_t q = (16 * L + j) / 8, k = j % 8, bit = 8 * k + q + (h ? 0 : 4);
+    u |= ((high[(g / 2) * 8 + bit / 8] >> (bit % 8)) & 1) << 4;
+  }
+  if (BITS == 6) u |= ((high[(g / 2) * 16 + j] >> (2 * L + 4 * h)) & 3) << 4;
+  return u;
+}
+
+// Decode is memory-bound: the row loops ask for the codes (and high bits) kPrefetchBytes of codes
+// ahead of group g, one cache line per call; a thread's rows lie back to back, so this runs on into
+// the next rows. Spread along the loop, not a row's worth at once: a burst of prefetches at each row
+// start fills the core's miss buffers and stalls it on long rows (1.3-1.4x slower at 8,960 columns).
+constexpr int64_t kPrefetchBytes = 2048;
+template <int BITS>
+inline void prefetch_ahead(const uint8_t* codes, const uint8_t* high, int64_t g) {
+  constexpr int64_t code_bytes = BITS == 8 ? 32 : 16, high_bytes = BITS > 4 && BITS < 8 ? 4 * (BITS - 4) : 0;
+  __builtin_prefetch(codes + g * code_bytes + kPrefetchBytes);
+  if (high_bytes) __builtin_prefetch(high + g * high_bytes + kPrefetchBytes * high_bytes / code_bytes);
+}
+
+#ifdef TM_SIMD
+// kE2M1Codes in both 128-bit lanes, for pshufb.
+inline __m256i e2m1_table() {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Codes)));
+}
+
+// The 32 codes of group g of a row, value j in byte j.
+template <int BITS>
+inline __m256i unpack32(const uint8_t* codes, const uint8_t* high, int64_t g) {
+  if (BITS == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * 32));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+  if (BITS == kE2M1) return _mm256_shuffle_epi8(e2m1_table(), v);
+  const int L = static_cast<int>(g % 2);
+  if (BITS == 5) {  // 64-bit lanes 0-1 shift right (lo bits), 2-3 left (hi bits); a count of 64 gives 0
+    long long word;
+    std::memcpy(&word, high + (g / 2) * 8, 8);
+    const __m256i w = _mm256_set1_epi64x(word);
+    const __m256i top = _mm256_or_si256(_mm256_srlv_epi64(w, _mm256_setr_epi64x(2 * L, 2 * L + 1, 64, 64)),
+                                        _mm256_sllv_epi64(w, _mm256_setr_epi64x(64, 64, 4 - 2 * L, 3 - 2 * L)));
+    v = _mm256_or_si256(v, _mm256_and_si256(top, _mm256_set1_epi8(0x10)));
+  } else if (BITS == 6) {  // values 0-15 from bits 2L, values 16-31 from bits 2L + 4, of the record's bytes
+    const __m256i rec =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + (g / 2) * 16)));
+    const __m256i top = _mm256_srlv_epi32(
+        rec, _mm256_setr_epi32(2 * L, 2 * L, 2 * L, 2 * L, 2 * L + 4, 2 * L + 4, 2 * L + 4, 2 * L + 4));
+    v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(3)), 4));
+  }
+  return v;
+}
+
+// Groups 2p and 2p+1 (4-6 bits) as two vectors: lo holds values 0-15 of group 2p then of group 2p+1,
+// hi their values 16-31 (the order `quantize_rows` gives paired activations).
+template <int BITS>
+inline void unpack_pair(const uint8_t* codes, const uint8_t* high, int64_t p, __m256i& lo, __m256i& hi) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(raw, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+  if (BITS == kE2M1) {
+    lo = _mm256_shuffle_epi8(e2m1_table(), lo);
+    hi = _mm256_shuffle_epi8(e2m1_table(), hi);
+  } else if (BITS == 5) {  // 64-bit lane q: lo takes bits 8k + 4 + q (right by q), hi bits 8k + q (left by 4 - q)
+    long long word;
+    std::memcpy(&word, high + p * 8, 8);
+    const __m256i w = _mm256_set1_epi64x(word);
+    const __m256i m = _mm256_set1_epi8(0x10);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srlv_epi64(w, _mm256_setr_epi64x(0, 1, 2, 3)), m));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_sllv_epi64(w, _mm256_setr_epi64x(4, 3, 2, 1)), m));
+  } else if (BITS == 6) {
+    // lane L: bits 2L (lo) and 2L + 4 (hi) to bits 4-5; the bits shifted in from a neighbour are masked off
+    const __m256i rec = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + p * 16)));
+    const __m256i m = _mm256_set1_epi8(0x30);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sllv_epi32(rec, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), m));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(rec, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), m));
+  }
+}
+
+// The 32 codes of group g minus the center, as four float vectors (values 0-7, 8-15, 16-23, 24-31).
+template <int BITS>
+inline void decode32(const uint8_t* codes, const uint8_t* high, int64_t g, __m256i center, Vec* f) {
+  __m128i lo, hi;
+  if (BITS == 4 || BITS == kE2M1) {  // the two nibble halves as they are, no 256-bit round trip
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
+    const __m128i m4 = _mm_set1_epi8(0x0F), c = _mm256_castsi256_si128(center);
+    lo = _mm_and_si128(raw, m4);
+    hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    if (BITS == kE2M1) {
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Codes));
+      lo = _mm_shuffle_epi8(table, lo);
+      hi = _mm_shuffle_epi8(table, hi);
+    }
+    lo = _mm_sub_epi8(lo, c);
+    hi = _mm_sub_epi8(hi, c);
+  } else {
+    __m256i v = unpack32<BITS>(codes, high, g);
+    if (BITS != 8) v = _mm256_sub_epi8(v, center);  // codes below 64, centers up to 32: int8, exactly
+    lo = _mm256_castsi256_si128(v);
+    hi = _mm256_extracti128_si256(v, 1);
+  }
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int i = 0; i < 4; ++i) f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i]));
+}
+#endif
+
+// Each row's total plus the offsets' share (offset of block b times that row's sum over block b),
+// stored at out[r * out_stride].
+template <int ROWS>
+inline void store_rows(float* total, const float* offsets, const float* xsum, int64_t nb, float* out,
+                       int64_t out_stride) {
+  for (int r = 0; r < ROWS; ++r) {
+    if (offsets) {
+      const float* xs = xsum + r * nb;
+      float share = 0.f;
+      int64_t b = 0;
+#ifdef TM_SIMD
+      Vec acc = vzero();  // eight blocks at a time: a scalar chain of adds would be latency-bound
+      for (; b + 8 <= nb; b += 8) acc = vfma(vload(offsets + b), vload(xs + b), acc);
+      share = hsum(acc);
+#endif
+      for (; b < nb; ++b) share += offsets[b] * xs[b];
+      total[r] += share;
+    }
+    out[r * out_stride] = total[r];
+  }
+}
+
+// Up to four activation rows against one weight row: sum over blocks of s * (x . (q - center)), plus
+// the offsets' share (xsum holds each row's per-block sums).
+template <int BITS, int BS, int ROWS>
+inline void rows_dot(const float* x, int64_t K, const uint8_t* codes, const uint8_t* high, const float* s,
+                     const float* o, float center, const float* xsum, float* out, int64_t out_stride) {
+  const int64_t groups = K / 32, nb = K / BS;
+#ifdef TM_SIMD
+  const __m256i cv = _mm256_set1_epi8(static_cast<char>(center));
+  Vec acc[ROWS], acc2[ROWS];  // two dependency chains, not one: even and odd blocks of 32 (halves of 16)
+  for (int r = 0; r < ROWS; ++r) acc[r] = acc2[r] = vzero();
+  auto group = [&](int64_t g, Vec* into) {
+    Vec f[4];
+    decode32<BITS>(codes, high, g, cv, f);
+    for (int r = 0; r < ROWS; ++r) {
+      const float* xb = x + r * K + g * 32;
+      if (BS == 32) {
+        Vec d = vmul(vload(xb), f[0]);
+        for (int i = 1; i < 4; ++i) d = vfma(vload(xb + i * 8), f[i], d);
+        into[r] = vfma(d, vset1(s[g]), into[r]);
+      } else {
+        const Vec a = vfma(vload(xb + 8), f[1], vmul(vload(xb), f[0]));
+        const Vec b = vfma(vload(xb + 24), f[3], vmul(vload(xb + 16), f[2]));
+        acc[r] = vfma(a, vset1(s[2 * g]), acc[r]);
+        acc2[r] = vfma(b, vset1(s[2 * g + 1]), acc2[r]);
+      }
+    }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    if (BITS == 8 || g % 4 == 0) prefetch_ahead<BITS>(codes, high, g);  // every 64 bytes of codes
+    group(g, acc);
+    group(g + 1, acc2);
+  }
+  if (g < groups) group(g, acc);
+  float total[ROWS];
+  for (int r = 0; r < ROWS; ++r) total[r] = hsum(vadd(acc[r], acc2[r]));
+#else
+  float total[ROWS] = {};
+  for (int64_t b = 0; b < nb; ++b)
+    for (int r = 0; r < ROWS; ++r) {
+      float d = 0.f;
+      for (int64_t j = b * BS; j < (b + 1) * BS; ++j)
+        d += x[r * K + j] * (static_cast<float>(code_at<BITS>(codes, high, j)) - center);
+      total[r] += s[b] * d;
+    }
+#endif
+  store_rows<ROWS>(total, o, xsum, nb, out, out_stride);
+}
+
+// Calls row(n, codes, high, s, o, share) for every weight row n, in parallel, with the rows' scales and
+// offsets expanded (`fold`, `dx`, `xs`: see Blocks::expand; o null without offsets or with xs).
+template <typename Row>
+void for_each_row(const Blocks& w, bool fold, const float* dx, const float* xs, const Row& row) {
+  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(w.nb), o(w.nb);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* c = w.codes + n * w.code_bytes;
+      const uint8_t* h = w.high ? w.high + n * w.high_bytes : nullptr;
+      float share = 0.f;
+      if (w.in_place(fold, dx) && !xs) {
+        row(n, c, h, w.scales32 + n * w.nb, w.offsets32 ? w.offsets32 + n * w.nb : nullptr, share);
+        continue;
+      }
+      const bool has_offsets = w.expand(n, fold, dx, xs, s.data(), o.data(), &share);
+      row(n, c, h, s.data(), has_offsets && !xs ? o.data() : nullptr, share);
+    }
+  });
+}
+
+template <int BITS, int BS>
+void matmul_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out) {
+  const int64_t M = x.size(0), K = w.K, N = w.N, nb = w.nb;
+  const float* xp = x.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  std::vector<float> xsum(M * nb, 0.f);
+  if (w.offsets || w.offsets32)
+    for (int64_t i = 0; i < M * nb; ++i)
+      for (int64_t j = 0; j < BS; ++j) xsum[i] += xp[i * BS + j];
+  const float center = static_cast<float>(w.center);
+  auto row_of = [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float* o, float) {
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4)
+      rows_dot<BITS, BS, 4>(xp + i * K, K, c, h, s, o, center, xsum.data() + i * nb, outp + i * N + n, N);
+    for (; i < M; ++i)
+      rows_dot<BITS, BS, 1>(xp + i * K, K, c, h, s, o, center, xsum.data() + i * nb, outp + i * N + n, N);
+  };
+  for_each_row(w, false, nullptr, nullptr, row_of);
+}
+
+// The float32 weight, value by value as gguf computes it: s * (q - center) rounded, then + o.
+template <int BITS, int BS>
+void dequantize_impl(const Blocks& w, torch::Tensor& out) {
+  float* outp = out.data_ptr<float>();
+  const float center = static_cast<float>(w.center);
+  auto row_of = [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float* o, float) {
+    float* row = outp + n * w.K;
+#ifdef TM_SIMD
+    const __m256i cv = _mm256_set1_epi8(static_cast<char>(center));
+    for (int64_t g = 0; g < w.K / 32; ++g) {
+      if (g % (BITS == 8 ? 2 : 4) == 0) prefetch_ahead<BITS>(c, h, g);  // every 64 bytes of codes
+      Vec f[4];
+      decode32<BITS>(c, h, g, cv, f);
+      for (int i = 0; i < 4; ++i) {
+        const int64_t b = (g * 32 + i * 8) / BS;
+        _mm256_storeu_ps(row + g * 32 + i * 8, vadd(vmul(f[i], vset1(s[b])), vset1(o ? o[b] : 0.f)));
+      }
+    }
+#else
+    for (int64_t j = 0; j < w.K; ++j)
+      row[j] = (static_cast<float>(code_at<BITS>(c, h, j)) - center) * s[j / BS] + (o ? o[j / BS] : 0.f);
+#endif
+  };
+  for_each_row(w, false, nullptr, nullptr, row_of);
+}
+
+// --- int8 activations (llama.cpp's scheme): each 32-value block of an activation row (each 256-value
+// super-block, for K-quants: activation_span) becomes int8 codes with one float scale (max |x| / 127),
+// and a weight block's dot product is an integer sum
+// times both scales; the offsets (and the codes' center) meet the rounded activations too, so the
+// result is the rounded activations times the exact weights (what `round_activations` + a float GEMM
+// computes). Not exact; several times fewer instructions per weight than decoding it to float.
+
+// x [M, K] -> xq int8 [M, K], dx [M, K/32] (scale per 32 values), xs [M, K/BS] (sums of the rounded
+// values) and, where given, xsum [M, K/BS] (those sums as integers: the codes' sums per block). One
+// scale, max |x| / 127 over `span` values (32, or 256: a K-quant super-block, as llama.cpp's q8_K),
+// written for each of their 32-value groups. The vector path rounds as nearbyint does (half to even).
+template <int BS>
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t span, int8_t* xq, float* dx, float* xs,
+                   int16_t* xsum) {
+  const int64_t per = span / 32;  // groups per scale
+  at::parallel_for(0, M * K / span, 64 / per, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      float amax = 0.f;
+#ifdef TM_SIMD
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t j = 0; j < span; j += 8)
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + u * span + j), abs_mask));
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
+      for (int64_t j = 0; j < span; ++j) amax = std::max(amax, std::fabs(x[u * span + j]));
+#endif
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      for (int64_t i = u * per; i < (u + 1) * per; ++i) {
+        const float* v = x + i * 32;
+        int8_t* q = xq + i * 32;
+#ifdef TM_SIMD
+        __m256i c[4];
+        for (int j = 0; j < 4; ++j)
+          c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), _mm256_set1_ps(id)));
+        // int32 -> int8 (packs work within 128-bit lanes: one permute puts the values back in order)
+        const __m256i w16 = _mm256_packs_epi32(c[0], c[1]), w16b = _mm256_packs_epi32(c[2], c[3]);
+        const __m256i b8 =
+            _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b8);
+#else
+        for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+#endif
+        dx[i] = d;
+        for (int h = 0; h < 32 / BS; ++h) {
+          int32_t sum = 0;
+          for (int j = h * BS; j < (h + 1) * BS; ++j) sum += q[j];
+          xs[i * (32 / BS) + h] = d * static_cast<float>(sum);
+          if (xsum) xsum[i * (32 / BS) + h] = static_cast<int16_t>(sum);
+        }
+      }
+    }
+  });
+}
+
+#ifdef TM_SIMD
+// Two floats at p as lanes (a, a, a, a, b, b, b, b).
+inline __m256 pair_lanes(const float* p) {
+  const __m256 two = _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
+  return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// Whether the vector kernel reads the activations of group pairs interleaved (see unpack_pair).
+constexpr bool paired(int bits) { return bits < 8; }
+
+// Each full pair of 32-value groups of each row [g0 0-31, g1 0-31] -> [g0 0-15, g1 0-15, g0 16-31, g1 16-31].
+void interleave_pairs(int8_t* xq, int64_t M, int64_t K) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t p = 0; 2 * p + 2 <= K / 32; ++p) {
+      int8_t* q = xq + r * K + p * 64;
+      int8_t tmp[16];
+      std::memcpy(tmp, q + 16, 16);
+      std::memcpy(q + 16, q + 32, 16);
+      std::memcpy(q + 32, tmp, 16);
+    }
+}
+#else
+constexpr bool paired(int) { return false; }
+#endif
+
+// One int8 activation row against one weight row whose scales s already hold the row's activation
+// scales (see Blocks::expand; the offsets, the codes' center folded in, are the caller's share).
+template <int BITS, int BS>
+inline float row_dot_q8(const int8_t* xq, int64_t K, const uint8_t* codes, const uint8_t* high, const float* s) {
+#ifdef TM_SIMD
+  const int64_t groups = K / 32;
+  __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();  // two dependency chains, not one
+  auto group = [&](int64_t g, __m256& into) {                    // one group, activations in natural order
+    const __m256i w = unpack32<BITS>(codes, high, g);
+    // lanes 0-3 hold values 0..15 of the group, lanes 4-7 values 16..31 (a 16-block each for BS 16)
+    const __m256 ws =
+        BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
+    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;  // the products are unsigned by signed
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+    if (BITS == 8) x = _mm256_sign_epi8(x, w);
+    const __m256i sums = dot4(wabs, x);
+    into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), ws, into);
+  };
+  // two groups at once (paired layouts): lanes 0-3 from group g, 4-7 from g + 1
+  auto pair = [&](int64_t g, __m256& into) {
+    __m256i lo, hi;
+    unpack_pair<BITS>(codes, high, g / 2, lo, hi);
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32));
+    if (BS == 32) {
+      const __m256i sums = dot4x2(lo, xlo, hi, xhi);
+      into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), pair_lanes(s + g), into);
+    } else {  // blocks of 16: lo and hi have scales of their own
+      const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s + 2 * g));
+      const __m256 wlo = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+      const __m256 whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(lo, xlo)), wlo, acc);
+      acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(hi, xhi)), whi, acc2);
+    }
+  };
+  int64_t g = 0;
+  if (paired(BITS)) {
+    for (; g + 4 <= groups; g += 4) {  // 64 bytes of codes
+      prefetch_ahead<BITS>(codes, high, g);
+      pair(g, acc);
+      pair(g + 2, acc2);
+    }
+    if (g + 2 <= groups) {
+      pair(g, acc);
+      g += 2;
+    }
+  } else {
+    for (; g + 2 <= groups; g += 2) {  // 64 bytes of 8-bit codes
+      prefetch_ahead<BITS>(codes, high, g);
+      group(g, acc);
+      group(g + 1, acc2);
+    }
+  }
+  if (g < groups) group(g, acc);
+  return hsum(_mm256_add_ps(acc, acc2));
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < K / BS; ++b) {
+    int32_t dot = 0;
+    for (int64_t j = b * BS; j < (b + 1) * BS; ++j) dot += code_at<BITS>(codes, high, j) * xq[j];
+    total += static_cast<float>(dot) * s[b];
+  }
+  return total;
+#endif
+}
+
+#ifdef TM_SIMD
+// The activation scales as the vector kernels' lanes, one vector per unit of a row: a unit is a pair
+// of groups for paired layouts (lanes 0-3 dx[2p], 4-7 dx[2p+1]; an odd last group's scale in all eight),
+// else one group (its scale in all eight).
+std::vector<__m256> scale_lanes(const float* dx, int64_t M, int64_t groups, bool pairs, int64_t units) {
+  std::vector<__m256> lanes(M * units);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t u = 0; u < units; ++u) {
+      const float* d = dx + r * groups;
+      const int64_t g = pairs ? 2 * u : u;
+      lanes[r * units + u] = g + 1 < groups && pairs ? pair_lanes(d + g) : _mm256_set1_ps(d[g]);
+    }
+  return lanes;
+}
+
+constexpr int kTile = 8;  // activation rows per register tile: one float vector across them (sum_lanes8)
+
+// Lane r: the sum of a[r]'s eight lanes (eight horizontal sums in seven adds and two permutes).
+inline __m256 sum_lanes8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// RM int8 activation rows (K apart, ordered as quantize_rows + interleave_pairs leave them) against
+// one weight row whose scales s are expanded with the codes' center folded into the offsets, which the
+// caller adds: total[r] += sum over the blocks of groups [g, end) of s * dx * (q . x), for all kTile
+// entries of total (those past RM add 0). The weight's codes are unpacked once for all RM rows; each
+// row keeps one accumulator (RM independent chains).
+template <int BITS, int BS, int RM>
+inline void tile_q8(const int8_t* xq, const __m256* lanes, int64_t units, int64_t K, const uint8_t* codes,
+                    const uint8_t* high, const float* s, int64_t g, int64_t end, float* total) {
+  __m256 acc[RM];
+  for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
+  if (paired(BITS))
+    for (; g + 2 <= end; g += 2) {
+      __m256i lo, hi;
+      unpack_pair<BITS>(codes, high, g / 2, lo, hi);
+      if (BS == 32) {
+        const __m256 ws = pair_lanes(s + g);
+        for (int r = 0; r < RM; ++r) {
+          const int8_t* xp = xq + r * K + g * 32;
+          const __m256i sums = dot4x2(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)), hi,
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, lanes[r * units + g / 2]), acc[r]);
+        }
+      } else {  // blocks of 16: lo and hi have scales of their own
+        const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s + 2 * g));
+        const __m256 wlo = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+        const __m256 whi = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+        for (int r = 0; r < RM; ++r) {
+          const int8_t* xp = xq + r * K + g * 32;
+          const __m256i plo = dot4(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
+          const __m256i phi = dot4(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
+          const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), whi, _mm256_mul_ps(_mm256_cvtepi32_ps(plo), wlo));
+          acc[r] = _mm256_fmadd_ps(t, lanes[r * units + g / 2], acc[r]);
+        }
+      }
+    }
+  for (; g < end; ++g) {  // 8-bit codes (signed: the products take |w| and x with w's sign), or an odd last group
+    const __m256i w = unpack32<BITS>(codes, high, g);
+    const __m256 ws =
+        BS == 32 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
+    const __m256i wabs = BITS == 8 ? _mm256_sign_epi8(w, w) : w;
+    for (int r = 0; r < RM; ++r) {
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * 32));
+      if (BITS == 8) x = _mm256_sign_epi8(x, w);
+      const __m256i sums = dot4(wabs, x);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                               _mm256_mul_ps(ws, lanes[r * units + (paired(BITS) ? g / 2 : g)]), acc[r]);
+    }
+  }
+  __m256 all[kTile];  // the rows past RM add nothing
+  for (int r = 0; r < kTile; ++r) all[r] = r < RM ? acc[r] : _mm256_setzero_ps();
+  _mm256_storeu_ps(total, _mm256_add_ps(_mm256_loadu_ps(total), sum_lanes8(all)));
+}
+
+// tile_q8 for any rows <= kTile (the last, partial tile).
+template <int BITS, int BS>
+inline void tile_q8_rows(int rows, const int8_t* xq, const __m256* lanes, int64_t units, int64_t K,
+                         const uint8_t* codes, const uint8_t* high, const float* s, int64_t g, int64_t end,
+                         float* total) {
+  switch (rows) {
+    case 8:
+      return tile_q8<BITS, BS, 8>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 7:
+      return tile_q8<BITS, BS, 7>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 6:
+      return tile_q8<BITS, BS, 6>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 5:
+      return tile_q8<BITS, BS, 5>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 4:
+      return tile_q8<BITS, BS, 4>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 3:
+      return tile_q8<BITS, BS, 3>(xq, lanes, units, K, codes, high, s, g, end, total);
+    case 2:
+      return tile_q8<BITS, BS, 2>(xq, lanes, units, K, codes, high, s, g, end, total);
+    default:
+      return tile_q8<BITS, BS, 1>(xq, lanes, units, K, codes, high, s, g, end, total);
+  }
+}
+
+// Several activation rows: chunks of weight rows (scales expanded once per chunk) against every tile
+// of kTile activation rows, a slab of columns at a time, so that a chunk's codes stay in cache while all
+// tiles pass over them and a tile's slab of activations (8 rows of 2,048: 16 KB) stays in L1.
+template <int BITS, int BS>
+void matmul_q8_tiles(const int8_t* xq, const float* dx, const float* xs, int64_t M, const Blocks& w, float* outp) {
+  constexpr int64_t kChunk = 16, kSlab = 64;  // slabs of whole group pairs
+  const int64_t K = w.K, N = w.N, nb = w.nb, groups = K / 32;
+  constexpr int64_t kRowBlock = 256;  // rows at a time: a block's activations stay in the last-level cache
+  if (M > kRowBlock) {
+    for (int64_t m = 0; m < M; m += kRowBlock)
+      matmul_q8_tiles<BITS, BS>(xq + m * K, dx + m * groups, xs + m * nb, std::min(kRowBlock, M - m), w, outp + m * N);
+    return;
+  }
+  const int64_t units = paired(BITS) ? (groups + 1) / 2 : groups;
+  const std::vector<__m256> lanes = scale_lanes(dx, M, groups, paired(BITS), units);
+  // the block sums of each tile's rows, transposed: lane r of [t * nb + b] is row t * kTile + r's sum
+  // over block b, so that a weight row's offsets' share for the whole tile is nb multiply-adds
+  const int64_t tiles = (M + kTile - 1) / kTile;
+  std::vector<__m256> xs_tiles(tiles * nb);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      alignas(32) float v[kTile] = {};
+      for (int64_t r = 0; r < kTile && t * kTile + r < M; ++r) v[r] = xs[(t * kTile + r) * nb + b];
+      xs_tiles[t * nb + b] = _mm256_load_ps(v);
+    }
+  at::parallel_for(0, N, kChunk, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kChunk * nb), o(kChunk * nb);
+    bool offsets = false;
+    for (int64_t n0 = begin; n0 < end; n0 += kChunk) {
+      const int64_t rows = std::min(kChunk, end - n0);
+      for (int64_t j = 0; j < rows; ++j)
+        offsets = w.expand(n0 + j, true, nullptr, nullptr, &s[j * nb], &o[j * nb], nullptr);
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+        float total[kChunk][kTile] = {};
+        for (int64_t g = 0; g < groups; g += kSlab)
+          for (int64_t j = 0; j < rows; ++j) {
+            const int64_t n = n0 + j;
+            tile_q8_rows<BITS, BS>(tile, xq + m0 * K, lanes.data() + m0 * units, units, K, w.codes + n * w.code_bytes,
+                                   w.high ? w.high + n * w.high_bytes : nullptr, &s[j * nb], g,
+                                   std::min(groups, g + kSlab), total[j]);
+          }
+        const __m256* xt = xs_tiles.data() + (m0 / kTile) * nb;
+        for (int64_t j0 = 0; j0 < rows; j0 += 4) {  // four weight rows at a time, each on two chains
+          __m256 v[4][2];
+          for (int q = 0; q < 4; ++q) v[q][0] = _mm256_loadu_ps(total[j0 + q]), v[q][1] = _mm256_setzero_ps();
+          if (offsets) {  // rows past `rows` read stale offsets and are not stored
+            const float* oj = &o[j0 * nb];
+            auto block = [&](int64_t b, int c) {
+              for (int q = 0; q < 4; ++q) v[q][c] = _mm256_fmadd_ps(_mm256_set1_ps(oj[q * nb + b]), xt[b], v[q][c]);
+            };
+            int64_t b = 0;
+            for (; b + 2 <= nb; b += 2) block(b, 0), block(b + 1, 1);
+            if (b < nb) block(b, 0);
+          }
+          for (int q = 0; q < 4 && j0 + q < rows; ++q) {
+            alignas(32) float lane[kTile];
+            _mm256_store_ps(lane, _mm256_add_ps(v[q][0], v[q][1]));
+            for (int r = 0; r < tile; ++r) outp[(m0 + r) * N + n0 + j0 + q] = lane[r];
+          }
+        }
+      }
+    }
+  });
+}
+
+// One activation row against K-quant rows (int8 sub-block scales, float16 super-block pairs, codes of
+// 4-6 bits), the activations rounded with one scale per super-block (quantize_rows' span 256): the
+// sub-block scales multiply the integer pair sums inside madd (in place of its ones), so that a
+// super-block's sum stays an integer to its end and needs one float multiply-add (its d times the
+// activations' scale); a row's scales need no expanding (Blocks::expand, a quarter of a row's time at
+// one row). The offsets' share is integer too: the codes' center times the scales, and the mins, each a
+// madd against the activations' integer block sums xsum. `masks`: spread_masks<BS>().
+template <int BS>
+std::vector<__m256i> spread_masks() {  // pshufb masks: int16 element a in the low 128-bit lane, b in the high
+  auto mask = [](int a, int b) {
+    alignas(32) int8_t m[32];
+    for (int i = 0; i < 16; ++i)
+      m[i] = static_cast<int8_t>(2 * a + i % 2), m[16 + i] = static_cast<int8_t>(2 * b + i % 2);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
+  };
+  std::vector<__m256i> masks;
+  for (int k = 0; k < 4; ++k)
+    if (BS == 32)
+      masks.push_back(mask(2 * k, 2 * k + 1));  // pair k of a super-block: its two groups' scales
+    else if (k < 2)
+      masks.push_back(mask(4 * k, 4 * k + 2)), masks.push_back(mask(4 * k + 1, 4 * k + 3));  // lo, hi
+  return masks;
+}
+
+// A super-block's int8 values v (8 or 16 of them, one per block) against the activations' int16 block
+// sums: the products summed in pairs, as int32 lanes.
+template <int BS>
+inline __m256i block_sums_dot(const int8_t* v, const int16_t* sums) {
+  if (BS == 16)
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)));
+  return _mm256_zextsi128_si256(_mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))),
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums))));
+}
+
+template <int BITS, int BS>
+inline float row_dot_q8_super(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t K, const Blocks& w,
+                              int64_t n, const __m256i* masks) {
+  constexpr int64_t kBlocks = kSuper / BS;
+  const uint8_t* codes = w.codes + n * w.code_bytes;
+  const uint8_t* high = w.high ? w.high + n * w.high_bytes : nullptr;
+  const int8_t* scales = w.scales8 + n * w.nb;
+  const int8_t* mins = w.offsets8 ? w.offsets8 + n * w.nb : nullptr;
+  const c10::Half* sup = w.supers + n * w.supers_per_row * 2;
+  const __m256i center = _mm256_set1_epi32(static_cast<int>(w.center));
+  __m256 acc = _mm256_setzero_ps(), share = _mm256_setzero_ps();
+  for (int64_t q = 0; q < K / kSuper; ++q) {
+    const int8_t* sc = scales + q * kBlocks;
+    __m256i sv[2];  // the super-block's scales as int16, in both 128-bit lanes
+    for (int h = 0; h < kBlocks / 8; ++h)
+      sv[h] =
+          _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
+    __m256i isum = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {  // the super-block's four pairs of groups
+      const int64_t g = q * 8 + 2 * k;
+      if (k % 2 == 0) prefetch_ahead<BITS>(codes, high, g);
+      __m256i lo, hi;
+      unpack_pair<BITS>(codes, high, g / 2, lo, hi);
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32 + 32));
+      __m256i sums;  // codes below 64 times |x| <= 127: the int16 pair sums (and two of them added) fit
+      if (BS == 32)
+        sums = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)),
+                                 _mm256_shuffle_epi8(sv[0], masks[k]));
+      else
+        sums = _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_shuffle_epi8(sv[k / 2], masks[2 * (k % 2)])),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), _mm256_shuffle_epi8(sv[k / 2], masks[2 * (k % 2) + 1])));
+      isum = _mm256_add_epi32(isum, sums);
+    }
+    const int16_t* bsum = xsum + q * kBlocks;
+    if (w.center) isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(block_sums_dot<BS>(sc, bsum), center));
+    const float d = dx[q * 8];  // the super-block's activation scale (all its groups')
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * to_float(sup[2 * q])), acc);
+    if (mins)
+      share = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums_dot<BS>(mins + q * kBlocks, bsum)),
+                              _mm256_set1_ps(d * to_float(sup[2 * q + 1])), share);
+  }
+  return hsum(_mm256_add_ps(acc, share));
+}
+#endif
+
+#ifdef TM_SIMD
+// One activation row against a weight row of 4-, 5- or 8-bit codes (or e2m1 nibbles) with float16 scales,
+// and offsets or not, per 32 values and no super-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, int4 / int8 on
+// load): the scales
+// are read and multiplied by the activations' eight at a time inside the row loop, and the offsets'
+// share (offset minus center times scale, times the activations' block sums xs) taken with them; no
+// expand pass over the row first (Blocks::expand: a quarter of the time of a row of 896 columns).
+template <int BITS>
+inline float row_dot_q8_half(const int8_t* xq, const float* dx, const float* xs, int64_t K, const Blocks& w,
+                             int64_t n) {
+  const int64_t groups = K / 32;
+  const uint8_t* codes = w.codes + n * w.code_bytes;
+  const uint8_t* high = w.high ? w.high + n * w.high_bytes : nullptr;
+  const c10::Half* sc = w.scales + n * w.nb;
+  const c10::Half* of = w.offsets ? w.offsets + n * w.nb : nullptr;
+  const __m256 negc = _mm256_set1_ps(-static_cast<float>(w.center));
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), share = _mm256_setzero_ps();
+  // the pair of groups g, g + 1 (lanes 0-3, 4-7), i their first's lane in sv
+  auto pair = [&](int64_t g, __m256 sv, int i, __m256& into) {
+    __m256i lo, hi;
+    unpack_pair<BITS>(codes, high, g / 2, lo, hi);
+    const int8_t* x = xq + g * 32;
+    const __m256i sums = dot4x2(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), hi,
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+    const __m256 lanes = _mm256_permutevar8x32_ps(sv, _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
+    into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), lanes, into);
+  };
+  // one group g, its activations in natural order (8-bit codes, and a paired row's odd last group), i its lane in sv
+  auto group = [&](int64_t g, __m256 sv, int i, __m256& into) {
+    const __m256i w = unpack32<BITS>(codes, high, g);
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
+    if (BITS == 8) x = _mm256_sign_epi8(x, w);  // the products are unsigned by signed: |w| times x of w's sign
+    const __m256i sums = dot4(BITS == 8 ? _mm256_sign_epi8(w, w) : w, x);
+    into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_permutevar8x32_ps(sv, _mm256_set1_epi32(i)), into);
+  };
+  // the scales of groups g..g+7 times their activations' (and their offsets' share into `share`)
+  auto scales8 = [&](const c10::Half* s8, const c10::Half* o8, const float* d8, const float* x8) {
+    const __m256 c = scale_vec(s8);
+    share =
+        _mm256_fmadd_ps(_mm256_fmadd_ps(negc, c, o8 ? scale_vec(o8) : _mm256_setzero_ps()), _mm256_loadu_ps(x8), share);
+    return _mm256_mul_ps(c, _mm256_loadu_ps(d8));
+  };
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 sv = scales8(sc + g, of ? of + g : nullptr, dx + g, xs + g);
+    for (int i = 0; i < 8; i += 4) {  // 64 bytes of codes a prefetch
+      prefetch_ahead<BITS>(codes, high, g + i);
+      if (paired(BITS)) {
+        pair(g + i, sv, i, acc0);
+        pair(g + i + 2, sv, i + 2, acc1);
+      } else {
+        group(g + i, sv, i, acc0);
+        group(g + i + 1, sv, i + 1, acc1);
+        prefetch_ahead<BITS>(codes, high, g + i + 2);
+        group(g + i + 2, sv, i + 2, acc0);
+        group(g + i + 3, sv, i + 3, acc1);
+      }
+    }
+  }
+  if (g < groups) {  // the last eight groups' scales (rows have at least eight), those done masked off
+    const int64_t base = groups - 8;
+    const int off = static_cast<int>(g - base);
+    const __m256 keep =
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(off - 1)));
+    const __m256 c = _mm256_and_ps(scale_vec(sc + base), keep);
+    const __m256 o = of ? _mm256_and_ps(scale_vec(of + base), keep) : _mm256_setzero_ps();
+    share = _mm256_fmadd_ps(_mm256_fmadd_ps(negc, c, o), _mm256_loadu_ps(xs + base), share);
+    const __m256 sv = _mm256_mul_ps(c, _mm256_loadu_ps(dx + base));
+    if (paired(BITS))
+      for (; g + 2 <= groups; g += 2) pair(g, sv, static_cast<int>(g - base), acc0);
+    for (; g < groups; ++g) group(g, sv, static_cast<int>(g - base), acc1);
+  }
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), share));
+}
+#endif
+
+// The values that share one activation scale: a K-quant's super-block where the one-row kernel is
+// row_dot_q8_super (int8 sub-block scales beside float16 supers), else a 32-value group. Every kernel
+// on such a weight rounds the activations alike, so that a token's result does not depend on its batch.
+inline int64_t activation_span(const Blocks& w) { return w.scales8 && w.supers ? kSuper : 32; }
+
+template <int BITS, int BS>
+void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out) {
+  const int64_t M = x.size(0), K = w.K, N = w.N, nw = w.nb, groups = K / 32;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * groups), xs(M * nw);
+  const bool super_rows = paired(BITS) && activation_span(w) == kSuper;  // row_dot_q8_super at one row
+  std::vector<int16_t> xsum(super_rows ? M * nw : 0);
+  quantize_rows<BS>(x.data_ptr<float>(), M, K, activation_span(w), xq.data(), dx.data(), xs.data(),
+                    super_rows ? xsum.data() : nullptr);
+#ifdef TM_SIMD
+  if (paired(BITS)) interleave_pairs(xq.data(), M, K);
+#endif
+  float* outp = out.data_ptr<float>();
+  // one activation row: its scales go into the weight scales once per weight row
+  auto one_row = [&](int64_t i) {
+#ifdef TM_SIMD
+    if (super_rows) {  // K-quants: no scales to expand (row_dot_q8_super)
+      const std::vector<__m256i> masks = spread_masks<BS>();
+      return at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n)
+          outp[i * N + n] = row_dot_q8_super<BITS, BS>(xq.data() + i * K, dx.data() + i * groups, xsum.data() + i * nw,
+                                                       K, w, n, masks.data());
+      });
+    }
+    if (BS == 32 && w.scales && !w.supers && groups >= 8)  // float16 scales: row_dot_q8_half
+      return at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n)
+          outp[i * N + n] =
+              row_dot_q8_half<BITS>(xq.data() + i * K, dx.data() + i * groups, xs.data() + i * nw, K, w, n);
+      });
+#endif
+    for_each_row(w, true, dx.data() + i * groups, xs.data() + i * nw,
+                 [&](int64_t n, const uint8_t* c, const uint8_t* h, const float* s, const float*, float share) {
+                   outp[i * N + n] = row_dot_q8<BITS, BS>(xq.data() + i * K, K, c, h, s) + share;
+                 });
+  };
+#ifdef TM_SIMD
+  if (M > 1) return matmul_q8_tiles<BITS, BS>(xq.data(), dx.data(), xs.data(), M, w, outp);
+#endif
+  for (int64_t i = 0; i < M; ++i) one_row(i);
+}
+
+// One call per (bits, block) the layouts have: 4, 5 bits in blocks of 32, 6 in blocks of 16, 8 and e2m1 in either.
+template <template <int, int> class Op, typename... Args>
+void dispatch(int64_t bits, int64_t block, Args&&... args) {
+  if (bits == 4 && block == 32)
+    Op<4, 32>::run(args...);
+  else if (bits == 5 && block == 32)
+    Op<5, 32>::run(args...);
+  else if (bits == 6 && block == 16)
+    Op<6, 16>::run(args...);
+  else if (bits == 8 && block == 32)
+    Op<8, 32>::run(args...);
+  else if (bits == 8 && block == 16)
+    Op<8, 16>::run(args...);
+  else if (bits == kE2M1 && block == 32)
+    Op<kE2M1, 32>::run(args...);
+  else if (bits == kE2M1 && block == 16)
+    Op<kE2M1, 16>::run(args...);
+  else
+    TORCH_CHECK(false, "no block kernel for ", bits, "-bit codes in blocks of ", block);
+}
+
+template <int B, int S>
+struct MatmulOp {
+  static void run(const torch::Tensor& x, const Blocks& w, torch::Tensor& o) { matmul_impl<B, S>(x, w, o); }
+};
+template <int B, int S>
+struct MatmulQ8Op {
+  static void run(const torch::Tensor& x, const Blocks& w, torch::Tensor& o) { matmul_q8_impl<B, S>(x, w, o); }
+};
+template <int B, int S>
+struct DequantizeOp {
+  static void run(const Blocks& w, torch::Tensor& o) { dequantize_impl<B, S>(w, o); }
+};
+
+}  // namespace
+
+// x: [M, K] float32; out: [M, N] float32; the weight as `Blocks` lays it out.
+void block_quant_matmul(torch::Tensor x, torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
+                        c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
+                        int64_t block, int64_t center, torch::Tensor out) {
+  dispatch<MatmulOp>(bits, block, x, Blocks(codes, high, scales, offsets, supers, bits, block, center), out);
+}
+
+// The same product with the activations rounded to int8 per 32 values (see matmul_q8_impl).
+void block_quant_matmul_q8(torch::Tensor x, torch::Tensor codes, c10::optional<torch::Tensor> high,
+                           torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+                           c10::optional<torch::Tensor> supers, int64_t bits, int64_t block, int64_t center,
+                           torch::Tensor out) {
+  dispatch<MatmulQ8Op>(bits, block, x, Blocks(codes, high, scales, offsets, supers, bits, block, center), out);
+}
+
+// out: [N, K] float32, the dequantized weight.
+void block_quant_dequantize(torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
+                            c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
+                            int64_t block, int64_t center, torch::Tensor out) {
+  dispatch<DequantizeOp>(bits, block, Blocks(codes, high, scales, offsets, supers, bits, block, center), out);
+}

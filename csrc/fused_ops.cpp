@@ -1,0 +1,73 @@
+#include "fused_ops.h"
+
+#include <cmath>
+
+// x: [T, H] contiguous. With residual: x += residual first (x then holds the new residual).
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight.
+void add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
+                  torch::Tensor out) {
+  const int64_t T = x.size(0), H = x.size(1);
+  float* xp = x.data_ptr<float>();
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* row = xp + t * H;
+      if (rp) {
+        const float* r = rp + t * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) row[i] += r[i];
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += row[i] * row[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      float* o = op + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * (row[i] * inv);
+    }
+  });
+}
+
+// x: [T, heads, D] with a contiguous last dim (any token/head strides); rotated in place with the
+// rotate-half layout. cos_sin: [2, max_positions, D] contiguous; positions: [T] int64.
+void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t st = x.stride(0), sh = x.stride(1), P = cos_sin.size(1);
+  float* xp = x.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos_sin.data_ptr<float>();
+  const float* sp = cp + P * D;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D;
+      for (int64_t h = 0; h < NH; ++h) {
+        float* v = xp + t * st + h * sh;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c[i] - b * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// gate_up: [T, 2I] contiguous -> out [T, I] = silu(gate) * up.
+void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
+  const int64_t T = out.size(0), I = out.size(1);
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = gp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+}

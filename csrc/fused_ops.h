@@ -1,0 +1,9 @@
+// Fused elementwise kernels for CPU float32: add + RMSNorm, rotary embedding in place, SiLU * mul.
+#pragma once
+
+#include "prelude.h"
+
+void add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
+                  torch::Tensor out);
+void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin);
+void silu_and_mul(torch::Tensor gate_up, torch::Tensor out);

@@ -1,0 +1,344 @@
+#include "paged_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "fp8.h"
+
+// k, v: [T, KVH, D] float32 with a contiguous last dim (views into the fused qkv output);
+// k_cache, v_cache: [num_blocks, block_size, KVH, D] contiguous, float32 (copied) or float16 / bfloat16
+// (rounded to nearest even, as torch's .to() does); slots: [T] int64 (block * block_size + offset).
+template <typename T>
+void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   const torch::Tensor& slots) {
+  const int64_t n = k.size(0), KVH = k.size(1), D = k.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float *ks = kp + t * k.stride(0) + h * k.stride(1), *vs = vp + t * v.stride(0) + h * v.stride(1);
+      T *kd = kc + (sp[t] * KVH + h) * D, *vd = vc + (sp[t] * KVH + h) * D;
+      if (std::is_same<T, float>::value) {
+        std::memcpy(kd, ks, D * sizeof(float));
+        std::memcpy(vd, vs, D * sizeof(float));
+      } else {
+        for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<T>(ks[d]);
+        for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<T>(vs[d]);
+      }
+    }
+}
+
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  switch (k_cache.scalar_type()) {
+    case at::kHalf:
+      return write_kv_impl<c10::Half>(k, v, k_cache, v_cache, slots);
+    case at::kBFloat16:
+      return write_kv_impl<c10::BFloat16>(k, v, k_cache, v_cache, slots);
+    default:
+      TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "write_kv: a float32, float16 or bfloat16 cache");
+      return write_kv_impl<float>(k, v, k_cache, v_cache, slots);
+  }
+}
+
+// k or v rows [T, KVH, D] (float32, contiguous last dim) into an int8 / fp8 cache [blocks, bs, KVH, D]
+// with one bfloat16 scale per row in scales [blocks, bs, KVH], exactly as `kv_quant.quantize` (torch)
+// computes them: s = bf16(max(max|x| / qmax, 2^-100)); x / s clamped to +-qmax, then rounded half to
+// even (int8) or converted to the fp8 grid (c10's rounding, as torch's .to()).
+template <typename T>
+void write_quantized_rows(const torch::Tensor& x, torch::Tensor& cache, torch::Tensor& scales,
+                          const torch::Tensor& slots, float qmax) {
+  const int64_t n = x.size(0), KVH = x.size(1), D = x.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  T* cp = reinterpret_cast<T*>(cache.data_ptr());
+  c10::BFloat16* scp = scales.data_ptr<c10::BFloat16>();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* row = xp + t * x.stride(0) + h * x.stride(1);
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
+      const c10::BFloat16 stored(std::max(amax / qmax, 0x1p-100f));
+      const float s = static_cast<float>(stored);
+      scp[sp[t] * KVH + h] = stored;
+      T* dst = cp + (sp[t] * KVH + h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float y = std::min(std::max(row[d] / s, -qmax), qmax);
+        if constexpr (std::is_same<T, int8_t>::value)
+          dst[d] = static_cast<int8_t>(std::nearbyint(y));
+        else
+          dst[d] = T(y);
+      }
+    }
+}
+
+void write_kv_quantized(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                        torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor slots) {
+  TORCH_CHECK(k_scales.scalar_type() == at::kBFloat16 && k_scales.is_contiguous() && v_scales.is_contiguous(),
+              "write_kv_quantized: contiguous bfloat16 scales");
+  auto both = [&](auto element, float qmax) {
+    using T = decltype(element);
+    write_quantized_rows<T>(k, k_cache, k_scales, slots, qmax);
+    write_quantized_rows<T>(v, v_cache, v_scales, slots, qmax);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kChar:
+      return both(int8_t(), 127.f);
+    case at::ScalarType::Float8_e4m3fn:
+      return both(c10::Float8_e4m3fn(), 448.f);
+    case at::ScalarType::Float8_e5m2:
+      return both(c10::Float8_e5m2(), 57344.f);
+    default:
+      TORCH_CHECK(false, "write_kv_quantized: an int8, fp8_e4m3 or fp8_e5m2 cache");
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// e^x for 8 floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial for e^r; ~1 ulp).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+// The sums of eight vectors, as one vector (lane j = sum of a[j]).
+inline __m256 hsum8(const __m256 a[8]) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+#define TM_ATTN_SIMD 1
+#endif
+
+// Cache elements: float32, or float16 / bfloat16 / int8 / fp8 read as float32 (int8 and fp8 before their scale).
+inline float to_f32(float x) { return x; }
+inline float to_f32(c10::Half x) { return static_cast<float>(x); }
+inline float to_f32(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f32(int8_t x) { return x; }
+inline float to_f32(c10::Float8_e4m3fn x) { return fp8_to_f32<4, 3>(x.x); }
+inline float to_f32(c10::Float8_e5m2 x) { return fp8_to_f32<5, 2>(x.x); }
+#ifdef TM_ATTN_SIMD
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {  // a bfloat16 is the top half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* p) { return fp8x8<4, 3>(p); }
+inline __m256 load8(const c10::Float8_e5m2* p) { return fp8x8<5, 2>(p); }
+#endif
+
+// cap * tanh(s / cap) over n scores (Gemma 2's attention soft-cap); cap <= 0: unchanged.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+}
+
+// One (sequence, kv head): the G query heads that share it attend over L cached tokens.
+// key(t), value(t) point at token t's key row (D features) and value row (DV); key_scale(t),
+// value_scale(t) are the rows' scales (1 unless quantized); s: [G, L] scratch; o: [G, DV] output;
+// sinks: the G heads' extra softmax logits (no value), or null.
+template <typename Row, typename Scale>
+void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float scale, float cap, Row key, Row value,
+            Scale key_scale, Scale value_scale, float* s, float* o, const float* sinks) {
+#ifdef TM_ATTN_SIMD
+  if (D % 8 == 0 && DV % 8 == 0) {
+    for (int64_t t0 = 0; t0 < L; t0 += 8) {  // scores, eight tokens at a time
+      decltype(key(0)) k[8];
+      alignas(32) float ks[8];
+      for (int j = 0; j < 8; ++j) k[j] = key(std::min(t0 + j, L - 1)), ks[j] = key_scale(std::min(t0 + j, L - 1));
+      for (int64_t j = t0 + 16; j < std::min(t0 + 24, L); ++j)  // memory-bound: ask for rows ahead
+        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(key(j) + d);
+      for (int64_t g = 0; g < G; ++g) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
+        }
+        alignas(32) float out8[8];
+        _mm256_store_ps(out8, _mm256_mul_ps(_mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)), _mm256_load_ps(ks)));
+        for (int64_t j = 0; j < std::min<int64_t>(8, L - t0); ++j) s[g * L + t0 + j] = out8[j];
+      }
+    }
+    soft_cap(s, G * L, cap);
+    for (int64_t g = 0; g < G; ++g) {  // softmax
+      float* sg = s + g * L;
+      float m = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+      __m256 total = _mm256_setzero_ps();
+      int64_t t = 0;
+      for (; t + 8 <= L; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(sg + t, e);
+        total = _mm256_add_ps(total, e);
+      }
+      alignas(32) float parts[8];
+      _mm256_store_ps(parts, total);
+      float sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7] +
+                  (sinks ? std::exp(sinks[g] - m) : 0.f);
+      for (; t < L; ++t) {
+        sg[t] = std::exp(sg[t] - m);
+        sum += sg[t];
+      }
+      const float inv = 1.f / sum;
+      for (t = 0; t < L; ++t) sg[t] *= inv;
+    }
+    for (int64_t g = 0; g < G; ++g)  // weighted values, 64 dims at a time in registers
+      for (int64_t d0 = 0; d0 < DV; d0 += 64) {
+        const int64_t nv = std::min<int64_t>(8, (DV - d0) / 8);
+        __m256 acc[8];
+        for (int j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < L; ++t) {
+          const __m256 w = _mm256_set1_ps(s[g * L + t] * value_scale(t));
+          const auto* v = value(t) + d0;
+          if (t + 8 < L)
+            for (int64_t d = 0; d < std::min<int64_t>(64, DV - d0); d += 16) __builtin_prefetch(value(t + 8) + d0 + d);
+          for (int j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < nv; ++j) _mm256_storeu_ps(o + g * DV + d0 + 8 * j, acc[j]);
+      }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const auto* k = key(t);
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_f32(k[d]);
+      s[g * L + t] = dot * scale * key_scale(t);
+    }
+  soft_cap(s, G * L, cap);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    float m = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+    float sum = sinks ? std::exp(sinks[g] - m) : 0.f;
+    for (int64_t t = 0; t < L; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      sum += sg[t];
+    }
+    for (int64_t t = 0; t < L; ++t) sg[t] /= sum;
+  }
+  std::fill(o, o + G * DV, 0.f);
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = s[g * L + t] * value_scale(t);
+      for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += w * to_f32(value(t)[d]);
+    }
+}
+
+// q: [B, H, D]; k_cache: [num_blocks, block_size, KVH, D], v_cache: [num_blocks, block_size, KVH, DV] (rows
+// may be strided: a view into the key rows); block_tables: [B, max_blocks] int64; context_lens: [B] int64;
+// out: [B, H, DV]. q and out float32; the caches float32, float16, bfloat16, int8 or fp8 (both alike); last
+// dims contiguous; k_scales, v_scales (int8 / fp8): [num_blocks, block_size, KVH] bfloat16, else null.
+// window > 0: only the last `window` tokens are attended; soft_cap > 0: scores are soft-capped; sinks:
+// [H] float32 logits that join each head's softmax without a value, or null.
+template <typename T>
+void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                       int64_t window, double soft_cap_value, torch::Tensor& out, const c10::BFloat16* k_scales,
+                       const c10::BFloat16* v_scales, const float* sinks) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), DV = v_cache.size(3);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int64_t max_blocks = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+
+  // Few (sequence, kv head) pairs for the threads (one stream; a latent cache's single kv head): each
+  // pair's query heads are split so that there are at least two tasks per thread to balance.
+  const int64_t pairs = B * KVH;
+  const int64_t splits = std::min<int64_t>(G, std::max<int64_t>(1, (2 * at::get_num_threads() + pairs - 1) / pairs));
+  const int64_t per = (G + splits - 1) / splits;
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / splits / KVH, kvh = task / splits % KVH, g0 = task % splits * per;
+      const int64_t heads = std::min(per, G - g0);
+      if (heads <= 0) continue;
+      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - start;
+      const int64_t* table = tables + b * max_blocks;
+      auto row = [&](const T* cache, int64_t slot_stride, int64_t head_stride) {
+        return [=](int64_t t) {
+          t += start;
+          return cache + (table[t / BS] * BS + t % BS) * slot_stride + kvh * head_stride;
+        };
+      };
+      auto scale_of = [&](const c10::BFloat16* scales) {
+        return [=](int64_t t) {
+          t += start;
+          return scales ? static_cast<float>(scales[(table[t / BS] * BS + t % BS) * KVH + kvh]) : 1.f;
+        };
+      };
+      scores.resize(heads * L);
+      const int64_t first = b * H + kvh * G + g0;  // the first query head of this task
+      attend(qp + first * D, heads, D, DV, L, static_cast<float>(scale), static_cast<float>(soft_cap_value),
+             row(kp, k_cache.stride(1), k_cache.stride(2)), row(vp, v_cache.stride(1), v_cache.stride(2)),
+             scale_of(k_scales), scale_of(v_scales), scores.data(), op + first * DV,
+             sinks ? sinks + first % H : nullptr);
+    }
+  });
+}
+
+void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                            torch::Tensor context_lens, double scale, int64_t window, double soft_cap_value,
+                            torch::Tensor out, c10::optional<torch::Tensor> k_scales,
+                            c10::optional<torch::Tensor> v_scales, c10::optional<torch::Tensor> sinks) {
+  const bool quantized = k_cache.element_size() == 1;
+  TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()), "scales come with int8 / fp8 caches only");
+  const c10::BFloat16* ks = nullptr;
+  const c10::BFloat16* vs = nullptr;
+  if (quantized) {
+    TORCH_CHECK(k_scales->scalar_type() == at::kBFloat16 && k_scales->is_contiguous() && v_scales->is_contiguous(),
+                "scales: contiguous bfloat16");
+    ks = k_scales->data_ptr<c10::BFloat16>(), vs = v_scales->data_ptr<c10::BFloat16>();
+  }
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
+                "sinks: contiguous float32, one per query head");
+  const float* sp = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  auto run = [&](auto element) {
+    paged_decode_impl<decltype(element)>(q, k_cache, v_cache, block_tables, context_lens, scale, window, soft_cap_value,
+                                         out, ks, vs, sp);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kHalf:
+      return run(c10::Half());
+    case at::kBFloat16:
+      return run(c10::BFloat16());
+    case at::kChar:
+      return run(int8_t());
+    case at::ScalarType::Float8_e4m3fn:
+      return run(c10::Float8_e4m3fn());
+    case at::ScalarType::Float8_e5m2:
+      return run(c10::Float8_e5m2());
+    default:
+      TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "paged_decode_attention: unsupported cache dtype");
+      return run(float());
+  }
+}
