@@ -15,7 +15,7 @@ from test_server_utils import MODEL, model_available, running_server
 from tokenmill.config import SpeculativeConfig
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
-from tokenmill.worker.rejection_sampler import target_probs, verify
+from tokenmill.sample.rejection_sampler import target_probs, verify
 
 # every eligible request drafts (no sizing by acceptance): the tests check what verification does
 SPEC = SpeculativeConfig(num_speculative_tokens=5, disable_by_batch_size=64, min_acceptance=0.0)

@@ -18,7 +18,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode import train_eagle
+from tokenmill.tools import train_eagle
 from tokenmill.spec_decode.hidden_drafter import Feed
 
 AUX = (0, 1, 3)  # of the target's 4 layers (the default 2, L // 2, L - 3 needs L >= 6)

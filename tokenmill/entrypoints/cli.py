@@ -165,7 +165,7 @@ def _add_optional_commands(sub) -> None:
     from tokenmill.kv_transfer.cli import add_proxy_parser
     from tokenmill.router.cli import add_router_parser
     from tokenmill.server.cli import add_serve_parser
-    from tokenmill.spec_decode.train_head import add_train_head_parser
+    from tokenmill.tools.train_head import add_train_head_parser
 
     add_serve_parser(sub)
     add_router_parser(sub)

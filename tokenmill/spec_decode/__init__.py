@@ -1,5 +1,5 @@
 """Speculative decoding: proposers draft the next few tokens of a decoding request cheaply; the
-target model checks them all in one forward pass (`tokenmill.worker.rejection_sampler`), and the
+target model checks them all in one forward pass (`tokenmill.sample.rejection_sampler`), and the
 request advances by every draft it accepts plus one token of its own — with exactly the target's
 output distribution (greedy: the same tokens; sampling: standard rejection sampling).
 

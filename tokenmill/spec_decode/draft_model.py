@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from tokenmill.config import EngineConfig
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.draft_pool import DraftKVPool, draft_engine_config
-from tokenmill.worker.rejection_sampler import target_probs
-from tokenmill.worker.sampler import random_sample
+from tokenmill.sample.rejection_sampler import target_probs
+from tokenmill.sample.sampler import random_sample
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from tokenmill.spec_decode.hidden_drafter import Feed, HiddenStateProposer
 from tokenmill.spec_decode.medusa import load_medusa_heads
-from tokenmill.worker.rejection_sampler import verify
+from tokenmill.sample.rejection_sampler import verify
 from tokenmill.worker.request_state import CachedRequestState
-from tokenmill.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
+from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 
 logger = logging.getLogger(__name__)
 
