@@ -27,8 +27,7 @@ from tokenmill.engine.request import SPEC_PRIOR, EngineCoreRequest, Request, Req
 from tokenmill.engine.scheduler import RequestUpdate, Scheduler
 from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from tokenmill.executor import Executor
-from tokenmill.spec_decode import Proposer, RunnerDrafts, draft_length, eligible
-from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode import draft_length, eligible
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +91,6 @@ class EngineCore:
         self._tokenizer_data = tokenizer_data
         self._structured = None  # StructuredOutputManager, built on first use
         self.compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
-        spec = config.speculative
-        self.proposer: Proposer | None = None
-        if spec is not None:
-            self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram"
-                             else RunnerDrafts())
         self.kv_transfer = None  # disaggregated prefill/decode: this engine's side (tokenmill.kv_transfer.engine)
         if config.kv_transfer is not None:
             from tokenmill.kv_transfer.engine import KVTransfer
@@ -266,7 +260,7 @@ class EngineCore:
                 self.kv_transfer.wait(0.01)
             return failed
         failed += self._attach_grammar(sched)
-        if isinstance(self.proposer, RunnerDrafts):
+        if self.config.speculative is not None:
             sched.draft_lengths = self._wanted_drafts(sched)
         start = time.perf_counter()
         try:
@@ -281,8 +275,8 @@ class EngineCore:
         if self.kv_transfer is not None and self.kv_transfer.config.is_producer:
             self.kv_transfer.send_prefilled(sched)  # before their blocks return to the pool
         updates = self.scheduler.update_from_output(sched, output)
-        if self.proposer is not None:
-            self._propose(output)
+        if self.config.speculative is not None:
+            self._propose(sched, output)
         return failed + [self._output(u) for u in updates]
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
@@ -330,9 +324,9 @@ class EngineCore:
         return draft_length(request.spec_acceptance, threshold, spec.num_speculative_tokens)
 
     def _wanted_drafts(self, sched: SchedulerOutput) -> dict[str, int]:
-        """For proposers that draft during the step (Medusa heads, a draft model): the most drafts each
-        request may use after it — eligible ones whose pending tokens this step completes, while no more
-        than `disable_by_batch_size` run (`_propose` trims them to what fits)."""
+        """The most drafts each request may use after this step (the runner's drafter proposes them at its
+        end): eligible ones whose pending tokens this step completes, while no more than
+        `disable_by_batch_size` run (`_propose` trims them to what fits)."""
         running = self.scheduler.running
         if len(running) > self.config.speculative.disable_by_batch_size:
             return {}
@@ -344,9 +338,10 @@ class EngineCore:
                     wanted[request.request_id] = worth
         return wanted
 
-    def _propose(self, output: ModelRunnerOutput) -> None:
-        """Drafts for the next step of each running request that decodes and may speculate (none
-        while more than `disable_by_batch_size` requests run)."""
+    def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Keep the drafts the runner's drafter made for the next step of each running request that decodes
+        and may speculate, as many as fit (none while more than `disable_by_batch_size` requests run); a
+        request that was not in this step keeps those it has."""
         spec, running = self.config.speculative, self.scheduler.running
         self.scheduler.spec_stats.draft_seconds += output.draft_seconds
         if not running or len(running) > spec.disable_by_batch_size:
@@ -358,9 +353,12 @@ class EngineCore:
                 break
             if request.num_tokens - request.num_computed_tokens != 1 or not eligible(request):
                 continue
+            if request.request_id not in sched.num_scheduled_tokens:
+                budget -= len(request.spec_token_ids)
+                continue
             left = (request.max_tokens or self.max_model_len) - len(request.output_token_ids) - 1
             room = min(self._worth(request, len(running)), left, self.max_model_len - request.num_tokens, budget)
-            drafts = self.proposer.draft(request, room, output)
+            drafts = output.draft_token_ids.get(request.request_id, [])[:room]
             if request.structured is not None and drafts:  # up to the first token its grammar rejects
                 drafts = drafts[: request.structured.matcher.validate(drafts)]
             request.spec_token_ids = drafts

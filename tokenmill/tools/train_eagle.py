@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.spec_decode.eagle import default_aux_layers, save_eagle3
 from tokenmill.tools.train_head import (TrainOptions, TrainReport, hidden_states, target_sequences,
-                                              training_summary)
+                                        training_summary)
 
 logger = logging.getLogger(__name__)
 
