@@ -326,16 +326,22 @@ class EngineCore:
     def _wanted_drafts(self, sched: SchedulerOutput) -> dict[str, int]:
         """The most drafts each request may use after this step (the runner's drafter proposes them at its
         end): eligible ones whose pending tokens this step completes, while no more than
-        `disable_by_batch_size` run (`_propose` trims them to what fits)."""
-        running = self.scheduler.running
-        if len(running) > self.config.speculative.disable_by_batch_size:
+        `disable_by_batch_size` run (`_propose` trims them to what fits). n-gram lookups cost next to
+        nothing: they are asked for the most, for every request that may speculate, and `_propose` sizes
+        them by the eligibility and acceptance after the step (what they are when the drafts are used)."""
+        spec, running = self.config.speculative, self.scheduler.running
+        if len(running) > spec.disable_by_batch_size:
             return {}
+        lookup = spec.method == "ngram"
         wanted = {}
         for request in running:
             n = sched.num_scheduled_tokens.get(request.request_id)
-            if n is not None and request.num_computed_tokens + n >= request.num_tokens and eligible(request):
-                if worth := self._worth(request, len(running)):
-                    wanted[request.request_id] = worth
+            if n is None or request.num_computed_tokens + n < request.num_tokens:
+                continue
+            if lookup and request.params.speculative:
+                wanted[request.request_id] = spec.num_speculative_tokens
+            elif not lookup and eligible(request) and (worth := self._worth(request, len(running))):
+                wanted[request.request_id] = worth
         return wanted
 
     def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
