@@ -49,7 +49,7 @@ class EngineStats:
     spec_draft_tokens: int = 0  # drafted tokens verified
     spec_accepted_tokens: int = 0  # of which accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)  # accepted drafts by position 1..k
-    spec_draft_seconds: float = 0.0  # time spent drafting (proposers; Medusa heads in the model runner)
+    spec_draft_seconds: float = 0.0  # time spent drafting (the runner's drafter; trimming the drafts in the core)
     spec_verify_seconds: float = 0.0  # time of the steps that verified drafts
     kv_transfers: int = 0  # disaggregated prefill/decode: prompts whose KV was sent (producer) or received
     kv_transfer_bytes: int = 0  # their KV payloads
