@@ -27,7 +27,7 @@ from pathlib import Path
 from quantization import model_file  # this script's neighbour (benchmarks/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["tokenmill/engine/scheduler.py", "tokenmill/engine/kv_cache_manager.py", "tokenmill/worker/sampler.py",
+SOURCES = ["tokenmill/engine/scheduler.py", "tokenmill/engine/kv_cache_manager.py", "tokenmill/sample/sampler.py",
            "tokenmill/engine/request.py"]
 QUESTIONS = ["Why is the sky blue?", "What makes a good cup of coffee?", "How do vaccines work?",
              "What should I see on a first trip to Rome?", "Explain what a hash table is.",

@@ -52,13 +52,10 @@ def test_the_package_still_offers_llm_and_sampling_params_on_first_use():
 # Package-level edges that close cycles today, each with who removes it. Remove an entry once its edge is
 # gone; the test then keeps it gone.
 KNOWN_CYCLE_EDGES = {
-    # spec_decode/draft_model.py builds a ModelRunner (issue 36 item 2, the drafter seam, removes it)
-    ("spec_decode", "worker"),
     # the plain data of the step contract (SchedulerOutput, ModelRunnerOutput, Request) lives in engine/,
-    # above the executor, the runner and the drafters that use it; moving it below them removes these
+    # above the executor and the runner that use it; moving it below them removes these
     ("executor", "engine"),
     ("worker", "engine"),
-    ("spec_decode", "engine"),
     # config.py checks architecture names with models/registry.py, whose model files import config.py
     ("config", "models"),
 }

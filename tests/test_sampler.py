@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tokenmill.worker.sampler import Sampler, SamplingMetadata, apply_penalties
+from tokenmill.sample.sampler import Sampler, SamplingMetadata, apply_penalties
 from tokenmill.sampling_params import SamplingParams
 
 V = 8

@@ -13,21 +13,21 @@ import torch
 from helpers import make_core, make_tiny_model, run_core
 from test_server_utils import MODEL, model_available, running_server
 from tokenmill.config import SpeculativeConfig
+from tokenmill.sample.rejection_sampler import target_probs, verify
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.ngram import NgramProposer
-from tokenmill.worker.rejection_sampler import target_probs, verify
+from tokenmill.spec_decode.ngram import NgramDrafter
 
 # every eligible request drafts (no sizing by acceptance): the tests check what verification does
 SPEC = SpeculativeConfig(num_speculative_tokens=5, disable_by_batch_size=64, min_acceptance=0.0)
 
 
 def test_ngram_proposer_drafts_what_followed_the_last_n_tokens():
-    p = NgramProposer(2, 3)
-    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3], 3) == [4, 5, 9]  # "2 3" seen before, followed by 4 5 9
-    assert p.propose([7, 1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # the 3-gram "1 2 3" wins over shorter ones
-    assert p.propose([1, 2, 3, 4], 3) == []  # no n-gram recurs
-    assert p.propose([5, 5, 5, 5], 3) == [5]  # the latest match with 3 tokens after it is missing: the earliest
-    assert p.propose([1, 2, 1, 2], 0) == []
+    p = NgramDrafter(2, 3)
+    assert p.lookup([1, 2, 3, 4, 5, 9, 2, 3], 3) == [4, 5, 9]  # "2 3" seen before, followed by 4 5 9
+    assert p.lookup([7, 1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # the 3-gram "1 2 3" wins over shorter ones
+    assert p.lookup([1, 2, 3, 4], 3) == []  # no n-gram recurs
+    assert p.lookup([5, 5, 5, 5], 3) == [5]  # the latest match with 3 tokens after it is missing: the earliest
+    assert p.lookup([1, 2, 1, 2], 0) == []
 
 
 def chi_square_critical(df: int, z: float = 3.29) -> float:
@@ -141,6 +141,27 @@ def test_greedy_output_is_identical_with_speculation(tmp_path, name):
     # all may draft but the one that opted out (a penalty that stops repetition leaves n-grams nothing)
     assert "3" in drafted and drafted & {"5", "6", "7"} and "4" not in drafted
     assert core.kv.num_free_blocks == core.kv.num_blocks  # rollback and finishing returned every block
+
+
+def test_the_runner_drafts_ngrams_on_the_tokens_its_step_produced(tmp_path):
+    """n-gram drafting runs in the model runner at the end of the step: every draft the core keeps is a
+    prefix of the lookup on the request's tokens after the step (its newest sampled or accepted ones
+    included), at most the tokens it may still generate."""
+    make_tiny_model("llama-gqa-untied", tmp_path)
+    core = make_core(str(tmp_path), block_size=8, speculative=SPEC)
+    assert isinstance(core.executor.runner.drafter, NgramDrafter)
+    lookup = NgramDrafter(SPEC.prompt_lookup_min, SPEC.prompt_lookup_max).lookup
+    checked = []
+
+    def check(c):
+        for r in c.scheduler.running:
+            if r.spec_token_ids:
+                k = min(SPEC.num_speculative_tokens, r.max_tokens - len(r.output_token_ids) - 1)
+                assert r.spec_token_ids == lookup(r.prompt_token_ids + r.output_token_ids, k)[: len(r.spec_token_ids)]
+                checked.append(r.request_id)
+
+    run_core(core, repetitive_prompts(4), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), on_step=check)
+    assert set(checked) == {"0", "1", "2", "3"}
 
 
 def test_speculation_with_prefix_caching_preemption_and_a_small_pool(tmp_path):

@@ -5,8 +5,9 @@ pool and the target's come back whole; seeded sampling reproducible; clear error
 from __future__ import annotations
 
 import pytest
+import torch
 
-from helpers import make_core, make_tiny_model, run_core
+from helpers import all_logits, make_core, make_tiny_model, run_core
 from test_spec_decode import repetitive_prompts
 from tokenmill.config import EngineConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.sampling_params import SamplingParams
@@ -21,7 +22,7 @@ def propose(proposer, **wanted) -> dict[str, list[int]]:
     """Greedy drafts for requests given as name=(tokens, k, tokens left)."""
     from tokenmill.spec_decode.draft_model import DraftRequest
 
-    drafts, probs = proposer.propose({r: DraftRequest(*w) for r, w in wanted.items()})
+    drafts, probs = proposer.draft({r: DraftRequest(*w) for r, w in wanted.items()})
     assert not probs  # greedy drafts carry no distributions
     return drafts
 
@@ -52,8 +53,28 @@ def test_greedy_output_is_identical_with_a_draft_model(models, which):
         assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
     assert core.kv.num_free_blocks == core.kv.num_blocks
     core.step()  # the runner (and its draft) drop the requests that finished in the last step
-    pool = core.executor.runner.draft_model.pool
+    pool = core.executor.runner.drafter.pool
     assert not pool.states and len(pool.free) == pool.num_blocks
+
+
+def test_the_draft_pool_runs_a_model_as_the_runner_does(models):
+    """The draft's own KV pool runs its model through the runner's paged forward (`layers.paged_forward`),
+    not a nested runner: with the target as the draft, a prompt's logits equal the target runner's, also
+    for a decode after it."""
+    target, _ = models
+    core = make_core(target, block_size=8, speculative=draft_spec(target))
+    runner, pool = core.executor.runner, core.executor.runner.drafter.pool
+    tokens = repetitive_prompts(1, length=21)[0]
+    want = all_logits(runner, tokens)
+    pool.state("x")
+    assert pool.reserve("x", len(tokens), {"x"})
+    with torch.inference_mode():
+        prefill = pool.model.compute_logits(pool.forward(["x"], [tokens[:-1]], [0])).float()
+        decode = pool.model.compute_logits(pool.forward(["x"], [tokens[-1:]], [len(tokens) - 1])).float()
+    torch.testing.assert_close(prefill[0], want[-2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(decode[0], want[-1], rtol=1e-4, atol=1e-4)
+    pool.finish("x")
+    assert len(pool.free) == pool.num_blocks
 
 
 def test_a_small_draft_pool_evicts_idle_requests_and_stays_exact(models, monkeypatch):
@@ -66,7 +87,7 @@ def test_a_small_draft_pool_evicts_idle_requests_and_stays_exact(models, monkeyp
     monkeypatch.setattr(draft_pool, "DRAFT_CONTEXT_TOKENS", 32)  # 1 x 8 blocks + 1 of 4 tokens: 36 tokens
     spec = draft_spec(other, num_speculative_tokens=2, disable_by_batch_size=1)
     core = make_core(target, block_size=4, speculative=spec)
-    proposer = core.executor.runner.draft_model
+    proposer = core.executor.runner.drafter
     pool = proposer.pool
     a, b = repetitive_prompts(2, length=30)
     first = propose(proposer, a=(a, 2, 10))

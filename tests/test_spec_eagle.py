@@ -18,7 +18,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode import train_eagle
+from tokenmill.tools import train_eagle
 from tokenmill.spec_decode.hidden_drafter import Feed
 
 AUX = (0, 1, 3)  # of the target's 4 layers (the default 2, L // 2, L - 3 needs L >= 6)
@@ -52,7 +52,7 @@ def target(tmp_path_factory):
 def pools_whole(core) -> None:
     core.step()  # the runner (and its drafter) drop the requests that finished in the last step
     assert core.kv.num_free_blocks == core.kv.num_blocks
-    pool = core.executor.runner.hidden_drafter.pool
+    pool = core.executor.runner.drafter.pool
     assert not pool.states and len(pool.free) == pool.num_blocks
 
 
@@ -73,15 +73,15 @@ def test_published_layout_loads_the_drafter_it_was_written_from(target):
         runner.forward(np.asarray(tokens[-1:]), np.asarray([1]), np.asarray([len(tokens) - 1]), [[list(range(2))]])
         torch.testing.assert_close(runner.model.model.aux_hidden[0], aux[-1], rtol=1e-5, atol=1e-5)
     assert runner.model.model.aux_decode[1] is not None
-    proposer = runner.hidden_drafter
+    proposer = runner.drafter
     drafts = proposer.step({"x": Feed(tokens + [7], 0, aux)}, {"x": 1})
     embedding = runner.model.model.embed_tokens.weight.detach()
     with torch.no_grad():
         want = drafter(aux, embedding[torch.tensor(tokens[1:] + [7])])
     assert drafts["x"] == [int(want[-1].argmax()) * 2]  # draft id i is target id 2i
     with torch.inference_mode():  # the drafter's own logits at the last position, against the reference
-        hidden = proposer.pool.forward(["x"], [tokens[1:] + [7]], [0], [proposer.drafter.combine(aux)])
-        torch.testing.assert_close(proposer.drafter.compute_logits(hidden)[0], want[-1], rtol=1e-4, atol=1e-4)
+        hidden = proposer.pool.forward(["x"], [tokens[1:] + [7]], [0], [proposer.module.combine(aux)])
+        torch.testing.assert_close(proposer.module.compute_logits(hidden)[0], want[-1], rtol=1e-4, atol=1e-4)
     proposer.finish("x")
 
 
@@ -113,7 +113,7 @@ def test_seeded_sampling_is_reproducible_and_aborts_return_blocks(target):
         core.add_request(EngineCoreRequest(f"a{i}", p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))
     for _ in range(3):
         core.step()
-    assert core.executor.runner.hidden_drafter.pool.states
+    assert core.executor.runner.drafter.pool.states
     core.abort_requests(["a0", "a2"])
     while core.has_unfinished():
         core.step()

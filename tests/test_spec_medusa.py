@@ -122,7 +122,7 @@ def trained_heads(tmp_path_factory):
     """Heads trained on SmolLM2's own outputs, small settings (the benchmark trains the full ones)."""
     if not model_available():
         pytest.skip(f"{MODEL} is not installed")
-    from tokenmill.spec_decode.train_head import TrainOptions, train_draft_head
+    from tokenmill.tools.train_head import TrainOptions, train_draft_head
 
     out = tmp_path_factory.mktemp("heads")
     opts = TrainOptions(num_heads=2, num_prompts=24, prompt_tokens=48, max_tokens=48, epochs=2, lr=3e-3,

@@ -78,7 +78,7 @@ def test_greedy_output_is_identical_with_mtp(models, which):
         assert all(d == [newest] * len(d) for d, newest in drafts)
     core.step()
     assert core.kv.num_free_blocks == core.kv.num_blocks
-    pool = core.executor.runner.hidden_drafter.pool
+    pool = core.executor.runner.drafter.pool
     assert not pool.states and len(pool.free) == pool.num_blocks
 
 

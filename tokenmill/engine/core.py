@@ -29,8 +29,7 @@ from tokenmill.engine.scheduler import RequestUpdate, Scheduler
 from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from tokenmill.executor import Executor
 from tokenmill.kv_transfer.base import KVConnectorOutput, check_supported, scheduler_connector
-from tokenmill.spec_decode import Proposer, RunnerDrafts, draft_length, eligible
-from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode import draft_length, eligible
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class EngineStats:
     spec_draft_tokens: int = 0  # drafted tokens verified
     spec_accepted_tokens: int = 0  # of which accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)  # accepted drafts by position 1..k
-    spec_draft_seconds: float = 0.0  # time spent drafting (proposers; Medusa heads in the model runner)
+    spec_draft_seconds: float = 0.0  # time spent drafting (the runner's drafter; trimming the drafts in the core)
     spec_verify_seconds: float = 0.0  # time of the steps that verified drafts
     kv_transfers: int = 0  # disaggregated prefill/decode: prompts whose KV was sent (producer) or received
     kv_transfer_bytes: int = 0  # their KV payloads
@@ -98,11 +97,6 @@ class EngineCore:
         self._tokenizer_data = tokenizer_data
         self._structured = None  # StructuredOutputManager, built on first use
         self.compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
-        spec = config.speculative
-        self.proposer: Proposer | None = None
-        if spec is not None:
-            self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram"
-                             else RunnerDrafts())
 
     @property
     def structured(self):
@@ -259,7 +253,7 @@ class EngineCore:
             sched = self.last_schedule = self.scheduler.schedule()
             if sched.num_scheduled_tokens or sched.finished_request_ids or sched.kv_connector_metadata is not None:
                 outputs += self._attach_grammar(sched)
-                if isinstance(self.proposer, RunnerDrafts):
+                if self.config.speculative is not None:
                     sched.draft_lengths = self._wanted_drafts(sched)
                 try:
                     self.executor.submit(sched)
@@ -284,8 +278,8 @@ class EngineCore:
             self.scheduler.spec_stats.verify_seconds += time.perf_counter() - start - output.draft_seconds
         outputs += self._connector_output(output.kv_connector_output)
         updates = self.scheduler.update_from_output(sched, output)
-        if self.proposer is not None and sched.num_scheduled_tokens:
-            self._propose(output)
+        if self.config.speculative is not None and sched.num_scheduled_tokens:
+            self._propose(sched, output)
         return outputs + [self._output(u) for u in updates]
 
     def _fail_step(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
@@ -313,23 +307,30 @@ class EngineCore:
         return draft_length(request.spec_acceptance, threshold, spec.num_speculative_tokens)
 
     def _wanted_drafts(self, sched: SchedulerOutput) -> dict[str, int]:
-        """For proposers that draft during the step (Medusa heads, a draft model): the most drafts each
-        request may use after it — eligible ones whose pending tokens this step completes, while no more
-        than `disable_by_batch_size` run (`_propose` trims them to what fits)."""
-        running = self.scheduler.running
-        if len(running) > self.config.speculative.disable_by_batch_size:
+        """The most drafts each request may use after this step (the runner's drafter proposes them at its
+        end): eligible ones whose pending tokens this step completes, while no more than
+        `disable_by_batch_size` run (`_propose` trims them to what fits). n-gram lookups cost next to
+        nothing: they are asked for the most, for every request that may speculate, and `_propose` sizes
+        them by the eligibility and acceptance after the step (what they are when the drafts are used)."""
+        spec, running = self.config.speculative, self.scheduler.running
+        if len(running) > spec.disable_by_batch_size:
             return {}
+        lookup = spec.method == "ngram"
         wanted = {}
         for request in running:
             n = sched.num_scheduled_tokens.get(request.request_id)
-            if n is not None and request.num_computed_tokens + n >= request.num_tokens and eligible(request):
-                if worth := self._worth(request, len(running)):
-                    wanted[request.request_id] = worth
+            if n is None or request.num_computed_tokens + n < request.num_tokens:
+                continue
+            if lookup and request.params.speculative:
+                wanted[request.request_id] = spec.num_speculative_tokens
+            elif not lookup and eligible(request) and (worth := self._worth(request, len(running))):
+                wanted[request.request_id] = worth
         return wanted
 
-    def _propose(self, output: ModelRunnerOutput) -> None:
-        """Drafts for the next step of each running request that decodes and may speculate (none
-        while more than `disable_by_batch_size` requests run)."""
+    def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Keep the drafts the runner's drafter made for the next step of each running request that decodes
+        and may speculate, as many as fit (none while more than `disable_by_batch_size` requests run); a
+        request that was not in this step keeps those it has."""
         spec, running = self.config.speculative, self.scheduler.running
         self.scheduler.spec_stats.draft_seconds += output.draft_seconds
         if not running or len(running) > spec.disable_by_batch_size:
@@ -341,9 +342,12 @@ class EngineCore:
                 break
             if request.num_tokens - request.num_computed_tokens != 1 or not eligible(request):
                 continue
+            if request.request_id not in sched.num_scheduled_tokens:
+                budget -= len(request.spec_token_ids)
+                continue
             left = (request.max_tokens or self.max_model_len) - len(request.output_token_ids) - 1
             room = min(self._worth(request, len(running)), left, self.max_model_len - request.num_tokens, budget)
-            drafts = self.proposer.draft(request, room, output)
+            drafts = output.draft_token_ids.get(request.request_id, [])[:room]
             if request.structured is not None and drafts:  # up to the first token its grammar rejects
                 drafts = drafts[: request.structured.matcher.validate(drafts)]
             request.spec_token_ids = drafts

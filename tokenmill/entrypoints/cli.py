@@ -140,7 +140,7 @@ OPTIONAL_COMMANDS = {
     "bench": ("tokenmill.bench.cli", "add_bench_parser"),
     "eval": ("tokenmill.eval.cli", "add_eval_parser"),
     "plan": ("tokenmill.plan.cli", "add_plan_parser"),
-    "train-draft-head": ("tokenmill.spec_decode.train_head", "add_train_head_parser"),
+    "train-draft-head": ("tokenmill.tools.train_head", "add_train_head_parser"),
 }
 
 

@@ -1,36 +1,25 @@
-"""Speculative decoding: proposers draft the next few tokens of a decoding request cheaply; the
-target model checks them all in one forward pass (`tokenmill.worker.rejection_sampler`), and the
+"""Speculative decoding: a drafter drafts the next few tokens of a decoding request cheaply; the
+target model checks them all in one forward pass (`tokenmill.sample.rejection_sampler`), and the
 request advances by every draft it accepts plus one token of its own — with exactly the target's
 output distribution (greedy: the same tokens; sampling: standard rejection sampling).
 
-Flow: after each step the engine core asks the proposer (`Proposer`) for drafts of each eligible
-running request (`Request.spec_token_ids`): the n-gram proposer looks them up in the request's
-tokens; Medusa heads (`medusa`), a draft model (`draft_model`) and the drafters fed the target's
-hidden states (EAGLE-3, MTP: `hidden_drafter`) draft in the model runner during the step, and
-`RunnerDrafts` hands those on; the scheduler gives such a request 1 + k tokens (KV slots for all of
-them) and lists the drafts in `SchedulerOutput.spec_token_ids`; the model runner verifies them and
-returns the accepted tokens; the scheduler then rolls `num_computed_tokens` back over the rejected
-ones (their KV slots are simply overwritten later) before caching full blocks.
+Flow: before each step the engine core puts in `SchedulerOutput.draft_lengths` the most drafts each
+request may use after it (`eligible` requests, sized by their acceptance: `draft_length`); at the end
+of the step the model runner's one drafter (`drafter.Drafter`: n-gram lookup, Medusa heads, a draft
+model, EAGLE-3 / MTP fed the target's hidden states) proposes them, and they come back in
+`ModelRunnerOutput.draft_token_ids`; the core keeps what the batch can verify (`Request.spec_token_ids`);
+the scheduler gives such a request 1 + k tokens (KV slots for all of them) and lists the drafts in
+`SchedulerOutput.spec_token_ids`; the model runner verifies them and returns the accepted tokens; the
+scheduler then rolls `num_computed_tokens` back over the rejected ones (their KV slots are simply
+overwritten later) before caching full blocks.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from tokenmill.engine.outputs import ModelRunnerOutput
-from tokenmill.engine.request import Request
-
-
-class Proposer(Protocol):
-    def draft(self, request: Request, k: int, output: ModelRunnerOutput) -> list[int]:
-        """Up to k drafted tokens to follow `request`'s newest token, after the step that gave `output`."""
-
-
-class RunnerDrafts:
-    """Drafts the model runner made during the step (from hidden states), trimmed to what is wanted."""
-
-    def draft(self, request: Request, k: int, output: ModelRunnerOutput) -> list[int]:
-        return output.draft_token_ids.get(request.request_id, [])[:k]
+if TYPE_CHECKING:
+    from tokenmill.engine.request import Request
 
 
 def eligible(request: Request) -> bool:

@@ -1,7 +1,7 @@
-"""Draft-model proposer: a smaller model with the target's tokenizer drafts greedily, k tokens in k
+"""Draft-model drafter: a smaller model with the target's tokenizer drafts greedily, k tokens in k
 forward passes over its own paged KV cache.
 
-The draft runs as a `ModelRunner` of its own (its model, attention backend and KV cache) inside the
+The draft runs over its own KV pool (its model, attention backend and cache: `draft_pool`) inside the
 target's model runner, so it drafts during the step, right after the target sampled. Its blocks are
 kept here, per request: a block table and the tokens whose KV is in it. Before drafting, the cached
 tokens are compared with the request's tokens now: the KV of every token up to the first difference
@@ -23,10 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.config import EngineConfig
+from tokenmill.loader import load_model
+from tokenmill.sample.rejection_sampler import target_probs
+from tokenmill.sample.sampler import random_sample
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.draft_pool import DraftKVPool, draft_engine_config
-from tokenmill.worker.rejection_sampler import target_probs
-from tokenmill.worker.sampler import random_sample
+from tokenmill.spec_decode.drafter import Drafter, DraftStep
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +49,17 @@ class DraftRequest:
     generator: torch.Generator | None = None
 
 
-class DraftModelProposer:
+class DraftModelDrafter(Drafter):
     def __init__(self, config: EngineConfig, target_vocab_size: int) -> None:
-        from tokenmill.executor.abstract import load_configured_model
-
-        draft_config = draft_engine_config(config, config.speculative.model)
-        loaded = load_configured_model(draft_config)
+        c = draft_config = draft_engine_config(config, config.speculative.model)
+        loaded = load_model(c.model, c.dtype, c.device, max_positions=c.scheduler.max_model_len,
+                            quantization=c.quantization, group_size=c.quantization_group_size,
+                            symmetric=c.quantization_symmetric)
         if loaded.config.vocab_size > target_vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary ({loaded.config.vocab_size}) is "
                              f"larger than the target's ({target_vocab_size}); it must share the target's tokenizer")
         self.pool = DraftKVPool(loaded, draft_config)
-        self.pool.runner.warm_up()
+        self.pool.warm_up()
         self.target_vocab_size = target_vocab_size
         logger.info("draft model %s: %d KV blocks of %d tokens", draft_config.model, self.pool.num_blocks,
                     self.pool.block_size)
@@ -65,8 +67,26 @@ class DraftModelProposer:
     def finish(self, request_id: str) -> None:
         self.pool.finish(request_id)
 
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        """Sampled drafts unless a request is greedy or constrained; a sampled one's distributions are
+        kept in its request state for the verify step of these drafts."""
+        if not step.wanted:
+            return {}
+        asks = {}
+        for rid, k in step.wanted.items():
+            s = step.requests[rid]
+            s.draft = None
+            left = (s.params.max_tokens or 1 << 30) - len(s.output_token_ids)
+            constrained = s.params.structured_output is not None
+            asks[rid] = DraftRequest(s.prompt_token_ids + s.output_token_ids, k, left,
+                                     None if constrained else s.params, s.generator)
+        drafts, probs = self.draft(asks)
+        for rid, q in probs.items():
+            step.requests[rid].draft = (drafts[rid], q)
+        return drafts
+
     @torch.inference_mode()
-    def propose(self, wanted: dict[str, DraftRequest]) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    def draft(self, wanted: dict[str, DraftRequest]) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
         """Up to k drafts for each request, and for the requests whose drafts were sampled the
         distributions they were drawn from ([drafts, target vocabulary])."""
         drafts: dict[str, list[int]] = {}
@@ -92,7 +112,7 @@ class DraftModelProposer:
                 break
             states = [self.pool.states[r] for r in rids]
             hidden = self.pool.forward(rids, [pending[r] for r in rids], [len(s.tokens) for s in states])
-            logits = self.pool.runner.model.compute_logits(hidden)
+            logits = self.pool.model.compute_logits(hidden)
             for row, (rid, state) in enumerate(zip(rids, states)):
                 token, q = self._choose(logits[row], wanted[rid])
                 if q is not None:

@@ -1,6 +1,7 @@
-"""A drafter's own paged KV cache, shared by the proposers that run a model of their own (a draft
-model, an EAGLE-3 drafter, MTP layers): a `ModelRunner` over the drafter's module with a small pool
-of blocks, and per request a block table and the tokens whose KV the blocks hold. Requests that
+"""A drafter's own paged KV cache, shared by the drafters that run a model of their own (a draft
+model, an EAGLE-3 drafter, MTP layers): the drafter's module over a small pool of blocks, run as the
+model runner runs the target (`tokenmill.layers.paged_forward`), and per request a block table and the
+tokens whose KV the blocks hold. Requests that
 finish give their blocks back; when the pool runs short, requests that are not in the current
 forward lose theirs (least recently used first).
 """
@@ -13,7 +14,10 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig
+from tokenmill.attention.selector import get_attention_backend
+from tokenmill.attention.kv_spec import make_kv_cache_config
+from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, resolve_cache_dtype
+from tokenmill.layers.paged_forward import PagedForward
 from tokenmill.loader import LoadedModel
 from tokenmill.quantization.unquantized import UnquantizedConfig
 
@@ -64,15 +68,27 @@ def draft_engine_config(config: EngineConfig, model: str | None) -> EngineConfig
 class DraftKVPool:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         """`config`: the drafter's (`draft_engine_config`)."""
-        from tokenmill.executor.abstract import size_kv_cache
-        from tokenmill.worker.model_runner import ModelRunner
-
-        self.runner = ModelRunner(loaded, config)
-        kv = size_kv_cache(config, self.runner.kv_cache_specs())
-        self.runner.initialize_kv_cache(kv)
+        self.model = loaded.model
+        cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, loaded.dtype, loaded.quantization)
+        self.paged = PagedForward(loaded.model, loaded.device, cache_dtype,
+                                  get_attention_backend(loaded.device, loaded.dtype, cache_dtype))
+        sched = config.scheduler
+        kv = make_kv_cache_config(self.paged.kv_cache_specs(), config.cache, sched.max_num_seqs,
+                                  sched.max_num_batched_tokens)
+        self.paged.initialize_kv_cache(kv)
         self.block_size, self.num_pools, self.num_blocks = kv.block_size, len(kv.pool_blocks), kv.num_blocks
         self.free = list(range(kv.num_blocks))
         self.states: OrderedDict[str, DraftState] = OrderedDict()  # least recently used first
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """A prefill and a decode in block 0 (garbage afterwards, harmless: every block is written before
+        it is read), so that kernels are compiled before the first request's clock starts."""
+        tables = [[[0]] * self.num_pools]
+        for ids, computed in (([0, 0], 0), ([0], 2)):
+            hidden, _ = self.paged.forward(np.asarray(ids, dtype=np.int64), np.asarray([len(ids)], dtype=np.int64),
+                                           np.asarray([computed], dtype=np.int64), tables)
+            self.model.compute_logits(hidden[-1:])
 
     def state(self, request_id: str) -> DraftState:
         """The request's state (new and empty if it has none), marked as used now."""
@@ -109,7 +125,7 @@ class DraftKVPool:
         order = sorted(range(len(rids)), key=lambda i: num_new[i] != 1)  # decodes first, as the runner lays out
         ids = [t for i in order for t in inputs[i]]
         model_inputs = {} if extra is None else {"hidden_states": torch.cat([extra[i] for i in order])}
-        hidden, common = self.runner.forward(
+        hidden, common = self.paged.forward(
             np.asarray(ids, dtype=np.int64), np.asarray([num_new[i] for i in order], dtype=np.int64),
             np.asarray([num_computed[i] for i in order], dtype=np.int64),
             [[self.states[rids[i]].blocks] * self.num_pools for i in order], **model_inputs)

@@ -1,4 +1,4 @@
-"""Proposer for drafters that read the target's hidden states: EAGLE-3 (`eagle`) and MTP layers
+"""The drafter for modules that read the target's hidden states: EAGLE-3 (`eagle`) and MTP layers
 (`mtp`). The drafter's KV at position t is computed from the target's hidden state at t (EAGLE-3: three
 layers' fused by `fc`; MTP: the final one) and the embedding of token t + 1, so it is fed, every step,
 each speculating request's positions whose next token is now known: a prefill chunk's, or a verify
@@ -23,6 +23,7 @@ from torch import nn
 from tokenmill.config import EngineConfig
 from tokenmill.loader import LoadedModel
 from tokenmill.spec_decode.draft_pool import DraftKVPool, draft_engine_config
+from tokenmill.spec_decode.drafter import Drafter, DraftStep
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +37,34 @@ class Feed:
     hidden: torch.Tensor  # the target's hidden states at the step's positions (the drafter's kind), one row each
 
 
-class HiddenStateProposer:
-    def __init__(self, drafter: nn.Module, target: LoadedModel, config: EngineConfig) -> None:
-        """`drafter`: a module with forward(input_ids, positions, hidden_states) -> hidden, `combine`
+class HiddenStateDrafter(Drafter):
+    def __init__(self, module: nn.Module, target: LoadedModel, config: EngineConfig) -> None:
+        """`module`: the drafter, with forward(input_ids, positions, hidden_states) -> hidden, `combine`
         (target hidden -> drafter hidden), `compute_logits`, `to_target` (draft ids -> target ids) and
         `aux` (whether it reads the target's auxiliary hidden states)."""
-        self.drafter = drafter
-        loaded = dataclasses.replace(target, model=drafter, quantization="none")
+        self.module = module
+        self.disable_by_batch_size = config.speculative.disable_by_batch_size
+        loaded = dataclasses.replace(target, model=module, quantization="none")
         self.pool = DraftKVPool(loaded, draft_engine_config(config, None))
-        logger.info("%s drafter: %d KV blocks of %d tokens", type(drafter).__name__, self.pool.num_blocks,
+        logger.info("%s drafter: %d KV blocks of %d tokens", type(module).__name__, self.pool.num_blocks,
                     self.pool.block_size)
 
-    @property
-    def aux(self) -> bool:
-        return self.drafter.aux
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        """Feed the drafter this step's hidden states of every request that may speculate (its KV must
+        follow the target's), and draft for the wanting ones. Under load (more than `disable_by_batch_size`
+        requests, none drafting) nothing is fed: when drafting resumes, a request's drafter cache restarts
+        where the request is (only its drafts' quality drops)."""
+        if not step.wanted and len(step.req_ids) > self.disable_by_batch_size:
+            return {}
+        source = step.model.model.aux_hidden if self.module.aux else step.hidden
+        bounds = step.query_start_loc.tolist()
+        feeds = {}
+        for i, (rid, computed) in enumerate(zip(step.req_ids, step.num_computed)):
+            s = step.requests[rid]
+            if s.params.speculative:
+                tokens = s.prompt_token_ids + s.output_token_ids
+                feeds[rid] = Feed(tokens, int(computed), source[bounds[i] : bounds[i + 1]])
+        return self.step(feeds, step.wanted)
 
     def finish(self, request_id: str) -> None:
         self.pool.finish(request_id)
@@ -76,7 +91,7 @@ class HiddenStateProposer:
             rids.append(rid)
             inputs.append(feed.tokens[feed.num_computed + 1 : feed.num_computed + 1 + n])
             computed.append(len(state.tokens))
-            rows.append(self.drafter.combine(feed.hidden[:n]))
+            rows.append(self.module.combine(feed.hidden[:n]))
         if not rids:
             return {}
         hidden = self.pool.forward(rids, inputs, computed, rows)
@@ -92,7 +107,7 @@ class HiddenStateProposer:
                 hidden = self.pool.forward(draft_rids, [[drafts[r][-1]] for r in draft_rids],
                                            [len(self.pool.states[r].tokens) + j - 1 for r in draft_rids],
                                            list(hidden.unsqueeze(1)))
-            tokens = self.drafter.to_target(self.drafter.compute_logits(hidden).argmax(dim=-1)).tolist()
+            tokens = self.module.to_target(self.module.compute_logits(hidden).argmax(dim=-1)).tolist()
             for rid, token in zip(draft_rids, tokens):
                 drafts.setdefault(rid, []).append(token)
             keep = [i for i, r in enumerate(draft_rids) if wanted[r] > j + 1]

@@ -9,16 +9,26 @@ Checkpoint layouts read (a directory with config.json and safetensors / a torch 
   for the blocks and `{i}.{layers}.weight` for head i's LM head (optionally under `medusa_head.`);
 - vLLM's: `num_heads`, `num_hidden_layers`; `blocks.{i}.layers.{j}.weight|bias`, `lm_heads.{i}.weight`.
 A checkpoint without LM-head tensors uses the target's. `save_medusa_heads` writes the first layout.
+`MedusaDrafter` drafts with them in the model runner.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from tokenmill.spec_decode.drafter import Drafter, DraftStep
+
+if TYPE_CHECKING:
+    from tokenmill.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "model.safetensors", "medusa_lm_head.pt", "pytorch_model.bin")
 _ORIGINAL = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
@@ -56,6 +66,25 @@ class MedusaHeads(nn.Module):
     def propose(self, hidden: torch.Tensor, target_lm_head, k: int) -> list[list[int]]:
         """Greedy drafts of the (up to) k tokens after the one sampled from each row of hidden [R, H]."""
         return self.logits(hidden, target_lm_head, k).float().argmax(dim=-1).T.tolist()
+
+
+class MedusaDrafter(Drafter):
+    """Drafts of the tokens after each wanting request's newest token, from the hidden state its newest
+    token was predicted from (every request as many as the most wanted, then trimmed)."""
+
+    def __init__(self, path: str, target: LoadedModel) -> None:
+        self.heads = load_medusa_heads(path, target.config.hidden_size, target.config.vocab_size).to(target.device)
+        logger.info("Medusa: %d heads of %d residual blocks from %s (%s LM heads)", self.heads.num_heads,
+                    self.heads.num_layers, path, "own" if self.heads.lm_heads is not None else "the target's")
+
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        if not step.wanted:
+            return {}
+        rids, hidden = list(step.wanted), step.hidden
+        rows = hidden[torch.tensor([step.last_rows[r] for r in rids], device=hidden.device)].float()
+        drafted = self.heads.propose(rows, lambda x: step.model.compute_logits(x.to(hidden.dtype)),
+                                     max(step.wanted.values()))
+        return {r: d[: step.wanted[r]] for r, d in zip(rids, drafted)}
 
 
 def read_tensors(path: Path, files: tuple[str, ...] = WEIGHT_FILES, what: str = "Medusa") -> dict[str, torch.Tensor]:

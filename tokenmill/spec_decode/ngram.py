@@ -1,24 +1,28 @@
-"""n-gram (prompt lookup) proposer: find an earlier occurrence of the sequence's last n tokens (n
+"""n-gram (prompt lookup) drafter: find an earlier occurrence of the sequence's last n tokens (n
 from `max_n` down to `min_n`; the latest one with k tokens after it) and draft the tokens that
-followed it. Costs no model call;
+followed it. Costs no model call; runs in the model runner on the request's tokens after the step;
 pays off where the output repeats its context (code editing, quoting, extraction)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from tokenmill.engine.outputs import ModelRunnerOutput
-from tokenmill.engine.request import Request
+from tokenmill.spec_decode.drafter import Drafter, DraftStep
 
 
-class NgramProposer:
+class NgramDrafter(Drafter):
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def draft(self, request: Request, k: int, output: ModelRunnerOutput) -> list[int]:
-        return self.propose(request.prompt_token_ids + request.output_token_ids, k)
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        drafts = {}
+        for rid, k in step.wanted.items():
+            s = step.requests[rid]
+            left = (s.params.max_tokens or 1 << 30) - len(s.output_token_ids) - 1  # tokens it may still draft
+            drafts[rid] = self.lookup(s.prompt_token_ids + s.output_token_ids, min(k, left))
+        return drafts
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` drafted tokens to follow `tokens` (empty when no n-gram recurs)."""
         if k <= 0 or len(tokens) <= self.min_n:
             return []

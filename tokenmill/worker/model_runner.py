@@ -2,10 +2,10 @@
 apply the scheduler's changes, lay the scheduled tokens out as one flat batch (decodes first),
 describe it once for attention, run the forward pass, mask (structured output) and sample the
 requests that reach the end of their tokens — or verify the drafted tokens of speculating ones
-(`rejection_sampler`) — and return their new token ids; with Medusa heads, a draft model or a drafter
-fed the step's hidden states (EAGLE-3, MTP), also the drafts of the next step
-(`tokenmill.spec_decode.medusa`, `.draft_model`, `.hidden_drafter`). An int8 / fp8 KV cache gets a scales tensor
-per group beside it (`tokenmill.attention.kv_quant`)."""
+(`tokenmill.sample.rejection_sampler`) — and return their new token ids; with speculative decoding,
+also the drafts of the next step, from the runner's one drafter (`tokenmill.spec_decode.drafter`). The
+KV cache and the forward over it are `tokenmill.layers.paged_forward`'s, which a drafter with a model
+of its own uses too."""
 
 from __future__ import annotations
 
@@ -18,90 +18,52 @@ import numpy as np
 import torch
 
 from tokenmill.attention.selector import get_attention_backend
-from tokenmill.attention.kv_quant import SCALE_DTYPE, is_quantized
-from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig
-from tokenmill.attention.metadata import CommonAttentionMetadata, build_common_metadata
+from tokenmill.attention.kv_spec import KVCacheConfig
+from tokenmill.attention.metadata import CommonAttentionMetadata
 from tokenmill.config import EngineConfig, resolve_cache_dtype
 from tokenmill.distributed.pipeline import IntermediateTensors
 from tokenmill.engine.outputs import Logprob, ModelRunnerOutput, TokenLogprobs
 from tokenmill.engine.scheduler_output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
-from tokenmill.layers.attention import Attention
-from tokenmill.layers.forward_context import ForwardContext, set_forward_context
 from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.paged_forward import PagedForward
 from tokenmill.loader import LoadedModel
+from tokenmill.sample.rejection_sampler import verify
+from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.draft_model import DraftModelProposer, DraftRequest
-from tokenmill.spec_decode.hidden_drafter import Feed, HiddenStateProposer
-from tokenmill.spec_decode.medusa import load_medusa_heads
-from tokenmill.worker.rejection_sampler import verify
+from tokenmill.spec_decode.drafter import DraftStep, make_drafter
 from tokenmill.worker.request_state import CachedRequestState
-from tokenmill.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
 
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(PagedForward):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        self.model = loaded.model
+        cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, loaded.dtype, loaded.quantization)
+        super().__init__(loaded.model, loaded.device, cache_dtype,
+                         get_attention_backend(loaded.device, loaded.dtype, cache_dtype))
         self.model_config = loaded.config
-        self.device, self.dtype = loaded.device, loaded.dtype
-        self.cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, self.dtype, loaded.quantization)
-        torch.manual_seed(config.seed)
+        self.dtype = loaded.dtype
         if self.device.type == "cpu":
             torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core we may use, for intra-op work
             # denormal floats (they appear in hidden states and attention) run ~100x slower on x86;
             # flushing them to zero changes nothing measurable and keeps every op at full speed
             torch.set_flush_denormal(True)
-        self.backend = get_attention_backend(self.device, self.dtype, self.cache_dtype)
-        self.attention_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_cache_config: KVCacheConfig | None = None
-        self.kv_caches: list[torch.Tensor] = []  # one tensor per KV-cache group: [layers, *backend shape]
-        self.kv_scales: list[torch.Tensor | None] = []  # per group, quantized caches: [layers, *shape[:-1]]
-        self.speculative = spec = config.speculative
-        self.medusa = self.draft_model = self.hidden_drafter = None
-        if spec is not None and spec.method == "draft_model":
-            self.draft_model = DraftModelProposer(config, self.model_config.vocab_size)
-        if spec is not None and spec.method in ("eagle3", "mtp"):
-            from tokenmill.spec_decode.eagle import load_eagle3  # model files only when used
-            from tokenmill.spec_decode.mtp import load_mtp
-
-            self.hidden_drafter = HiddenStateProposer(
-                load_eagle3(spec.model, loaded) if spec.method == "eagle3" else load_mtp(loaded), loaded, config)
-        if spec is not None and spec.method == "medusa":
-            self.medusa = load_medusa_heads(spec.model, self.model_config.hidden_size,
-                                            self.model_config.vocab_size).to(self.device)
-            logger.info("Medusa: %d heads of %d residual blocks from %s (%s LM heads)", self.medusa.num_heads,
-                        self.medusa.num_layers, spec.model, "own" if self.medusa.lm_heads is not None else "the target's")
+        # speculative decoding: the one drafter (None without); seeded after it loaded, so that sampling
+        # draws the same numbers with any drafter or none
+        self.drafter = make_drafter(config, loaded) if config.speculative is not None else None
+        torch.manual_seed(config.seed)
 
     # ---- KV cache ---------------------------------------------------------------------------------
 
-    def kv_cache_specs(self) -> dict[str, AttentionSpec]:
-        return {name: layer.kv_spec(self.cache_dtype) for name, layer in self.attention_layers.items()}
-
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
-        """Allocate each group's cache in the backend's shape (and a quantized one's scales) and bind every
-        attention layer to its part."""
-        self.kv_cache_config = config
-        self.group_keys = [(group.pool, group.spec.sliding_window) for group in config.groups]
-        for g, group in enumerate(config.groups):
-            names = [n for n in group.layer_names if n in self.attention_layers]  # a pipeline stage's own
-            shape = self.backend.kv_cache_shape(config.pool_blocks[group.pool], config.block_size, group.spec)
-            cache = torch.zeros(len(names), *shape, dtype=group.spec.dtype, device=self.device)
-            scales = (torch.zeros(len(names), *shape[:-1], dtype=SCALE_DTYPE, device=self.device)
-                      if is_quantized(group.spec.dtype) else None)
-            self.kv_caches.append(cache)
-            self.kv_scales.append(scales)
-            for i, name in enumerate(names):
-                layer_scales = None if scales is None else scales[i]
-                self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g, layer_scales)
+        super().initialize_kv_cache(config)
         logger.info("KV cache: %s blocks of %d tokens = %d tokens (%.2f GiB, %s: %d bytes and %d tokens per GiB, "
                     "attention %s)", " + ".join(map(str, config.pool_blocks)), config.block_size,
                     config.capacity_tokens, config.total_bytes / 2**30, self.cache_dtype, config.bytes_per_token,
-                    config.tokens_per_gib,
-                    self.backend.name)
+                    config.tokens_per_gib, self.backend.name)
 
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, by decoder layer index (empty for a dense model)."""
@@ -145,7 +107,8 @@ class ModelRunner:
         input_ids = np.fromiter((t for r, s, c, n in zip(req_ids, states, num_computed, num_new)
                                  for t in (s.token_slice(c, c + 1) + drafts[r] if r in drafts else s.token_slice(c, c + n))),
                                 dtype=np.int64, count=int(num_new.sum()))
-        hidden, common = self.forward(input_ids, num_new, num_computed, [s.block_ids for s in states], intermediate)
+        stage_input = {} if intermediate is None else {"intermediate": intermediate}  # a later pipeline stage
+        hidden, common = self.forward(input_ids, num_new, num_computed, [s.block_ids for s in states], **stage_input)
         if isinstance(hidden, IntermediateTensors):
             return hidden
         result = ModelRunnerOutput()
@@ -172,87 +135,19 @@ class ModelRunner:
                     result.logprobs[r] = logprob_dicts(ids.tolist(), values.tolist(), ranks.tolist(),
                                                        [num] * len(tokens))
                 last_rows[r] = end - len(drafts[r]) - 2 + len(tokens)  # the row its last token came from
-        wanted = {r: k for r, k in sched.draft_lengths.items() if r in last_rows}
-        if self.medusa is not None and wanted:
-            self._draft_with_heads(result, hidden, last_rows, wanted)
-        if self.draft_model is not None and wanted:
+        if self.drafter is not None:
             start = time.perf_counter()
-            for r in wanted:
-                self.requests[r].draft = None
-            result.draft_token_ids, probs = self.draft_model.propose(
-                {r: self._draft_request(r, k, sched) for r, k in wanted.items()})
-            for r, q in probs.items():  # kept for the verify step of these drafts
-                self.requests[r].draft = (result.draft_token_ids[r], q)
+            result.draft_token_ids = self.drafter.propose(DraftStep(
+                {r: k for r, k in sched.draft_lengths.items() if r in last_rows}, req_ids, self.requests,
+                num_computed, common.query_start_loc, hidden, last_rows, self.model))
             result.draft_seconds = time.perf_counter() - start
-        if self.hidden_drafter is not None:
-            self._draft_from_hidden(result, hidden, common, req_ids, states, num_computed, wanted)
         return result
-
-    def _draft_from_hidden(self, result: ModelRunnerOutput, hidden: torch.Tensor, common: CommonAttentionMetadata,
-                           req_ids: list[str], states: list[CachedRequestState], num_computed: np.ndarray,
-                           wanted: dict[str, int]) -> None:
-        """EAGLE-3 / MTP: feed the drafter this step's hidden states of every request that may speculate
-        (its KV must follow the target's), and draft for the wanting ones (`spec_decode.hidden_drafter`).
-        Under load (more than `disable_by_batch_size` requests, none drafting) nothing is fed: when drafting
-        resumes, a request's drafter cache restarts where the request is (only its drafts' quality drops)."""
-        if not wanted and len(req_ids) > self.speculative.disable_by_batch_size:
-            return
-        start = time.perf_counter()
-        source = self.model.model.aux_hidden if self.hidden_drafter.aux else hidden
-        bounds = common.query_start_loc.tolist()
-        feeds = {r: Feed(s.prompt_token_ids + s.output_token_ids, int(c), source[bounds[i] : bounds[i + 1]])
-                 for i, (r, s, c) in enumerate(zip(req_ids, states, num_computed)) if s.params.speculative}
-        result.draft_token_ids = self.hidden_drafter.step(feeds, wanted)
-        result.draft_seconds = time.perf_counter() - start
-
-    def _draft_request(self, request_id: str, k: int, sched: SchedulerOutput) -> DraftRequest:
-        """What the draft model is asked for a request: sampled drafts unless it is greedy or
-        constrained (see `tokenmill.spec_decode.draft_model`)."""
-        s = self.requests[request_id]
-        left = (s.params.max_tokens or 1 << 30) - len(s.output_token_ids)
-        constrained = s.params.structured_output is not None
-        return DraftRequest(s.prompt_token_ids + s.output_token_ids, k, left,
-                            None if constrained else s.params, s.generator)
-
-    def _draft_with_heads(self, result: ModelRunnerOutput, hidden: torch.Tensor, last_rows: dict[str, int],
-                          wanted: dict[str, int]) -> None:
-        """Medusa: drafts of the tokens after each wanting request's newest token, from the hidden state
-        its newest token was predicted from (every request as many as the most wanted)."""
-        start = time.perf_counter()
-        rids = list(wanted)
-        rows = hidden[torch.tensor([last_rows[r] for r in rids], device=self.device)].float()
-        drafted = self.medusa.propose(rows, lambda x: self.model.compute_logits(x.to(hidden.dtype)),
-                                      max(wanted.values()))
-        result.draft_token_ids = {r: d[: wanted[r]] for r, d in zip(rids, drafted)}
-        result.draft_seconds = time.perf_counter() - start
-
-    def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
-                block_ids: list[list[list[int]]], intermediate: IntermediateTensors | None = None,
-                **model_inputs) -> tuple[torch.Tensor | IntermediateTensors, CommonAttentionMetadata]:
-        """Run the model on a flat batch (per request: its new tokens after `num_computed` cached ones,
-        decodes first; `block_ids[request][pool]` its block tables; `model_inputs`: more inputs of the
-        model's, e.g. a drafter's hidden states). Returns the final hidden state of every new token, and
-        the step's description (of pool 0: positions and lengths are the same in all)."""
-        commons = [build_common_metadata(num_new, num_computed, [tables[pool] for tables in block_ids],
-                                         self.kv_cache_config.block_size, self.device)
-                   for pool in range(len(self.kv_cache_config.pool_blocks))]
-        (common, positions) = commons[0]
-        # one backend metadata per (pool, sliding window): each group's layers read theirs
-        metas = {key: self.backend.build_metadata(commons[key[0]][0], key[1]) for key in set(self.group_keys)}
-        context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)})
-        with set_forward_context(context):
-            if intermediate is not None:  # a later pipeline stage starts from the previous stage's output
-                model_inputs["intermediate"] = intermediate
-            hidden = self.model(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
-                                **model_inputs)
-        return hidden, common
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
-            for proposer in (self.draft_model, self.hidden_drafter):
-                if proposer is not None:
-                    proposer.finish(rid)
+            if self.drafter is not None:
+                self.drafter.finish(rid)
         for new in sched.new_requests:
             self.requests[new.request_id] = CachedRequestState(new, self.device)
         for cached in sched.cached_requests:

@@ -260,7 +260,7 @@ def train_draft_head(model: str, output: str, opts: TrainOptions, dtype: str = "
     """Generate, collect hidden states, train, measure and write heads (or an EAGLE-3 drafter:
     `opts.kind`) for `model` into `output`."""
     if opts.kind == "eagle3":
-        from tokenmill.spec_decode.train_eagle import train_eagle3
+        from tokenmill.tools.train_eagle import train_eagle3
 
         return train_eagle3(model, output, opts, dtype, quantization)
     report = TrainReport()

@@ -24,8 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.spec_decode.eagle import default_aux_layers, save_eagle3
-from tokenmill.spec_decode.train_head import (TrainOptions, TrainReport, hidden_states, target_sequences,
-                                              training_summary)
+from tokenmill.tools.train_head import (TrainOptions, TrainReport, hidden_states, target_sequences,
+                                        training_summary)
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.sample.sampler import apply_min_p, apply_top_k_top_p, random_sample, row_argmax
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.sampler import apply_min_p, apply_top_k_top_p, random_sample, row_argmax
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

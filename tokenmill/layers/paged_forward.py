@@ -1,0 +1,72 @@
+"""A model over a paged KV cache: what the model runner and a drafter with a model of its own (a draft
+model, an EAGLE-3 drafter, MTP layers) share. It allocates each KV-cache group's cache in the attention
+backend's shape (and a quantized cache's scales, `tokenmill.attention.kv_quant`), binds every attention
+layer to its part, and runs a flat batch: per request its new tokens after its cached ones, decodes
+first, described once for attention (`build_common_metadata`, then one backend metadata per pool and
+sliding window) and set as the forward context the attention layers read."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.kv_quant import SCALE_DTYPE, is_quantized
+from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig
+from tokenmill.attention.metadata import CommonAttentionMetadata, build_common_metadata
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.forward_context import ForwardContext, set_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+class PagedForward:
+    def __init__(self, model: nn.Module, device: torch.device, cache_dtype: torch.dtype,
+                 backend: AttentionBackend) -> None:
+        self.model, self.device, self.cache_dtype, self.backend = model, device, cache_dtype, backend
+        self.attention_layers = {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.kv_caches: list[torch.Tensor] = []  # one tensor per KV-cache group: [layers, *backend shape]
+        self.kv_scales: list[torch.Tensor | None] = []  # per group, quantized caches: [layers, *shape[:-1]]
+
+    def kv_cache_specs(self) -> dict[str, AttentionSpec]:
+        return {name: layer.kv_spec(self.cache_dtype) for name, layer in self.attention_layers.items()}
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        """Allocate each group's cache in the backend's shape (and a quantized one's scales) and bind every
+        attention layer to its part."""
+        self.kv_cache_config = config
+        self.group_keys = [(group.pool, group.spec.sliding_window) for group in config.groups]
+        for g, group in enumerate(config.groups):
+            names = [n for n in group.layer_names if n in self.attention_layers]  # a pipeline stage's own
+            shape = self.backend.kv_cache_shape(config.pool_blocks[group.pool], config.block_size, group.spec)
+            cache = torch.zeros(len(names), *shape, dtype=group.spec.dtype, device=self.device)
+            scales = (torch.zeros(len(names), *shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+                      if is_quantized(group.spec.dtype) else None)
+            self.kv_caches.append(cache)
+            self.kv_scales.append(scales)
+            for i, name in enumerate(names):
+                layer_scales = None if scales is None else scales[i]
+                self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g, layer_scales)
+
+    def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
+                block_ids: list[list[list[int]]], **model_inputs) -> tuple[object, CommonAttentionMetadata]:
+        """Run the model on a flat batch (per request: its new tokens after `num_computed` cached ones,
+        decodes first; `block_ids[request][pool]` its block tables; `model_inputs`: more inputs of the
+        model's, e.g. a drafter's hidden states or a pipeline stage's intermediate tensors). Returns the
+        model's output (the final hidden state of every new token) and the step's description (of pool 0:
+        positions and lengths are the same in all)."""
+        commons = [build_common_metadata(num_new, num_computed, [tables[pool] for tables in block_ids],
+                                         self.kv_cache_config.block_size, self.device)
+                   for pool in range(len(self.kv_cache_config.pool_blocks))]
+        (common, positions) = commons[0]
+        # one backend metadata per (pool, sliding window): each group's layers read theirs
+        metas = {key: self.backend.build_metadata(commons[key[0]][0], key[1]) for key in set(self.group_keys)}
+        context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)})
+        with set_forward_context(context):
+            hidden = self.model(torch.from_numpy(input_ids).to(self.device),
+                                torch.from_numpy(positions).to(self.device), **model_inputs)
+        return hidden, common
