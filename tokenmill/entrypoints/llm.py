@@ -108,7 +108,4 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
 
 
 def _release(engine: LLMEngine) -> None:
-    core = engine.core
-    if core.kv_transfer is not None:
-        core.kv_transfer.close()
-    core.executor.close()
+    engine.core.executor.close()

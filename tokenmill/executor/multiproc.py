@@ -83,6 +83,7 @@ class MultiprocExecutor(UniProcExecutor):
 
     def close(self) -> None:
         """Stop the workers: asked to, then killed if they do not exit."""
+        super().close()
         try:
             self._share("stop")
         except Exception:  # noqa: BLE001 - a dead rank: the others are killed below

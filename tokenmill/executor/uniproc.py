@@ -43,5 +43,11 @@ class UniProcExecutor(Executor):
             return self.runner.execute(sched)
         return self.kv_connector.execute(sched, self.runner.execute)
 
+    def close(self) -> None:
+        """Release the KV connector's worker half (its connections and threads)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
+
     def _share(self, kind: str, payload: object) -> None:
         """Hand what this runner is about to run to the other ranks' runners (there are none here)."""
