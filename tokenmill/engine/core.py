@@ -33,6 +33,8 @@ from tokenmill.spec_decode import draft_length, eligible
 
 logger = logging.getLogger(__name__)
 
+EXPERT_READ_INTERVAL = 1.0  # seconds between reads of the MoE expert counters while steps run (`stats`)
+
 
 @dataclass
 class EngineStats:
@@ -97,6 +99,8 @@ class EngineCore:
         self._tokenizer_data = tokenizer_data
         self._structured = None  # StructuredOutputManager, built on first use
         self.compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
+        self._expert_tokens: dict[int, list[int]] = {}  # the latest reading of the MoE expert counters
+        self._experts_read_at = float("-inf")
 
     @property
     def structured(self):
@@ -218,10 +222,16 @@ class EngineCore:
         return (self.scheduler.has_unfinished() or bool(self.compiling) or bool(self.batch_queue)
                 or (self.kv_connector is not None and self.kv_connector.has_held()))
 
-    def stats(self) -> EngineStats:
+    def stats(self, fresh: bool = True) -> EngineStats:
+        """The engine's counters. MoE expert counts live on the device (reading them waits for it), so
+        unless `fresh`, they are read at most every EXPERT_READ_INTERVAL seconds and the last reading
+        is given in between."""
+        now = time.monotonic()
+        if fresh or now - self._experts_read_at >= EXPERT_READ_INTERVAL:
+            self._expert_tokens, self._experts_read_at = self.executor.expert_load(), now
         stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting) + len(self.compiling),
                             self.kv.usage, self.scheduler.num_preemptions, self.kv.prefix_queries,
-                            self.kv.prefix_hits, expert_tokens=self.executor.expert_load())
+                            self.kv.prefix_hits, expert_tokens=self._expert_tokens)
         spec = self.scheduler.spec_stats
         stats.spec_drafts, stats.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
         stats.spec_accepted_tokens, stats.spec_accepted_per_position = spec.num_accepted_tokens, list(

@@ -25,11 +25,11 @@ logger = logging.getLogger(__name__)
 _PARENT_CHECK_INTERVAL = 1.0
 
 
-def stats_snapshot(core, num_received: int) -> dict:
+def stats_snapshot(core, num_received: int, fresh: bool = True) -> dict:
     """A small picklable view of the core's queues and KV pool for /metrics and the logs: every
     numeric field of `EngineStats` (running, waiting, KV usage, preemptions, prefix-cache counters)
     plus the pool's block counts."""
-    snap = dataclasses.asdict(core.stats())
+    snap = dataclasses.asdict(core.stats(fresh))
     snap["num_free_blocks"] = core.kv.num_free_blocks
     snap["num_blocks"] = core.kv.num_blocks
     snap["num_received"] = num_received  # add messages handled so far (lets the front end size the queue)
@@ -145,7 +145,8 @@ def _loop(core, inputs, outputs) -> None:
             core.executor.check_health()  # a dead tensor-parallel worker is reported even while idle
         if core.has_unfinished():
             step_outputs = core.step()
-            outputs.put(StepDone(step_outputs, stats_snapshot(core, num_received)))
+            # while steps keep coming, MoE counters are read from the device at most once a second
+            outputs.put(StepDone(step_outputs, stats_snapshot(core, num_received, fresh=not core.has_unfinished())))
         elif changed:
             outputs.put(StatsChanged(stats_snapshot(core, num_received)))
 

@@ -66,8 +66,12 @@ class ModelRunner(PagedForward):
                     config.tokens_per_gib, self.backend.name)
 
     def expert_load(self) -> dict[int, list[int]]:
-        """Tokens routed to each expert so far, by decoder layer index (empty for a dense model)."""
-        return {m.layer_index: m.expert_tokens.tolist() for m in self.moe_layers}
+        """Tokens routed to each expert so far, by decoder layer index (empty for a dense model). The
+        counters stay on the device; this reads them all in one copy."""
+        if not self.moe_layers:
+            return {}
+        counts = torch.stack([m.expert_tokens for m in self.moe_layers]).tolist()
+        return {m.layer_index: c for m, c in zip(self.moe_layers, counts)}
 
     def warm_up(self) -> None:
         """A prefill and a decode of a throwaway request in block 0, so that kernels are compiled (or
