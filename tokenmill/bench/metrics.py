@@ -125,10 +125,6 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
-def format_slo(slo: dict[str, float]) -> str:
-    return ",".join(f"{k}={v * 1000:g}ms" for k, v in slo.items())
-
-
 def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     """A successful request whose TTFT, TPOT and E2E latency are within `slo` (TPOT is not checked for
     requests with a single output token)."""

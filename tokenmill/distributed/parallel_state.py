@@ -30,11 +30,6 @@ _device = torch.device("cpu")
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> None:
-    """Join the group (`init_method`: "tcp://127.0.0.1:PORT", the same for every rank)."""
-    init_model_parallel(rank, size, 1, init_method, device)
-
-
 def init_model_parallel(rank: int, tp: int, pp: int, init_method: str, device: torch.device,
                         partition: tuple[int, ...] = ()) -> None:
     """Join a world of tp * pp ranks (global `rank`), and its tensor-parallel group per pipeline stage."""

@@ -59,8 +59,8 @@ class SchedulerOutput:
     # drafted tokens to verify, per speculating request: its scheduled tokens are its next token + these
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     grammar: GrammarBitmask | None = None  # set by the engine core after scheduling
-    # proposers that draft during the step (Medusa heads, a draft model): the most drafts each request
-    # may use after it (set by the engine core after scheduling; requests not listed draft nothing)
+    # the most drafts each request may use after this step, which the runner's drafter proposes at its
+    # end (set by the engine core after scheduling; requests not listed draft nothing)
     draft_lengths: dict[str, int] = field(default_factory=dict)
     # the KV connector's work for this step (loads before the forward, saves after), from its scheduler half
     kv_connector_metadata: KVConnectorMetadata | None = None

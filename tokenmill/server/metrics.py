@@ -69,7 +69,7 @@ class ServerMetrics:
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: drafted tokens verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens accepted.")
         self.spec_draft_seconds = counter("spec_decode_draft_seconds",
-                                          "Speculative decoding: time spent drafting (proposers, draft heads).")
+                                          "Speculative decoding: time spent drafting (the model runner's drafter).")
         self.spec_verify_seconds = counter("spec_decode_verify_seconds",
                                            "Speculative decoding: time of the engine steps that verified drafts.")
         self.spec_per_position = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
