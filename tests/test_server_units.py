@@ -167,7 +167,7 @@ class FakeCore:
         self.pending = []
         return outs
 
-    def stats(self):
+    def stats(self, fresh=True):
         return EngineStats(len(self.pending), 0, 0.0, 0, prefix_cache_queries=5, prefix_cache_hits=2)
 
 
