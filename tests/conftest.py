@@ -8,6 +8,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The fast inner loop (`make test-fast`, `pytest -m unit`): modules whose tests start no server, no
+# cluster of processes and no real model file. Every other module is an integration test (`make test`
+# runs both); a new module is one until it is listed here.
+UNIT_MODULES = {
+    "test_engine", "test_eval_tasks", "test_import_layers", "test_kernels", "test_kv_connector", "test_layers",
+    "test_llm_api", "test_plan", "test_prefix_cache", "test_prompt_logprobs", "test_quantization",
+    "test_reasoning_parser", "test_request_edges", "test_sampler", "test_sampling_params", "test_server_units",
+    "test_spec_mtp", "test_step_contract", "test_structured_units", "test_tokenizer", "test_tools_units",
+    "test_triton_block",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.stem in UNIT_MODULES:
+            item.add_marker(pytest.mark.unit)
+
 
 @pytest.fixture(scope="session")
 def default_model():
