@@ -27,7 +27,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deadline_server(tmp_path_factory):
-    yield from _server(tmp_path_factory, "deadlines", "--request-timeout", "5", "--shutdown-timeout", "120")
+    # a deadline a short request meets even on a loaded machine, and room for requests that cannot meet it
+    yield from _server(tmp_path_factory, "deadlines", "--request-timeout", "12", "--shutdown-timeout", "120",
+                       "--num-kv-blocks", "320")
 
 
 def _server(tmp_path_factory, name: str, *args: str):
@@ -114,10 +116,10 @@ def test_a_hung_core_is_reported_and_restarted(server):
 
 
 def test_requests_past_their_deadline_are_aborted(deadline_server):
-    # 1000 tokens take well over the 5 s deadline at any speed this model runs on a CPU
-    r = completion(deadline_server.url, max_tokens=1000, ignore_eos=True)
+    # 4000 tokens take well over the 12 s deadline at any speed this model runs on a CPU
+    r = completion(deadline_server.url, max_tokens=4000, ignore_eos=True)
     assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
-    events = stream_events(deadline_server.url, dict(LONG, max_tokens=1000))
+    events = stream_events(deadline_server.url, dict(LONG, max_tokens=4000))
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
     assert completion(deadline_server.url).status_code == 200  # short ones are unaffected
     assert_pool_whole(deadline_server.url)

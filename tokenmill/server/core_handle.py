@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import pickle
 import queue
 import threading
 from collections.abc import Callable
+
+import psutil
 
 from tokenmill.config import EngineConfig
 from tokenmill.server.core_process import run_engine_core
@@ -27,7 +30,8 @@ class CoreHandle:
     def __init__(self, config: EngineConfig) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.inputs, self.outputs = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=run_engine_core, args=(config, self.inputs, self.outputs),
+        self.progress = ctx.Value("Q", 0, lock=False)  # bumped by the core inside its steps (worker/heartbeat.py)
+        self.proc = ctx.Process(target=run_engine_core, args=(config, self.inputs, self.outputs, self.progress),
                                 name="tokenmill-engine-core")  # not daemonic: it starts grammar workers
         self.proc.start()
         self._stopping = threading.Event()
@@ -36,6 +40,16 @@ class CoreHandle:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def progress_mark(self) -> tuple[int, float]:
+        """What changes while the core makes progress: its step counter, and the CPU seconds it and
+        its children (tensor-parallel workers) have used."""
+        try:
+            proc = psutil.Process(self.proc.pid)
+            cpu = sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+        except psutil.Error:  # gone, or a child went while we looked: no CPU mark this time
+            cpu = 0.0
+        return self.progress.value, cpu
 
     @property
     def alive(self) -> bool:
@@ -73,7 +87,7 @@ class CoreHandle:
                         on_dead(f"the engine core process exited unexpectedly (exit code {self.proc.exitcode})")
                         return
                     continue
-                except (EOFError, OSError, ValueError):
+                except (EOFError, OSError, ValueError, pickle.UnpicklingError):  # e.g. killed mid-message
                     if not self._stopping.is_set():
                         on_dead("lost the connection to the engine core process")
                     return

@@ -56,15 +56,18 @@ def _ready_info(core, load_seconds: float) -> dict:
     }
 
 
-def run_engine_core(config: EngineConfig, inputs, outputs) -> None:
-    """Process entry point (spawn context). Never raises: failures become messages."""
+def run_engine_core(config: EngineConfig, inputs, outputs, progress=None) -> None:
+    """Process entry point (spawn context). Never raises: failures become messages. `progress`: a
+    shared counter this core bumps as its steps advance (`tokenmill.worker.heartbeat`)."""
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [core] %(message)s")
     try:
         from tokenmill.engine.core import EngineCore
         from tokenmill.executor import executor_for
+        from tokenmill.worker import heartbeat
 
+        heartbeat.attach(progress)
         start = time.monotonic()
         executor = executor_for(config)  # loads the model
         init = _wait_for_init(inputs)  # the front end loads the tokenizer while we load weights

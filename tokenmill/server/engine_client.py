@@ -138,9 +138,16 @@ class EngineClient:
     # ---- recovery -----------------------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        """Kill a core that made no progress for watchdog_timeout seconds with requests in flight."""
+        """Kill a core that made no progress for watchdog_timeout seconds with requests in flight: no
+        message came, its progress counter (bumped inside steps, per attention layer) stood still and
+        neither it nor its workers used any CPU time. A core that is only slow on a busy machine (its
+        threads descheduled, a long C++ step) is left alone; a stopped or deadlocked one is not."""
+        seen = None
         while True:
             await asyncio.sleep(min(1.0, self.watchdog_timeout / 4))
+            core = self._core
+            if core is not None and (now := core.progress_mark()) != seen:
+                seen, self._last_progress = now, time.monotonic()
             silent = time.monotonic() - self._last_progress
             if self._children and self.healthy and silent > self.watchdog_timeout:
                 self._hang_reason = (f"the engine core made no progress for {silent:.0f} s with "

@@ -31,6 +31,7 @@ from tokenmill.sample.rejection_sampler import verify
 from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.drafter import DraftStep, make_drafter
+from tokenmill.worker import heartbeat
 from tokenmill.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ModelRunner(PagedForward):
         # draws the same numbers with any drafter or none
         self.drafter = make_drafter(config, loaded) if config.speculative is not None else None
         torch.manual_seed(config.seed)
+        heartbeat.install(self.model)  # progress inside a step, for the server's watchdog
 
     # ---- KV cache ---------------------------------------------------------------------------------
 
@@ -99,6 +101,7 @@ class ModelRunner(PagedForward):
                 intermediate: IntermediateTensors | None = None) -> ModelRunnerOutput | IntermediateTensors:
         """One step; a pipeline stage after the first starts from the previous stage's `intermediate`
         and one before the last returns its own instead of sampling."""
+        heartbeat.beat()
         self._update_states(sched)
         if not sched.num_scheduled_tokens:
             return ModelRunnerOutput()
