@@ -36,6 +36,8 @@ from tokenmill.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_ID = "__warmup__"  # the throwaway request of `warm_up`
+
 
 class ModelRunner(PagedForward):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
@@ -81,12 +83,10 @@ class ModelRunner(PagedForward):
         contents are garbage afterwards, which is harmless: every block is written before it is read."""
         for sched in self.warm_up_steps():
             self.execute(sched)
-        for m in self.moe_layers:
-            m.expert_tokens.zero_()
 
     def warm_up_steps(self) -> list[SchedulerOutput]:
         """The steps of `warm_up` (a pipeline runs them through all its stages)."""
-        rid, prompt = "__warmup__", [0, 0]
+        rid, prompt = WARM_UP_ID, [0, 0]
         pools = len(self.kv_cache_config.pool_blocks)
         new = NewRequestData(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0), set(), [[0]] * pools, 0)
         return [SchedulerOutput(new_requests=[new], num_scheduled_tokens={rid: len(prompt)}),
@@ -151,6 +151,9 @@ class ModelRunner(PagedForward):
         return result
 
     def _update_states(self, sched: SchedulerOutput) -> None:
+        if WARM_UP_ID in sched.finished_request_ids:  # every pipeline stage sees it: no stage counts warm-up
+            for m in self.moe_layers:
+                m.expert_tokens.zero_()
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
             if self.drafter is not None:
