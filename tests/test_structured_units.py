@@ -128,8 +128,8 @@ def test_tokenizer_data_matches_xgrammar_from_huggingface(tokenizer, data):
 @needs_model
 def test_tokenizer_data_is_made_without_xgrammar_and_decodes_as_xgrammar_does(tokenizer):
     """The server makes TokenizerData at start without importing xgrammar; the bytes it works out on first
-    use (in the engine core, after the pickle that carries it there) are xgrammar's own reading of the HF
-    tokenizer, and once known they travel with it (to the compile workers) instead of the tokenizer."""
+    use (in the engine core or a compile worker, after the pickle that carries it there) are xgrammar's own
+    reading of the HF tokenizer, and once known they travel with it instead of the tokenizer."""
     import pickle
     import subprocess
     import sys
@@ -146,7 +146,7 @@ def test_tokenizer_data_is_made_without_xgrammar_and_decodes_as_xgrammar_does(to
     data = pickle.loads(pickle.dumps(TokenizerData.from_tokenizer(tokenizer)))  # as the engine core gets it
     assert data.vocab_size == ref.vocab_size and data.stop_token_ids == list(ref.stop_token_ids)
     assert data.decoded_vocab == [bytes(b) for b in ref.decoded_vocab]
-    sent = pickle.loads(pickle.dumps(data))  # as a compile worker gets it
+    sent = pickle.loads(pickle.dumps(data))  # as a worker restarted later gets it
     assert sent.tokenizer_json is None and sent.decoded_vocab == data.decoded_vocab
 
 

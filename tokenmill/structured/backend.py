@@ -33,8 +33,8 @@ class TokenizerData:
     Made at server start from the tokenizer's serialized form and its vocabulary size, which costs
     milliseconds; the bytes themselves come from xgrammar's reading of the vocabulary (byte-level,
     byte-fallback or raw), which needs xgrammar, transformers and about a second, so they are worked
-    out on first use: in the engine core, by the grammar compiler's dispatcher thread when the first
-    constrained request arrives. Thread-safe; pickles with the bytes once they are known."""
+    out on first use: in each compile worker as it starts, and in the engine core when the first grammar
+    comes back. Thread-safe; pickles with the bytes once they are known."""
 
     def __init__(self, tokenizer_json: str | None, vocab_size: int, stop_token_ids: list[int],
                  decoded_vocab: list[bytes] | None = None) -> None:
@@ -121,7 +121,7 @@ class GrammarCompiler:
 
     @property
     def info(self):
-        """xgrammar's TokenizerInfo, built on first use (by the dispatcher threads, before their workers start)."""
+        """xgrammar's TokenizerInfo, built on first use (a dispatcher thread, when the first grammar comes back)."""
         with self._info_lock:
             if self._info is None:
                 self._info = self._tokenizer_data.xgrammar_info(self.vocab_size)

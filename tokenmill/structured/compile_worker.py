@@ -65,7 +65,10 @@ class CompileWorkers:
                  timeout: float = 30.0) -> None:
         self.timeout = timeout
         self._args = (tokenizer_data, vocab_size)
-        self._info = info  # the core's xgrammar TokenizerInfo (built on first call), to rebuild compiled grammars
+        # the core's xgrammar TokenizerInfo, to rebuild compiled grammars: built at the first result, not when the
+        # workers start (each works out the tokenizer's bytes itself), so a core that made them at start is
+        # not busy in the background while it serves its first requests
+        self._info = info
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
         self.processes: list = [None] * num_workers  # each dispatcher's current worker process
@@ -80,7 +83,6 @@ class CompileWorkers:
         return future
 
     def _start(self, index: int):
-        self._info()  # works out the tokenizer's bytes here, once, so that the workers are sent them
         ctx = multiprocessing.get_context("spawn")
         here, there = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, args=(there, *self._args), name="tokenmill-grammar-worker",
