@@ -126,6 +126,31 @@ def test_tokenizer_data_matches_xgrammar_from_huggingface(tokenizer, data):
 
 
 @needs_model
+def test_tokenizer_data_is_made_without_xgrammar_and_decodes_as_xgrammar_does(tokenizer):
+    """The server makes TokenizerData at start without importing xgrammar; the bytes it works out on first
+    use (in the engine core or a compile worker, after the pickle that carries it there) are xgrammar's own
+    reading of the HF tokenizer, and once known they travel with it instead of the tokenizer."""
+    import pickle
+    import subprocess
+    import sys
+
+    import xgrammar as xgr
+
+    made_at_start = ("import sys; from tokenmill.loader.source import resolve_model; "
+                     "from tokenmill.tokenizer import load_tokenizer; "
+                     "from tokenmill.structured.backend import TokenizerData; "
+                     f"TokenizerData.from_tokenizer(load_tokenizer(resolve_model({MODEL!r}))); "
+                     "assert 'xgrammar' not in sys.modules, 'xgrammar was imported'")
+    subprocess.run([sys.executable, "-c", made_at_start], check=True, timeout=300)
+    ref = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, stop_token_ids=sorted(tokenizer.eos_token_ids))
+    data = pickle.loads(pickle.dumps(TokenizerData.from_tokenizer(tokenizer)))  # as the engine core gets it
+    assert data.vocab_size == ref.vocab_size and data.stop_token_ids == list(ref.stop_token_ids)
+    assert data.decoded_vocab == [bytes(b) for b in ref.decoded_vocab]
+    sent = pickle.loads(pickle.dumps(data))  # as a worker restarted later gets it
+    assert sent.tokenizer_json is None and sent.decoded_vocab == data.decoded_vocab
+
+
+@needs_model
 def test_compiler_caches_by_key(compiler):
     spec = StructuredOutputSpec.json({"type": "object", "properties": {"unique_to_this_test": {"type": "integer"}}})
     before = compiler.stats.num_compiles

@@ -2,7 +2,8 @@
 compiler, and a per-request matcher.
 
 * `TokenizerData`: the decoded bytes of every token and the stop tokens; picklable, so the front end
-  builds it from the HF tokenizer and hands it to the engine-core process.
+  builds it from the HF tokenizer and hands it to the engine-core process. Building it is cheap (the
+  tokenizer's serialized form); the bytes are worked out with xgrammar on first use, off the start path.
 * `GrammarCompiler`: `compile_async(spec)` returns a `Future` of the compiled grammar. Compilation runs in
   worker processes under a deadline (`compile_worker.py`), results are kept in an LRU cache keyed by
   `spec.key`, and a second request for a grammar being compiled shares the same future.
@@ -26,28 +27,72 @@ from tokenmill.structured.compile_worker import CompileTimeout, CompileWorkers
 from tokenmill.structured.spec import StructuredOutputSpec
 
 
-@dataclass
 class TokenizerData:
-    """The decoded bytes of each token id (by id) and the ids that end generation."""
+    """The decoded bytes of each token id (by id) and the ids that end generation.
 
-    decoded_vocab: list[bytes]
-    stop_token_ids: list[int]
+    Made at server start from the tokenizer's serialized form and its vocabulary size, which costs
+    milliseconds; the bytes themselves come from xgrammar's reading of the vocabulary (byte-level,
+    byte-fallback or raw), which needs xgrammar, transformers and about a second, so they are worked
+    out on first use: in each compile worker as it starts, and in the engine core when the first grammar
+    comes back. Thread-safe; pickles with the bytes once they are known."""
+
+    def __init__(self, tokenizer_json: str | None, vocab_size: int, stop_token_ids: list[int],
+                 decoded_vocab: list[bytes] | None = None) -> None:
+        self.tokenizer_json = tokenizer_json  # a fast tokenizer's `backend_tokenizer.to_str()`
+        self.vocab_size = vocab_size  # len(decoded_vocab): the highest token id + 1
+        self.stop_token_ids = stop_token_ids
+        self._decoded_vocab = decoded_vocab
+        self._lock = threading.Lock()
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> TokenizerData:
         """From a `tokenmill.tokenizer.Tokenizer` (its HF tokenizer and EOS/end-of-turn ids)."""
-        import xgrammar as xgr
+        hf, stops = tokenizer.hf, sorted(tokenizer.eos_token_ids)
+        if getattr(hf, "backend_tokenizer", None) is None:  # a slow tokenizer has no serialized form to defer
+            decoded = _decode_vocab(hf, stops)
+            return cls(None, len(decoded), stops, decoded)
+        vocab = hf.get_vocab()
+        return cls(hf.backend_tokenizer.to_str(), max(len(vocab), max(vocab.values()) + 1), stops)
 
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, stop_token_ids=sorted(tokenizer.eos_token_ids))
-        return cls([bytes(b) for b in info.decoded_vocab], list(info.stop_token_ids))
+    @property
+    def decoded_vocab(self) -> list[bytes]:
+        with self._lock:
+            if self._decoded_vocab is None:
+                from tokenizers import Tokenizer
+                from transformers import PreTrainedTokenizerFast
+
+                hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self.tokenizer_json))
+                self._decoded_vocab = _decode_vocab(hf, self.stop_token_ids)
+                if len(self._decoded_vocab) != self.vocab_size:
+                    raise RuntimeError(f"the tokenizer has {len(self._decoded_vocab)} tokens, expected "
+                                       f"{self.vocab_size}")
+            return self._decoded_vocab
 
     def xgrammar_info(self, vocab_size: int):
         """xgrammar's TokenizerInfo for logits `vocab_size` wide (ids past the tokenizer's are never allowed)."""
         import xgrammar as xgr
 
-        return xgr.TokenizerInfo(self.decoded_vocab, xgr.VocabType.RAW,
-                                 vocab_size=max(vocab_size, len(self.decoded_vocab)),
+        return xgr.TokenizerInfo(self.decoded_vocab, xgr.VocabType.RAW, vocab_size=max(vocab_size, self.vocab_size),
                                  stop_token_ids=self.stop_token_ids, add_prefix_space=False)
+
+    def __getstate__(self) -> dict:
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"]
+        if state["_decoded_vocab"] is not None:
+            state["tokenizer_json"] = None  # not needed any more
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def _decode_vocab(hf, stop_token_ids: list[int]) -> list[bytes]:
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(hf, stop_token_ids=stop_token_ids or None)
+    return [bytes(b) for b in info.decoded_vocab]
 
 
 @dataclass
@@ -59,17 +104,28 @@ class CompileStats:
 
 
 class GrammarCompiler:
-    """Compiles specs to xgrammar `CompiledGrammar`s off the caller's thread, with an LRU cache."""
+    """Compiles specs to xgrammar `CompiledGrammar`s off the caller's thread, with an LRU cache. Making one
+    costs nothing on the caller's thread: xgrammar and the worker processes start on the dispatcher threads."""
 
     def __init__(self, tokenizer_data: TokenizerData, vocab_size: int, cache_size: int = 256,
                  max_workers: int = 2, timeout: float = 30.0) -> None:
         self.vocab_size = vocab_size
-        self.info = tokenizer_data.xgrammar_info(vocab_size)
-        self._workers = CompileWorkers(tokenizer_data, vocab_size, self.info, max_workers, timeout)
+        self._tokenizer_data = tokenizer_data
+        self._info = None
+        self._info_lock = threading.Lock()
+        self._workers = CompileWorkers(tokenizer_data, vocab_size, lambda: self.info, max_workers, timeout)
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.stats = CompileStats()
+
+    @property
+    def info(self):
+        """xgrammar's TokenizerInfo, built on first use (a dispatcher thread, when the first grammar comes back)."""
+        with self._info_lock:
+            if self._info is None:
+                self._info = self._tokenizer_data.xgrammar_info(self.vocab_size)
+            return self._info
 
     def compile_async(self, spec: StructuredOutputSpec) -> Future:
         """A future of the compiled grammar; already done on a cache hit. Failures are not cached."""

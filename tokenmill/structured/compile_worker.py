@@ -4,7 +4,9 @@ xgrammar compiles in C++ and cannot be interrupted; a pathological regex or gram
 minutes and a thread running it can never be stopped. So each compile runs in a worker process
 with its own compiler; one that runs past `timeout` seconds is killed (the worker is restarted)
 and its request rejected. The compiled grammar comes back serialized (xgrammar's JSON form: a few
-hundred KB, milliseconds to rebuild). One dispatcher thread per worker feeds it jobs in order.
+hundred KB, milliseconds to rebuild). One dispatcher thread per worker feeds it jobs in order; it
+also starts the worker, so that making a `CompileWorkers` costs the caller's thread nothing (the
+engine core's step loop, or its start-up).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import multiprocessing
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from tokenmill.structured.spec import StructuredOutputSpec, build_grammar, clean_error
@@ -58,10 +61,14 @@ def _worker_main(conn, tokenizer_data, vocab_size: int) -> None:
 
 
 class CompileWorkers:
-    def __init__(self, tokenizer_data, vocab_size: int, info, num_workers: int = 2, timeout: float = 30.0) -> None:
+    def __init__(self, tokenizer_data, vocab_size: int, info: Callable[[], object], num_workers: int = 2,
+                 timeout: float = 30.0) -> None:
         self.timeout = timeout
         self._args = (tokenizer_data, vocab_size)
-        self._info = info  # the core's xgrammar TokenizerInfo, to rebuild compiled grammars
+        # the core's xgrammar TokenizerInfo, to rebuild compiled grammars: built at the first result, not when the
+        # workers start (each works out the tokenizer's bytes itself), so a core that made them at start is
+        # not busy in the background while it serves its first requests
+        self._info = info
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
         self.processes: list = [None] * num_workers  # each dispatcher's current worker process
@@ -137,7 +144,7 @@ class CompileWorkers:
             future.set_exception(ValueError(payload))
             return
         future.compile_seconds = seconds  # read by the compiler's statistics
-        future.set_result(xgr.CompiledGrammar.deserialize_json(payload, self._info))
+        future.set_result(xgr.CompiledGrammar.deserialize_json(payload, self._info()))
 
     def shutdown(self) -> None:
         if self._closed:

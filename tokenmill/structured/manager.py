@@ -83,13 +83,13 @@ class StructuredState:
     """One request's constraint: grammar (future, then matcher) and reasoning tracker."""
 
     def __init__(self, spec: StructuredOutputSpec | None, reasoning: ReasoningSpec | None, future: Future | None,
-                 stop_token_ids: list[int], token_bytes: list[bytes]) -> None:
+                 stop_token_ids: list[int], tokenizer_data: TokenizerData) -> None:
         self.spec = spec
         self.future = future
         self.matcher: GrammarMatcher | None = None
         self.reasoning = _ReasoningTracker(reasoning) if reasoning is not None else None
         self._stop_token_ids = stop_token_ids
-        self._token_bytes = token_bytes
+        self._tokenizer_data = tokenizer_data  # its decoded_vocab: the bytes of each token, for reasoning
 
     @property
     def ready(self) -> bool:
@@ -133,7 +133,8 @@ class StructuredState:
     def accept(self, token: int) -> bool:
         """Record a sampled token. False if the grammar rejects it (the request cannot continue)."""
         if self.in_reasoning:
-            self.reasoning.accept(self._token_bytes[token] if token < len(self._token_bytes) else b"")
+            token_bytes = self._tokenizer_data.decoded_vocab
+            self.reasoning.accept(token_bytes[token] if token < len(token_bytes) else b"")
             return True
         if self.matcher is None:
             return True
@@ -145,12 +146,15 @@ class StructuredState:
 
 
 class StructuredOutputManager:
+    """Cheap to make (no xgrammar import, no process started on the caller's thread), so the engine core
+    can make it at start: the grammar compiler's threads start xgrammar and its workers in the background."""
+
     def __init__(self, tokenizer_data: TokenizerData, vocab_size: int, compile_timeout: float = 30.0) -> None:
         self.compiler = GrammarCompiler(tokenizer_data, vocab_size, timeout=compile_timeout)
-        self.vocab_size = self.compiler.info.vocab_size  # bitmask width (>= the logits' width)
-        self.token_bytes = tokenizer_data.decoded_vocab
+        self.vocab_size = max(vocab_size, tokenizer_data.vocab_size)  # bitmask width (>= the logits' width)
+        self.tokenizer_data = tokenizer_data
         self.default_stop_ids = list(tokenizer_data.stop_token_ids)
-        self._bitmask = allocate_bitmask(8, vocab_size)
+        self._bitmask: torch.Tensor | None = None  # grown as needed, reused each step
 
     def new_state(self, spec: StructuredOutputSpec | None, reasoning: ReasoningSpec | None,
                   stop_token_ids: set[int]) -> StructuredState | None:
@@ -160,12 +164,13 @@ class StructuredOutputManager:
             return None
         future = self.compiler.compile_async(spec) if spec is not None else None
         stops = sorted(stop_token_ids) or self.default_stop_ids
-        return StructuredState(spec, reasoning, future, stops, self.token_bytes)
+        return StructuredState(spec, reasoning, future, stops, self.tokenizer_data)
 
     def bitmask(self, states: list[StructuredState]) -> torch.Tensor:
         """This step's allowed-token masks, row i for `states[i]` (xgrammar's packed int32 layout)."""
-        if self._bitmask.shape[0] < len(states):
-            self._bitmask = allocate_bitmask(max(len(states), 2 * self._bitmask.shape[0]), self.vocab_size)
+        if self._bitmask is None or self._bitmask.shape[0] < len(states):
+            rows = 8 if self._bitmask is None else 2 * self._bitmask.shape[0]
+            self._bitmask = allocate_bitmask(max(len(states), rows), self.vocab_size)
         for row, state in enumerate(states):
             state.fill(self._bitmask, row)
             if not self._bitmask[row].any():
