@@ -74,9 +74,10 @@ def run_engine_core(config: EngineConfig, inputs, outputs, progress=None) -> Non
         if init is None:
             return
         eos_token_ids, tokenizer_data = init
+        # no grammar compiler yet: EngineCore makes one at the first constrained request, which costs its step
+        # loop nothing (xgrammar and the compile worker processes start on the compiler's own threads), so
+        # neither the start nor the first plain requests share the CPU with them
         core = EngineCore(config, executor, set(eos_token_ids), tokenizer_data)
-        if tokenizer_data is not None:
-            _ = core.structured  # build the grammar compiler now, not on the step loop at the first request
         outputs.put(CoreReady(_ready_info(core, time.monotonic() - start)))
     except BaseException as e:  # noqa: BLE001 - report every load failure, then exit
         outputs.put(LoadFailed(f"{type(e).__name__}: {e}"))
