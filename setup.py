@@ -56,8 +56,10 @@ def kernel_build():
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
-        print("tokenmill: torch is not importable here (install with --no-build-isolation): "
-              "no prebuilt CPU kernels (built from source at first use)")
+        print(
+            "tokenmill: torch is not importable here (install with --no-build-isolation): "
+            "no prebuilt CPU kernels (built from source at first use)"
+        )
         return [], cmdclass
 
     class BuildVariants(BuildExtension):
@@ -87,9 +89,13 @@ def kernel_build():
     headers = [str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*.h"))]
     digest = variants.sources_hash(CSRC)
     modules = [
-        CppExtension(f"tokenmill.kernels.{v.module}", sources, depends=headers,
-                     extra_compile_args=[*v.cflags, *variants.CFLAGS, f"-DTM_SOURCES_HASH={digest}"],
-                     extra_link_args=list(variants.LDFLAGS))
+        CppExtension(
+            f"tokenmill.kernels.{v.module}",
+            sources,
+            depends=headers,
+            extra_compile_args=[*v.cflags, *variants.CFLAGS, f"-DTM_SOURCES_HASH={digest}"],
+            extra_link_args=list(variants.LDFLAGS),
+        )
         for v in variants.VARIANTS
     ]
     return modules, {**cmdclass, "build_ext": BuildVariants}

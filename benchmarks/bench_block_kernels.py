@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_quantization import random_gguf_tensor  # noqa: E402  (the tests' block builder)
+
 from tokenmill import kernels  # noqa: E402
 from tokenmill.kernels import block_quant  # noqa: E402
 from tokenmill.layers.fused_moe import ExpertProjection  # noqa: E402
@@ -45,8 +46,11 @@ from tokenmill.quantization.gguf import BlockLayout, BlockQuantLinearMethod, GGU
 
 # FP4 in the integer layouts that hold codes -12..12: 5 bits (center 16) per 32, 6 bits (center 32) per 16;
 # and NVFP4's nibbles with float32 scales
-FP4_FORMER_LAYOUTS = {"MXFP4-5b": BlockLayout(5, 32, False, 16), "NVFP4-6b": BlockLayout(6, 16, False, 32),
-                      "NVFP4-f32": BlockLayout(block_quant.E2M1_CODES, 16, False, 12)}
+FP4_FORMER_LAYOUTS = {
+    "MXFP4-5b": BlockLayout(5, 32, False, 16),
+    "NVFP4-6b": BlockLayout(6, 16, False, 32),
+    "NVFP4-f32": BlockLayout(block_quant.E2M1_CODES, 16, False, 12),
+}
 
 
 def fp4_blocks(qtype: str, n: int, k: int, int8_activations: bool) -> block_quant.Blocks:
@@ -59,8 +63,13 @@ def fp4_blocks(qtype: str, n: int, k: int, int8_activations: bool) -> block_quan
         method = fp4.FP4LinearMethod(method_name, int8_activations)
     module = ExpertProjection(method, n, k, "w")
     codes = fp4.quantize(w, method_name)
-    method.write(module, dataclasses.replace(codes, bits=method.bits, center=method.layout.center)
-                 if qtype in FP4_FORMER_LAYOUTS else codes, slice(None))
+    method.write(
+        module,
+        dataclasses.replace(codes, bits=method.bits, center=method.layout.center)
+        if qtype in FP4_FORMER_LAYOUTS
+        else codes,
+        slice(None),
+    )
     return method.blocks(module)
 
 
@@ -70,7 +79,8 @@ def kernels_at(rev: str):
     build = Path(tempfile.mkdtemp(prefix="tokenmill-csrc-"))
     shutil.copytree(ROOT / "csrc", build, dirs_exist_ok=True)
     (build / "block_quant.cpp").write_text(
-        subprocess.check_output(["git", "show", f"{rev}:csrc/block_quant.cpp"], cwd=ROOT, text=True))
+        subprocess.check_output(["git", "show", f"{rev}:csrc/block_quant.cpp"], cwd=ROOT, text=True)
+    )
     return kernels.build_from_source(build, "native", name=f"cpu_at_{rev}")
 
 
@@ -102,8 +112,10 @@ def main() -> None:
     n, k = (int(v) for v in args.shape.split("x"))
     name = "block_quant_matmul_q8" if args.mode == "q8" else "block_quant_matmul"
     builds = [("now", block_quant.load())] + ([(args.against, kernels_at(args.against))] if args.against else [])
-    print(f"# {args.mode} kernel, {n}x{k}, {args.copies} copies, {torch.get_num_threads()} threads; G MAC/s = "
-          "weights x rows / time")
+    print(
+        f"# {args.mode} kernel, {n}x{k}, {args.copies} copies, {torch.get_num_threads()} threads; G MAC/s = "
+        "weights x rows / time"
+    )
     head = f"{'type':8s} {'rows':>5s} " + " ".join(f"{label + ' us':>12s} {'G MAC/s':>8s}" for label, _ in builds)
     print(head + ("  ratio  GEMM us  G MAC/s" if args.against else "  GB/s"))
     types = args.types.split(",")
@@ -114,8 +126,11 @@ def main() -> None:
             calls = [getattr(block_quant.load(), name)] * len(types)
             for t, time_ in zip(types, median_times(calls, [copies[t] for t in types], x, out, args.repeats)):
                 nbytes = sum(a.numel() * a.element_size() for a in copies[t][0].args()[:5] if a is not None)
-                print(f"{t:8s} {rows:5d} {time_ * 1e6:12.0f} {n * k * rows / time_ / 1e9:8.1f}  "
-                      f"{nbytes / time_ / 1e9:5.1f}", flush=True)
+                print(
+                    f"{t:8s} {rows:5d} {time_ * 1e6:12.0f} {n * k * rows / time_ / 1e9:8.1f}  "
+                    f"{nbytes / time_ / 1e9:5.1f}",
+                    flush=True,
+                )
         return
     for qtype in types:
         copies = []

@@ -21,8 +21,9 @@ import torch
 def tokenmill_decode(llm, prompt_ids: list[int], n: int) -> float:
     from tokenmill import SamplingParams
 
-    out = llm.generate({"prompt_token_ids": prompt_ids},
-                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False
+    )[0]
     times = out.metrics.token_times
     return (len(times) - 1) / (times[-1] - times[0])  # decode rate, first token (prefill) excluded
 
@@ -52,9 +53,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="transformers and tokenmill run in each dtype")
-    ap.add_argument("--quantizations", default="auto,none,int8",
-                    help="tokenmill weight formats to measure in each dtype (see --quantization of "
-                         "`tokenmill serve`); a format that does not apply to a dtype is skipped")
+    ap.add_argument(
+        "--quantizations",
+        default="auto,none,int8",
+        help="tokenmill weight formats to measure in each dtype (see --quantization of "
+        "`tokenmill serve`); a format that does not apply to a dtype is skipped",
+    )
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -62,18 +66,21 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from tokenmill import LLM
-    from tokenmill.quantization import resolve_quantization
     from tokenmill.loader.source import resolve_model
+    from tokenmill.quantization import resolve_quantization
 
     src = resolve_model(args.model)
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, prompt {args.prompt_len}")
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {args.threads} threads, {args.tokens} tokens, prompt {args.prompt_len}"
+    )
     print(f"{'dtype':<10} {'weights':<8} {'tokenmill tok/s':>16} {'transformers tok/s':>19} {'ratio':>7}")
     prompt = list(range(100, 100 + args.prompt_len))
     for dtype in args.dtypes.split(","):
         if src.kind == "gguf":
-            hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                      dtype=getattr(torch, dtype)).eval()
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(src.path.parent), gguf_file=src.path.name, dtype=getattr(torch, dtype)
+            ).eval()
         else:
             hf = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=getattr(torch, dtype)).eval()
         torch.set_num_threads(args.threads)

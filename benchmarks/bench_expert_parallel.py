@@ -24,12 +24,28 @@ from pathlib import Path
 import numpy as np
 
 MODELS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                 vocab_size=256),
-    "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                   num_key_value_heads=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512,
-                   vocab_size=32000),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        vocab_size=256,
+    ),
+    "medium": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=512,
+        vocab_size=32000,
+    ),
 }
 MODES = [("1 process", 1, False), ("TP=2", 2, False), ("EP=2", 2, True)]
 
@@ -42,8 +58,12 @@ def checkpoint(name: str, workdir: Path) -> Path:
         import transformers
 
         torch.manual_seed(0)
-        config = transformers.Qwen3MoeConfig(**MODELS[name], head_dim=MODELS[name]["hidden_size"] // MODELS[name][
-            "num_attention_heads"], norm_topk_prob=True, max_position_embeddings=4096)
+        config = transformers.Qwen3MoeConfig(
+            **MODELS[name],
+            head_dim=MODELS[name]["hidden_size"] // MODELS[name]["num_attention_heads"],
+            norm_topk_prob=True,
+            max_position_embeddings=4096,
+        )
         transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     return directory
 
@@ -57,17 +77,21 @@ def measure(model: str, size: int, expert_parallel: bool, batch: int, prompt_len
     from tokenmill.executor import executor_for
     from tokenmill.sampling_params import SamplingParams
 
-    config = EngineConfig(model=model, dtype="float32",
-                          cache=CacheConfig(num_blocks=(prompt_len + tokens) // 16 * batch + 64),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=max(512, prompt_len * batch)),
-                          parallel=ParallelConfig(tensor_parallel_size=size, enable_expert_parallel=expert_parallel))
+    config = EngineConfig(
+        model=model,
+        dtype="float32",
+        cache=CacheConfig(num_blocks=(prompt_len + tokens) // 16 * batch + 64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max(512, prompt_len * batch)),
+        parallel=ParallelConfig(tensor_parallel_size=size, enable_expert_parallel=expert_parallel),
+    )
     executor = executor_for(config)
     core = EngineCore(config, executor, set())
     rng = np.random.default_rng(0)
     for i in range(batch):
         prompt = rng.integers(0, executor.model_config.vocab_size, prompt_len).tolist()
-        core.add_request(EngineCoreRequest(str(i), prompt, SamplingParams(max_tokens=tokens, temperature=0.0,
-                                                                          ignore_eos=True)))
+        core.add_request(
+            EngineCoreRequest(str(i), prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        )
     step_seconds = []  # the first is the prefill (one step: the budget holds every prompt)
     while core.has_unfinished():
         if len(step_seconds) == 1:  # collectives counted from the first decode step on
@@ -79,8 +103,14 @@ def measure(model: str, size: int, expert_parallel: bool, batch: int, prompt_len
     rank_tokens = core.stats().moe_rank_tokens
     if size > 1:
         executor.close()
-    return {"prefill_seconds": step_seconds[0], "step_seconds": step_seconds[1:], "decoded": batch * (tokens - 1),
-            "comm_seconds": stats.seconds, "bytes": stats.bytes, "rank_tokens": rank_tokens}
+    return {
+        "prefill_seconds": step_seconds[0],
+        "step_seconds": step_seconds[1:],
+        "decoded": batch * (tokens - 1),
+        "comm_seconds": stats.seconds,
+        "bytes": stats.bytes,
+        "rank_tokens": rank_tokens,
+    }
 
 
 def run(model: Path, size: int, expert_parallel: bool, batch: int, prompt_len: int, tokens: int) -> dict:
@@ -98,8 +128,10 @@ def row(name: str, mode: str, batch: int, r: dict) -> str:
     moved = ", ".join(f"{kind} {n / r['decoded'] / 1e3:.1f}" for kind, n in sorted(r["bytes"].items()) if n) or "-"
     ranks = r["rank_tokens"]
     split = " / ".join(f"{n / sum(ranks):.0%}" for n in ranks) if ranks and sum(ranks) else "-"
-    return (f"| {name} | {mode} | {batch} | {r['prefill_seconds'] * 1e3:.0f} | {step_ms:.1f} | "
-            f"{r['decoded'] / seconds:.1f} | {comm_ms:.1f} ({comm_ms * steps / seconds / 1e3:.0%}) | {moved} | {split} |")
+    return (
+        f"| {name} | {mode} | {batch} | {r['prefill_seconds'] * 1e3:.0f} | {step_ms:.1f} | "
+        f"{r['decoded'] / seconds:.1f} | {comm_ms:.1f} ({comm_ms * steps / seconds / 1e3:.0%}) | {moved} | {split} |"
+    )
 
 
 def main() -> None:
@@ -108,15 +140,21 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8", help="concurrent requests (default: %(default)s)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default: %(default)s)")
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/tokenmill-bench-ep"),
-                    help="where the random checkpoints are written (default: %(default)s)")
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("/tmp/tokenmill-bench-ep"),
+        help="where the random checkpoints are written (default: %(default)s)",
+    )
     ap.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one run, in its own process
     args = ap.parse_args()
     if args.measure:
         print("RESULT " + json.dumps(measure(*json.loads(args.measure))))
         return
-    print("| model | mode | requests | prefill ms | decode ms / step (median) | decode tok/s | rank 0 collectives ms / "
-          "step (share of decode time) | rank 0 KB sent / decoded token, by collective | routed tokens per rank |")
+    print(
+        "| model | mode | requests | prefill ms | decode ms / step (median) | decode tok/s | rank 0 collectives ms / "
+        "step (share of decode time) | rank 0 KB sent / decoded token, by collective | routed tokens per rank |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.sizes.split(","):
         model = checkpoint(name, args.workdir)

@@ -25,9 +25,19 @@ from pathlib import Path
 
 import torch
 
-SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=16,
-             num_key_value_heads=4, head_dim=64, num_local_experts=16, num_experts_per_tok=4, sliding_window=128,
-             max_position_embeddings=4096)
+SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_local_experts=16,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    max_position_embeddings=4096,
+)
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the packer; the engine core helpers
@@ -45,7 +55,8 @@ def checkpoints(workdir: Path) -> tuple[Path, Path]:
         write_gpt_oss_mxfp4(hf, mx)
     if not (dense / "config.json").exists():
         deq = transformers.AutoModelForCausalLM.from_pretrained(
-            mx, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32)
+            mx, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+        )
         deq.config.quantization_config = None
         deq.save_pretrained(dense)
         config = json.loads((dense / "config.json").read_text())
@@ -58,8 +69,9 @@ def expert_bytes(core) -> int:
     from tokenmill.layers.fused_moe import FusedMoE
 
     moe = [m for m in core.executor.runner.model.modules() if isinstance(m, FusedMoE)]
-    return sum(t.numel() * t.element_size() for m in moe for t in (*m.parameters(), *m.buffers())
-               if t is not m.expert_tokens)
+    return sum(
+        t.numel() * t.element_size() for m in moe for t in (*m.parameters(), *m.buffers()) if t is not m.expert_tokens
+    )
 
 
 def decode_rate(core, prompts: list[list[int]], tokens: int) -> float:
@@ -93,9 +105,15 @@ def main() -> None:
 
     mx, dense = checkpoints(Path(args.workdir))
     budget = args.batch * args.prompt_len
-    engines = {"MXFP4 experts": make_core(str(mx), num_blocks=256, max_num_batched_tokens=budget),
-               "dense float32 experts": make_core(str(dense), num_blocks=256, max_num_batched_tokens=budget,
-                                                  loaded=load_model(str(dense), quantization="none"))}
+    engines = {
+        "MXFP4 experts": make_core(str(mx), num_blocks=256, max_num_batched_tokens=budget),
+        "dense float32 experts": make_core(
+            str(dense),
+            num_blocks=256,
+            max_num_batched_tokens=budget,
+            loaded=load_model(str(dense), quantization="none"),
+        ),
+    }
     prompts = [[(97 * i + 13 * j) % 32000 for j in range(args.prompt_len)] for i in range(args.batch)]
     rates: dict[str, dict[str, list[float]]] = {name: {"1": [], "batch": []} for name in engines}
     for core in engines.values():
@@ -104,8 +122,10 @@ def main() -> None:
         for name, core in engines.items():
             rates[name]["1"].append(decode_rate(core, prompts[:1], args.tokens))
             rates[name]["batch"].append(decode_rate(core, prompts, args.tokens))
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}; decode {args.tokens} tokens after {args.prompt_len}, medians of {args.rounds}")
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}; decode {args.tokens} tokens after {args.prompt_len}, medians of {args.rounds}"
+    )
     print(f"| experts | expert bytes | 1 stream tok/s | {args.batch} streams tok/s |")
     print("|---|---|---|---|")
     base = None

@@ -21,8 +21,8 @@ import time
 
 import torch
 import transformers
-
 from bench_decode import hf_generate_speeds  # this script's neighbour (benchmarks/ is on sys.path)
+
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.request import EngineCoreRequest
@@ -30,14 +30,25 @@ from tokenmill.executor import UniProcExecutor
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
-V2_LITE_ATTENTION = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
-                         q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+V2_LITE_ATTENTION = dict(
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+)
 
 
 def tokenmill_decode(directory: str, prompt: list[int], n: int) -> float:
     blocks = (len(prompt) + n) // 16 + 4
-    config = EngineConfig(model=directory, cache=CacheConfig(num_blocks=blocks),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_model_len=len(prompt) + n + 16))
+    config = EngineConfig(
+        model=directory,
+        cache=CacheConfig(num_blocks=blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_model_len=len(prompt) + n + 16),
+    )
     core = EngineCore(config, UniProcExecutor(config, load_model(directory)), set())
     core.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
     times = []
@@ -56,18 +67,27 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    config = transformers.DeepseekV2Config(vocab_size=1024, intermediate_size=1408, num_hidden_layers=args.layers,
-                                           first_k_dense_replace=args.layers, max_position_embeddings=8192,
-                                           **V2_LITE_ATTENTION)
+    config = transformers.DeepseekV2Config(
+        vocab_size=1024,
+        intermediate_size=1408,
+        num_hidden_layers=args.layers,
+        first_k_dense_replace=args.layers,
+        max_position_embeddings=8192,
+        **V2_LITE_ATTENTION,
+    )
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     directory = tempfile.mkdtemp(prefix="bench-mla-")
     hf.save_pretrained(directory)
     latent = (config.kv_lora_rank + config.qk_rope_head_dim) * 4
     full = config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) * 4
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; DeepSeek-V2-Lite attention, {args.layers} layers; decode {args.tokens}; medians of {args.repeats}")
-    print(f"# KV bytes per token and layer (float32): latent {latent}, full per-head K/V {full} "
-          f"({full / latent:.1f}x); tokens per GiB of KV per layer: {2**30 // latent} vs {2**30 // full}")
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads; DeepSeek-V2-Lite attention, {args.layers} layers; decode {args.tokens}; medians of {args.repeats}"
+    )
+    print(
+        f"# KV bytes per token and layer (float32): latent {latent}, full per-head K/V {full} "
+        f"({full / latent:.1f}x); tokens per GiB of KV per layer: {2**30 // latent} vs {2**30 // full}"
+    )
     print(f"{'context':>8} {'tokenmill decode tok/s':>23} {'transformers':>13} {'ratio':>7}")
     for context in (int(c) for c in args.contexts.split(",")):
         rng = random.Random(context)

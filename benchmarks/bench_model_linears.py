@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def model_path(name: str) -> str:
     if name.endswith(".gguf"):
         return name
-    out = subprocess.run(["bash", str(ROOT.parent / "shared" / "models" / "fetch.sh"), name], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["bash", str(ROOT.parent / "shared" / "models" / "fetch.sh"), name], check=True, capture_output=True, text=True
+    ).stdout
     return out.strip().splitlines()[-1]
 
 
@@ -44,8 +45,11 @@ def main() -> None:
     loaded = load_model(model_path(args.model))
     linears = [m for m in loaded.model.modules() if isinstance(m, LinearBase)]
     inputs = [torch.randn(1, m.input_size_per_partition) for m in linears]
-    kinds = [f"{m.prefix.rsplit('.', 1)[-1]} {sum(m.output_partition_sizes)}x{m.input_size_per_partition} "
-             f"{getattr(m.quant_method, 'bits', 32)}-bit" for m in linears]
+    kinds = [
+        f"{m.prefix.rsplit('.', 1)[-1]} {sum(m.output_partition_sizes)}x{m.input_size_per_partition} "
+        f"{getattr(m.quant_method, 'bits', 32)}-bit"
+        for m in linears
+    ]
     nbytes = collections.Counter()
     for m, kind in zip(linears, kinds):
         nbytes[kind] += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False) if b is not None)
@@ -62,7 +66,9 @@ def main() -> None:
     print(f"# {Path(loaded.source.path).name}, weights {loaded.quantization}, {args.threads} threads, one row")
     print(f"{'layer kind':40s} {'ms/token':>9s} {'MB':>8s} {'GB/s':>6s}")
     for kind in sorted(median, key=lambda k: -median[k]):
-        print(f"{kind:40s} {median[kind] * 1e3:9.2f} {nbytes[kind] / 1e6:8.1f} {nbytes[kind] / median[kind] / 1e9:6.1f}")
+        print(
+            f"{kind:40s} {median[kind] * 1e3:9.2f} {nbytes[kind] / 1e6:8.1f} {nbytes[kind] / median[kind] / 1e9:6.1f}"
+        )
     total, size = sum(median.values()), sum(nbytes.values())
     print(f"{'all':40s} {total * 1e3:9.2f} {size / 1e6:8.1f} {size / total / 1e9:6.1f}")
 

@@ -29,12 +29,14 @@ def model_path(name: str) -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
-def tokenmill_speeds(path: Path, prompt: list[int], n: int, repeats: int, quantization: str = "auto",
-                     kv_cache_dtype: str = "auto") -> tuple[float, float, str]:
+def tokenmill_speeds(
+    path: Path, prompt: list[int], n: int, repeats: int, quantization: str = "auto", kv_cache_dtype: str = "auto"
+) -> tuple[float, float, str]:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(str(path), num_kv_blocks=(len(prompt) + n) // 16 + 4, quantization=quantization,
-              kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(
+        str(path), num_kv_blocks=(len(prompt) + n) // 16 + 4, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     prefill, decode = [], []
     for _ in range(repeats + 1):  # the first run warms up
@@ -46,9 +48,8 @@ def tokenmill_speeds(path: Path, prompt: list[int], n: int, repeats: int, quanti
 
 
 def transformers_speeds(path: Path, prompt: list[int], n: int, repeats: int) -> tuple[float, float]:
-    from transformers import AutoModelForCausalLM
-
     from bench_decode import hf_generate_speeds  # this script's neighbour (benchmarks/ is on sys.path)
+    from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     runs = [hf_generate_speeds(hf, prompt, n) for _ in range(repeats + 1)][1:]  # the first run warms up
@@ -57,8 +58,9 @@ def transformers_speeds(path: Path, prompt: list[int], n: int, repeats: int) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="gemma-3-270m,qwen2.5-coder-0.5b",
-                    help="comma-separated fetch.sh names or .gguf paths")
+    ap.add_argument(
+        "--models", default="gemma-3-270m,qwen2.5-coder-0.5b", help="comma-separated fetch.sh names or .gguf paths"
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64, help="tokens to decode per run")
     ap.add_argument("--repeats", type=int, default=3)
@@ -67,21 +69,29 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; prompt {args.prompt_len} tokens, decode {args.tokens}; medians of {args.repeats}")
-    print(f"{'model':<22} {'tokenmill weights':<18} {'prefill tok/s':>14} {'hf prefill':>11} {'decode tok/s':>13} "
-          f"{'hf decode':>10} {'decode ratio':>13}")
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads; prompt {args.prompt_len} tokens, decode {args.tokens}; medians of {args.repeats}"
+    )
+    print(
+        f"{'model':<22} {'tokenmill weights':<18} {'prefill tok/s':>14} {'hf prefill':>11} {'decode tok/s':>13} "
+        f"{'hf decode':>10} {'decode ratio':>13}"
+    )
     for name in args.models.split(","):
         path = model_path(name)
         rng = random.Random(0)
         prompt = [rng.randrange(1000, 20000) for _ in range(args.prompt_len)]
-        hp, hd = (float("nan"),) * 2 if args.no_transformers else transformers_speeds(path, prompt, args.tokens,
-                                                                                        args.repeats)
+        hp, hd = (
+            (float("nan"),) * 2
+            if args.no_transformers
+            else transformers_speeds(path, prompt, args.tokens, args.repeats)
+        )
         for quantization in args.quantizations.split(","):
-            tp, td, quant = tokenmill_speeds(path, prompt, args.tokens, args.repeats, quantization,
-                                             args.kv_cache_dtype)
-            print(f"{Path(name).name:<22} {quant:<18} {tp:>14.1f} {hp:>11.1f} {td:>13.1f} {hd:>10.1f} {td / hd:>12.2f}x",
-                  flush=True)
+            tp, td, quant = tokenmill_speeds(path, prompt, args.tokens, args.repeats, quantization, args.kv_cache_dtype)
+            print(
+                f"{Path(name).name:<22} {quant:<18} {tp:>14.1f} {hp:>11.1f} {td:>13.1f} {hd:>10.1f} {td / hd:>12.2f}x",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

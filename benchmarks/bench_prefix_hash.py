@@ -18,8 +18,9 @@ from tokenmill.sampling_params import SamplingParams
 
 
 def run(hash_name: str, prompts: list[list[int]], block_size: int) -> tuple[float, float]:
-    kv = KVCacheManager(num_blocks=len(prompts[0]) // block_size + 2, block_size=block_size,
-                        hash_fn=HASH_FUNCTIONS[hash_name])
+    kv = KVCacheManager(
+        num_blocks=len(prompts[0]) // block_size + 2, block_size=block_size, hash_fn=HASH_FUNCTIONS[hash_name]
+    )
     params = SamplingParams(max_tokens=1)
     register, lookup = [], []
     for i, prompt in enumerate(prompts):

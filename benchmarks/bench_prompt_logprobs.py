@@ -17,7 +17,10 @@ import time
 
 from tokenmill import LLM, SamplingParams
 
-PLAIN, ASKS = SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+PLAIN, ASKS = (
+    SamplingParams(max_tokens=1, temperature=0),
+    SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1),
+)
 RUNS = {  # name -> (params per request given the count, prompts cached beforehand)
     "none": (lambda n: [PLAIN] * n, False),
     "all ask": (lambda n: [ASKS] * n, False),
@@ -54,8 +57,10 @@ def main() -> None:
             times[name].append(one_run(llm, prompts, params(len(prompts)), cached))
     base = statistics.median(times["none"])
     tokens = args.prompts * args.prompt_len
-    print(f"# {args.model}: {args.prompts} prompts x {args.prompt_len} tokens, max_tokens 1; "
-          f"medians of {args.repeats} alternating runs")
+    print(
+        f"# {args.model}: {args.prompts} prompts x {args.prompt_len} tokens, max_tokens 1; "
+        f"medians of {args.repeats} alternating runs"
+    )
     print(f"{'run':<18} {'seconds':>8} {'prompt tok/s':>13} {'vs none':>8}")
     for name, ts in times.items():
         t = statistics.median(ts)

@@ -34,8 +34,10 @@ from tokenmill.router.launcher import LocalReplicas, free_ports
 
 def counters(url: str) -> tuple[float, float]:
     samples = prometheus.scrape(f"{url}/metrics")
-    return (prometheus.metric_value(samples, prometheus.PREFIX_QUERIES) or 0.0,
-            prometheus.metric_value(samples, prometheus.PREFIX_HITS) or 0.0)
+    return (
+        prometheus.metric_value(samples, prometheus.PREFIX_QUERIES) or 0.0,
+        prometheus.metric_value(samples, prometheus.PREFIX_HITS) or 0.0,
+    )
 
 
 def routed(router_url: str) -> dict[str, float]:
@@ -64,8 +66,17 @@ def start_front(cmd: list[str], url: str, log_path: Path) -> subprocess.Popen:
 
 def start_router(urls: list[str], policy: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_ports(1)[0]
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "router", *[a for u in urls for a in ("--replica", u)],
-           "--policy", policy, "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "router",
+        *[a for u in urls for a in ("--replica", u)],
+        "--policy",
+        policy,
+        "--port",
+        str(port),
+    ]
     url = f"http://127.0.0.1:{port}"
     return start_front(cmd, url, log_dir / f"router-{policy}.log"), url
 
@@ -77,12 +88,39 @@ def run_policy(policy: str, replicas: LocalReplicas, args, log_dir: Path) -> dic
     try:
         before = [counters(u) for u in replicas.urls]
         result_file = log_dir / f"bench-{policy}.json"
-        bench_main(["serve", "--base-url", router_url, "--model", args.model, "--tokenizer", args.model,
-                    "--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
-                    "--num-prefixes", str(args.num_prefixes), "--prefix-len", str(args.prefix_len),
-                    "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-                    "--num-turns", str(args.num_turns), "--max-concurrency", str(args.max_concurrency),
-                    "--ignore-eos", "--disable-tqdm", "--label", policy, "--result-file", str(result_file)])
+        bench_main(
+            [
+                "serve",
+                "--base-url",
+                router_url,
+                "--model",
+                args.model,
+                "--tokenizer",
+                args.model,
+                "--dataset",
+                args.dataset,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--num-prefixes",
+                str(args.num_prefixes),
+                "--prefix-len",
+                str(args.prefix_len),
+                "--random-input-len",
+                str(args.input_len),
+                "--random-output-len",
+                str(args.output_len),
+                "--num-turns",
+                str(args.num_turns),
+                "--max-concurrency",
+                str(args.max_concurrency),
+                "--ignore-eos",
+                "--disable-tqdm",
+                "--label",
+                policy,
+                "--result-file",
+                str(result_file),
+            ]
+        )
         after = [counters(u) for u in replicas.urls]
         spread = routed(router_url)
     finally:
@@ -91,20 +129,31 @@ def run_policy(policy: str, replicas: LocalReplicas, args, log_dir: Path) -> dic
     summary = json.loads(result_file.read_text())["summary"]
     queries = sum(a[0] - b[0] for a, b in zip(after, before))
     hits = sum(a[1] - b[1] for a, b in zip(after, before))
-    return {"policy": policy, "completed": summary["completed"], "failed": summary["failed"],
-            "hit_rate": hits / queries if queries else 0.0, "output_throughput": summary["output_throughput"],
-            "ttft_p50": summary["ttft_ms"]["median"], "ttft_p90": summary["ttft_ms"]["p90"],
-            "duration": summary["duration_s"], "spread": [int(spread.get(u, 0)) for u in replicas.urls]}
+    return {
+        "policy": policy,
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "hit_rate": hits / queries if queries else 0.0,
+        "output_throughput": summary["output_throughput"],
+        "ttft_p50": summary["ttft_ms"]["median"],
+        "ttft_p90": summary["ttft_ms"]["p90"],
+        "duration": summary["duration_s"],
+        "spread": [int(spread.get(u, 0)) for u in replicas.urls],
+    }
 
 
 def table(rows: list[dict]) -> str:
-    header = ("| policy | requests (failed) | prefix-cache hit rate | output tok/s | TTFT p50 ms | TTFT p90 ms | "
-              "requests per replica | duration s |")
+    header = (
+        "| policy | requests (failed) | prefix-cache hit rate | output tok/s | TTFT p50 ms | TTFT p90 ms | "
+        "requests per replica | duration s |"
+    )
     lines = [header, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['policy']} | {r['completed']} ({r['failed']}) | {r['hit_rate']:.1%} | "
-                     f"{r['output_throughput']:.1f} | {r['ttft_p50']:.0f} | {r['ttft_p90']:.0f} | "
-                     f"{' / '.join(map(str, r['spread']))} | {r['duration']:.1f} |")
+        lines.append(
+            f"| {r['policy']} | {r['completed']} ({r['failed']}) | {r['hit_rate']:.1%} | "
+            f"{r['output_throughput']:.1f} | {r['ttft_p50']:.0f} | {r['ttft_p90']:.0f} | "
+            f"{' / '.join(map(str, r['spread']))} | {r['duration']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -113,8 +162,12 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model of every replica (default: %(default)s)")
     ap.add_argument("--replicas", type=int, default=2, help="replicas (default: %(default)s)")
     ap.add_argument("--policies", default="prefix,round-robin", help="comma-separated (default: %(default)s)")
-    ap.add_argument("--dataset", default="shared-prefix", choices=["shared-prefix", "multi-turn"],
-                    help="bench workload (default: %(default)s)")
+    ap.add_argument(
+        "--dataset",
+        default="shared-prefix",
+        choices=["shared-prefix", "multi-turn"],
+        help="bench workload (default: %(default)s)",
+    )
     ap.add_argument("--num-prompts", type=int, default=48, help="requests (conversations) per policy")
     ap.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: distinct system prompts")
     ap.add_argument("--prefix-len", type=int, default=384, help="shared-prefix: tokens per system prompt")
@@ -122,15 +175,28 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16, help="output tokens per request")
     ap.add_argument("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
     ap.add_argument("--max-concurrency", type=int, default=4, help="clients in the closed loop")
-    ap.add_argument("--num-kv-blocks", type=int, default=160,
-                    help="KV blocks (16 tokens) per replica: room for about half the prefixes (default: %(default)s)")
+    ap.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=160,
+        help="KV blocks (16 tokens) per replica: room for about half the prefixes (default: %(default)s)",
+    )
     ap.add_argument("--log-dir", default=None, help="replica/router logs and bench results (default: a temp dir)")
     args = ap.parse_args()
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_router_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    replica_argv = ["--model", args.model, "--num-kv-blocks", str(args.num_kv_blocks), "--log-interval", "0",
-                    "--disable-log-requests", "--shutdown-timeout", "5"]
+    replica_argv = [
+        "--model",
+        args.model,
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--log-interval",
+        "0",
+        "--disable-log-requests",
+        "--shutdown-timeout",
+        "5",
+    ]
     replicas = LocalReplicas(replica_argv, args.replicas, log_dir=log_dir, env=dict(os.environ))
     print(f"# {args.replicas} replicas of {args.model} (cores {replicas.cpus}), logs in {log_dir}", flush=True)
     rows = []
@@ -143,9 +209,11 @@ def main() -> None:
             print(f"# {policy}: done in {rows[-1]['duration']:.1f} s", flush=True)
     finally:
         replicas.stop()
-    print(f"\n{args.dataset}: {args.num_prompts} requests, {args.num_prefixes} prefixes x {args.prefix_len} tokens + "
-          f"{args.input_len}-token questions, {args.output_len} output tokens, concurrency {args.max_concurrency}, "
-          f"{args.num_kv_blocks} KV blocks per replica\n")
+    print(
+        f"\n{args.dataset}: {args.num_prompts} requests, {args.num_prefixes} prefixes x {args.prefix_len} tokens + "
+        f"{args.input_len}-token questions, {args.output_len} output tokens, concurrency {args.max_concurrency}, "
+        f"{args.num_kv_blocks} KV blocks per replica\n"
+    )
     print(table(rows))
 
 

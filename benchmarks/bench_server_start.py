@@ -63,8 +63,9 @@ def tree_cpu_seconds(pid: int) -> float | None:
 
 def first_request_seconds(port: int, model: str) -> float:
     body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 4}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
     t0 = time.monotonic()
     with urllib.request.urlopen(request, timeout=300) as r:
         r.read()
@@ -78,8 +79,19 @@ def start_once(tree: Path, model: str, extra: list[str], kernels: Path | None) -
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1")
     if kernels is not None:
         env["TORCH_EXTENSIONS_DIR"] = str(kernels)
-    cmd = [sys.executable, "-m", "tokenmill.server.cli", "serve", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.server.cli",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -114,10 +126,18 @@ def main() -> None:
     kernels: dict[str, Path | None] = {"this tree": None}
     if args.against:
         trees[args.against] = Path(tempfile.mkdtemp(prefix="tokenmill-start-"))
-        subprocess.run(["git", "worktree", "add", "--detach", str(trees[args.against]), args.against], cwd=ROOT,
-                       check=True, capture_output=True)
-        same = subprocess.run(["git", "diff", "--quiet", args.against, "--", "tokenmill/kernels", "csrc"],
-                              cwd=ROOT, check=False).returncode == 0
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(trees[args.against]), args.against],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        same = (
+            subprocess.run(
+                ["git", "diff", "--quiet", args.against, "--", "tokenmill/kernels", "csrc"], cwd=ROOT, check=False
+            ).returncode
+            == 0
+        )
         kernels[args.against] = None if same else trees[args.against] / ".kernels"
     try:
         for label, tree in trees.items():  # untimed: builds the kernels, warms the page cache
@@ -128,13 +148,18 @@ def main() -> None:
                 run = start_once(tree, args.model, args.extra, kernels[label])
                 runs[label].append(run)
                 cpu = "?" if run["cpu"] is None else f"{run['cpu']:.2f}"
-                print(f"round {r + 1}  {label:12s} ready {run['ready']:6.2f} s ({cpu} CPU s)  first request "
-                      f"{run['first']:5.2f} s  model loaded in {run['loaded']} s", flush=True)
+                print(
+                    f"round {r + 1}  {label:12s} ready {run['ready']:6.2f} s ({cpu} CPU s)  first request "
+                    f"{run['first']:5.2f} s  model loaded in {run['loaded']} s",
+                    flush=True,
+                )
         for label, rs in runs.items():
             cpus = [r["cpu"] for r in rs if r["cpu"] is not None]
             cpu = f" ({statistics.median(cpus):.2f} CPU s)" if cpus else ""
-            print(f"median {label:12s} ready {statistics.median(r['ready'] for r in rs):6.2f} s{cpu}  first request "
-                  f"{statistics.median(r['first'] for r in rs):5.2f} s")
+            print(
+                f"median {label:12s} ready {statistics.median(r['ready'] for r in rs):6.2f} s{cpu}  first request "
+                f"{statistics.median(r['first'] for r in rs):5.2f} s"
+            )
     finally:
         if args.against:
             subprocess.run(["git", "worktree", "remove", "--force", str(trees[args.against])], cwd=ROOT, check=False)

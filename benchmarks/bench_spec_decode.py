@@ -27,12 +27,22 @@ from pathlib import Path
 from quantization import model_file  # this script's neighbour (benchmarks/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["tokenmill/engine/scheduler.py", "tokenmill/engine/kv_cache_manager.py", "tokenmill/sample/sampler.py",
-           "tokenmill/engine/request.py"]
-QUESTIONS = ["Why is the sky blue?", "What makes a good cup of coffee?", "How do vaccines work?",
-             "What should I see on a first trip to Rome?", "Explain what a hash table is.",
-             "How do I start learning to paint?", "What causes the seasons on Earth?",
-             "Give me tips for a job interview."]
+SOURCES = [
+    "tokenmill/engine/scheduler.py",
+    "tokenmill/engine/kv_cache_manager.py",
+    "tokenmill/sample/sampler.py",
+    "tokenmill/engine/request.py",
+]
+QUESTIONS = [
+    "Why is the sky blue?",
+    "What makes a good cup of coffee?",
+    "How do vaccines work?",
+    "What should I see on a first trip to Rome?",
+    "Explain what a hash table is.",
+    "How do I start learning to paint?",
+    "What causes the seasons on Earth?",
+    "Give me tips for a job interview.",
+]
 
 
 def code_prompts(n: int) -> list[str]:
@@ -49,9 +59,20 @@ def chat_prompts(n: int) -> list[str]:
     return [f"Question: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:" for i in range(n)]
 
 
-RECORDS = {"type": "array", "minItems": 8, "maxItems": 8, "items": {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12}, "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-    "age": {"type": "integer", "minimum": 18, "maximum": 90}}, "required": ["name", "city", "age"]}}
+RECORDS = {
+    "type": "array",
+    "minItems": 8,
+    "maxItems": 8,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+            "age": {"type": "integer", "minimum": 18, "maximum": 90},
+        },
+        "required": ["name", "city", "age"],
+    },
+}
 
 
 def json_prompts(n: int) -> list[str]:
@@ -67,16 +88,24 @@ def run(llm, prompts: list[str], tokens: int, structured: bool = False) -> tuple
     from tokenmill import SamplingParams
     from tokenmill.structured import StructuredOutputSpec
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=not structured,
-                            structured_output=StructuredOutputSpec.json(RECORDS) if structured else None)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=tokens,
+        ignore_eos=not structured,
+        structured_output=StructuredOutputSpec.json(RECORDS) if structured else None,
+    )
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     # token_times holds one time per step that produced tokens (several with speculation)
-    decode = sorted((len(o.outputs[0].token_ids) - 1) / (o.metrics.token_times[-1] - o.metrics.token_times[0])
-                    for o in outs)
-    return (sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, decode[len(decode) // 2],
-            [o.outputs[0].text for o in outs])
+    decode = sorted(
+        (len(o.outputs[0].token_ids) - 1) / (o.metrics.token_times[-1] - o.metrics.token_times[0]) for o in outs
+    )
+    return (
+        sum(len(o.outputs[0].token_ids) for o in outs) / elapsed,
+        decode[len(decode) // 2],
+        [o.outputs[0].text for o in outs],
+    )
 
 
 def main() -> None:
@@ -98,10 +127,14 @@ def main() -> None:
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         ap.error(f"unknown workloads {', '.join(unknown)} (known: {', '.join(WORKLOADS)})")
-    print(f"# {platform.processor() or platform.machine()}, 2 threads; {args.tokens} tokens per request, greedy; "
-          f"spec {args.spec}")
-    print(f"{'model':<22} {'workload':<10} {'conc':>4} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} "
-          f"{'off decode':>10} {'on decode':>9} {'speedup':>8} {'accept':>7} {'tok/step':>9} {'draft/verify s':>14} same")
+    print(
+        f"# {platform.processor() or platform.machine()}, 2 threads; {args.tokens} tokens per request, greedy; "
+        f"spec {args.spec}"
+    )
+    print(
+        f"{'model':<22} {'workload':<10} {'conc':>4} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} "
+        f"{'off decode':>10} {'on decode':>9} {'speedup':>8} {'accept':>7} {'tok/step':>9} {'draft/verify s':>14} same"
+    )
     for name in args.models.split(","):
         path = str(model_file(name))
         results = {}
@@ -112,9 +145,15 @@ def main() -> None:
                 make, structured = WORKLOADS[workload]
                 for c in levels:
                     stats = llm.engine.core.scheduler.spec_stats
+
                     def counters():
-                        return (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                                stats.draft_seconds, stats.verify_seconds)
+                        return (
+                            stats.num_drafts,
+                            stats.num_draft_tokens,
+                            stats.num_accepted_tokens,
+                            stats.draft_seconds,
+                            stats.verify_seconds,
+                        )
 
                     before = counters()
                     rate, decode, texts = run(llm, make(c), args.tokens, structured)
@@ -127,10 +166,12 @@ def main() -> None:
                 on, dec_on, texts_on, (steps, drafted, accepted, draft_s, verify_s) = results[(workload, c, True)]
                 accept = f"{accepted / drafted:.0%}" if drafted else "-"
                 per_step = f"{(accepted + steps) / steps:.2f}" if steps else "-"
-                print(f"{name:<22} {workload:<10} {c:>4} {off:>10.1f} {on:>9.1f} {on / off:>7.2f}x {dec_off:>10.1f} "
-                      f"{dec_on:>9.1f} {dec_on / dec_off:>7.2f}x {accept:>7} {per_step:>9} {draft_s:>6.2f}/{verify_s:<7.2f} "
-                      f"{texts_on == texts_off}",
-                      flush=True)
+                print(
+                    f"{name:<22} {workload:<10} {c:>4} {off:>10.1f} {on:>9.1f} {on / off:>7.2f}x {dec_off:>10.1f} "
+                    f"{dec_on:>9.1f} {dec_on / dec_off:>7.2f}x {accept:>7} {per_step:>9} {draft_s:>6.2f}/{verify_s:<7.2f} "
+                    f"{texts_on == texts_off}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

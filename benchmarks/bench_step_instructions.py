@@ -60,10 +60,29 @@ def main() -> None:
         flag, out = Path(tmp) / "flag", Path(tmp) / "callgrind.out"
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.Popen(
-            ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}", sys.executable,
-             __file__, "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps),
-             "--prompt-len", str(args.prompt_len), "--flag", str(flag)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                __file__,
+                "--model",
+                args.model,
+                "--batch",
+                str(args.batch),
+                "--steps",
+                str(args.steps),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--flag",
+                str(flag),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         assert proc.stdout.readline().strip() == "READY", "the worker failed before it was ready"
         subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True, capture_output=True)
         flag.touch()
@@ -73,7 +92,9 @@ def main() -> None:
         proc.wait()
         totals = subprocess.run(["callgrind_annotate", str(out)], capture_output=True, text=True).stdout
     total = int(next(line for line in totals.splitlines() if "PROGRAM TOTALS" in line).split()[0].replace(",", ""))
-    print(f"batch {args.batch}: {total:,} instructions in {args.steps} steps = {total / args.steps / 1e6:.1f} M per step")
+    print(
+        f"batch {args.batch}: {total:,} instructions in {args.steps} steps = {total / args.steps / 1e6:.1f} M per step"
+    )
 
 
 if __name__ == "__main__":

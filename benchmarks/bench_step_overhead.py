@@ -47,7 +47,8 @@ def main() -> None:
         for i in range(batch):
             engine.add_request(f"{batch}-{i}", list(range(100, 100 + args.prompt_len)), params)
         while len(engine.core.scheduler.running) < batch or any(
-                r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running):
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running
+        ):
             engine.step()  # prefill everyone first
         steps, forward_times[:] = [], []
         for _ in range(args.steps):

@@ -60,15 +60,29 @@ print("RESULT " + result)
 
 
 def parse_layout(text: str) -> dict:
-    """"TPxPP[:backend]" (e.g. 2x1, 1x2:ray) as ParallelConfig fields."""
+    """ "TPxPP[:backend]" (e.g. 2x1, 1x2:ray) as ParallelConfig fields."""
     sizes, _, backend = text.partition(":")
     tp, pp = map(int, sizes.split("x"))
     return dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend or "mp")
 
 
 def run(model: str, dtype: str, layout: str, batch: int, prompt_len: int, tokens: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", _RUN, model, dtype, json.dumps(parse_layout(layout)), str(batch),
-                           str(prompt_len), str(tokens)], capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _RUN,
+            model,
+            dtype,
+            json.dumps(parse_layout(layout)),
+            str(batch),
+            str(prompt_len),
+            str(tokens),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if done.returncode:
         sys.exit(f"layout {layout} batch={batch} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.split("RESULT ", 1)[1])
@@ -83,20 +97,30 @@ def on_paper() -> list[str]:
     # Llama-3-8B: 32 layers, hidden 4096, vocab 128256
     layers, hidden, vocab = 32, 4096, 128256
     tp = layers * 2 * hidden * 2 * ring + vocab // n * 4  # 2 all-reduces per layer + the logits gather (fp32)
-    rows.append(f"| Llama-3-8B | TP=8 | 2 all-reduces of the hidden state per layer (x{layers}) + logits gather "
-                f"| {tp / 1e3:,.0f} KB |")
-    rows.append(f"| Llama-3-8B | PP=8 | the hidden state across each of 7 stage boundaries | {hidden * 2 / 1e3:,.1f} KB "
-                "per boundary |")
+    rows.append(
+        f"| Llama-3-8B | TP=8 | 2 all-reduces of the hidden state per layer (x{layers}) + logits gather "
+        f"| {tp / 1e3:,.0f} KB |"
+    )
+    rows.append(
+        f"| Llama-3-8B | PP=8 | the hidden state across each of 7 stage boundaries | {hidden * 2 / 1e3:,.1f} KB "
+        "per boundary |"
+    )
     # DeepSeek-V3: 61 layers (3 dense + 58 MoE), hidden 7168, 256 routed experts, top-8, vocab 129280
     layers, moe, hidden, top_k, vocab = 61, 58, 7168, 8, 129280
     tp = layers * 2 * hidden * 2 * ring + vocab // n * 4
-    rows.append(f"| DeepSeek-V3 (671B MoE) | TP=8 | 2 all-reduces per layer (x{layers}) + logits gather | {tp / 1e3:,.0f} KB |")
+    rows.append(
+        f"| DeepSeek-V3 (671B MoE) | TP=8 | 2 all-reduces per layer (x{layers}) + logits gather | {tp / 1e3:,.0f} KB |"
+    )
     remote = top_k * (n - 1) / n  # of a token's 8 experts, ~7/8 live on other ranks (uniform routing)
     ep = moe * remote * hidden * (1 + 2)  # dispatch fp8 + combine bf16
-    rows.append(f"| DeepSeek-V3 (671B MoE) | EP=8 (attention DP) | all-to-all dispatch (fp8) + combine (bf16) to "
-                f"~{remote:.0f} remote experts per MoE layer (x{moe}) | {ep / 1e6:,.1f} MB |")
-    rows.append(f"| DeepSeek-V3 (671B MoE) | PP=8 | the hidden state across each stage boundary | {hidden * 2 / 1e3:,.1f} KB "
-                "per boundary |")
+    rows.append(
+        f"| DeepSeek-V3 (671B MoE) | EP=8 (attention DP) | all-to-all dispatch (fp8) + combine (bf16) to "
+        f"~{remote:.0f} remote experts per MoE layer (x{moe}) | {ep / 1e6:,.1f} MB |"
+    )
+    rows.append(
+        f"| DeepSeek-V3 (671B MoE) | PP=8 | the hidden state across each stage boundary | {hidden * 2 / 1e3:,.1f} KB "
+        "per boundary |"
+    )
     return rows
 
 
@@ -104,14 +128,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="HF directory or .gguf (default: %(default)s)")
     ap.add_argument("--dtype", default="float32", help="engine dtype (default: %(default)s)")
-    ap.add_argument("--layouts", default="1x1,2x1,1x2",
-                    help="TPxPP[:backend] layouts, backend mp (default) or ray (default: %(default)s)")
+    ap.add_argument(
+        "--layouts",
+        default="1x1,2x1,1x2",
+        help="TPxPP[:backend] layouts, backend mp (default) or ray (default: %(default)s)",
+    )
     ap.add_argument("--batches", default="1,8", help="concurrent requests (default: %(default)s)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default: %(default)s)")
     args = ap.parse_args()
-    print("| layout (TPxPP) | requests | decode tok/s | ms / step | communication ms / step (share) | "
-          "all-reduce calls / step | collective bytes / token / rank | p2p bytes / token / rank |")
+    print(
+        "| layout (TPxPP) | requests | decode tok/s | ms / step | communication ms / step (share) | "
+        "all-reduce calls / step | collective bytes / token / rank | p2p bytes / token / rank |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for batch in map(int, args.batches.split(",")):
         for layout in args.layouts.split(","):
@@ -121,9 +150,11 @@ def main() -> None:
             calls = r["calls"].get("all_reduce", 0) / r["steps"]
             collective = sum(r["bytes"].get(k, 0) for k in ("all_reduce", "all_gather")) / r["decoded"]
             p2p = sum(r["bytes"].get(k, 0) for k in ("send", "send_object")) / r["decoded"]
-            print(f"| {layout} | {batch} | {r['decoded'] / r['seconds']:.1f} | {step_ms:.1f} | "
-                  f"{comm:.1f} ({comm / step_ms:.0%}) | {calls:.0f} | {collective / 1e3:.1f} KB | {p2p / 1e3:.1f} KB |",
-                  flush=True)
+            print(
+                f"| {layout} | {batch} | {r['decoded'] / r['seconds']:.1f} | {step_ms:.1f} | "
+                f"{comm:.1f} ({comm / step_ms:.0%}) | {calls:.0f} | {collective / 1e3:.1f} KB | {p2p / 1e3:.1f} KB |",
+                flush=True,
+            )
     print()
     print("\n".join(on_paper()))
 

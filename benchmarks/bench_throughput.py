@@ -21,7 +21,10 @@ import torch
 
 
 def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    import argparse as m1, collections as m2, json as m3, logging as m4  # noqa: E401 (text sources)
+    import argparse as m1  # noqa: E401 (text sources)
+    import collections as m2
+    import json as m3
+    import logging as m4
 
     corpus = tokenizer.encode("\n".join(inspect.getsource(m) for m in (m1, m2, m3, m4)))
     rng = random.Random(seed)
@@ -54,11 +57,18 @@ def run_transformers(model, prompts, output_len: int, batch: int, pad_id: int) -
         ids = torch.full((len(group), width), pad_id)
         mask = torch.zeros((len(group), width), dtype=torch.long)
         for j, p in enumerate(group):  # left padding
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                                 do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=pad_id,
+                eos_token_id=None,
+            )
         assert out.shape[1] == width + output_len
     return len(prompts) * output_len / (time.perf_counter() - start)
 
@@ -73,10 +83,16 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16, help="transformers static batch size")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="tokenmill compute dtypes to measure, one run each (transformers runs in float32)")
-    ap.add_argument("--quantization", default="auto",
-                    help="tokenmill weight format: auto (a GGUF file's own blocks in float32), none, gguf, int8")
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="tokenmill compute dtypes to measure, one run each (transformers runs in float32)",
+    )
+    ap.add_argument(
+        "--quantization",
+        default="auto",
+        help="tokenmill weight format: auto (a GGUF file's own blocks in float32), none, gguf, int8",
+    )
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--result-file", default=None, help="write the numbers as JSON here")
     args = ap.parse_args()
@@ -86,11 +102,22 @@ def main() -> None:
     from tokenmill import LLM
     from tokenmill.loader.source import resolve_model
 
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch": torch.__version__, **vars(args), "tokenmill_output_tok_s": {}}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        **vars(args),
+        "tokenmill_output_tok_s": {},
+    }
     for dtype in args.dtypes.split(","):
-        llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_cache_memory=2.0, dtype=dtype, quantization=args.quantization)
+        llm = LLM(
+            model=args.model,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory=2.0,
+            dtype=dtype,
+            quantization=args.quantization,
+        )
         tok = llm.get_tokenizer()
         prompts = make_prompts(tok, args.num_prompts, args.min_input_len, args.max_input_len, seed=0)
         result["threads"] = torch.get_num_threads()
@@ -100,14 +127,17 @@ def main() -> None:
     if not args.skip_transformers:
         src = resolve_model(args.model)
         if src.kind == "gguf":
-            hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                      dtype=torch.float32).eval()
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32
+            ).eval()
         else:
             hf = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32).eval()
-        result["transformers_output_tok_s"] = run_transformers(hf, prompts, args.output_len, args.hf_batch,
-                                                               tok.hf.pad_token_id or 0)
-        print(f"transformers: {result['transformers_output_tok_s']:.1f} output tok/s "
-              f"(static batches of {args.hf_batch})")
+        result["transformers_output_tok_s"] = run_transformers(
+            hf, prompts, args.output_len, args.hf_batch, tok.hf.pad_token_id or 0
+        )
+        print(
+            f"transformers: {result['transformers_output_tok_s']:.1f} output tok/s (static batches of {args.hf_batch})"
+        )
         for dtype, value in result["tokenmill_output_tok_s"].items():
             print(f"ratio tokenmill {dtype} / transformers float32: {value / result['transformers_output_tok_s']:.2f}x")
     if args.result_file:

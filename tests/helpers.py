@@ -15,75 +15,206 @@ from tokenmill.executor import UniProcExecutor
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
-_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=1024, initializer_range=0.05)
+_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    initializer_range=0.05,
+)
 
 # name -> (config class, extra config fields)
 TINY_MODELS = {
     "llama-mha": (transformers.LlamaConfig, dict(num_key_value_heads=4)),
     "llama-gqa-untied": (transformers.LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "llama-mqa-tied": (transformers.LlamaConfig, dict(num_key_value_heads=1, tie_word_embeddings=True)),
-    "llama3-rope-head-dim": (transformers.LlamaConfig, dict(
-        num_key_value_heads=2, head_dim=32,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-    "llama-linear-rope": (transformers.LlamaConfig, dict(
-        num_key_value_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "llama3-rope-head-dim": (
+        transformers.LlamaConfig,
+        dict(
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "llama-linear-rope": (
+        transformers.LlamaConfig,
+        dict(num_key_value_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    ),
     "qwen2-bias": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "mistral": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
     "mistral-window": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=24)),
     # head_dim 128 apart from hidden/heads, as in Qwen3 (and what transformers assumes reading its GGUF)
     "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=128, tie_word_embeddings=True)),
-    "mixtral": (transformers.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                                 sliding_window=None)),
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    ),
     # layer 1 dense (mlp_only_layers), layer 0 routed + the gated shared expert; no renormalisation
-    "qwen2-moe": (transformers.Qwen2MoeConfig, dict(
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False)),
+    "qwen2-moe": (
+        transformers.Qwen2MoeConfig,
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+    ),
     # sliding window (8) far shorter than the prompts; global layers with their own rope base
-    "gemma3": (transformers.Gemma3TextConfig, dict(
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=3,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
+    ),
     # soft-capped attention scores and final logits
-    "gemma2": (transformers.Gemma2Config, dict(
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-        attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
     # longrope (a 4x longer context than the original 1024: attention factor ~1.1), fused q/k/v and gate/up
-    "phi3": (transformers.Phi3Config, dict(
-        num_key_value_heads=2, max_position_embeddings=4096, original_max_position_embeddings=1024,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                      "long_factor": [2.0 + 0.1 * i for i in range(8)]})),
-    "phi3-window-partial": (transformers.Phi3Config, dict(
-        num_key_value_heads=4, sliding_window=16, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2)),
-    "qwen3-moe": (transformers.Qwen3MoeConfig, dict(
-        num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True)),
+    "phi3": (
+        transformers.Phi3Config,
+        dict(
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=1024,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.1 * i for i in range(8)],
+            },
+        ),
+    ),
+    "phi3-window-partial": (
+        transformers.Phi3Config,
+        dict(
+            num_key_value_heads=4,
+            sliding_window=16,
+            partial_rotary_factor=0.5,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True
+        ),
+    ),
     # MLA with queries straight from the hidden state; layer 0 dense, layer 1 greedy top-2 of 4 + a shared expert
-    "deepseek-v2": (transformers.DeepseekV2Config, dict(
-        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        first_k_dense_replace=1)),
+    "deepseek-v2": (
+        transformers.DeepseekV2Config,
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+        ),
+    ),
     # low-rank queries, v wider than the no-rope key part, yarn (factor 4, mscale), group-limited routing
-    "deepseek-v2-yarn": (transformers.DeepseekV2Config, dict(
-        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
-        first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        routed_scaling_factor=1.5, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
-            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})),
+    "deepseek-v2-yarn": (
+        transformers.DeepseekV2Config,
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=24,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            first_k_dense_replace=0,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        ),
+    ),
     # sigmoid routing with a correction bias (random: see make_tiny_model), grouped top-2, renormalised
-    "deepseek-v3": (transformers.DeepseekV3Config, dict(
-        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=4, topk_group=2)),
+    "deepseek-v3": (
+        transformers.DeepseekV3Config,
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+        ),
+    ),
     # sinks, biases everywhere, alternating window (8) / full layers, yarn; a swiglu_limit the random
     # activations cross, so the clamps bite (biases and sinks random: see make_tiny_model)
-    "gpt-oss": (transformers.GptOssConfig, dict(
-        num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=8, swiglu_limit=0.3)),
+    "gpt-oss": (
+        transformers.GptOssConfig,
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=0.3,
+        ),
+    ),
 }
 
 
@@ -104,15 +235,31 @@ def make_tiny_model(name: str, directory, **overrides) -> transformers.PreTraine
     return model
 
 
-def make_core(model: str, num_blocks: int = 512, block_size: int = 16, max_num_batched_tokens: int = 512,
-              max_num_seqs: int = 64, eos_token_ids=(), max_model_len: int | None = None,
-              loaded=None, prefix_caching: bool = True, policy: str = "fcfs", cache_dtype: str = "auto",
-              speculative=None) -> EngineCore:
+def make_core(
+    model: str,
+    num_blocks: int = 512,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = 64,
+    eos_token_ids=(),
+    max_model_len: int | None = None,
+    loaded=None,
+    prefix_caching: bool = True,
+    policy: str = "fcfs",
+    cache_dtype: str = "auto",
+    speculative=None,
+) -> EngineCore:
     config = EngineConfig(
-        model=model, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                       enable_prefix_caching=prefix_caching, cache_dtype=cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len, policy=policy),
+        model=model,
+        cache=CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching, cache_dtype=cache_dtype
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            policy=policy,
+        ),
         speculative=speculative,
     )
     return EngineCore(config, UniProcExecutor(config, loaded or load_model(model)), set(eos_token_ids))
@@ -143,8 +290,9 @@ def assert_matches_dense(dense, exact, fast) -> None:
         ids = [rng.randrange(256) for _ in range(n)]
         with torch.no_grad():
             ref = dense(torch.tensor([ids])).logits[0]
-        torch.testing.assert_close(all_logits(exact_runner, ids), ref, rtol=0,
-                                   atol=1e-4 * max(1.0, float(ref.abs().max())))
+        torch.testing.assert_close(
+            all_logits(exact_runner, ids), ref, rtol=0, atol=1e-4 * max(1.0, float(ref.abs().max()))
+        )
         got = all_logits(fast_runner, ids)
         assert ((got - ref).norm() / ref.norm()).item() < 0.05
 
@@ -164,8 +312,13 @@ def top1_agreement(ref, quant) -> tuple[float, float]:
     return agree / total, max(errors)
 
 
-def run_core(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-             on_step=None, logprobs: dict | None = None) -> dict[str, list[int]]:
+def run_core(
+    core: EngineCore,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    on_step=None,
+    logprobs: dict | None = None,
+) -> dict[str, list[int]]:
     """Run prompts to completion through the engine core; returns generated ids by request id (and
     fills `logprobs`, if given, with each request's logprobs entries)."""
     params = params if isinstance(params, list) else [params] * len(prompts)
@@ -187,10 +340,18 @@ def greedy_reference(hf_model, prompt: list[int], max_new_tokens: int):
     """transformers' greedy continuation and the logits it chose from at each step."""
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        res = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                                output_scores=True, return_dict_in_generate=True, min_new_tokens=max_new_tokens,
-                                pad_token_id=0, eos_token_id=None)
-    return res.sequences[0, len(prompt):].tolist(), [s[0] for s in res.scores]
+        res = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return res.sequences[0, len(prompt) :].tolist(), [s[0] for s in res.scores]
 
 
 def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor], tie: float = 1e-5) -> None:
@@ -204,19 +365,41 @@ def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.T
     assert len(ours) == len(ref)
 
 
-_GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-              "phi3": "phi3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}  # else llama
+_GGUF_ARCH = {
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "phi3": "phi3",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
+}  # else llama
 _GGUF_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
-    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
-    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
-    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 
@@ -323,8 +506,10 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
                     continue
                 if rest == ["self_attn", "kv_b_proj", "weight"]:  # split per head; k_b transposed
                     kv_b = t.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-                    yield f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(
-                        kv_b[:, : c.qk_nope_head_dim].transpose(0, 2, 1))
+                    yield (
+                        f"blk.{layer}.attn_k_b.weight",
+                        np.ascontiguousarray(kv_b[:, : c.qk_nope_head_dim].transpose(0, 2, 1)),
+                    )
                     yield f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, c.qk_nope_head_dim :])
                     continue
                 *module, kind = rest
@@ -340,8 +525,7 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
     for out, t in tensors():
         qtype = qtypes.get(out.split(".")[-2]) if out.endswith(".weight") and t.ndim >= 2 else None
         if qtype:
-            w.add_tensor(out, quantize(t, gguf.GGMLQuantizationType[qtype]),
-                         raw_dtype=gguf.GGMLQuantizationType[qtype])
+            w.add_tensor(out, quantize(t, gguf.GGMLQuantizationType[qtype]), raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:
             w.add_tensor(out, np.ascontiguousarray(t))
     w.write_header_to_file()
@@ -382,9 +566,10 @@ def hf_from_gguf(path, scratch) -> transformers.PreTrainedModel:
             out.write(m[slice(*f.field_spans[k])])
         out.write(vocab + m[slice(*f.table_span)])
         out.write(b"\0" * (-out.tell() % f.alignment))
-        out.write(m[f.data_start:])
-    return transformers.AutoModelForCausalLM.from_pretrained(str(dst.parent), gguf_file=dst.name,
-                                                             dtype=torch.float32).eval()
+        out.write(m[f.data_start :])
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(dst.parent), gguf_file=dst.name, dtype=torch.float32
+    ).eval()
 
 
 def reference_loglikelihood(hf_model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
@@ -394,8 +579,7 @@ def reference_loglikelihood(hf_model, tokenizer, context: str, continuation: str
     with torch.no_grad():
         lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     picked = range(len(context_ids), len(ids))
-    return (sum(lp[j - 1, ids[j]].item() for j in picked),
-            all(int(lp[j - 1].argmax()) == ids[j] for j in picked))
+    return (sum(lp[j - 1, ids[j]].item() for j in picked), all(int(lp[j - 1].argmax()) == ids[j] for j in picked))
 
 
 def check_eval_result(result: dict, items: list[dict], hf_model, tokenizer) -> None:

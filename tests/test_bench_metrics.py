@@ -41,8 +41,8 @@ from tokenmill.bench.metrics import (  # noqa: E402
 )
 from tokenmill.bench.runner import RunOptions, make_result, parse_loads, run_serve, run_sweep  # noqa: E402
 
-
 # ---------------------------------------------------------------------------------------------- percentiles
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 101, 1000])
 def test_percentile_matches_numpy(n):
@@ -82,10 +82,20 @@ def test_distribution_matches_numpy():
 
 # ---------------------------------------------------------------------------------------------- TPOT, ITL, summary
 
+
 def _record(ttft=0.1, gaps=(0.02, 0.02, 0.03), start=0.0, success=True, prompt=10, **kw) -> RequestRecord:
     gaps = list(gaps)
-    return RequestRecord(success=success, start=start, ttft=ttft, itl=gaps, e2e=ttft + sum(gaps),
-                         prompt_tokens=prompt, output_tokens=len(gaps) + 1, num_chunks=len(gaps) + 1, **kw)
+    return RequestRecord(
+        success=success,
+        start=start,
+        ttft=ttft,
+        itl=gaps,
+        e2e=ttft + sum(gaps),
+        prompt_tokens=prompt,
+        output_tokens=len(gaps) + 1,
+        num_chunks=len(gaps) + 1,
+        **kw,
+    )
 
 
 def test_tpot_equals_mean_itl_for_one_token_per_chunk():
@@ -161,17 +171,26 @@ def test_cost_and_knee():
 
 # ---------------------------------------------------------------------------------------------- JSON
 
+
 def _result(records, label="run", kind="serve", load=None) -> dict:
-    opts = RunOptions(dataset=DatasetConfig(), slo=parse_slo("ttft=500ms"), cost_per_hour=1.5, label=label,
-                      config={"dataset": "random", "request_rate": math.inf, "max_concurrency": load})
-    server = prometheus.cache_delta({"prefix_cache_queries": 10, "prefix_cache_hits": 0, "kv_cache_usage": 0.0},
-                                    {"prefix_cache_queries": 110, "prefix_cache_hits": 5, "kv_cache_usage": 0.1})
+    opts = RunOptions(
+        dataset=DatasetConfig(),
+        slo=parse_slo("ttft=500ms"),
+        cost_per_hour=1.5,
+        label=label,
+        config={"dataset": "random", "request_rate": math.inf, "max_concurrency": load},
+    )
+    server = prometheus.cache_delta(
+        {"prefix_cache_queries": 10, "prefix_cache_hits": 0, "kv_cache_usage": 0.0},
+        {"prefix_cache_queries": 110, "prefix_cache_hits": 5, "kv_cache_usage": 0.1},
+    )
     return make_result(kind, opts, records, 2.0, len(records), server, {"server_cpu_percent": None, "gpu": None})
 
 
 def test_json_round_trip(tmp_path):
-    records = [_record(start=0.1 * i, ttft=0.1 + 0.01 * i) for i in range(5)] + \
-              [RequestRecord(success=False, error="ReadTimeout", start=0.7, e2e=1.0)]
+    records = [_record(start=0.1 * i, ttft=0.1 + 0.01 * i) for i in range(5)] + [
+        RequestRecord(success=False, error="ReadTimeout", start=0.7, e2e=1.0)
+    ]
     result = _result(records)
     path = report.write_json(result, tmp_path / "r.json")
     json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
@@ -190,6 +209,7 @@ def test_json_round_trip(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- datasets
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -240,8 +260,9 @@ def test_random_chat_prompts(tok):
 
 
 def test_shared_prefix_prompts_share_token_prefixes(tok):
-    cfg = DatasetConfig(name="shared-prefix", num_prompts=12, num_prefixes=2, prefix_len=100, input_len=20,
-                        output_len=4)
+    cfg = DatasetConfig(
+        name="shared-prefix", num_prompts=12, num_prefixes=2, prefix_len=100, input_len=20, output_len=4
+    )
     sessions = build_sessions(cfg, tok, chat=False)
     ids = [tok.encode(s.turns[0].content) for s in sessions]
     assert all(len(i) == s.turns[0].prompt_len for i, s in zip(ids, sessions))
@@ -254,8 +275,14 @@ def test_shared_prefix_prompts_share_token_prefixes(tok):
 
 
 def test_long_context_mix(tok):
-    cfg = DatasetConfig(name="long-context", num_prompts=10, input_len=16, output_len=4, long_context_len=2000,
-                        long_context_fraction=0.2)
+    cfg = DatasetConfig(
+        name="long-context",
+        num_prompts=10,
+        input_len=16,
+        output_len=4,
+        long_context_len=2000,
+        long_context_fraction=0.2,
+    )
     lens = [s.turns[0].prompt_len for s in build_sessions(cfg, tok, chat=False)]
     assert sorted(lens) == [16] * 8 + [2000] * 2
     long_prompt = next(s for s in build_sessions(cfg, tok, chat=False) if s.turns[0].prompt_len == 2000)
@@ -271,16 +298,19 @@ def test_multi_turn_history(tok):
     assert [m["role"] for m in third] == ["user", "assistant", "user", "assistant", "user"]
     assert third[1]["content"] == "first reply" and third[4]["content"] == s.turns[2].content
     text = s.prompt(1, ["first reply"], chat=False)
-    assert text == transcript([{"role": "user", "content": s.turns[0].content},
-                               {"role": "assistant", "content": "first reply"},
-                               {"role": "user", "content": s.turns[1].content}])
+    assert text == transcript(
+        [
+            {"role": "user", "content": s.turns[0].content},
+            {"role": "assistant", "content": "first reply"},
+            {"role": "user", "content": s.turns[1].content},
+        ]
+    )
     assert text.endswith("Assistant:")
 
 
 def test_jsonl_dataset(tok, tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt": "Hello there", "output_len": 7}\n\n'
-                    '{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    path.write_text('{"prompt": "Hello there", "output_len": 7}\n\n{"messages": [{"role": "user", "content": "Hi"}]}\n')
     cfg = DatasetConfig(name="jsonl", num_prompts=3, path=str(path), output_len=5)
     comp = build_sessions(cfg, tok, chat=False)
     assert [s.turns[0].output_len for s in comp] == [7, 5, 7]
@@ -319,8 +349,15 @@ def test_parse_prometheus_text():
     assert next(s for s in samples if s.name == "histogram_bucket").value == math.inf
     assert math.isnan(next(s for s in samples if s.name == "nan_gauge").value)
     stats = prometheus.cache_stats(samples)
-    assert stats == {"prefix_cache_queries": 1200.0, "prefix_cache_hits": 300.0, "kv_cache_usage": 0.25,
-                     "expert_tokens": {}, "rank_tokens": {}, "spec": dict.fromkeys(stats["spec"]), "spec_per_position": {}}
+    assert stats == {
+        "prefix_cache_queries": 1200.0,
+        "prefix_cache_hits": 300.0,
+        "kv_cache_usage": 0.25,
+        "expert_tokens": {},
+        "rank_tokens": {},
+        "spec": dict.fromkeys(stats["spec"]),
+        "spec_per_position": {},
+    }
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",)) == 30
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",), model="b") == 20
     assert prometheus.metric_value(samples, ("missing",)) is None
@@ -330,9 +367,13 @@ def test_parse_prometheus_text():
 
 def test_moe_routing_delta_and_imbalance():
     def exposition(counts: dict[str, list[int]]) -> list:
-        return prometheus.parse_prometheus("".join(
-            f'tokenmill:moe_expert_tokens_total{{model_name="m",layer="{layer}",expert="{e}"}} {n}\n'
-            for layer, c in counts.items() for e, n in enumerate(c)))
+        return prometheus.parse_prometheus(
+            "".join(
+                f'tokenmill:moe_expert_tokens_total{{model_name="m",layer="{layer}",expert="{e}"}} {n}\n'
+                for layer, c in counts.items()
+                for e, n in enumerate(c)
+            )
+        )
 
     before = prometheus.cache_stats(exposition({"0": [5, 5, 0, 0], "2": [1, 1, 1, 1]}))
     after = prometheus.cache_stats(exposition({"0": [9, 5, 4, 6], "2": [3, 1, 1, 7]}))
@@ -346,8 +387,9 @@ def test_moe_routing_delta_and_imbalance():
 
 
 def test_vllm_names_and_cache_delta():
-    samples = prometheus.parse_prometheus("vllm:prefix_cache_queries_total 50\nvllm:prefix_cache_hits_total 5\n"
-                                          "vllm:gpu_cache_usage_perc 0.5\n")
+    samples = prometheus.parse_prometheus(
+        "vllm:prefix_cache_queries_total 50\nvllm:prefix_cache_hits_total 5\nvllm:gpu_cache_usage_perc 0.5\n"
+    )
     before = prometheus.cache_stats(samples)
     after = {"prefix_cache_queries": 150.0, "prefix_cache_hits": 45.0, "kv_cache_usage": 0.1}
     d = prometheus.cache_delta(before, after, [0.3, 0.9])
@@ -361,15 +403,22 @@ def test_vllm_names_and_cache_delta():
 
 def test_speculative_decoding_counters_and_their_run_delta():
     """tokenmill's counters (and vLLM's names for the counts) become the run's acceptance summary."""
+
     def text(drafts, tokens, accepted, per_pos, draft_s, verify_s, prefix="tokenmill"):
-        lines = [f"{prefix}:spec_decode_num_drafts_total{{model_name=\"m\"}} {drafts}",
-                 f"{prefix}:spec_decode_num_draft_tokens_total{{model_name=\"m\"}} {tokens}",
-                 f"{prefix}:spec_decode_num_accepted_tokens_total{{model_name=\"m\"}} {accepted}"]
-        lines += [f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{p}"}} {n}'
-                  for p, n in enumerate(per_pos)]
+        lines = [
+            f'{prefix}:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+            f'{prefix}:spec_decode_num_draft_tokens_total{{model_name="m"}} {tokens}',
+            f'{prefix}:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}',
+        ]
+        lines += [
+            f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{p}"}} {n}'
+            for p, n in enumerate(per_pos)
+        ]
         if prefix == "tokenmill":
-            lines += [f"tokenmill:spec_decode_draft_seconds_total{{model_name=\"m\"}} {draft_s}",
-                      f"tokenmill:spec_decode_verify_seconds_total{{model_name=\"m\"}} {verify_s}"]
+            lines += [
+                f'tokenmill:spec_decode_draft_seconds_total{{model_name="m"}} {draft_s}',
+                f'tokenmill:spec_decode_verify_seconds_total{{model_name="m"}} {verify_s}',
+            ]
         return "\n".join(lines) + "\n"
 
     before = prometheus.cache_stats(prometheus.parse_prometheus(text(10, 30, 12, [8, 3, 1], 0.5, 4.0)), "m")
@@ -380,8 +429,10 @@ def test_speculative_decoding_counters_and_their_run_delta():
     assert spec["acceptance_per_position"] == pytest.approx([0.9, 0.45, 0.15])
     assert spec["draft_seconds"] == pytest.approx(1.0) and spec["verify_seconds"] == pytest.approx(6.0)
     assert prometheus.cache_delta(before, before)["spec"] is None  # nothing drafted during the run
-    vllm = [prometheus.cache_stats(prometheus.parse_prometheus(text(*a, prefix="vllm")), "m")
-            for a in ((0, 0, 0, [0, 0], 0, 0), (4, 8, 6, [4, 2], 0, 0))]
+    vllm = [
+        prometheus.cache_stats(prometheus.parse_prometheus(text(*a, prefix="vllm")), "m")
+        for a in ((0, 0, 0, [0, 0], 0, 0), (4, 8, 6, [4, 2], 0, 0))
+    ]
     spec = prometheus.cache_delta(*vllm)["spec"]
     assert spec["acceptance_per_position"] == pytest.approx([1.0, 0.5]) and "draft_seconds" not in spec
     console = Console(record=True, width=160)
@@ -392,6 +443,7 @@ def test_speculative_decoding_counters_and_their_run_delta():
 
 # ---------------------------------------------------------------------------------------------- plots
 
+
 def _sweep(tmp_path, name) -> dict:
     points = []
     for i, load in enumerate((1, 2, 4)):
@@ -399,8 +451,17 @@ def _sweep(tmp_path, name) -> dict:
         point = _result(records, label=f"max_concurrency={load}", load=load)
         point["load"] = load
         points.append(point)
-    return {"tokenmill_bench": 1, "kind": "sweep", "label": name, "sweep_by": "max_concurrency",
-            "slo": {"ttft": 500.0}, "min_slo_attainment": 0.9, "knee": {"load": 2}, "points": points, "config": {}}
+    return {
+        "tokenmill_bench": 1,
+        "kind": "sweep",
+        "label": name,
+        "sweep_by": "max_concurrency",
+        "slo": {"ttft": 500.0},
+        "min_slo_attainment": 0.9,
+        "knee": {"load": 2},
+        "points": points,
+        "config": {},
+    }
 
 
 def _is_png(path) -> bool:
@@ -434,16 +495,41 @@ def test_compare_command(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------------------- CLI
 
+
 def test_cli_help_lists_flags():
     parser = build_parser()
     sub = parser._subparsers._group_actions[0].choices
     assert set(sub) == {"serve", "sweep", "compare", "offline"}
     serve_help = sub["serve"].format_help()
-    for flag in ("--base-url", "--model", "--endpoint", "--tokenizer", "--dataset", "--num-prompts",
-                 "--random-input-len", "--random-output-len", "--random-range-ratio", "--request-rate",
-                 "--burstiness", "--max-concurrency", "--num-warmups", "--timeout", "--max-duration", "--seed",
-                 "--ignore-eos", "--slo", "--server-pid", "--cost-per-hour", "--result-file", "--plot-dir",
-                 "--disable-tqdm", "--num-prefixes", "--prefix-len", "--num-turns", "--long-context-len"):
+    for flag in (
+        "--base-url",
+        "--model",
+        "--endpoint",
+        "--tokenizer",
+        "--dataset",
+        "--num-prompts",
+        "--random-input-len",
+        "--random-output-len",
+        "--random-range-ratio",
+        "--request-rate",
+        "--burstiness",
+        "--max-concurrency",
+        "--num-warmups",
+        "--timeout",
+        "--max-duration",
+        "--seed",
+        "--ignore-eos",
+        "--slo",
+        "--server-pid",
+        "--cost-per-hour",
+        "--result-file",
+        "--plot-dir",
+        "--disable-tqdm",
+        "--num-prefixes",
+        "--prefix-len",
+        "--num-turns",
+        "--long-context-len",
+    ):
         assert flag in serve_help, flag
     assert "--concurrencies" in sub["sweep"].format_help() and "--request-rates" in sub["sweep"].format_help()
     assert "--max-num-seqs" in sub["offline"].format_help()  # the engine's own flags
@@ -478,6 +564,7 @@ def test_endpoint_payload():
 
 
 # ---------------------------------------------------------------------------------------------- client vs canned SSE
+
 
 class _CannedOpenAI(BaseHTTPRequestHandler):
     """Streams "tok0 tok1 ..." as one chunk per token; prompts containing FAIL get HTTP 500, SLOW sleeps,
@@ -543,8 +630,9 @@ def test_client_records_success_failure_and_fallback(canned_server):
     server, url = canned_server
     cfg = EndpointConfig(url, "m", ignore_eos=True)
     sessions = _sessions(["a", "FAIL please", "NOUSAGE b", "c"])
-    records, duration = asyncio.run(run_load(sessions, cfg, LoadConfig(max_concurrency=2), lambda t: len(t.split()),
-                                             progress=False))
+    records, duration = asyncio.run(
+        run_load(sessions, cfg, LoadConfig(max_concurrency=2), lambda t: len(t.split()), progress=False)
+    )
     assert len(records) == 4 and duration > 0
     by_prompt = {r.session: r for r in records}
     failed = by_prompt[1]
@@ -578,8 +666,10 @@ def test_client_timeout_and_max_duration(canned_server):
 def test_multi_turn_sends_growing_history(canned_server):
     server, url = canned_server
     cfg = EndpointConfig(url, "m", endpoint="/v1/chat/completions")
-    sessions = [Session([Turn("first", 3), Turn("second", 3), Turn("third", 3)], multi_turn=True),
-                Session([Turn("FAIL now", 3), Turn("never", 3)], multi_turn=True)]
+    sessions = [
+        Session([Turn("first", 3), Turn("second", 3), Turn("third", 3)], multi_turn=True),
+        Session([Turn("FAIL now", 3), Turn("never", 3)], multi_turn=True),
+    ]
     records, _ = asyncio.run(run_load(sessions, cfg, LoadConfig(), progress=False))
     conv = sorted((r for r in records if r.session == 0), key=lambda r: r.turn)
     assert [r.success for r in conv] == [True, True, True]
@@ -594,8 +684,14 @@ def test_multi_turn_sends_growing_history(canned_server):
 def test_run_serve_and_sweep_against_canned_server(canned_server, tok, tmp_path):
     server, url = canned_server
     cfg = EndpointConfig(url, "m", ignore_eos=True)
-    opts = RunOptions(dataset=DatasetConfig(num_prompts=6, input_len=20, output_len=4), tokenizer=tok, num_warmups=2,
-                      slo=parse_slo("ttft=10s"), progress=False, config={"dataset": "random"})
+    opts = RunOptions(
+        dataset=DatasetConfig(num_prompts=6, input_len=20, output_len=4),
+        tokenizer=tok,
+        num_warmups=2,
+        slo=parse_slo("ttft=10s"),
+        progress=False,
+        config={"dataset": "random"},
+    )
     result = run_serve(cfg, opts)
     s = result["summary"]
     assert s["completed"] == 6 and s["planned_requests"] == 6 and len(server.bodies) == 8  # 2 warm-ups not counted

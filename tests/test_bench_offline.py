@@ -19,9 +19,23 @@ def _offline(tmp_path, name, *flags) -> tuple[dict, list[RequestRecord]]:
 
 
 def test_offline_random(tmp_path):
-    result, records = _offline(tmp_path, "random", "--num-prompts", "3", "--random-input-len", "16",
-                               "--random-output-len", "3", "--ignore-eos", "--max-concurrency", "2",
-                               "--slo", "ttft=60s", "--cost-per-hour", "1")
+    result, records = _offline(
+        tmp_path,
+        "random",
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "3",
+        "--ignore-eos",
+        "--max-concurrency",
+        "2",
+        "--slo",
+        "ttft=60s",
+        "--cost-per-hour",
+        "1",
+    )
     s = result["summary"]
     assert result["kind"] == "offline" and (s["completed"], s["failed"]) == (3, 0)
     assert s["total_input_tokens"] == 48 and s["total_output_tokens"] == 9
@@ -38,9 +52,22 @@ def test_offline_random(tmp_path):
 
 
 def test_offline_multi_turn_chat(tmp_path):
-    result, records = _offline(tmp_path, "multi", "--dataset", "multi-turn", "--chat", "--num-prompts", "1",
-                               "--num-turns", "2", "--random-input-len", "8", "--random-output-len", "2",
-                               "--ignore-eos")
+    result, records = _offline(
+        tmp_path,
+        "multi",
+        "--dataset",
+        "multi-turn",
+        "--chat",
+        "--num-prompts",
+        "1",
+        "--num-turns",
+        "2",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "2",
+        "--ignore-eos",
+    )
     first, second = sorted(records, key=lambda r: r.turn)
     assert first.success and second.success
     assert second.prompt_tokens > first.prompt_tokens + first.output_tokens  # the history was re-sent

@@ -39,8 +39,20 @@ def server(tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "serve",
+        "--model",
+        MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -69,19 +81,23 @@ def server(tmp_path_factory):
 
 def _counters(url: str) -> dict:
     samples = prometheus.parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
-    return {name: prometheus.metric_value(samples, (f"tokenmill:{name}_total",))
-            for name in ("prompt_tokens", "generation_tokens")}
+    return {
+        name: prometheus.metric_value(samples, (f"tokenmill:{name}_total",))
+        for name in ("prompt_tokens", "generation_tokens")
+    }
 
 
 def _bench(url: str, tmp_path: Path, name: str, *flags: str) -> dict:
     result_file = tmp_path / f"{name}.json"
-    bench_main(["serve", "--base-url", url, "--model", MODEL, "--disable-tqdm", "--result-file", str(result_file),
-                *flags])
+    bench_main(
+        ["serve", "--base-url", url, "--model", MODEL, "--disable-tqdm", "--result-file", str(result_file), *flags]
+    )
     return report.load_json(result_file)
 
 
-def _check_consistent(result: dict, tmp_path: Path, name: str, input_len: int | None, output_len: int,
-                      max_concurrency: int) -> list[RequestRecord]:
+def _check_consistent(
+    result: dict, tmp_path: Path, name: str, input_len: int | None, output_len: int, max_concurrency: int
+) -> list[RequestRecord]:
     s = result["summary"]
     records = [RequestRecord.from_dict(d) for d in result["requests"]]
     ok = [r for r in records if r.success]
@@ -119,9 +135,28 @@ def _check_consistent(result: dict, tmp_path: Path, name: str, input_len: int | 
 def test_random_workload(server, tmp_path):
     url, pid = server
     before = _counters(url)
-    result = _bench(url, tmp_path, "random", "--dataset", "random", "--num-prompts", "8", "--random-input-len", "32",
-                    "--random-output-len", "8", "--ignore-eos", "--max-concurrency", "4", "--slo",
-                    "ttft=30s,tpot=5s", "--server-pid", str(pid), "--cost-per-hour", "1.0")
+    result = _bench(
+        url,
+        tmp_path,
+        "random",
+        "--dataset",
+        "random",
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        "8",
+        "--ignore-eos",
+        "--max-concurrency",
+        "4",
+        "--slo",
+        "ttft=30s,tpot=5s",
+        "--server-pid",
+        str(pid),
+        "--cost-per-hour",
+        "1.0",
+    )
     after = _counters(url)
     records = _check_consistent(result, tmp_path, "random", 32, 8, 4)
     s = result["summary"]
@@ -148,10 +183,39 @@ def test_shared_prefix_workload_through_tokenmill_cli(server, tmp_path):
     """Through the top-level `tokenmill bench serve`, as a user would run it."""
     url, _ = server
     result_file = tmp_path / "shared.json"
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "bench", "serve", "--base-url", url, "--model", MODEL,
-           "--dataset", "shared-prefix", "--num-prompts", "8", "--num-prefixes", "2", "--prefix-len", "64",
-           "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos", "--max-concurrency", "4",
-           "--num-warmups", "1", "--slo", "ttft=30s", "--disable-tqdm", "--result-file", str(result_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        "--model",
+        MODEL,
+        "--dataset",
+        "shared-prefix",
+        "--num-prompts",
+        "8",
+        "--num-prefixes",
+        "2",
+        "--prefix-len",
+        "64",
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        "8",
+        "--ignore-eos",
+        "--max-concurrency",
+        "4",
+        "--num-warmups",
+        "1",
+        "--slo",
+        "ttft=30s",
+        "--disable-tqdm",
+        "--result-file",
+        str(result_file),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "requests/s" in proc.stdout and "TTFT" in proc.stdout
@@ -170,9 +234,26 @@ def test_shared_prefix_workload_through_tokenmill_cli(server, tmp_path):
 def test_failed_requests_are_counted(server, tmp_path):
     """A prompt longer than the server's context is rejected: counted as failed with the server's error."""
     url, _ = server
-    result = _bench(url, tmp_path, "long", "--dataset", "long-context", "--num-prompts", "3",
-                    "--long-context-fraction", "0.34", "--long-context-len", str(MAX_MODEL_LEN + 200),
-                    "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos", "--slo", "ttft=30s")
+    result = _bench(
+        url,
+        tmp_path,
+        "long",
+        "--dataset",
+        "long-context",
+        "--num-prompts",
+        "3",
+        "--long-context-fraction",
+        "0.34",
+        "--long-context-len",
+        str(MAX_MODEL_LEN + 200),
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "4",
+        "--ignore-eos",
+        "--slo",
+        "ttft=30s",
+    )
     s = result["summary"]
     assert (s["num_requests"], s["completed"], s["failed"]) == (3, 2, 1)
     (error,) = s["errors"]
@@ -184,9 +265,26 @@ def test_failed_requests_are_counted(server, tmp_path):
 
 def test_multi_turn_chat(server, tmp_path):
     url, _ = server
-    result = _bench(url, tmp_path, "multi", "--endpoint", "/v1/chat/completions", "--dataset", "multi-turn",
-                    "--num-prompts", "2", "--num-turns", "2", "--random-input-len", "16", "--random-output-len", "4",
-                    "--ignore-eos", "--slo", "ttft=30s")
+    result = _bench(
+        url,
+        tmp_path,
+        "multi",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--dataset",
+        "multi-turn",
+        "--num-prompts",
+        "2",
+        "--num-turns",
+        "2",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "4",
+        "--ignore-eos",
+        "--slo",
+        "ttft=30s",
+    )
     records = _check_consistent(result, tmp_path, "multi", None, 4, 2)
     assert result["summary"]["completed"] == 4
     for session in (0, 1):
@@ -199,8 +297,23 @@ def test_multi_turn_chat(server, tmp_path):
 def test_result_json_is_standard(server, tmp_path):
     """Written with --request-rate (finite) and read back with the plain json module."""
     url, _ = server
-    result = _bench(url, tmp_path, "rate", "--num-prompts", "3", "--random-input-len", "16", "--random-output-len",
-                    "2", "--request-rate", "5", "--burstiness", "0.5", "--seed", "4")
+    result = _bench(
+        url,
+        tmp_path,
+        "rate",
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "2",
+        "--request-rate",
+        "5",
+        "--burstiness",
+        "0.5",
+        "--seed",
+        "4",
+    )
     raw = json.loads((tmp_path / "rate.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert raw == result and raw["config"]["request_rate"] == 5.0
     assert raw["summary"]["goodput"] is None  # no --slo
@@ -211,9 +324,29 @@ def test_result_json_is_standard(server, tmp_path):
 def test_sweep(server, tmp_path):
     url, _ = server
     result_file = tmp_path / "sweep.json"
-    bench_main(["sweep", "--base-url", url, "--model", MODEL, "--concurrencies", "1,2", "--num-prompts", "2",
-                "--random-input-len", "16", "--random-output-len", "3", "--ignore-eos", "--slo", "ttft=60s",
-                "--disable-tqdm", "--result-file", str(result_file)])
+    bench_main(
+        [
+            "sweep",
+            "--base-url",
+            url,
+            "--model",
+            MODEL,
+            "--concurrencies",
+            "1,2",
+            "--num-prompts",
+            "2",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "3",
+            "--ignore-eos",
+            "--slo",
+            "ttft=60s",
+            "--disable-tqdm",
+            "--result-file",
+            str(result_file),
+        ]
+    )
     sweep = report.load_json(result_file)
     assert sweep["kind"] == "sweep" and [p["load"] for p in sweep["points"]] == [1, 2]
     for point in sweep["points"]:

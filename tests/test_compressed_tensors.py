@@ -18,8 +18,8 @@ import pytest
 import torch
 import transformers
 from helpers import assert_matches_dense, make_core, make_tiny_model, run_core
-from test_int_quant import _fake_quantize
 from safetensors.torch import save_file
+from test_int_quant import _fake_quantize
 
 from tokenmill.kernels import block_quant, fp8_matmul
 from tokenmill.layers.linear import LinearBase
@@ -29,15 +29,24 @@ from tokenmill.quantization.packed_checkpoint import PackedCheckpointMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(block_quant.load() is None or fp8_matmul.load() is None,
-                                reason="the CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(
+    block_quant.load() is None or fp8_matmul.load() is None, reason="the CPU kernels cannot be built here"
+)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
-            "up_proj": "mlp", "down_proj": "down"}  # layers that share one input
+INPUT_OF = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "o_proj": "o",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "down",
+}  # layers that share one input
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 # -- reference packers -----------------------------------------------------------------------------
+
 
 def pack_int32(values: np.ndarray, bits: int) -> torch.Tensor:
     """Signed values [rows, n] -> int32 words [rows, n * bits / 32]: value i at bits i * bits of the
@@ -115,25 +124,40 @@ def pack_fp4_layer(w: torch.Tensor, fmt: str):
 
 # -- checkpoints -----------------------------------------------------------------------------------
 
+
 def _group(fmt: str, targets: list[str], **weights) -> dict:
-    return {"targets": targets, "format": fmt, "weights": weights,
-            "input_activations": {"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}}
+    return {
+        "targets": targets,
+        "format": fmt,
+        "weights": weights,
+        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"},
+    }
 
 
 VARIANTS = {  # config groups, in order; "dense" modules are ignored
-    "w4a16-sym-group32": [("pack-quantized", ["Linear"], dict(num_bits=4, type="int", strategy="group",
-                                                               group_size=32, symmetric=True))],
-    "w4a16-asym-group64-actorder": [("pack-quantized", ["Linear"], dict(
-        num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, actorder="group"))],
-    "w8a16-channel-asym": [("pack-quantized", ["Linear"], dict(num_bits=8, type="int", strategy="channel",
-                                                               symmetric=False))],
-    "w8a8-int-channel": [("int-quantized", ["Linear"], dict(num_bits=8, type="int", strategy="channel",
-                                                            symmetric=True))],
-    "fp8-block": [("float-quantized", ["Linear"], dict(num_bits=8, type="float", strategy="block",
-                                                       block_structure=[128, 128]))],
+    "w4a16-sym-group32": [
+        ("pack-quantized", ["Linear"], dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=True))
+    ],
+    "w4a16-asym-group64-actorder": [
+        (
+            "pack-quantized",
+            ["Linear"],
+            dict(num_bits=4, type="int", strategy="group", group_size=64, symmetric=False, actorder="group"),
+        )
+    ],
+    "w8a16-channel-asym": [
+        ("pack-quantized", ["Linear"], dict(num_bits=8, type="int", strategy="channel", symmetric=False))
+    ],
+    "w8a8-int-channel": [
+        ("int-quantized", ["Linear"], dict(num_bits=8, type="int", strategy="channel", symmetric=True))
+    ],
+    "fp8-block": [
+        ("float-quantized", ["Linear"], dict(num_bits=8, type="float", strategy="block", block_structure=[128, 128]))
+    ],
     "fp8-tensor": [("float-quantized", ["Linear"], dict(num_bits=8, type="float", strategy="tensor"))],
-    "nvfp4": [("nvfp4-pack-quantized", ["Linear"], dict(num_bits=4, type="float", strategy="tensor_group",
-                                                        group_size=16))],
+    "nvfp4": [
+        ("nvfp4-pack-quantized", ["Linear"], dict(num_bits=4, type="float", strategy="tensor_group", group_size=16))
+    ],
     "mixed": [  # attention in fp8 per channel, MLP in MXFP4, one MLP down projection kept dense
         ("float-quantized", ["re:.*self_attn.*"], dict(num_bits=8, type="float", strategy="channel")),
         ("mxfp4-pack-quantized", ["re:.*mlp.*"], dict(num_bits=4, type="float", strategy="group", group_size=32)),
@@ -146,8 +170,11 @@ def write_checkpoint(hf, directory: Path, variant: str) -> transformers.PreTrain
     """`hf` saved in `variant`'s compressed-tensors layout; returns a float copy holding the dequantized
     weights (the LM head and ignored modules stay dense)."""
     groups, ignore = VARIANTS[variant], IGNORE.get(variant, ["lm_head"])
-    matches = lambda module, t: (re.match(t[3:], module) is not None if t.startswith("re:")  # noqa: E731
-                                 else t == module or t == "Linear")
+    matches = lambda module, t: (
+        re.match(t[3:], module) is not None
+        if t.startswith("re:")  # noqa: E731
+        else t == module or t == "Linear"
+    )
     dense = transformers.AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32).eval()
     tensors = {}
     for name, v in hf.state_dict().items():
@@ -164,17 +191,28 @@ def write_checkpoint(hf, directory: Path, variant: str) -> transformers.PreTrain
             else:  # act-order: shards of one input share a column order (a seed per layer and input)
                 parent, _, leaf_module = module.rpartition(".")
                 order_rng = np.random.default_rng(zlib.crc32(f"{parent}.{INPUT_OF[leaf_module]}".encode()))
-                parts, v = pack_int_layer(v, fmt, args["num_bits"], args.get("group_size"), args["symmetric"],
-                                          args.get("actorder") == "group", order_rng)
+                parts, v = pack_int_layer(
+                    v,
+                    fmt,
+                    args["num_bits"],
+                    args.get("group_size"),
+                    args["symmetric"],
+                    args.get("actorder") == "group",
+                    order_rng,
+                )
             tensors.update({f"{module}.{k}": t.contiguous() for k, t in parts.items()})
         dense.state_dict()[name].copy_(v)
         if chosen is None and not (name == "lm_head.weight" and hf.config.tie_word_embeddings):
             tensors[name] = v.contiguous()
     config = hf.config.to_dict()
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": groups[0][0], "quantization_status": "compressed",
+        "quant_method": "compressed-tensors",
+        "format": groups[0][0],
+        "quantization_status": "compressed",
         "config_groups": {f"group_{i}": _group(f, t, **w) for i, (f, t, w) in enumerate(groups)},
-        "ignore": ignore, "kv_cache_scheme": None}
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+    }
     directory.mkdir(exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(directory / "model.safetensors"))
@@ -195,22 +233,31 @@ def test_compressed_tensors_checkpoints_match_the_dequantized_model(tmp_path, va
     assert isinstance(methods.pop("lm_head"), UnquantizedLinearMethod)
     for prefix, method in methods.items():
         fp8 = variant.startswith("fp8") or (variant == "mixed" and "self_attn" in prefix)
-        expected = (UnquantizedLinearMethod if variant == "mixed" and prefix == "model.layers.1.mlp.down_proj"
-                    else FP8LinearMethod if fp8 else PackedCheckpointMethod)
+        expected = (
+            UnquantizedLinearMethod
+            if variant == "mixed" and prefix == "model.layers.1.mlp.down_proj"
+            else FP8LinearMethod
+            if fp8
+            else PackedCheckpointMethod
+        )
         assert type(method) is expected, (prefix, method)
     act_order = variant.endswith("actorder")
     assert act_order == any(getattr(m, "input_perm", None) is not None for m in exact.model.modules())
     assert_matches_dense(dense, exact, fast)
-    out = run_core(make_core(path, loaded=fast), [[1, 2, 3, 4]],
-                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    out = run_core(
+        make_core(path, loaded=fast), [[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
     assert len(out["0"]) == 6
 
 
 def test_info_names_the_checkpoint_format(tmp_path, capsys):
     from tokenmill.entrypoints.cli import main
 
-    write_checkpoint(make_tiny_model("llama-gqa-untied", tmp_path / "dense", hidden_size=256, intermediate_size=320),
-                     tmp_path / "ct", "nvfp4")
+    write_checkpoint(
+        make_tiny_model("llama-gqa-untied", tmp_path / "dense", hidden_size=256, intermediate_size=320),
+        tmp_path / "ct",
+        "nvfp4",
+    )
     main(["info", "--model", str(tmp_path / "ct")])
     rows = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines())
     assert rows["weights"].strip() == "compressed-tensors"
@@ -222,8 +269,11 @@ def test_compressed_tensors_errors(tmp_path):
     path = tmp_path / "ct"
     with pytest.raises(ValueError, match="--quantization awq disagrees with the checkpoint's quantization_config"):
         load_model(str(path), quantization="awq")
-    with pytest.raises(ValueError, match="compressed-tensors checkpoint with integer or FP4 weights runs the block "
-                                         "kernels on CPU in float32 or on CUDA; got cpu in torch.bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match="compressed-tensors checkpoint with integer or FP4 weights runs the block "
+        "kernels on CPU in float32 or on CUDA; got cpu in torch.bfloat16",
+    ):
         load_model(str(path), dtype="bfloat16")
     original = json.loads((path / "config.json").read_text())
 
@@ -233,20 +283,35 @@ def test_compressed_tensors_errors(tmp_path):
         (path / "config.json").write_text(json.dumps(config))
 
     cases = [
-        (lambda q: q["config_groups"]["group_0"].update(format="marlin-24"),
-         "config_groups.group_0: format 'marlin-24' is not supported"),
-        (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=2),
-         "config_groups.group_0: pack-quantized with 2-bit weights is not supported"),
-        (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=48),
-         "group size 48 does not split its 256 input columns"),
+        (
+            lambda q: q["config_groups"]["group_0"].update(format="marlin-24"),
+            "config_groups.group_0: format 'marlin-24' is not supported",
+        ),
+        (
+            lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=2),
+            "config_groups.group_0: pack-quantized with 2-bit weights is not supported",
+        ),
+        (
+            lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=48),
+            "group size 48 does not split its 256 input columns",
+        ),
         (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
         (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparse compressed-tensors"),
         (lambda q: q.update(config_groups={}), "needs config_groups"),
-        (lambda q: q.update(ignore=[]) or q["config_groups"].update(
-            group_1={"targets": ["re:.*k_proj"], "weights": {"num_bits": 8, "type": "float"},
-                     "format": "float-quantized"}) or q["config_groups"]["group_0"].update(
-             targets=["re:.*(q|v|o|gate|up|down)_proj"]),
-         "fall in different compressed-tensors config_groups"),
+        (
+            lambda q: (
+                q.update(ignore=[])
+                or q["config_groups"].update(
+                    group_1={
+                        "targets": ["re:.*k_proj"],
+                        "weights": {"num_bits": 8, "type": "float"},
+                        "format": "float-quantized",
+                    }
+                )
+                or q["config_groups"]["group_0"].update(targets=["re:.*(q|v|o|gate|up|down)_proj"])
+            ),
+            "fall in different compressed-tensors config_groups",
+        ),
     ]
     for change, message in cases:
         rewrite(change)

@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from test_router import client_for, kill_tree, needs_model, tiny_model, wait_for  # noqa: F401 - tiny_model: a fixture
 from helpers import make_core, make_tiny_model
+from test_router import client_for, kill_tree, needs_model, tiny_model, wait_for  # noqa: F401 - tiny_model: a fixture
 from test_server_utils import ServerProcess, free_port, metric_values
 
 from tokenmill.engine.core import EngineCore, RequestRejected
@@ -31,8 +31,17 @@ from tokenmill.kv_transfer.proxy import prefill_body, transferable
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
-SERVER_ARGS = ("--served-model-name", "tiny", "--num-kv-blocks", "128", "--log-interval", "0",
-               "--disable-log-requests", "--shutdown-timeout", "5")
+SERVER_ARGS = (
+    "--served-model-name",
+    "tiny",
+    "--num-kv-blocks",
+    "128",
+    "--log-interval",
+    "0",
+    "--disable-log-requests",
+    "--shutdown-timeout",
+    "5",
+)
 CONNECTORS = ("TorchDistributedConnector", "SharedMemoryConnector")
 PROMPTS = ["The tariff table lists four zones and their prices for parcels. " * 4, "Name three colours."]
 CHAT = [{"role": "user", "content": "Say something about parcels and zones, at length."}]
@@ -40,17 +49,21 @@ CHAT = [{"role": "user", "content": "Say something about parcels and zones, at l
 
 # ---- flags --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("role, text, message", [
-    ("producer", "{not json", "not valid JSON"),
-    ("producer", '{"kv_conector": "SharedMemoryConnector"}', "unknown field(s) kv_conector"),
-    ("producer", '{"kv_connector": "Nixl"}', "kv_connector must be one of"),
-    ("consumer", '{"kv_rank": 0}', "kv_rank must be 1 for a consumer"),
-    ("producer", '{"kv_parallel_size": 4}', "kv_parallel_size must be 2"),
-    ("producer", '{"kv_port": 70000}', "kv_port must be a TCP port"),
-    ("producer", '{"kv_timeout": 0}', "kv_timeout must be a positive"),
-    ("producer", '{"kv_role": "consumer"}', "contradicts --kv-role producer"),
-    (None, '{"kv_port": 1234}', "--kv-role (producer or consumer) is required"),
-])
+
+@pytest.mark.parametrize(
+    "role, text, message",
+    [
+        ("producer", "{not json", "not valid JSON"),
+        ("producer", '{"kv_conector": "SharedMemoryConnector"}', "unknown field(s) kv_conector"),
+        ("producer", '{"kv_connector": "Nixl"}', "kv_connector must be one of"),
+        ("consumer", '{"kv_rank": 0}', "kv_rank must be 1 for a consumer"),
+        ("producer", '{"kv_parallel_size": 4}', "kv_parallel_size must be 2"),
+        ("producer", '{"kv_port": 70000}', "kv_port must be a TCP port"),
+        ("producer", '{"kv_timeout": 0}', "kv_timeout must be a positive"),
+        ("producer", '{"kv_role": "consumer"}', "contradicts --kv-role producer"),
+        (None, '{"kv_port": 1234}', "--kv-role (producer or consumer) is required"),
+    ],
+)
 def test_bad_kv_transfer_config_names_the_field(role, text, message):
     with pytest.raises(ValueError, match="--kv-transfer-config|--kv-role") as e:
         KVTransferConfig.from_args(role, text)
@@ -58,15 +71,30 @@ def test_bad_kv_transfer_config_names_the_field(role, text, message):
 
 
 def test_bad_kv_transfer_config_is_a_startup_error():
-    run = subprocess.run([sys.executable, "-m", "tokenmill.server.cli", "serve", "--kv-role", "consumer",
-                          "--kv-transfer-config", '{"kv_connector": "Bogus"}'], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.server.cli",
+            "serve",
+            "--kv-role",
+            "consumer",
+            "--kv-transfer-config",
+            '{"kv_connector": "Bogus"}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2
-    assert "--kv-transfer-config: kv_connector must be one of TorchDistributedConnector, SharedMemoryConnector" \
+    assert (
+        "--kv-transfer-config: kv_connector must be one of TorchDistributedConnector, SharedMemoryConnector"
         in run.stderr
+    )
 
 
 # ---- two engine cores in this process --------------------------------------------------------------
+
 
 def _core(model_dir, role: str | None, connector: str = "", port: int = 0):
     """An engine core on its own copy of the model (a model binds the KV cache of the last core built on it)."""
@@ -100,8 +128,10 @@ def test_engines_decode_from_transferred_kv_as_one_engine_would(random_model, co
     the consumer's greedy tokens equal one engine's; aborts on either side hold nothing; a transfer
     the producer never had fails the request; pools whole on both sides."""
     port = free_port()
-    reference, producer, consumer = _core(random_model, None), *(
-        _core(random_model, role, connector, port) for role in ("producer", "consumer"))
+    reference, producer, consumer = (
+        _core(random_model, None),
+        *(_core(random_model, role, connector, port) for role in ("producer", "consumer")),
+    )
     params = SamplingParams(max_tokens=10, temperature=0.0)
     for i, prompt in enumerate([list(range(5, 90)), list(range(40, 56)), [7, 9]]):
         tid = dataclasses.replace(params, kv_transfer_id=f"t{i}")
@@ -112,8 +142,12 @@ def test_engines_decode_from_transferred_kv_as_one_engine_would(random_model, co
     assert consumer.stats().kv_transfers == producer.stats().kv_transfers == 3
     assert consumer.stats().prefix_cache_hits == 84 + 15 + 1  # each prompt but its last token came by transfer
     # aborted mid-prefill (producer) and while waiting for its KV (consumer): nothing is held
-    producer.add_request(EngineCoreRequest("cut", list(range(5, 90)), dataclasses.replace(params, kv_transfer_id="cut")))
-    consumer.add_request(EngineCoreRequest("cut", list(range(5, 90)), dataclasses.replace(params, kv_transfer_id="cut")))
+    producer.add_request(
+        EngineCoreRequest("cut", list(range(5, 90)), dataclasses.replace(params, kv_transfer_id="cut"))
+    )
+    consumer.add_request(
+        EngineCoreRequest("cut", list(range(5, 90)), dataclasses.replace(params, kv_transfer_id="cut"))
+    )
     producer.step()
     consumer.step()
     for core in (producer, consumer):
@@ -134,9 +168,19 @@ def test_a_plain_engine_refuses_a_transfer(random_model):
 
 
 def test_the_proxy_prefills_one_token_and_passes_the_rest_to_decode():
-    body = {"prompt": "hi", "max_tokens": 50, "min_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
-    assert prefill_body(body, "t") == {"prompt": "hi", "max_tokens": 1, "stream": False,
-                                       "kv_transfer_params": {"transfer_id": "t"}}
+    body = {
+        "prompt": "hi",
+        "max_tokens": 50,
+        "min_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    assert prefill_body(body, "t") == {
+        "prompt": "hi",
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"transfer_id": "t"},
+    }
     chat = prefill_body({"messages": [], "max_completion_tokens": 9}, "t")
     assert chat["max_completion_tokens"] == chat["max_tokens"] == 1
     assert transferable(body) and transferable({"prompt": [1, 2, 3]}) and transferable({"messages": []})
@@ -146,27 +190,46 @@ def test_the_proxy_prefills_one_token_and_passes_the_rest_to_decode():
 
 # ---- servers --------------------------------------------------------------------------------------
 
+
 class ProxyProcess:
     def __init__(self, prefill: str, decode: str, log_dir) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"proxy-{self.port}.log"
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "disagg-proxy",
-                                          "--prefill", prefill, "--decode", decode, "--port", str(self.port)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tokenmill.entrypoints.cli",
+                    "disagg-proxy",
+                    "--prefill",
+                    prefill,
+                    "--decode",
+                    decode,
+                    "--port",
+                    str(self.port),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
 
 @pytest.fixture(scope="module", params=CONNECTORS)
-def disaggregated(request, tmp_path_factory, tiny_model):
+def disaggregated(request, tmp_path_factory, tiny_model):  # noqa: F811 - the imported fixture
     """A producer, a consumer and the proxy in front, over `request.param`."""
     log_dir = tmp_path_factory.mktemp(request.param)
     config = json.dumps({"kv_connector": request.param, "kv_port": free_port(), "kv_timeout": 10})
-    producer, consumer = (ServerProcess(log_dir, "--model", str(tiny_model), *SERVER_ARGS, "--kv-role", role,
-                                        "--kv-transfer-config", config) for role in ("producer", "consumer"))
+    producer, consumer = (
+        ServerProcess(
+            log_dir, "--model", str(tiny_model), *SERVER_ARGS, "--kv-role", role, "--kv-transfer-config", config
+        )
+        for role in ("producer", "consumer")
+    )
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(ServerProcess.start, (producer, consumer)))
     proxy = ProxyProcess(producer.url, consumer.url, log_dir)
@@ -226,8 +289,13 @@ def test_a_consumer_whose_producer_is_gone_fails_the_request(disaggregated):
     client = client_for(consumer.url)
     start = time.monotonic()
     with pytest.raises(openai.InternalServerError, match="producer"):
-        client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0,
-                                  extra_body={"kv_transfer_params": {"transfer_id": "gone"}})
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[1],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"kv_transfer_params": {"transfer_id": "gone"}},
+        )
     assert time.monotonic() - start < 20  # at most the transfer's timeout (10 s), never a hang
     wait_for(lambda: _pool_whole(consumer.url), 30, consumer.log)
     # the proxy says which server failed

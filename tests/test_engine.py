@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from helpers import make_core, make_tiny_model, run_core
+
 from tokenmill.engine.core import RequestRejected
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
@@ -122,16 +122,21 @@ def test_abort_mid_generation_returns_blocks(tiny):
 def test_eos_and_stop_token_ids_finish_requests(tiny):
     directory, _, loaded = tiny
     prompts, _ = mixed_workload(4, seed=7)
-    greedy = run_core(make_core(directory, loaded=loaded), prompts,
-                      SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    greedy = run_core(
+        make_core(directory, loaded=loaded), prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )
     stop_tok = greedy["0"][5]
     core = make_core(directory, loaded=loaded, eos_token_ids={greedy["1"][3]})
     outs = {}
-    core.add_request(EngineCoreRequest("a", prompts[0], SamplingParams(temperature=0, max_tokens=20,
-                                                                       stop_token_ids=[stop_tok], ignore_eos=True)))
+    core.add_request(
+        EngineCoreRequest(
+            "a", prompts[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok], ignore_eos=True)
+        )
+    )
     core.add_request(EngineCoreRequest("b", prompts[1], SamplingParams(temperature=0, max_tokens=20)))
-    core.add_request(EngineCoreRequest("c", prompts[1], SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
-                                                                       ignore_eos=True)))
+    core.add_request(
+        EngineCoreRequest("c", prompts[1], SamplingParams(temperature=0, max_tokens=20, min_tokens=10, ignore_eos=True))
+    )
     while core.has_unfinished():
         for o in core.step():
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -158,8 +163,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
         batch.insert(position, prompts[0])
         out = run_core(make_core(directory, loaded=loaded), batch, params)
         assert out[str(position)] == alone
-    other = run_core(make_core(directory, loaded=loaded), [prompts[0]],
-                     SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=99, ignore_eos=True))["0"]
+    other = run_core(
+        make_core(directory, loaded=loaded),
+        [prompts[0]],
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=99, ignore_eos=True),
+    )["0"]
     assert other != alone
 
 
@@ -186,10 +194,12 @@ def test_a_rejection_names_its_field_and_kind(tiny):
     """The front end maps a rejection to its HTTP error by these fields, never by the message's text."""
     directory, _, loaded = tiny
     core = make_core(directory, num_blocks=8, loaded=loaded, max_model_len=512)
-    cases = [(EngineCoreRequest("long", [1] * 500, SamplingParams(max_tokens=20)), "prompt", "context_length_exceeded"),
-             (EngineCoreRequest("big", [1] * 100, SamplingParams(max_tokens=100)), "prompt", "context_length_exceeded"),
-             (EngineCoreRequest("oov", [1, 99999], SamplingParams()), "prompt", "invalid_value"),
-             (EngineCoreRequest("bias", [1], SamplingParams(logit_bias={99999: 1.0})), "logit_bias", "invalid_value")]
+    cases = [
+        (EngineCoreRequest("long", [1] * 500, SamplingParams(max_tokens=20)), "prompt", "context_length_exceeded"),
+        (EngineCoreRequest("big", [1] * 100, SamplingParams(max_tokens=100)), "prompt", "context_length_exceeded"),
+        (EngineCoreRequest("oov", [1, 99999], SamplingParams()), "prompt", "invalid_value"),
+        (EngineCoreRequest("bias", [1], SamplingParams(logit_bias={99999: 1.0})), "logit_bias", "invalid_value"),
+    ]
     for request, param, code in cases:
         with pytest.raises(RequestRejected) as e:
             core.add_request(request)

@@ -16,22 +16,32 @@ def write(tmp_path, lines: list) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("item, kind", [
-    ({"context": "a", "choices": ["b", "c"], "gold": 0}, "multiple_choice"),
-    ({"context": "a", "continuation": "b"}, "loglikelihood"),
-    ({"text": "a b"}, "perplexity"),
-])
+@pytest.mark.parametrize(
+    "item, kind",
+    [
+        ({"context": "a", "choices": ["b", "c"], "gold": 0}, "multiple_choice"),
+        ({"context": "a", "continuation": "b"}, "loglikelihood"),
+        ({"text": "a b"}, "perplexity"),
+    ],
+)
 def test_the_kind_is_told_from_the_fields(tmp_path, item, kind):
     assert load_task(write(tmp_path, [item, "", item])) == (kind, [item, item])
 
 
-@pytest.mark.parametrize("lines, kind, message", [
-    (["{not json"], "auto", "task.jsonl:1: not JSON"),
-    ([{"prompt": "x"}], "auto", "cannot tell the task kind"),
-    ([{"context": "a", "choices": ["b"], "gold": 0}, {"context": "a", "choices": ["b"]}], "auto", "item 2 has no gold"),
-    ([{"text": "a"}], "ranking", "task kind must be one of"),
-    ([], "auto", "no items"),
-])
+@pytest.mark.parametrize(
+    "lines, kind, message",
+    [
+        (["{not json"], "auto", "task.jsonl:1: not JSON"),
+        ([{"prompt": "x"}], "auto", "cannot tell the task kind"),
+        (
+            [{"context": "a", "choices": ["b"], "gold": 0}, {"context": "a", "choices": ["b"]}],
+            "auto",
+            "item 2 has no gold",
+        ),
+        ([{"text": "a"}], "ranking", "task kind must be one of"),
+        ([], "auto", "no items"),
+    ],
+)
 def test_bad_task_files_are_named(tmp_path, lines, kind, message):
     with pytest.raises(ValueError, match=message):
         load_task(write(tmp_path, lines), kind)

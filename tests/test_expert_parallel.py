@@ -16,7 +16,6 @@ from tokenmill.bench.cli import main as bench_main
 from tokenmill.config import EngineConfig, ParallelConfig
 from tokenmill.executor import executor_for
 
-
 TWO_RANK_MODELS = [
     ("qwen2-moe", "tp"),  # a gated shared expert and a dense layer beside the routed one
     ("qwen2-moe", "ep"),
@@ -60,8 +59,10 @@ def test_two_ranks_give_the_greedy_tokens_of_one(two_rank_runs, name, mode):
         assert sum(counts) == forwarded * config.num_experts_per_tok
     if mode == "ep":  # rank r holds experts [r * E/2, (r + 1) * E/2)
         half = len(next(iter(expert_tokens.values()))) // 2
-        assert stats["moe_rank_tokens"] == [sum(sum(c[:half]) for c in expert_tokens.values()),
-                                            sum(sum(c[half:]) for c in expert_tokens.values())]
+        assert stats["moe_rank_tokens"] == [
+            sum(sum(c[:half]) for c in expert_tokens.values()),
+            sum(sum(c[half:]) for c in expert_tokens.values()),
+        ]
     else:
         assert stats["moe_rank_tokens"] == []
 
@@ -78,8 +79,10 @@ def test_expert_count_that_does_not_divide_is_refused(tmp_path):
     make_tiny_model("mixtral", tmp_path, num_local_experts=3)
     done = run_parallel([(str(tmp_path), "float32", "ep")])
     assert done.returncode != 0
-    assert "3 experts do not split over 2 ranks (--enable-expert-parallel needs a multiple of " \
-           "--tensor-parallel-size)" in done.stderr
+    assert (
+        "3 experts do not split over 2 ranks (--enable-expert-parallel needs a multiple of "
+        "--tensor-parallel-size)" in done.stderr
+    )
 
 
 def test_expert_parallel_on_a_dense_model_is_refused(tmp_path):
@@ -94,8 +97,21 @@ def ep_server(tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp("tiny-qwen3-moe-ep")
     hf = make_tiny_model("qwen3-moe", directory, vocab_size=len(tokenizer.hf))
     tokenizer.hf.save_pretrained(directory)
-    args = ("--model", str(directory), "--served-model-name", "tiny-ep", "--tensor-parallel-size", "2",
-            "--enable-expert-parallel", "--dtype", "float32", "--num-kv-blocks", "64", "--log-interval", "0")
+    args = (
+        "--model",
+        str(directory),
+        "--served-model-name",
+        "tiny-ep",
+        "--tensor-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "64",
+        "--log-interval",
+        "0",
+    )
     for srv in running_server(tmp_path_factory, "ep-server", *args):
         yield srv, hf.config
 
@@ -106,16 +122,20 @@ def test_metrics_count_tokens_per_rank(ep_server):
     client = srv.openai_client()
     forwarded = 0
     for prompt in ("The quick brown fox", "Once upon a time, in a land far away,"):
-        r = client.completions.create(model="tiny-ep", prompt=prompt, max_tokens=5, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model="tiny-ep", prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
         forwarded += r.usage.prompt_tokens + r.usage.completion_tokens - 1
     values = metric_values(srv.url)
     ranks = [values[f'tokenmill:moe_rank_tokens_total{{rank="{r}"}}'] for r in range(2)]
     assert sum(ranks) == forwarded * config.num_experts_per_tok * config.num_hidden_layers
     half = config.num_experts // 2
     for rank, count in enumerate(ranks):  # rank r's experts: [r * half, (r + 1) * half)
-        assert count == sum(values[f'tokenmill:moe_expert_tokens_total{{expert="{e}",layer="{layer}"}}']
-                            for layer in range(config.num_hidden_layers) for e in range(rank * half, (rank + 1) * half))
+        assert count == sum(
+            values[f'tokenmill:moe_expert_tokens_total{{expert="{e}",layer="{layer}"}}']
+            for layer in range(config.num_hidden_layers)
+            for e in range(rank * half, (rank + 1) * half)
+        )
     assert values["tokenmill:moe_rank_imbalance"] == pytest.approx(max(ranks) * 2 / sum(ranks))
 
 
@@ -124,9 +144,27 @@ def test_bench_reports_the_tokens_per_rank_of_the_run(ep_server, tmp_path):
     srv, _ = ep_server
     result_file = tmp_path / "ep.json"
     before = prometheus.rank_tokens(prometheus.scrape(f"{srv.url}/metrics"))
-    bench_main(["serve", "--base-url", srv.url, "--model", "tiny-ep", "--disable-tqdm", "--num-prompts", "3",
-                "--random-input-len", "12", "--random-output-len", "3", "--ignore-eos", "--tokenizer",
-                str(srv.args[1]), "--result-file", str(result_file)])
+    bench_main(
+        [
+            "serve",
+            "--base-url",
+            srv.url,
+            "--model",
+            "tiny-ep",
+            "--disable-tqdm",
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "12",
+            "--random-output-len",
+            "3",
+            "--ignore-eos",
+            "--tokenizer",
+            str(srv.args[1]),
+            "--result-file",
+            str(result_file),
+        ]
+    )
     after = prometheus.rank_tokens(prometheus.scrape(f"{srv.url}/metrics"))
     moe = report.load_json(result_file)["server_metrics"]["moe"]
     assert moe["rank_tokens"] == [after[r] - before[r] for r in ("0", "1")]

@@ -75,8 +75,9 @@ def test_kernel_fp8_matmul_matches_torch_reference(rows, cols, group):
     assert torch.equal(fp8_matmul.dequantize(weight, scales, group), want_w)
     x = torch.randn(rows, cols)
     want = x @ want_w.t()
-    torch.testing.assert_close(fp8_matmul.matmul(x, weight, scales, group), want, rtol=1e-5,
-                               atol=1e-5 * float(want.abs().max()))
+    torch.testing.assert_close(
+        fp8_matmul.matmul(x, weight, scales, group), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())
+    )
 
 
 @needs_kernels
@@ -107,14 +108,19 @@ def test_the_portable_build_passes_the_fp8_kernel_tests():
     if os.environ.get("TOKENMILL_CPU_ARCH") or fp8_matmul.load() is None:
         pytest.skip("already the portable build, or no compiler here")
     env = {**os.environ, "TOKENMILL_CPU_ARCH": "x86-64"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                          "-k", "kernel and not portable"],
-                         env=env, capture_output=True, text=True, timeout=1800)  # a hang, not a speed limit
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "kernel and not portable"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )  # a hang, not a speed limit
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-2000:]
 
 
 # -- FP4 -------------------------------------------------------------------------------------------
+
 
 def test_e2m1_rounding_is_nearest_with_ties_to_even():
     u = torch.tensor([0.1, 0.25, 0.3, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, 7.0, 100.0, -0.75, -2.6, -6.5])
@@ -173,10 +179,12 @@ def test_fp4_codes_are_e2m1_times_their_block_scale(method):
 # (load_model arguments, least top-1 agreement, largest relative logit error) on a random tiny model,
 # whose near-flat logits make top-1 fragile: 4 bits lose as much there as int4 does (int4 on this
 # model: 0.74, 0.21; measured: fp8 0.92, 0.067; mxfp4 0.69, 0.26; nvfp4 0.77, 0.25)
-ON_LOAD = {"fp8": (dict(quantization="fp8"), 0.85, 0.1),  # e4m3: 3 mantissa bits, ~3.6% rms a weight
-           "mxfp4": (dict(quantization="mxfp4"), 0.6, 0.32),
-           "nvfp4": (dict(quantization="nvfp4"), 0.65, 0.3),
-           "nvfp4-exact": (dict(quantization="nvfp4", dtype="float32"), 0.65, 0.3)}
+ON_LOAD = {
+    "fp8": (dict(quantization="fp8"), 0.85, 0.1),  # e4m3: 3 mantissa bits, ~3.6% rms a weight
+    "mxfp4": (dict(quantization="mxfp4"), 0.6, 0.32),
+    "nvfp4": (dict(quantization="nvfp4"), 0.65, 0.3),
+    "nvfp4-exact": (dict(quantization="nvfp4", dtype="float32"), 0.65, 0.3),
+}
 
 
 @needs_kernels
@@ -193,8 +201,11 @@ def test_on_load_fp8_fp4_track_the_float_model(tmp_path, variant):
         assert isinstance(quant.model.lm_head.quant_method, QuantizeOnLoadMethod)
     agree, error = top1_agreement(ref, quant)
     assert agree >= least_agreement and error < largest_error, (agree, error)
-    out = run_core(make_core(str(tmp_path), loaded=quant), [[1, 2, 3, 4]],
-                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    out = run_core(
+        make_core(str(tmp_path), loaded=quant),
+        [[1, 2, 3, 4]],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )
     assert len(out["0"]) == 6  # and it serves through the engine
 
 
@@ -213,8 +224,10 @@ def pack_fp8(w: torch.Tensor, scheme: str, block: int = 128) -> dict[str, torch.
         return {"weight": (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), "weight_scale_inv": scale}
     amax = w.abs().amax() if scheme == "tensor" else w.abs().amax(1, keepdim=True)
     scale = (amax / 448).float()
-    return {"weight": (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn),
-            "weight_scale": scale.reshape(()) if scheme == "tensor" else scale}
+    return {
+        "weight": (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn),
+        "weight_scale": scale.reshape(()) if scheme == "tensor" else scale,
+    }
 
 
 def _dequantized(parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -277,6 +290,7 @@ def test_fp8_checkpoints_match_the_dequantized_model(tmp_path, scheme):
 
 
 # -- bad input -------------------------------------------------------------------------------------
+
 
 def test_fp8_fp4_errors(tmp_path, monkeypatch):
     cpu = torch.device("cpu")
@@ -349,8 +363,15 @@ def write_gpt_oss_mxfp4(hf, directory: Path) -> None:
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = torch.stack(blocks), torch.stack(scales)
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (directory / "config.json").write_text(json.dumps(config))
 
 
@@ -365,7 +386,8 @@ def test_gpt_oss_mxfp4_checkpoint_runs_its_experts_packed(tmp_path):
     hf = make_tiny_model("gpt-oss", tmp_path / "dense")
     write_gpt_oss_mxfp4(hf, tmp_path / "mx")
     ref = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "mx", quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+        tmp_path / "mx", quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
     # the file holds the dense model's experts to FP4 precision
     ours_w = ref.model.layers[0].mlp.experts.gate_up_proj.detach()
     dense_w = hf.model.layers[0].mlp.experts.gate_up_proj.detach()
@@ -376,8 +398,11 @@ def test_gpt_oss_mxfp4_checkpoint_runs_its_experts_packed(tmp_path):
         experts = loaded.model.model.layers[0].mlp.experts
         assert isinstance(experts.w13[0], ExpertProjection) and isinstance(experts.w13[0].quant_method, FP4LinearMethod)
         assert experts.w13[0].codes.dtype in (torch.int8, torch.uint8)
-        assert all(isinstance(m.quant_method, UnquantizedLinearMethod) for m in loaded.model.modules()
-                   if isinstance(m, LinearBase))
+        assert all(
+            isinstance(m.quant_method, UnquantizedLinearMethod)
+            for m in loaded.model.modules()
+            if isinstance(m, LinearBase)
+        )
     rng = random.Random(3)
     for n in (1, 9, 40):
         ids = [rng.randrange(256) for _ in range(n)]
@@ -386,8 +411,11 @@ def test_gpt_oss_mxfp4_checkpoint_runs_its_experts_packed(tmp_path):
         torch.testing.assert_close(all_logits(make_runner(exact), ids), want, rtol=0, atol=1e-4)
         got = all_logits(make_runner(fast), ids)
         assert ((got - want).norm() / want.norm()).item() < 0.05
-    out = run_core(make_core(str(tmp_path / "mx"), loaded=fast), [[5, 6, 7]],
-                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    out = run_core(
+        make_core(str(tmp_path / "mx"), loaded=fast),
+        [[5, 6, 7]],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    )
     assert len(out["0"]) == 8
     with pytest.raises(ValueError, match="--quantization int4 disagrees"):
         load_model(str(tmp_path / "mx"), quantization="int4")
@@ -400,8 +428,14 @@ def test_gpt_oss_mxfp4_blocks_without_scales_are_refused():
     with pytest.raises(ValueError, match="MXFP4 blocks without scales"):
         list(expert_tensors([("model.layers.0.mlp.experts.down_proj_blocks", blocks)]))
     with pytest.raises(ValueError, match="are not MXFP4"):
-        list(expert_tensors([("model.layers.0.mlp.experts.down_proj_blocks", blocks),
-                             ("model.layers.0.mlp.experts.down_proj_scales", torch.zeros(2, 64, 3, dtype=torch.uint8))]))
+        list(
+            expert_tensors(
+                [
+                    ("model.layers.0.mlp.experts.down_proj_blocks", blocks),
+                    ("model.layers.0.mlp.experts.down_proj_scales", torch.zeros(2, 64, 3, dtype=torch.uint8)),
+                ]
+            )
+        )
 
 
 @needs_kernels

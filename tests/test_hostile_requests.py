@@ -29,8 +29,9 @@ DEAD = "[^\\s\\S]"  # a character class nothing matches: a regex (or JSON patter
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory, "hostile", "--num-kv-blocks", "128", "--max-model-len", "512",
-                              "--log-interval", "0")
+    yield from running_server(
+        tmp_path_factory, "hostile", "--num-kv-blocks", "128", "--max-model-len", "512", "--log-interval", "0"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def pool_whole(url: str) -> bool:
 
 def beside_innocent(client, hostile):
     """Run `hostile()` while the innocent request runs; return (its result or exception, the innocent text)."""
+
     def attempt():
         try:
             return hostile()
@@ -72,14 +74,19 @@ def assert_bad_request(result, param: str, words: str = "") -> None:
 
 # ---- parameters that cannot run ------------------------------------------------------------------------
 
+
 def test_a_seed_that_overflows_with_n_is_a_400_and_the_innocent_request_is_untouched(client, server, alone):
-    result, innocent = beside_innocent(client, lambda: client.completions.create(
-        **dict(INNOCENT, prompt="Hello", n=2, seed=SEED_END - 1, temperature=1.0)))
+    result, innocent = beside_innocent(
+        client,
+        lambda: client.completions.create(**dict(INNOCENT, prompt="Hello", n=2, seed=SEED_END - 1, temperature=1.0)),
+    )
     assert_bad_request(result, "seed", "64 bits")
     assert innocent == alone
     # the last seed that fits: both samples get a generator in the same step as the innocent request
-    edge, innocent = beside_innocent(client, lambda: client.completions.create(
-        **dict(INNOCENT, prompt="Hello", n=2, seed=SEED_END - 2, temperature=1.0)))
+    edge, innocent = beside_innocent(
+        client,
+        lambda: client.completions.create(**dict(INNOCENT, prompt="Hello", n=2, seed=SEED_END - 2, temperature=1.0)),
+    )
     assert len(edge.choices) == 2 and innocent == alone
     assert pool_whole(server.url)
 
@@ -93,9 +100,11 @@ def test_logit_bias_keys_that_are_not_token_ids_are_a_400(client, bias):
 
 # ---- constraints no output can satisfy ---------------------------------------------------------------
 
+
 def test_an_empty_regex_is_refused_before_it_runs(client, server, alone):
-    result, innocent = beside_innocent(client, lambda: client.completions.create(
-        **INNOCENT, extra_body={"structured_outputs": {"regex": DEAD}}))
+    result, innocent = beside_innocent(
+        client, lambda: client.completions.create(**INNOCENT, extra_body={"structured_outputs": {"regex": DEAD}})
+    )
     assert_bad_request(result, "structured_outputs.regex", "matches no output")
     assert innocent == alone
 
@@ -103,16 +112,36 @@ def test_an_empty_regex_is_refused_before_it_runs(client, server, alone):
 def test_a_schema_that_is_only_a_ref_to_itself_is_refused(client):
     schema = {"anyOf": [{"$ref": "#"}]}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
-                                       response_format={"type": "json_schema",
-                                                        "json_schema": {"name": "loop", "schema": schema}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "loop", "schema": schema}},
+        )
     assert e.value.body["param"] == "response_format.json_schema.schema", e.value.body
 
 
-DEAD_TOOL = [{"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"key": {"type": "string", "pattern": DEAD}}, "required": ["key"]}}}]
-DEAD_TOOL_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Look it up"}], "max_tokens": 40,
-                  "temperature": 0, "tools": DEAD_TOOL, "tool_choice": "required"}
+DEAD_TOOL = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {"key": {"type": "string", "pattern": DEAD}},
+                "required": ["key"],
+            },
+        },
+    }
+]
+DEAD_TOOL_CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Look it up"}],
+    "max_tokens": 40,
+    "temperature": 0,
+    "tools": DEAD_TOOL,
+    "tool_choice": "required",
+}
 
 
 def test_a_tool_whose_arguments_dead_end_is_a_400_naming_tools(client, server, alone):
@@ -124,8 +153,9 @@ def test_a_tool_whose_arguments_dead_end_is_a_400_naming_tools(client, server, a
 
 
 def test_a_streamed_dead_end_ends_with_the_same_error(server):
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=dict(DEAD_TOOL_CHAT, stream=True),
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=dict(DEAD_TOOL_CHAT, stream=True), timeout=60
+    ) as r:
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
@@ -133,6 +163,7 @@ def test_a_streamed_dead_end_ends_with_the_same_error(server):
 
 
 # ---- the fronts ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def fronts(server, tmp_path_factory):
@@ -151,8 +182,10 @@ def fronts(server, tmp_path_factory):
 
 HOSTILE_BODIES = {
     "deeply nested": (b'{"prompt": ' * 100_000, "application/json"),
-    "deep inside a field": (b'{"prompt": "x", "kv_transfer_params": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-                            "application/json"),
+    "deep inside a field": (
+        b'{"prompt": "x", "kv_transfer_params": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        "application/json",
+    ),
     "invalid JSON": (b"{not json", "application/json"),
     "not UTF-8": (b'{"prompt": "\xff\xfe"}', "application/json"),
     "empty": (b"", "application/json"),

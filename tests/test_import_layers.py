@@ -40,10 +40,12 @@ def test_http_only_pieces_do_not_import_torch_or_the_engine(statement):
 
 
 def test_the_package_still_offers_llm_and_sampling_params_on_first_use():
-    check = ("import sys, tokenmill; assert 'torch' not in sys.modules; "
-             "from tokenmill import LLM, SamplingParams; "
-             "from tokenmill.entrypoints.llm import LLM as L; assert LLM is L and 'LLM' in dir(tokenmill); "
-             "print(SamplingParams(max_tokens=3).max_tokens)")
+    check = (
+        "import sys, tokenmill; assert 'torch' not in sys.modules; "
+        "from tokenmill import LLM, SamplingParams; "
+        "from tokenmill.entrypoints.llm import LLM as L; assert LLM is L and 'LLM' in dir(tokenmill); "
+        "print(SamplingParams(max_tokens=3).max_tokens)"
+    )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "3"
@@ -114,7 +116,7 @@ def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, {})):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -135,8 +137,13 @@ def test_find_cycle_sees_a_cycle():
 def test_no_import_cycles_between_subpackages():
     graph = package_graph()
     assert graph["server"]["engine"]  # the walk sees real edges
-    pruned = {src: {dst: f for dst, f in targets.items() if (src, dst) not in KNOWN_CYCLE_EDGES}
-              for src, targets in graph.items()}
+    pruned = {
+        src: {dst: f for dst, f in targets.items() if (src, dst) not in KNOWN_CYCLE_EDGES}
+        for src, targets in graph.items()
+    }
     cycle = find_cycle(pruned)
-    assert cycle is None, "import cycle between packages: " + " -> ".join(
-        f"{a} ({pruned[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+    assert cycle is None, (
+        "import cycle between packages: "
+        + " -> ".join(f"{a} ({pruned[a][b]})" for a, b in zip(cycle, cycle[1:]))
+        + f" -> {cycle[-1]}"
+    )

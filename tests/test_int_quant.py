@@ -11,24 +11,33 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import assert_matches_dense, make_core, make_tiny_model, run_core, top1_agreement
 from safetensors.torch import save_file
 
-from helpers import assert_matches_dense, make_core, make_tiny_model, run_core, top1_agreement
 from tokenmill.config import EngineConfig
 from tokenmill.kernels import block_quant
 from tokenmill.layers.linear import LinearBase, ReplicatedLinear
 from tokenmill.loader import load_model
-from tokenmill.quantization.packed_checkpoint import PackedCheckpointMethod
 from tokenmill.quantization.int_quant import IntQuantConfig, QuantizeOnLoadMethod, quantize
+from tokenmill.quantization.packed_checkpoint import PackedCheckpointMethod
 from tokenmill.sampling_params import SamplingParams
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
-            "up_proj": "mlp", "down_proj": "down"}  # layers that share one input
+INPUT_OF = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "o_proj": "o",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "down",
+}  # layers that share one input
 
 
-@pytest.mark.parametrize("bits,group,symmetric", [(8, None, True), (8, None, False), (8, 32, True), (4, 32, False),
-                                                  (4, 64, False), (4, 128, True)])
+@pytest.mark.parametrize(
+    "bits,group,symmetric",
+    [(8, None, True), (8, None, False), (8, 32, True), (4, 32, False), (4, 64, False), (4, 128, True)],
+)
 def test_on_load_codes_are_the_stored_weights(bits, group, symmetric):
     """The block kernels compute on exactly code * scale + minimum, with float32 activations to float
     precision and with int8 activations within the activations' rounding; the quantization error itself
@@ -42,8 +51,9 @@ def test_on_load_codes_are_the_stored_weights(bits, group, symmetric):
     err = float(np.linalg.norm(stored - w.numpy()) / w.norm())
     assert err < (0.01 if bits == 8 else 0.13)
     for int8_activations in (False, True):
-        layer = ReplicatedLinear(256, 96, quant_config=IntQuantConfig(bits, group, symmetric, int8_activations),
-                                 prefix="w")
+        layer = ReplicatedLinear(
+            256, 96, quant_config=IntQuantConfig(bits, group, symmetric, int8_activations), prefix="w"
+        )
         layer.weight_loader("weight", w)
         assert isinstance(layer.quant_method, QuantizeOnLoadMethod) and not hasattr(layer, "weight")
         weight = block_quant.dequantize(layer.quant_method.blocks(layer))
@@ -66,9 +76,12 @@ def test_group_size_must_divide_the_layer():
 
 # (load_model arguments, least top-1 agreement, largest relative logit error) on a random tiny model,
 # whose near-flat logits make top-1 fragile: real models (BENCHMARKS.md, perplexity) lose far less
-ON_LOAD = {"int8": (dict(quantization="int8"), 0.9, 0.05), "int4": (dict(quantization="int4"), 0.5, 0.3),
-           "int4-g128-sym": (dict(quantization="int4", group_size=128, symmetric=True), 0.5, 0.45),
-           "int4-exact": (dict(quantization="int4", dtype="float32"), 0.5, 0.3)}
+ON_LOAD = {
+    "int8": (dict(quantization="int8"), 0.9, 0.05),
+    "int4": (dict(quantization="int4"), 0.5, 0.3),
+    "int4-g128-sym": (dict(quantization="int4", group_size=128, symmetric=True), 0.5, 0.45),
+    "int4-exact": (dict(quantization="int4", dtype="float32"), 0.5, 0.3),
+}
 
 
 @pytest.mark.parametrize("variant", list(ON_LOAD))
@@ -83,12 +96,16 @@ def test_on_load_quantization_tracks_the_float_model(tmp_path, variant):
     assert all(m.quant_method.int8_activations == (kwargs.get("dtype") is None) for m in linears)
     agree, error = top1_agreement(ref, quant)
     assert agree >= least_agreement and error < largest_error
-    out = run_core(make_core(str(tmp_path), loaded=quant), [[1, 2, 3, 4]],
-                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    out = run_core(
+        make_core(str(tmp_path), loaded=quant),
+        [[1, 2, 3, 4]],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )
     assert len(out["0"]) == 6  # and it serves through the engine
 
 
 # -- reference packers, from the formats' documentation ---------------------------------------------
+
 
 def _fake_quantize(w: np.ndarray, bits: int, group: int, symmetric: bool, order: np.ndarray | None):
     """Integer codes q [out, in] with zeros and scales [out, groups] such that w ~ (q - z) * s, the
@@ -97,7 +114,7 @@ def _fake_quantize(w: np.ndarray, bits: int, group: int, symmetric: bool, order:
     order = np.arange(cols) if order is None else order
     g_idx = np.empty(cols, dtype=np.int32)
     g_idx[order] = np.arange(cols) // group
-    top = 2 ** bits - 1
+    top = 2**bits - 1
     q = np.zeros((out, cols), dtype=np.int64)
     zeros = np.zeros((out, cols // group), dtype=np.int64)
     scales = np.zeros((out, cols // group), dtype=np.float32)
@@ -129,19 +146,34 @@ def pack_awq(q, zeros, scales) -> dict[str, torch.Tensor]:
     def pack(a):  # [rows, out] -> [rows, out / 8], outputs 8j + order[i] in nibble i
         return _words(a.reshape(a.shape[0], -1, 8)[..., order].reshape(a.shape[0], -1), 4)
 
-    return {"qweight": torch.from_numpy(pack(q.T)), "qzeros": torch.from_numpy(pack(zeros.T)),
-            "scales": torch.from_numpy(scales.T.astype(np.float16))}
+    return {
+        "qweight": torch.from_numpy(pack(q.T)),
+        "qzeros": torch.from_numpy(pack(zeros.T)),
+        "scales": torch.from_numpy(scales.T.astype(np.float16)),
+    }
 
 
 def pack_gptq(q, zeros, scales, g_idx, bits, v2: bool) -> dict[str, torch.Tensor]:
     qweight = _words(q.T.reshape(-1, 32 // bits, q.shape[0]).transpose(0, 2, 1), bits)[..., 0]  # inputs along words
     stored_zeros = zeros.T - (0 if v2 else 1)  # the original format stores z - 1
-    return {"qweight": torch.from_numpy(qweight), "qzeros": torch.from_numpy(_words(stored_zeros, bits)),
-            "scales": torch.from_numpy(scales.T.astype(np.float16)), "g_idx": torch.from_numpy(g_idx)}
+    return {
+        "qweight": torch.from_numpy(qweight),
+        "qzeros": torch.from_numpy(_words(stored_zeros, bits)),
+        "scales": torch.from_numpy(scales.T.astype(np.float16)),
+        "g_idx": torch.from_numpy(g_idx),
+    }
 
 
-def write_quantized_checkpoint(hf, directory, method: str, bits: int = 4, group: int = 32, symmetric: bool = False,
-                               act_order: bool = False, v2: bool = False) -> transformers.PreTrainedModel:
+def write_quantized_checkpoint(
+    hf,
+    directory,
+    method: str,
+    bits: int = 4,
+    group: int = 32,
+    symmetric: bool = False,
+    act_order: bool = False,
+    v2: bool = False,
+) -> transformers.PreTrainedModel:
     """Save `hf`'s config and weights with every decoder linear in `method`'s layout to `directory`;
     return a float copy of `hf` holding the dequantized weights."""
     rng = np.random.default_rng(0)
@@ -168,11 +200,22 @@ def write_quantized_checkpoint(hf, directory, method: str, bits: int = 4, group:
             tensors[k] = v.contiguous()
     config = hf.config.to_dict()
     if method == "awq":
-        config["quantization_config"] = {"quant_method": "awq", "bits": bits, "group_size": group,
-                                         "zero_point": not symmetric, "version": "gemm"}
+        config["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": bits,
+            "group_size": group,
+            "zero_point": not symmetric,
+            "version": "gemm",
+        }
     else:
-        config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": symmetric,
-                                         "desc_act": act_order, "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+        config["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group,
+            "sym": symmetric,
+            "desc_act": act_order,
+            "checkpoint_format": "gptq_v2" if v2 else "gptq",
+        }
     directory.mkdir(exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(directory / "model.safetensors"))

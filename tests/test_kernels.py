@@ -18,8 +18,10 @@ from tokenmill.kernels import fused_ops, paged_attention, variants
 
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 72])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("window, soft_cap, sinks", [(None, None, False), (24, None, False), (None, 2.0, False),
-                                                     (9, 1.5, False), (None, None, True), (9, None, True)])
+@pytest.mark.parametrize(
+    "window, soft_cap, sinks",
+    [(None, None, False), (24, None, False), (None, 2.0, False), (9, 1.5, False), (None, None, True), (9, None, True)],
+)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap, sinks, cache_dtype):
     """Against softmax(q k^T) v in float32 on the cache's values (16-bit caches widened as they are read);
@@ -39,8 +41,9 @@ def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap, 
         used += n
     q = torch.randn(len(lengths), heads, head_dim)
     sink = torch.randn(heads) * 2 if sinks else None
-    out = paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.3, window, soft_cap,
-                                                 sinks=sink)
+    out = paged_attention.paged_decode_attention(
+        q, k_cache, v_cache, tables, lengths, 0.3, window, soft_cap, sinks=sink
+    )
     k_cache, v_cache = k_cache.float(), v_cache.float()
     for i, length in enumerate(lengths.tolist()):
         start = max(0, length - window) if window else 0  # a window sees only the last `window` tokens
@@ -107,8 +110,9 @@ def test_fused_elementwise_ops_match_torch(tokens):
     torch.testing.assert_close(out, F.rms_norm(x, (hidden,), weight, 1e-5), rtol=1e-5, atol=1e-5)
 
     gate_up = torch.randn(tokens, 2 * hidden)
-    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up),
-                               F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        fused_ops.silu_and_mul(gate_up), F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:], rtol=1e-5, atol=1e-6
+    )
 
     head_dim, positions = 16, torch.randint(0, 50, (tokens,))
     angles = torch.rand(50, head_dim // 2) * 3
@@ -134,8 +138,12 @@ def test_a_build_lock_left_by_a_killed_process_is_cleared():
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
     code = "from tokenmill.kernels import fused_ops; assert fused_ops.load().__name__.startswith('tokenmill_cpu_')"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=600,  # a hang, not a speed limit
-                   env={**os.environ, "TOKENMILL_CPU_ARCH": "native"})
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        timeout=600,  # a hang, not a speed limit
+        env={**os.environ, "TOKENMILL_CPU_ARCH": "native"},
+    )
     assert not lock.exists()
 
 
@@ -150,8 +158,25 @@ def test_the_prebuilt_variant_for_this_cpu_is_loaded():
 
 
 def test_the_best_variant_is_the_one_whose_instruction_sets_the_cpu_has():
-    v3 = {"lm", "cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1", "bmi2",
-          "f16c", "fma", "abm", "movbe", "xsave"}
+    v3 = {
+        "lm",
+        "cx16",
+        "lahf_lm",
+        "popcnt",
+        "pni",
+        "sse4_1",
+        "sse4_2",
+        "ssse3",
+        "avx",
+        "avx2",
+        "bmi1",
+        "bmi2",
+        "f16c",
+        "fma",
+        "abm",
+        "movbe",
+        "xsave",
+    }
     v4 = v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
     assert variants.best_for(frozenset({"lm", "sse2", "avx"})).name == "x86-64"
     assert variants.best_for(frozenset(v3 - {"fma"})).name == "x86-64"
@@ -175,11 +200,21 @@ def test_the_portable_build_passes_the_kernel_tests(arch):
     if arch == "haswell" and not ({"avx512_vnni", "avx_vnni"} & kernels.cpu_flags() and "avx2" in kernels.cpu_flags()):
         pytest.skip("no VNNI here: the native build is the AVX2 path")
     tests = Path(__file__).parent
-    selection = [str(tests / "test_kernels.py"), str(tests / "test_quantization.py"), str(tests / "test_models.py"),
-                 "-k", "(test_kernels and not portable and not lock) or block_quant_linear or int8_activation_kernel "
-                       "or compiled_decode_step_is_bit_identical"]
+    selection = [
+        str(tests / "test_kernels.py"),
+        str(tests / "test_quantization.py"),
+        str(tests / "test_models.py"),
+        "-k",
+        "(test_kernels and not portable and not lock) or block_quant_linear or int8_activation_kernel "
+        "or compiled_decode_step_is_bit_identical",
+    ]
     env = {**os.environ, "TOKENMILL_CPU_ARCH": arch}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection], env=env,
-                         capture_output=True, text=True, timeout=1800)  # a hang, not a speed limit
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )  # a hang, not a speed limit
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-2000:]

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import make_core, make_runner, make_tiny_model, run_core
+
 from tokenmill.attention import kv_quant
 from tokenmill.attention.kv_spec import AttentionSpec, make_kv_cache_config
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
@@ -90,15 +90,23 @@ def test_kernel_writer_gives_the_torch_quantizers_bytes(dtype):
     qkv[5, :, :2] = torch.tensor([127.0, 0.5])  # scale 1: codes 127 and a tie at 0.5
     k, v = qkv[:, 2 : 2 + kv_heads], qkv[:, 2 + kv_heads :]
     slots = torch.randperm(blocks * bs)[:17]
-    caches = [(torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype), torch.zeros(blocks, bs, kv_heads, head_dim,
-               dtype=dtype), torch.zeros(2, blocks, bs, kv_heads, dtype=kv_quant.SCALE_DTYPE)) for _ in range(2)]
+    caches = [
+        (
+            torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype),
+            torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype),
+            torch.zeros(2, blocks, bs, kv_heads, dtype=kv_quant.SCALE_DTYPE),
+        )
+        for _ in range(2)
+    ]
     (kc, vc, sc), (rk, rv, rs) = caches
     paged_attention.write_kv_quantized(k, v, kc, vc, sc, slots)
     kv_quant.write(k, rk, rs[0], slots)
     kv_quant.write(v, rv, rs[1], slots)
     for ours, ref in ((kc, rk), (vc, rv), (sc, rs)):
-        assert torch.equal(ours.view(torch.uint8) if ours.element_size() == 1 else ours.view(torch.int16),
-                           ref.view(torch.uint8) if ref.element_size() == 1 else ref.view(torch.int16))
+        assert torch.equal(
+            ours.view(torch.uint8) if ours.element_size() == 1 else ours.view(torch.int16),
+            ref.view(torch.uint8) if ref.element_size() == 1 else ref.view(torch.int16),
+        )
 
 
 @needs_kernel
@@ -112,9 +120,15 @@ def test_kernel_decodes_every_fp8_code_exactly(dtype):
         v_cache = codes[:width].view(1, 1, 1, width)
         k_cache = torch.zeros_like(v_cache)
         scales = torch.full((2, 1, 1, 1), 0.375, dtype=kv_quant.SCALE_DTYPE)
-        out = paged_attention.paged_decode_attention(torch.randn(1, 1, width), k_cache, v_cache,
-                                                     torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 0.1,
-                                                     kv_scales=scales)
+        out = paged_attention.paged_decode_attention(
+            torch.randn(1, 1, width),
+            k_cache,
+            v_cache,
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.tensor([1]),
+            0.1,
+            kv_scales=scales,
+        )
         torch.testing.assert_close(out[0, 0], v_cache.flatten().float() * 0.375, rtol=0, atol=0)
 
 
@@ -199,6 +213,7 @@ def test_prefix_cached_requests_leave_the_pool_whole(tiny, name):
 
 def test_capacity_doubles_against_a_16_bit_cache(tiny, caplog):
     """SmolLM2-135M's shape: 30 layers of 3 kv heads of 64; scales cost 2 bytes per 64-byte row."""
+
     def per_token(dtype):
         return sum(AttentionSpec(3, 64, dtype).bytes_per_token for _ in range(30))
 
@@ -225,9 +240,11 @@ def test_info_shows_tokens_per_gib_for_each_dtype(tiny, tmp_path, capsys):
     main(["info", "--model", tiny[0], "--kv-cache-dtype", "fp8_e5m2"])
     rows = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines())
     assert rows["KV bytes per token"].strip() == "144 (torch.float8_e5m2)"
-    assert rows["KV tokens per GiB"].strip() == (f"{2**30 // 144:,} (torch.float8_e5m2); float32 {2**30 // 512:,}, "
-                                                 f"float16/bfloat16 {2**30 // 256:,}, int8 {2**30 // 144:,}, "
-                                                 f"fp8 {2**30 // 144:,}")
+    assert rows["KV tokens per GiB"].strip() == (
+        f"{2**30 // 144:,} (torch.float8_e5m2); float32 {2**30 // 512:,}, "
+        f"float16/bfloat16 {2**30 // 256:,}, int8 {2**30 // 144:,}, "
+        f"fp8 {2**30 // 144:,}"
+    )
     make_tiny_model("deepseek-v2", tmp_path)  # a latent cache: one row of 40 values a token and layer
     main(["info", "--model", str(tmp_path)])
     rows = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines())
@@ -254,8 +271,14 @@ def test_the_portable_build_passes_the_kernel_tests():
         pytest.skip("already the portable build, or no compiler here")
     env = {**os.environ, "TOKENMILL_CPU_ARCH": "x86-64"}
     selection = [__file__, "-k", "kernel and not portable"]
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
-                         cwd=Path(__file__).parent, env=env, capture_output=True, text=True, check=False,
-                         timeout=1800)  # a hang, not a speed limit
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1800,
+    )  # a hang, not a speed limit
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " skipped" not in out.stdout, out.stdout[-2000:]

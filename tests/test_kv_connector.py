@@ -126,8 +126,12 @@ def test_a_block_store_connector_supplies_prompt_blocks_another_engine_saved(ran
     loader = _plain(random_model)  # its own pool: no prefix-cache hits for these prompts
     install_store(loader, stored, blocks)
     first_steps = []
-    got = run_core(loader, [prompt, sharing], GREEDY,
-                   on_step=lambda c: first_steps.append(dict(c.last_schedule.num_scheduled_tokens)))
+    got = run_core(
+        loader,
+        [prompt, sharing],
+        GREEDY,
+        on_step=lambda c: first_steps.append(dict(c.last_schedule.num_scheduled_tokens)),
+    )
     assert got == expected
     # the stored blocks counted as computed: prompt 53 - 48 = 5 tokens, the other 37 - 32 = 5
     assert first_steps[0] == {"0": 5, "1": 5}
@@ -139,8 +143,10 @@ def test_a_consumer_loads_only_the_kv_beyond_its_own_prefix_hits(random_model):
     port = free_port()
 
     def core(role):
-        config = dataclasses.replace(_plain(random_model).config,
-                                     kv_transfer=KVTransferConfig(role, "SharedMemoryConnector", kv_port=port, kv_timeout=5))
+        config = dataclasses.replace(
+            _plain(random_model).config,
+            kv_transfer=KVTransferConfig(role, "SharedMemoryConnector", kv_port=port, kv_timeout=5),
+        )
         return EngineCore(config, UniProcExecutor(config, load_model(str(random_model))), set())
 
     producer, consumer = core("producer"), core("consumer")
@@ -151,8 +157,14 @@ def test_a_consumer_loads_only_the_kv_beyond_its_own_prefix_hits(random_model):
     for i, prompt in enumerate([first, second]):
         params = dataclasses.replace(GREEDY, kv_transfer_id=f"t{i}")
         run_core(producer, [prompt], params)
-        out = run_core(consumer, [prompt], params, on_step=lambda c: loads.append(
-            c.last_schedule.kv_connector_metadata.load if c.last_schedule.kv_connector_metadata else {}))
+        out = run_core(
+            consumer,
+            [prompt],
+            params,
+            on_step=lambda c: loads.append(
+                c.last_schedule.kv_connector_metadata.load if c.last_schedule.kv_connector_metadata else {}
+            ),
+        )
         assert out["0"] == expected[str(i)]
     starts = [first_block for load in loads for _, first_block in load.values()]
     assert starts == [0, 2]  # the second prompt's first 2 blocks came from the consumer's prefix cache

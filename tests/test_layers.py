@@ -10,8 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tokenmill.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                     ReplicatedLinear, RowParallelLinear)
+from tokenmill.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 
 HIDDEN, HEAD_DIM, HEADS, KV_HEADS = 32, 8, 4, 1
 
@@ -19,9 +24,17 @@ HIDDEN, HEAD_DIM, HEADS, KV_HEADS = 32, 8, 4, 1
 def _checkpoint():
     g = torch.Generator().manual_seed(0)
     t = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    return {"q": t(HEADS * HEAD_DIM, HIDDEN), "k": t(KV_HEADS * HEAD_DIM, HIDDEN), "v": t(KV_HEADS * HEAD_DIM, HIDDEN),
-            "qb": t(HEADS * HEAD_DIM), "gate": t(48, HIDDEN), "up": t(48, HIDDEN), "down": t(HIDDEN, 48),
-            "down_b": t(HIDDEN), "x": t(5, HIDDEN)}
+    return {
+        "q": t(HEADS * HEAD_DIM, HIDDEN),
+        "k": t(KV_HEADS * HEAD_DIM, HIDDEN),
+        "v": t(KV_HEADS * HEAD_DIM, HIDDEN),
+        "qb": t(HEADS * HEAD_DIM),
+        "gate": t(48, HIDDEN),
+        "up": t(48, HIDDEN),
+        "down": t(HIDDEN, 48),
+        "down_b": t(HIDDEN),
+        "x": t(5, HIDDEN),
+    }
 
 
 def _layers(rank: int, size: int):
@@ -62,8 +75,12 @@ def _rank(rank: int, size: int, port: int, results) -> None:
         x = w["x"]
         h = torch.randn(5, 48, generator=torch.Generator().manual_seed(1))
         half = h.shape[1] // size
-        results[rank] = {"qkv": qkv(x), "gate_up": gate_up(x), "column": column(x),
-                         "down": down(h[:, rank * half:(rank + 1) * half])}  # each rank holds its columns
+        results[rank] = {
+            "qkv": qkv(x),
+            "gate_up": gate_up(x),
+            "column": column(x),
+            "down": down(h[:, rank * half : (rank + 1) * half]),
+        }  # each rank holds its columns
     finally:
         dist.destroy_process_group()
 
@@ -80,13 +97,13 @@ def test_two_ranks_split_rows_and_columns_and_all_reduce():
     for rank in range(2):
         out = results[rank]
         q, k, v = out["qkv"].split([HEADS * HEAD_DIM // 2, HEAD_DIM, HEAD_DIM], dim=1)
-        torch.testing.assert_close(q, q_ref[:, rank * 16:(rank + 1) * 16])  # half the query heads
+        torch.testing.assert_close(q, q_ref[:, rank * 16 : (rank + 1) * 16])  # half the query heads
         torch.testing.assert_close(k, k_ref)  # the one kv head, replicated on both ranks
         torch.testing.assert_close(v, v_ref)
         gate, up = out["gate_up"].split(24, dim=1)
-        torch.testing.assert_close(gate, (x @ w["gate"].T)[:, rank * 24:(rank + 1) * 24])
-        torch.testing.assert_close(up, (x @ w["up"].T)[:, rank * 24:(rank + 1) * 24])
-        torch.testing.assert_close(out["column"], (x @ w["q"].T + w["qb"])[:, rank * 16:(rank + 1) * 16])
+        torch.testing.assert_close(gate, (x @ w["gate"].T)[:, rank * 24 : (rank + 1) * 24])
+        torch.testing.assert_close(up, (x @ w["up"].T)[:, rank * 24 : (rank + 1) * 24])
+        torch.testing.assert_close(out["column"], (x @ w["q"].T + w["qb"])[:, rank * 16 : (rank + 1) * 16])
         torch.testing.assert_close(out["down"], h @ w["down"].T + w["down_b"])  # summed over ranks, bias once
 
 
@@ -115,8 +132,15 @@ def test_deepseek_v2_routing_matches_transformers(method):
     from tokenmill.layers.fused_moe import Routing, select_experts
 
     torch.manual_seed(0)
-    config = DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-                              topk_method=method, routed_scaling_factor=1.5)
+    config = DeepseekV2Config(
+        hidden_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        topk_method=method,
+        routed_scaling_factor=1.5,
+    )
     router = DeepseekV2TopkRouter(config)
     router.weight.data.normal_()
     x = torch.randn(64, 32)
@@ -134,15 +158,23 @@ def test_deepseek_v3_routing_matches_transformers():
     from tokenmill.layers.fused_moe import Routing, select_experts
 
     torch.manual_seed(0)
-    config = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-                              routed_scaling_factor=2.5, norm_topk_prob=True)
+    config = DeepseekV3Config(
+        hidden_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     router = DeepseekV3TopkRouter(config)
     router.weight.data.normal_()
     router.e_score_correction_bias.normal_(std=0.5)
     x = torch.randn(64, 32)
     _, ref_weights, ref_ids = router(x)
-    routing = Routing(4, renormalize=True, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2",
-                      scale=2.5)
+    routing = Routing(
+        4, renormalize=True, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2", scale=2.5
+    )
     weights, ids = select_experts(x @ router.weight.t(), routing, router.e_score_correction_bias)
     _same_routing(ref_weights, ref_ids, weights, ids)
     plain_ids = select_experts(x @ router.weight.t(), routing)[1]

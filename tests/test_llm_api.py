@@ -6,8 +6,8 @@ import argparse
 import math
 
 import pytest
-
 from helpers import EVAL_ITEMS, check_eval_result
+
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request_queue import PriorityQueue
@@ -42,8 +42,11 @@ def test_generate_returns_vllm_style_outputs(llm):
 
 
 def test_chat_uses_the_template(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=30),
+        use_tqdm=False,
+    )[0]
     assert "<|im_start|>assistant" in llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
     assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
 
@@ -52,11 +55,15 @@ def test_stop_string_across_tokens_is_trimmed(llm):
     base = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     text = base.outputs[0].text
     assert " 7," in text
-    cut = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=24, stop=[" 7,"]),
-                       use_tqdm=False)[0].outputs[0]
+    cut = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=24, stop=[" 7,"]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert cut.text == text[: text.index(" 7,")] and cut.finish_reason == "stop" and cut.stop_reason == " 7,"
-    kept = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=24, stop=[" 7,"],
-                                                      include_stop_str_in_output=True), use_tqdm=False)[0]
+    kept = llm.generate(
+        "1, 2, 3, 4,",
+        SamplingParams(temperature=0, max_tokens=24, stop=[" 7,"], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0]
     assert kept.outputs[0].text == text[: text.index(" 7,") + 3]
     assert pool_whole(llm)
 
@@ -64,8 +71,10 @@ def test_stop_string_across_tokens_is_trimmed(llm):
 def test_n_samples_logprobs_and_per_prompt_params(llm):
     outs = llm.generate(
         ["Once upon a time", "The best way to learn is"],
-        [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
-         SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)],
+        [
+            SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
+        ],
         use_tqdm=False,
     )
     assert len(outs[0].outputs) == 3 and [o.index for o in outs[0].outputs] == [0, 1, 2]
@@ -77,16 +86,28 @@ def test_n_samples_logprobs_and_per_prompt_params(llm):
         assert len(entry) == 3
         assert all(lp.logprob <= 0 for lp in entry.values())
         assert math.isclose(max(lp.logprob for lp in entry.values()), entry[token].logprob)
-    again = llm.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
-                                                            ignore_eos=True), use_tqdm=False)[0]
+    again = llm.generate(
+        "Once upon a time", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in outs[0].outputs]
     assert pool_whole(llm)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -1.0), ("top_p", 0.0), ("top_k", -5), ("min_p", 2.0), ("max_tokens", 0), ("n", 0),
-    ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 100), ("stop", [""]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", -5),
+        ("min_p", 2.0),
+        ("max_tokens", 0),
+        ("n", 0),
+        ("presence_penalty", 3.0),
+        ("repetition_penalty", 0.0),
+        ("logprobs", 100),
+        ("stop", [""]),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}"):
         SamplingParams(**{field: value})
@@ -100,8 +121,9 @@ def test_over_long_prompt_is_rejected_and_nothing_leaks(llm):
 
 
 def test_multibyte_text_streams_cleanly(llm):
-    outs = llm.generate("Translate to Japanese: good morning ->", SamplingParams(temperature=0, max_tokens=20),
-                        use_tqdm=False)
+    outs = llm.generate(
+        "Translate to Japanese: good morning ->", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False
+    )
     assert "\ufffd" not in outs[0].outputs[0].text
 
 
@@ -109,11 +131,13 @@ def test_multi_turn_chat_hits_the_prefix_cache(llm):
     """Each turn re-sends the whole history; from turn 3 on > 90% of the prompt is cached. (With
     16-token blocks the uncached part is the new user turn plus up to one partial block, so the
     rate depends on conversation length; this one has a typical ~150-token system prompt.)"""
-    system = ("You are a helpful assistant for a pet shop. Answer briefly and kindly. The shop sells food, toys "
-              "and accessories for cats, dogs, birds and fish. Opening hours are nine to six on weekdays and "
-              "ten to four on Saturdays; the shop is closed on Sundays. Deliveries within the city are free "
-              "for orders above thirty euros. If a customer asks about animal health, recommend seeing a "
-              "veterinarian. Never invent prices; say that prices are on the website instead.")
+    system = (
+        "You are a helpful assistant for a pet shop. Answer briefly and kindly. The shop sells food, toys "
+        "and accessories for cats, dogs, birds and fish. Opening hours are nine to six on weekdays and "
+        "ten to four on Saturdays; the shop is closed on Sundays. Deliveries within the city are free "
+        "for orders above thirty euros. If a customer asks about animal health, recommend seeing a "
+        "veterinarian. Never invent prices; say that prices are on the website instead."
+    )
     messages = [{"role": "system", "content": system}]
     questions = ["What is a cat?", "And a dog?", "Which one is bigger?", "Name a bird.", "Thanks, bye."]
     for turn, q in enumerate(questions, start=1):
@@ -173,10 +197,26 @@ def test_engine_args_defaults_are_the_config_trees_and_the_flags():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
-    flags = parser.parse_args(["--no-enable-prefix-caching", "--scheduling-policy", "priority",
-                               "--max-num-seqs", "8", "--kv-cache-dtype", "int8", "--speculative-config", '{"method": "ngram"}'])
-    keywords = EngineArgs(enable_prefix_caching=False, scheduling_policy="priority", max_num_seqs=8,
-                          kv_cache_dtype="int8", speculative_config={"method": "ngram"})
+    flags = parser.parse_args(
+        [
+            "--no-enable-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+            "--max-num-seqs",
+            "8",
+            "--kv-cache-dtype",
+            "int8",
+            "--speculative-config",
+            '{"method": "ngram"}',
+        ]
+    )
+    keywords = EngineArgs(
+        enable_prefix_caching=False,
+        scheduling_policy="priority",
+        max_num_seqs=8,
+        kv_cache_dtype="int8",
+        speculative_config={"method": "ngram"},
+    )
     assert EngineArgs.from_cli_args(flags).create_engine_config() == keywords.create_engine_config()
     staged = parser.parse_args(["-pp", "2", "--pipeline-layer-partition", "1,2"])
     assert EngineArgs.from_cli_args(staged).create_engine_config().parallel.pipeline_layer_partition == (1, 2)
@@ -196,8 +236,9 @@ def test_a_wrong_engine_argument_is_named_before_anything_loads():
 def test_llm_takes_prefix_caching_and_the_scheduling_policy():
     """Settings the keyword arguments could not reach before EngineArgs: prefix caching off (a repeated
     prompt is computed again) and the priority policy."""
-    with LLM(model="smollm2-135m-instruct", num_kv_blocks=64, enable_prefix_caching=False,
-             scheduling_policy="priority") as llm:
+    with LLM(
+        model="smollm2-135m-instruct", num_kv_blocks=64, enable_prefix_caching=False, scheduling_policy="priority"
+    ) as llm:
         assert isinstance(llm.engine.core.scheduler.waiting, PriorityQueue)
         prompt = {"prompt_token_ids": list(range(100, 140))}
         outs = [llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0] for _ in range(2)]

@@ -9,9 +9,18 @@ import re
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    TINY_MODELS,
+    all_logits,
+    assert_same_greedy,
+    greedy_reference,
+    make_core,
+    make_runner,
+    make_tiny_model,
+    run_core,
+    write_tiny_gguf,
+)
 
-from helpers import (TINY_MODELS, all_logits, assert_same_greedy, greedy_reference, make_core, make_runner,
-                     make_tiny_model, run_core, write_tiny_gguf)
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
@@ -88,15 +97,28 @@ def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
         for ids, table in zip(batch, tables):
             if len(ids) > 1:
                 runner.forward(np.array(ids[:-1]), np.array([len(ids) - 1]), np.array([0]), [table])
-        hidden, _ = runner.forward(np.array([ids[-1] for ids in batch]), np.ones(len(batch), dtype=np.int64),
-                                   np.array([len(ids) - 1 for ids in batch]), tables)
+        hidden, _ = runner.forward(
+            np.array([ids[-1] for ids in batch]),
+            np.ones(len(batch), dtype=np.int64),
+            np.array([len(ids) - 1 for ids in batch]),
+            tables,
+        )
     return hidden
 
 
-@pytest.mark.parametrize("name,quantization,cache_dtype", [
-    ("llama-gqa-untied", "none", "auto"), ("qwen2-bias", "none", "bfloat16"), ("llama-mqa-tied", "gguf", "auto"),
-    ("qwen2-bias", "gguf-q8", "float16"), ("llama-gqa-untied", "int4", "auto"), ("llama-gqa-untied", "gguf-q8", "int8"),
-    ("qwen2-bias", "none", "fp8_e4m3"), ("llama-mqa-tied", "gguf", "fp8_e5m2")])
+@pytest.mark.parametrize(
+    "name,quantization,cache_dtype",
+    [
+        ("llama-gqa-untied", "none", "auto"),
+        ("qwen2-bias", "none", "bfloat16"),
+        ("llama-mqa-tied", "gguf", "auto"),
+        ("qwen2-bias", "gguf-q8", "float16"),
+        ("llama-gqa-untied", "int4", "auto"),
+        ("llama-gqa-untied", "gguf-q8", "int8"),
+        ("qwen2-bias", "none", "fp8_e4m3"),
+        ("llama-mqa-tied", "gguf", "fp8_e5m2"),
+    ],
+)
 def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypatch, name, quantization, cache_dtype):
     """A decode-only step of plain layers runs as one C++ loop (`kernels.decode_step`) that must give
     exactly the module-by-module forward's hidden states (dense, GGUF blocks exact and int8, int4
@@ -108,9 +130,21 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
     hf = make_tiny_model(name, tmp_path)
     path = str(tmp_path)
     if quantization.startswith("gguf"):
-        write_tiny_gguf(hf, tmp_path / "m.gguf", {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_0",
-                                                  "attn_output": "Q8_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_1",
-                                                  "ffn_down": "Q4_0", "output": "Q8_0", "token_embd": "Q8_0"})
+        write_tiny_gguf(
+            hf,
+            tmp_path / "m.gguf",
+            {
+                "attn_q": "Q4_1",
+                "attn_k": "Q4_1",
+                "attn_v": "Q4_0",
+                "attn_output": "Q8_0",
+                "ffn_gate": "Q5_0",
+                "ffn_up": "Q5_1",
+                "ffn_down": "Q4_0",
+                "output": "Q8_0",
+                "token_embd": "Q8_0",
+            },
+        )
         path = str(tmp_path / "m.gguf")
     rng = random.Random(5)
     batch = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 3, 17, 40, 90)]
@@ -139,18 +173,27 @@ def test_config_fields_are_read(tiny):
     assert c.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
     if name.startswith("deepseek"):
         h = hf.config
-        assert (c.head_dim, c.kv_lora_rank, c.q_lora_rank, c.v_head_dim) == (h.qk_head_dim, h.kv_lora_rank,
-                                                                           h.q_lora_rank, h.v_head_dim)
-        assert c.routing.scale == h.routed_scaling_factor and c.routing.scoring == ("sigmoid" if "v3" in name else "softmax")
+        assert (c.head_dim, c.kv_lora_rank, c.q_lora_rank, c.v_head_dim) == (
+            h.qk_head_dim,
+            h.kv_lora_rank,
+            h.q_lora_rank,
+            h.v_head_dim,
+        )
+        assert c.routing.scale == h.routed_scaling_factor and c.routing.scoring == (
+            "sigmoid" if "v3" in name else "softmax"
+        )
         assert (c.rope_scaling or {}).get("rope_type", "default") == h.rope_parameters["rope_type"]
     else:
-        assert c.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+        assert (
+            c.head_dim == getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+        )
         assert c.qkv_bias == (name.startswith("qwen2") or name == "gpt-oss")
         assert c.qk_norm == name.startswith(("qwen3", "gemma3"))
     if name == "gpt-oss":  # sinks on every layer, the window on the sliding ones
         layers = load_model(directory).model.model.layers
         assert [layer.self_attn.attn.sliding_window for layer in layers] == [
-            c.sliding_window if t == "sliding_attention" else None for t in hf.config.layer_types]
+            c.sliding_window if t == "sliding_attention" else None for t in hf.config.layer_types
+        ]
         for ours, theirs in zip(layers, hf.model.layers):
             assert torch.equal(ours.self_attn.attn.sinks, theirs.self_attn.sinks)
     if name.startswith("gemma"):
@@ -164,10 +207,18 @@ def test_config_fields_are_read(tiny):
 
 # --- the default model: SmolLM2-135M-Instruct GGUF (Q4_1) against transformers' own GGUF loader ---
 
+
 def test_smollm2_gguf_matches_transformers(default_model, tokenizer, hf_default_model):
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-             "1, 2, 3, 4,", "Les fleurs du jardin sont", "Q: What is 7 times 8?\nA:", "The quick brown fox",
-             "In machine learning, a transformer is"]
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "1, 2, 3, 4,",
+        "Les fleurs du jardin sont",
+        "Q: What is 7 times 8?\nA:",
+        "The quick brown fox",
+        "In machine learning, a transformer is",
+    ]
     batch = [tokenizer.encode(t) for t in texts]
     runner = make_runner(default_model, num_blocks=16)
     for ids in batch[:3]:
@@ -183,6 +234,7 @@ def test_smollm2_gguf_matches_transformers(default_model, tokenizer, hf_default_
 
 
 # --- clear errors ---
+
 
 def test_unknown_architecture_names_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}))
@@ -260,7 +312,12 @@ def test_gguf_header_reads_as_gguf_py_reads_it(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     w.add_uint8("t.u8", 200), w.add_int8("t.i8", -3), w.add_uint16("t.u16", 60000), w.add_int16("t.i16", -300)
     w.add_uint32("t.u32", 4_000_000_000), w.add_int32("t.i32", -5), w.add_float32("t.f32", 0.1)
-    w.add_uint64("t.u64", 2**63), w.add_int64("t.i64", -(2**40)), w.add_float64("t.f64", 0.1), w.add_bool("t.bool", True)
+    (
+        w.add_uint64("t.u64", 2**63),
+        w.add_int64("t.i64", -(2**40)),
+        w.add_float64("t.f64", 0.1),
+        w.add_bool("t.bool", True),
+    )
     w.add_string("t.str", "héllo"), w.add_array("t.ints", [1, -2, 3]), w.add_array("t.floats", [0.5, 1.5])
     w.add_array("t.strs", ["a", "", "ü" * 40]), w.add_custom_alignment(64)
     rng = np.random.default_rng(0)
@@ -273,8 +330,10 @@ def test_gguf_header_reads_as_gguf_py_reads_it(tmp_path):
     assert ours.fields == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
     assert ours.fields["t.strs"] == ["a", "", "ü" * 40] and ours.fields["t.u64"] == 2**63
     assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == [
-        ("a", gguf.GGMLQuantizationType.F32, (3, 5)), ("b", gguf.GGMLQuantizationType.F16, (2, 2, 4)),
-        ("c", gguf.GGMLQuantizationType.Q4_0, (6, 64))]
+        ("a", gguf.GGMLQuantizationType.F32, (3, 5)),
+        ("b", gguf.GGMLQuantizationType.F16, (2, 2, 4)),
+        ("c", gguf.GGMLQuantizationType.Q4_0, (6, 64)),
+    ]
     for mine, ref in zip(ours.tensors, theirs.tensors):
         assert mine.data.dtype == ref.data.dtype and np.array_equal(mine.data, ref.data)
     assert np.array_equal(ours.tensors[2].data, q4)
@@ -312,8 +371,10 @@ def quantize_round_trip(t: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(dequantize(quantize(t.numpy(), kind), kind).copy()).reshape(t.shape)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-window-partial",
-                                  "deepseek-v2-yarn", "deepseek-v3"])
+@pytest.mark.parametrize(
+    "name",
+    ["qwen3", "qwen3-moe", "qwen2-moe", "mixtral", "phi3", "phi3-window-partial", "deepseek-v2-yarn", "deepseek-v3"],
+)
 def test_gguf_files_of_each_family_match_transformers(tmp_path, name):
     """Qwen3 (q/k norms), Qwen2/3-MoE (stacked experts, shared expert with its gate), Mixtral ("llama"
     with experts), Phi-3 (fused tensors, longrope factors as tensors, window, partial rotary) and
@@ -322,8 +383,14 @@ def test_gguf_files_of_each_family_match_transformers(tmp_path, name):
     latent projection and v_b), load from the GGUF file and match transformers on the same weights
     (the reference holds the Q8_0 values)."""
     hf = make_tiny_model(name, tmp_path, **({"mlp_only_layers": []} if name == "qwen2-moe" else {}))
-    qtypes = {"ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0", "ffn_gate_exps": "Q8_0", "attn_q": "Q8_0",
-              "attn_kv_a_mqa": "Q8_0", "attn_v_b": "Q8_0"}
+    qtypes = {
+        "ffn_up_exps": "Q8_0",
+        "ffn_down_exps": "Q8_0",
+        "ffn_gate_exps": "Q8_0",
+        "attn_q": "Q8_0",
+        "attn_kv_a_mqa": "Q8_0",
+        "attn_v_b": "Q8_0",
+    }
     with torch.no_grad():
         for layer in hf.model.layers:
             if getattr(layer.self_attn, "q_proj", None) is not None:  # DeepSeek with low-rank queries: None
@@ -391,9 +458,14 @@ def test_info_shows_active_parameters_and_the_window_bound(tmp_path, capsys):
     hf = make_tiny_model("qwen3-moe", tmp_path / "moe")
     c = hf.config
     total = sum(p.numel() for p in hf.parameters())
-    inactive = (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size * c.num_hidden_layers
+    inactive = (
+        (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size * c.num_hidden_layers
+    )
     rows = info_rows(capsys, tmp_path / "moe")
-    assert rows["parameters"] == f"{total / 1e3:.1f}K" and rows["active parameters"] == f"{(total - inactive) / 1e3:.1f}K per token"
+    assert (
+        rows["parameters"] == f"{total / 1e3:.1f}K"
+        and rows["active parameters"] == f"{(total - inactive) / 1e3:.1f}K per token"
+    )
     assert rows["experts"] == f"{c.num_experts}, {c.num_experts_per_tok} per token, in {c.num_hidden_layers} layers"
     make_tiny_model("mistral-window", tmp_path / "window")
     rows = info_rows(capsys, tmp_path / "window")
@@ -404,8 +476,10 @@ def test_info_shows_active_parameters_and_the_window_bound(tmp_path, capsys):
     rows = info_rows(capsys, tmp_path / "gemma")
     per_token = int(rows["KV bytes per token"].split()[0])
     assert rows["sliding window"] == "8 tokens in 2 of 3 layers"
-    assert rows["KV bytes per sequence"] == f"{per_token // 3} per token (full-attention layers) + at most " \
-                                            f"~{(8 + 32) * per_token * 2 // 3} (window layers)"
+    assert (
+        rows["KV bytes per sequence"] == f"{per_token // 3} per token (full-attention layers) + at most "
+        f"~{(8 + 32) * per_token * 2 // 3} (window layers)"
+    )
 
 
 def test_hybrid_models_free_only_their_window_layers_blocks(tmp_path):
@@ -453,8 +527,9 @@ def test_mla_caches_one_latent_row_per_token(tmp_path, capsys):
     expanded = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
     rows = info_rows(capsys, tmp_path)
     assert rows["KV bytes per token"] == f"{c.num_hidden_layers * row * 4} (torch.float32)"
-    assert rows["KV layout"].endswith(f"would be {c.num_hidden_layers * expanded * 4} bytes per token "
-                                      f"({expanded / row:.1f}x)")
+    assert rows["KV layout"].endswith(
+        f"would be {c.num_hidden_layers * expanded * 4} bytes per token ({expanded / row:.1f}x)"
+    )
 
 
 @pytest.mark.parametrize("name", ["deepseek-v2-yarn", "deepseek-v3"])

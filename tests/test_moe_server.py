@@ -19,8 +19,15 @@ def moe_server(tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp("tiny-qwen3-moe")
     hf = make_tiny_model("qwen3-moe", directory, vocab_size=len(tokenizer.hf))
     tokenizer.hf.save_pretrained(directory)
-    srv_args = ("--model", str(directory), "--served-model-name", "tiny-moe", "--no-enable-prefix-caching",
-                "--log-interval", "0")
+    srv_args = (
+        "--model",
+        str(directory),
+        "--served-model-name",
+        "tiny-moe",
+        "--no-enable-prefix-caching",
+        "--log-interval",
+        "0",
+    )
     for srv in running_server(tmp_path_factory, "moe-server", *srv_args):
         yield srv, hf.config
 
@@ -35,8 +42,9 @@ def test_metrics_count_tokens_per_expert_and_layer(moe_server):
     before = routed(srv.url)
     forwarded = 0
     for prompt in ("The quick brown fox", "Once upon a time, in a land far away,"):
-        r = client.completions.create(model="tiny-moe", prompt=prompt, max_tokens=5, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model="tiny-moe", prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
         forwarded += r.usage.prompt_tokens + r.usage.completion_tokens - 1  # the last token is never fed
     after = routed(srv.url)
     assert sorted(after, key=int) == [str(i) for i in range(config.num_hidden_layers)]
@@ -54,14 +62,34 @@ def test_bench_reports_the_load_imbalance_of_the_run(moe_server, tmp_path):
     srv, config = moe_server
     result_file = tmp_path / "moe.json"
     before = routed(srv.url)
-    bench_main(["serve", "--base-url", srv.url, "--model", "tiny-moe", "--disable-tqdm", "--num-prompts", "4",
-                "--random-input-len", "12", "--random-output-len", "4", "--ignore-eos", "--tokenizer",
-                str(srv.args[1]), "--result-file", str(result_file)])
+    bench_main(
+        [
+            "serve",
+            "--base-url",
+            srv.url,
+            "--model",
+            "tiny-moe",
+            "--disable-tqdm",
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "12",
+            "--random-output-len",
+            "4",
+            "--ignore-eos",
+            "--tokenizer",
+            str(srv.args[1]),
+            "--result-file",
+            str(result_file),
+        ]
+    )
     after = routed(srv.url)
     moe = report.load_json(result_file)["server_metrics"]["moe"]
     assert moe["moe_layers"] == config.num_hidden_layers
-    want = [[after[layer][e] - before.get(layer, {}).get(e, 0) for e in sorted(after[layer], key=int)]
-            for layer in sorted(after, key=int)]
+    want = [
+        [after[layer][e] - before.get(layer, {}).get(e, 0) for e in sorted(after[layer], key=int)]
+        for layer in sorted(after, key=int)
+    ]
     assert moe["routed_tokens"] == sum(map(sum, want))
     assert moe["load_imbalance_per_layer"] == pytest.approx([max(c) * len(c) / sum(c) for c in want])
     assert moe["load_imbalance_max"] == max(moe["load_imbalance_per_layer"]) >= 1.0

@@ -85,8 +85,21 @@ print("RESULT " + json.dumps({"tokens": out, "in_flight": depth[1], "preemptions
 
 
 def run_layout(model: str, **layout) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _RUN, model, json.dumps(layout), json.dumps(PROMPTS),
-                           json.dumps(TOKENS), json.dumps(BUDGET)], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _RUN,
+            model,
+            json.dumps(layout),
+            json.dumps(PROMPTS),
+            json.dumps(TOKENS),
+            json.dumps(BUDGET),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def layout_result(model: str, **layout) -> dict:
@@ -136,11 +149,16 @@ def test_two_by_two_ray_actors_give_the_greedy_tokens_of_one_process(tiny, singl
     assert result["in_flight"] == 2
 
 
-@pytest.mark.parametrize("layout,message", [
-    (dict(pipeline_parallel_size=3), "--pipeline-parallel-size 3 does not divide the model's 4 decoder layers"),
-    (dict(pipeline_parallel_size=2, pipeline_layer_partition=(1, 2)),
-     "--pipeline-layer-partition 1,2 sums to 3, but the model has 4 decoder layers"),
-])
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        (dict(pipeline_parallel_size=3), "--pipeline-parallel-size 3 does not divide the model's 4 decoder layers"),
+        (
+            dict(pipeline_parallel_size=2, pipeline_layer_partition=(1, 2)),
+            "--pipeline-layer-partition 1,2 sums to 3, but the model has 4 decoder layers",
+        ),
+    ],
+)
 def test_layouts_that_do_not_fit_the_model_are_refused_before_workers_start(tiny, layout, message):
     config = EngineConfig(model=tiny, parallel=ParallelConfig(**layout))
     with pytest.raises(ValueError, match=message):
@@ -152,14 +170,19 @@ def test_kv_transfer_with_a_pipeline_is_refused_before_workers_start(tiny):
     process. Before this refusal, a pipelined producer finished its requests without sending their KV
     and a pipelined consumer never admitted the requests it held: they waited forever."""
     for role in ("producer", "consumer"):
-        config = EngineConfig(model=tiny, parallel=ParallelConfig(pipeline_parallel_size=2),
-                              kv_transfer=KVTransferConfig(role, "SharedMemoryConnector"))
+        config = EngineConfig(
+            model=tiny,
+            parallel=ParallelConfig(pipeline_parallel_size=2),
+            kv_transfer=KVTransferConfig(role, "SharedMemoryConnector"),
+        )
         with pytest.raises(ValueError, match="--kv-role does not run with --pipeline-parallel-size > 1"):
             PipelineExecutor(config)
 
 
 def test_bad_options_are_refused_naming_them():
-    with pytest.raises(ValueError, match="--pipeline-layer-partition 2,2 must give a positive number of layers to each of the 3"):
+    with pytest.raises(
+        ValueError, match="--pipeline-layer-partition 2,2 must give a positive number of layers to each of the 3"
+    ):
         ParallelConfig(pipeline_parallel_size=3, pipeline_layer_partition=(2, 2))
     with pytest.raises(ValueError, match="--distributed-executor-backend must be 'mp' or 'ray', got 'mpi'"):
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mpi")
@@ -167,8 +190,13 @@ def test_bad_options_are_refused_naming_them():
         ParallelConfig(pipeline_parallel_size=0)
 
 
-@pytest.mark.parametrize("backend,message", [("mp", "pipeline-parallel worker rank 1 exited (code -9)"),
-                                             ("ray", "pipeline-parallel worker rank 1 (Ray actor) exited (")])
+@pytest.mark.parametrize(
+    "backend,message",
+    [
+        ("mp", "pipeline-parallel worker rank 1 exited (code -9)"),
+        ("ray", "pipeline-parallel worker rank 1 (Ray actor) exited ("),
+    ],
+)
 def test_a_killed_stage_is_reported(tiny, backend, message):
     if backend == "ray":
         pytest.importorskip("ray")

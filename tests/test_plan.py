@@ -18,26 +18,69 @@ from tokenmill.plan.hardware import Hardware, cache_path
 from tokenmill.plan.model_facts import facts_from_config
 from tokenmill.quantization.unquantized import UnquantizedConfig
 
-_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=1024)
+_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+)
 CONFIGS = {
     "llama-gqa": (transformers.LlamaConfig, "LlamaForCausalLM", dict(num_key_value_heads=2)),
-    "mistral-window": (transformers.MistralConfig, "MistralForCausalLM",
-                       dict(num_key_value_heads=2, sliding_window=24)),
-    "gemma3": (transformers.Gemma3TextConfig, "Gemma3ForCausalLM", dict(
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=3,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    "deepseek-v3": (transformers.DeepseekV3Config, "DeepseekV3ForCausalLM", dict(
-        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=4, topk_group=2)),
-    "qwen3-moe": (transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM", dict(
-        num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True)),
+    "mistral-window": (
+        transformers.MistralConfig,
+        "MistralForCausalLM",
+        dict(num_key_value_heads=2, sliding_window=24),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        "Gemma3ForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    "deepseek-v3": (
+        transformers.DeepseekV3Config,
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+        ),
+    ),
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True
+        ),
+    ),
 }
 # a 16-bit row per layer, by hand: K and V x kv heads x head dim x 2 bytes (MLA: one latent row of
 # kv_lora_rank + rope dims); int8 / fp8 add a 2-byte scale per row
-HAND_F16 = {"llama-gqa": 2 * (2 * 2 * 16 * 2), "mistral-window": 2 * (2 * 2 * 16 * 2),
-            "gemma3": 3 * (2 * 2 * 16 * 2), "deepseek-v3": 2 * (32 + 8) * 2, "qwen3-moe": 2 * (2 * 2 * 16 * 2)}
+HAND_F16 = {
+    "llama-gqa": 2 * (2 * 2 * 16 * 2),
+    "mistral-window": 2 * (2 * 2 * 16 * 2),
+    "gemma3": 3 * (2 * 2 * 16 * 2),
+    "deepseek-v3": 2 * (32 + 8) * 2,
+    "qwen3-moe": 2 * (2 * 2 * 16 * 2),
+}
 HAND_INT8 = {"llama-gqa": 2 * 2 * 2 * (16 + 2), "deepseek-v3": 2 * (32 + 8 + 2)}
 TORCH_KV = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -111,7 +154,8 @@ def test_llama_weight_bytes_and_roofline_by_hand():
     verify = rl.decode_step(facts, hw, "float32", "float16", 1, context, query_tokens=5)
     plain = rl.decode_step(facts, hw, "float32", "float16", 1, context)
     assert rl.speculative_speedup(facts, hw, "float32", "float16", context, 0.8, 4) == pytest.approx(
-        (1 - 0.8**5) / 0.2 * plain.seconds / verify.seconds)
+        (1 - 0.8**5) / 0.2 * plain.seconds / verify.seconds
+    )
     # fit: the weights, then whole sequences of KV
     memory = held + 3.5 * kv
     assert rl.sequences_that_fit(facts, "float32", "float16", context, memory) == 3
@@ -132,8 +176,11 @@ def test_plan_on_the_default_model_with_named_and_cached_hardware(capsys, tmp_pa
     assert "Decode roofline" in capsys.readouterr().out
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cache_path().parent.mkdir(parents=True)
-    cache_path().write_text(json.dumps(dict(name="fake", kind="cpu", memory_bytes=8e9, bandwidth=1e10,
-                                            flops={"float32": 1e11}, source="test")))
+    cache_path().write_text(
+        json.dumps(
+            dict(name="fake", kind="cpu", memory_bytes=8e9, bandwidth=1e10, flops={"float32": 1e11}, source="test")
+        )
+    )
     p = plan_json(capsys, "--hardware", "auto", "--context", "512")
     first = p["decode"][0]
     assert p["hardware"]["name"] == "fake" and p["compute"] == "float32" and first["bound"] == "memory"

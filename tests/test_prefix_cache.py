@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from helpers import make_core, make_tiny_model, run_core
+
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams

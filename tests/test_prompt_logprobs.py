@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-
 from helpers import make_core, make_tiny_model
+
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams

@@ -8,9 +8,17 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    all_logits,
+    assert_same_greedy,
+    greedy_reference,
+    make_core,
+    make_runner,
+    make_tiny_model,
+    run_core,
+    write_tiny_gguf,
+)
 
-from helpers import (all_logits, assert_same_greedy, greedy_reference, make_core, make_runner, make_tiny_model,
-                     run_core, write_tiny_gguf)
 from tokenmill.config import EngineConfig
 from tokenmill.kernels import block_quant, cpu_flags
 from tokenmill.layers.linear import ReplicatedLinear
@@ -22,12 +30,29 @@ from tokenmill.sampling_params import SamplingParams
 
 # a mix of block types per tensor, as llama.cpp's mixed quantizations do; ffn_gate and ffn_up differ
 # in bits, so the fused gate_up layer takes the wider (8-bit) layout
-MIXED = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
-         "ffn_up": "Q8_0", "ffn_down": "Q4_1", "output": "Q8_0", "token_embd": "Q8_0"}
+MIXED = {
+    "attn_q": "Q4_1",
+    "attn_k": "Q4_1",
+    "attn_v": "Q4_0",
+    "attn_output": "Q8_0",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q8_0",
+    "ffn_down": "Q4_1",
+    "output": "Q8_0",
+    "token_embd": "Q8_0",
+}
 PACKED = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 # bytes per block, values per block, where its float16 scales sit (any other bytes are valid codes)
-_FORMAT = {"Q4_0": (18, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q8_0": (34, 32, [0]), "Q5_0": (22, 32, [0]),
-           "Q5_1": (24, 32, [0, 2]), "Q4_K": (144, 256, [0, 2]), "Q5_K": (176, 256, [0, 2]), "Q6_K": (210, 256, [208])}
+_FORMAT = {
+    "Q4_0": (18, 32, [0]),
+    "Q4_1": (20, 32, [0, 2]),
+    "Q8_0": (34, 32, [0]),
+    "Q5_0": (22, 32, [0]),
+    "Q5_1": (24, 32, [0, 2]),
+    "Q4_K": (144, 256, [0, 2]),
+    "Q5_K": (176, 256, [0, 2]),
+    "Q6_K": (210, 256, [208]),
+}
 
 
 def random_gguf_tensor(qtype: str, rows: int, cols: int, rng) -> tuple[object, torch.Tensor]:
@@ -89,8 +114,11 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype, wide):
     method = layer.quant_method
     assert method.bits == {"Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(qtype, 4)  # packed, not widened
     assert method.bf16_gemm == ({"amx_bf16", "amx_tile"} <= cpu_flags())
-    weight_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.high, layer.scales, layer.offsets,
-                                                               layer.supers) if t is not None)
+    weight_bytes = sum(
+        t.numel() * t.element_size()
+        for t in (layer.codes, layer.high, layer.scales, layer.offsets, layer.supers)
+        if t is not None
+    )
     assert weight_bytes <= 80 * cols * (method.bits + 1.25) / 8  # about the file's own bits a weight
     if qtype.endswith("_K"):  # a K-quant's sub-block integers a byte each, its super-block's float16 pair
         assert layer.scales.dtype == torch.int8 and layer.supers.dtype == torch.float16
@@ -117,8 +145,10 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype, wide):
         assert ((out - exact).norm() / exact.norm()).item() < 0.02
 
 
-@pytest.mark.parametrize("types,bits", [(("Q4_K", "Q6_K"), 6), (("Q4_0", "Q5_1"), 5), (("Q6_K", "Q8_0"), 8),
-                                        (("Q4_0", "Q4_K"), 4), (("Q5_0", "Q6_K"), 6)])
+@pytest.mark.parametrize(
+    "types,bits",
+    [(("Q4_K", "Q6_K"), 6), (("Q4_0", "Q5_1"), 5), (("Q6_K", "Q8_0"), 8), (("Q4_0", "Q4_K"), 4), (("Q5_0", "Q6_K"), 6)],
+)
 def test_fused_layers_of_mixed_types_take_the_widest_layout(types, bits):
     """q/k in Q4_K and v in Q6_K (as Q4_K_M files mix them): the fused layer holds every shard in
     the widest codes, in blocks of the smallest size, the centers as offsets where they differ —
@@ -141,8 +171,9 @@ def test_fused_layers_of_mixed_types_take_the_widest_layout(types, bits):
         assert method.layout.bits == want_bits and method.layout.block == (16 if "Q6_K" in types else 32)
         assert torch.equal(block_quant.dequantize(method.blocks(layer)), ref)
         want = x @ ref.T  # the float kernel, on either layout
-        torch.testing.assert_close(block_quant.matmul(x, method.blocks(layer)), want, rtol=1e-5,
-                                   atol=1e-5 * max(1.0, want.abs().max().item()))
+        torch.testing.assert_close(
+            block_quant.matmul(x, method.blocks(layer)), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item())
+        )
         want = q8_reference(x, ref, method.blocks(layer).activation_span) if int8_activations else want
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 
@@ -158,8 +189,11 @@ def test_gguf_blocks_match_transformers(tmp_path, name):
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     loaded = load_model(path, dtype="float32")  # an explicit float32: the exact mode
     assert loaded.quantization == "gguf"
-    kinds = {n.rsplit(".", 1)[-1]: type(m.quant_method) for n, m in loaded.model.named_modules()
-             if n.endswith(("proj", "head"))}
+    kinds = {
+        n.rsplit(".", 1)[-1]: type(m.quant_method)
+        for n, m in loaded.model.named_modules()
+        if n.endswith(("proj", "head"))
+    }
     assert set(kinds.values()) == {BlockQuantLinearMethod}  # gate_up mixes Q4_0 and Q8_0: widened to 8 bits
     rng = random.Random(0)
     batch = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 40, 90)]
@@ -168,7 +202,9 @@ def test_gguf_blocks_match_transformers(tmp_path, name):
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0]
         torch.testing.assert_close(all_logits(runner, ids), ref, rtol=0, atol=1e-4 * max(1.0, ref.abs().max().item()))
-    ours = run_core(make_core(path, loaded=loaded), batch, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    ours = run_core(
+        make_core(path, loaded=loaded), batch, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )
     for i, ids in enumerate(batch):
         assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 24))
 
@@ -199,13 +235,17 @@ def test_gguf_quantization_choices(tmp_path):
     path = str(tmp_path / "m.gguf")
     dense = load_model(path, quantization="none")
     assert dense.quantization == "none" and not any(
-        isinstance(getattr(m, "quant_method", None), BlockQuantLinearMethod) for m in dense.model.modules())
+        isinstance(getattr(m, "quant_method", None), BlockQuantLinearMethod) for m in dense.model.modules()
+    )
     assert load_model(path, dtype="bfloat16").quantization == "none"  # auto: blocks only in float32
     assert load_model(str(tmp_path), quantization="auto").quantization == "none"  # an HF directory
     with pytest.raises(ValueError, match="quantization 'gguf' runs a GGUF file's own blocks"):
         load_model(str(tmp_path), quantization="gguf")
-    with pytest.raises(ValueError, match="quantization 'gguf' runs a GGUF file's own blocks on CPU in float32; got a "
-                                         "gguf model on cpu in torch.bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match="quantization 'gguf' runs a GGUF file's own blocks on CPU in float32; got a "
+        "gguf model on cpu in torch.bfloat16",
+    ):
         load_model(path, dtype="bfloat16", quantization="gguf")
     with pytest.raises(ValueError, match="quantization 'gguf-q8' runs a GGUF file's own blocks"):
         load_model(str(tmp_path), quantization="gguf-q8")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import all_logits, assert_same_greedy, greedy_reference, hf_from_gguf, make_core, make_runner, run_core
+
 from tokenmill.loader import load_model
 from tokenmill.loader.source import resolve_model
 from tokenmill.sampling_params import SamplingParams
@@ -28,8 +28,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time"
 def real(request, tmp_path_factory):
     if not FETCH.is_file():
         pytest.skip(f"{FETCH} is not here (the shared models folder)")
-    path = Path(subprocess.run(["bash", str(FETCH), request.param], check=True, capture_output=True, text=True,
-                               timeout=1800).stdout.strip().splitlines()[-1])
+    path = Path(
+        subprocess.run(["bash", str(FETCH), request.param], check=True, capture_output=True, text=True, timeout=1800)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     hf = hf_from_gguf(path, tmp_path_factory.mktemp(request.param))
     loaded = load_model(str(path), dtype="float32")  # the exact mode
     yield request.param, str(path), loaded, hf, load_tokenizer(resolve_model(str(path)))

@@ -19,7 +19,7 @@ CASES = [
     ("<think>", True, None, None),
     ("plain text, never thinks", True, "plain text, never thinks", None),
     ("</think>", True, None, None),
-    ("<think></think>{\"a\": 1}", True, None, "{\"a\": 1}"),
+    ('<think></think>{"a": 1}', True, None, '{"a": 1}'),
     ("<think>x < y and a </ b</think>ok</think>", True, "x < y and a </ b", "ok</think>"),  # only the first ends it
     ("<thin", True, "<thin", None),  # an unfinished tag at the very end is text
     ("<think>a</thi", True, "a</thi", None),

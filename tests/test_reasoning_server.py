@@ -16,16 +16,33 @@ from test_server_utils import MODEL, model_available, running_server
 
 pytestmark = pytest.mark.skipif(not model_available(), reason=f"model {MODEL} is not installed")
 
-SCHEMA = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},
-                                           "shade": {"type": "integer", "minimum": 1, "maximum": 9}},
-          "required": ["color", "shade"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"type": "string", "enum": ["red", "green", "blue"]},
+        "shade": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["color", "shade"],
+}
 ASK = [{"role": "user", "content": "Pick a color and a shade."}]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory, "reasoning", "--dtype", "float32", "--reasoning-parser", "qwen3", "--num-kv-blocks", "200",
-                              "--max-model-len", "1024", "--log-interval", "0")
+    yield from running_server(
+        tmp_path_factory,
+        "reasoning",
+        "--dtype",
+        "float32",
+        "--reasoning-parser",
+        "qwen3",
+        "--num-kv-blocks",
+        "200",
+        "--max-model-len",
+        "1024",
+        "--log-interval",
+        "0",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +73,14 @@ def streamed(client, **kwargs) -> tuple[str | None, str | None, list[tuple[str, 
 
 
 def test_budget_then_json_schema(client, tokenizer):
-    kwargs = dict(model=MODEL, messages=ASK, max_tokens=64, temperature=0,
-                  response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
-                  extra_body={"max_reasoning_tokens": 6})
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        extra_body={"max_reasoning_tokens": 6},
+    )
     r = client.chat.completions.create(**kwargs)
     msg = r.choices[0].message
     reasoning = reasoning_of(msg)
@@ -89,8 +111,13 @@ def test_a_model_that_never_closes_its_thinking_is_all_reasoning(client):
 
 def test_prompt_that_closed_the_thinking_is_constrained_from_the_start(client):
     messages = [{"role": "user", "content": "<think>I already decided.</think> Pick a color and a shade."}]
-    kwargs = dict(model=MODEL, messages=messages, max_tokens=64, temperature=0,
-                  response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}})
+    kwargs = dict(
+        model=MODEL,
+        messages=messages,
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+    )
     r = client.chat.completions.create(**kwargs)
     msg = r.choices[0].message
     assert reasoning_of(msg) is None
@@ -100,14 +127,24 @@ def test_prompt_that_closed_the_thinking_is_constrained_from_the_start(client):
 
 def test_named_tool_after_reasoning(client):
     tools = [{"type": "function", "function": {"name": "paint", "parameters": SCHEMA}}]
-    kwargs = dict(model=MODEL, messages=ASK, max_tokens=64, temperature=0, tools=tools,
-                  tool_choice={"type": "function", "function": {"name": "paint"}},
-                  extra_body={"max_reasoning_tokens": 5})
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=64,
+        temperature=0,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "paint"}},
+        extra_body={"max_reasoning_tokens": 5},
+    )
     r = client.chat.completions.create(**kwargs)
     choice = r.choices[0]
     assert reasoning_of(choice.message) and choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     assert call.function.name == "paint"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
-    assert streamed(client, **kwargs) == (reasoning_of(choice.message), None, [("paint", call.function.arguments)],
-                                          "tool_calls")
+    assert streamed(client, **kwargs) == (
+        reasoning_of(choice.message),
+        None,
+        [("paint", call.function.arguments)],
+        "tool_calls",
+    )

@@ -40,33 +40,36 @@ def _error(model, body: bytes) -> APIError:
     return e.value
 
 
-@pytest.mark.parametrize("field,value,param", [
-    ("seed", 2**64 - 1, "seed"),  # with n = 2: the second sample's seed is 2**64
-    ("logit_bias", {"\u00b2": 1}, "logit_bias"),  # "²".isdigit() is True, int("²") fails
-    ("logit_bias", {"\u0663": 1}, "logit_bias"),  # an Arabic-Indic three: int() takes it, ids are ASCII
-    ("logit_bias", {"-1": 1}, "logit_bias"),
-    ("logit_bias", {"1e3": 1}, "logit_bias"),
-    ("logit_bias", {"9" * 5000: 1}, "logit_bias"),  # past int()'s digit limit
-    ("logit_bias", {"5": 1e999}, "logit_bias"),  # JSON's 1e999 is inf
-    ("temperature", 1e999, "temperature"),
-    ("temperature", -0.5, "temperature"),
-    ("top_p", 0, "top_p"),
-    ("top_p", 1.5, "top_p"),
-    ("top_k", -2, "top_k"),
-    ("min_p", 2, "min_p"),
-    ("presence_penalty", 2.5, "presence_penalty"),
-    ("frequency_penalty", -1e999, "frequency_penalty"),
-    ("repetition_penalty", 0, "repetition_penalty"),
-    ("n", 0, "n"),
-    ("max_tokens", -1, "max_tokens"),
-    ("min_tokens", -1, "min_tokens"),
-    ("logprobs", 21, "logprobs"),
-    ("logprobs", -1, "logprobs"),
-    ("prompt_logprobs", 10**30, "prompt_logprobs"),
-    ("stop_token_ids", [-1], "stop_token_ids"),
-    ("stop", [""], "stop"),
-    ("priority", 2**63, "priority"),
-])
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("seed", 2**64 - 1, "seed"),  # with n = 2: the second sample's seed is 2**64
+        ("logit_bias", {"\u00b2": 1}, "logit_bias"),  # "²".isdigit() is True, int("²") fails
+        ("logit_bias", {"\u0663": 1}, "logit_bias"),  # an Arabic-Indic three: int() takes it, ids are ASCII
+        ("logit_bias", {"-1": 1}, "logit_bias"),
+        ("logit_bias", {"1e3": 1}, "logit_bias"),
+        ("logit_bias", {"9" * 5000: 1}, "logit_bias"),  # past int()'s digit limit
+        ("logit_bias", {"5": 1e999}, "logit_bias"),  # JSON's 1e999 is inf
+        ("temperature", 1e999, "temperature"),
+        ("temperature", -0.5, "temperature"),
+        ("top_p", 0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -2, "top_k"),
+        ("min_p", 2, "min_p"),
+        ("presence_penalty", 2.5, "presence_penalty"),
+        ("frequency_penalty", -1e999, "frequency_penalty"),
+        ("repetition_penalty", 0, "repetition_penalty"),
+        ("n", 0, "n"),
+        ("max_tokens", -1, "max_tokens"),
+        ("min_tokens", -1, "min_tokens"),
+        ("logprobs", 21, "logprobs"),
+        ("logprobs", -1, "logprobs"),
+        ("prompt_logprobs", 10**30, "prompt_logprobs"),
+        ("stop_token_ids", [-1], "stop_token_ids"),
+        ("stop", [""], "stop"),
+        ("priority", 2**63, "priority"),
+    ],
+)
 def test_completion_numbers_out_of_range_are_a_400_naming_the_field(field, value, param):
     import json
 
@@ -75,13 +78,16 @@ def test_completion_numbers_out_of_range_are_a_400_naming_the_field(field, value
     assert e.status == 400 and e.param == param, e.to_dict()
 
 
-@pytest.mark.parametrize("field,value,param", [
-    ("top_logprobs", 21, "top_logprobs"),
-    ("top_logprobs", -1, "top_logprobs"),
-    ("max_completion_tokens", -5, "max_completion_tokens"),
-    ("max_reasoning_tokens", -1, "max_reasoning_tokens"),
-    ("logit_bias", {"\u00b2": 1}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("top_logprobs", 21, "top_logprobs"),
+        ("top_logprobs", -1, "top_logprobs"),
+        ("max_completion_tokens", -5, "max_completion_tokens"),
+        ("max_reasoning_tokens", -1, "max_reasoning_tokens"),
+        ("logit_bias", {"\u00b2": 1}, "logit_bias"),
+    ],
+)
 def test_chat_numbers_out_of_range_are_a_400_naming_the_field(field, value, param):
     import json
 
@@ -95,15 +101,18 @@ def test_logit_bias_keys_are_decimal_token_ids():
     assert req.sampling_params().logit_bias == {12: 5, 0: -100}
 
 
-@pytest.mark.parametrize("raw,words", [
-    (b"", "empty"),
-    (b"{not json", "not valid JSON"),
-    (b"\xff\xfe{}", "not valid JSON"),
-    (b"[1, 2]", "JSON object"),
-    (b'"text"', "JSON object"),
-    (b"[" * 100_000, "not valid JSON"),
-    (b'{"a": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}", "nested deeper"),
-])
+@pytest.mark.parametrize(
+    "raw,words",
+    [
+        (b"", "empty"),
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'"text"', "JSON object"),
+        (b"[" * 100_000, "not valid JSON"),
+        (b'{"a": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}", "nested deeper"),
+    ],
+)
 def test_bodies_every_front_refuses(raw, words):
     with pytest.raises(APIError) as e:
         parse_json_object(raw)
@@ -117,12 +126,13 @@ def test_a_body_at_the_depth_limit_is_taken():
 
 # ---- constraints no output can satisfy ----------------------------------------------------------
 
+
 def _manager():
     from tokenmill.structured.backend import TokenizerData
     from tokenmill.structured.manager import StructuredOutputManager
 
     vocab = [b"a", b"b", b"{", b"}", b'"', b":", b"1", b"</s>"]
-    return StructuredOutputManager(TokenizerData(vocab, [7]), len(vocab), compile_timeout=30)
+    return StructuredOutputManager(TokenizerData(None, len(vocab), [7], vocab), len(vocab), compile_timeout=30)
 
 
 def _state(manager, spec):
@@ -131,11 +141,14 @@ def _state(manager, spec):
     return state
 
 
-@pytest.mark.parametrize("spec", [
-    ("regex", "[^\\s\\S]"),
-    ("json", {"anyOf": [{"$ref": "#"}]}),
-    ("json", {"allOf": [{"$ref": "#"}]}),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ("regex", "[^\\s\\S]"),
+        ("json", {"anyOf": [{"$ref": "#"}]}),
+        ("json", {"allOf": [{"$ref": "#"}]}),
+    ],
+)
 def test_an_empty_language_is_refused_when_the_request_starts(spec):
     from tokenmill.structured.spec import StructuredOutputSpec
 

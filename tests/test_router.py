@@ -46,11 +46,22 @@ from tokenmill.router.policy import (
 from tokenmill.router.prompt import routing_text
 
 MODEL = "tiny"
-REPLICA_ARGS = ("--served-model-name", MODEL, "--num-kv-blocks", "256", "--log-interval", "0",
-                "--disable-log-requests", "--shutdown-timeout", "5")
-PREFIX = ("You are a careful assistant for a shipping company. Answer briefly, cite the tariff table, never "
-          "invent surcharges, and ask for the parcel weight when it is missing. The tariff table: zone A 4.10, "
-          "zone B 5.30, zone C 7.95, zone D 11.20; parcels over 20 kg pay double; islands add 3.00. ") * 2
+REPLICA_ARGS = (
+    "--served-model-name",
+    MODEL,
+    "--num-kv-blocks",
+    "256",
+    "--log-interval",
+    "0",
+    "--disable-log-requests",
+    "--shutdown-timeout",
+    "5",
+)
+PREFIX = (
+    "You are a careful assistant for a shipping company. Answer briefly, cite the tariff table, never "
+    "invent surcharges, and ask for the parcel weight when it is missing. The tariff table: zone A 4.10, "
+    "zone B 5.30, zone C 7.95, zone D 11.20; parcels over 20 kg pay double; islands add 3.00. "
+) * 2
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 TIMEOUT = 120
 
@@ -58,6 +69,7 @@ needs_model = pytest.mark.skipif(not model_available(), reason="the default mode
 
 
 # ---- the policies (pure) --------------------------------------------------------------------------
+
 
 def test_chunk_keys_are_paths_of_a_prefix_tree():
     a, b = chunk_keys("x" * 64 + "y" * 40, 32), chunk_keys("x" * 64 + "z" * 32, 32)
@@ -166,6 +178,7 @@ def test_routing_text_of_completions_and_chat():
 
 # ---- two tiny replicas behind a router ------------------------------------------------------------
 
+
 class RouterProcess:
     """`python -m tokenmill.entrypoints.cli router ...` on a free port."""
 
@@ -173,15 +186,24 @@ class RouterProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         replicas = [a for u in urls for a in ("--replica", u)]
-        self.cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "router", *replicas, "--port", str(self.port),
-                    *args]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "tokenmill.entrypoints.cli",
+            "router",
+            *replicas,
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self.log_path = Path(log_dir) / f"router-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self, ready_status: int = 200) -> RouterProcess:
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")
+            )
         wait_for(lambda: _status(f"{self.url}/health") == ready_status, 120, self.log)
         return self
 
@@ -314,8 +336,9 @@ def test_requests_sharing_a_prefix_go_to_one_replica(cluster):
     client = client_for(router.url)
     before, cache_before = routed(router.url), [prefix_counters(s.url) for s in servers]
     for i in range(4):
-        client.completions.create(model=MODEL, prompt=PREFIX + f"Question {i}: how much for 3 kg to zone B?",
-                                  max_tokens=2, temperature=0)
+        client.completions.create(
+            model=MODEL, prompt=PREFIX + f"Question {i}: how much for 3 kg to zone B?", max_tokens=2, temperature=0
+        )
     after, cache_after = routed(router.url), [prefix_counters(s.url) for s in servers]
     sent = [after.get(s.url, 0) - before.get(s.url, 0) for s in servers]
     assert sorted(sent) == [0, 4], sent
@@ -350,8 +373,9 @@ def test_a_client_that_leaves_mid_stream_stops_the_generation(cluster):
         next(line for line in r.iter_lines() if line.startswith("data: "))  # then hang up
 
     def idle() -> bool:
-        in_flight = sum(v for k, v in metric_values(router.url).items()
-                        if k.startswith("tokenmill:router_requests_in_flight"))
+        in_flight = sum(
+            v for k, v in metric_values(router.url).items() if k.startswith("tokenmill:router_requests_in_flight")
+        )
         return in_flight == 0 and all(metric_values(s.url)["tokenmill:num_requests_running"] == 0 for s in servers)
 
     wait_for(idle, 3)  # 1000 tokens would take far longer: the replica aborted it
@@ -360,6 +384,7 @@ def test_a_client_that_leaves_mid_stream_stops_the_generation(cluster):
 @pytest.fixture
 def dropping_replica():
     """A fake replica: healthy, but it drops every generation request's connection without answering."""
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             body = b'{"status": "ok"}'
@@ -390,8 +415,10 @@ def test_a_replica_that_fails_before_answering_is_retried_elsewhere(cluster, dro
     router = RouterProcess(tmp_path, [dropping_replica, servers[0].url], "--policy", "round-robin").start()
     try:
         client = client_for(router.url)
-        texts = {client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0).choices[0].text
-                 for _ in range(4)}
+        texts = {
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0).choices[0].text
+            for _ in range(4)
+        }
         assert len(texts) == 1  # every request served, by the real replica
         m = metric_values(router.url)
         # round-robin's turn comes back to the dropping replica first each time: every request retried once
@@ -406,8 +433,21 @@ def test_a_replica_that_fails_before_answering_is_retried_elsewhere(cluster, dro
 def test_serve_data_parallel_end_to_end(tiny_model, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", str(tiny_model), *REPLICA_ARGS,
-           "--data-parallel-size", "2", "--port", str(port), "--policy", "least-load"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "serve",
+        "--model",
+        str(tiny_model),
+        *REPLICA_ARGS,
+        "--data-parallel-size",
+        "2",
+        "--port",
+        str(port),
+        "--policy",
+        "least-load",
+    ]
     log_path = tmp_path / "dp.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -422,8 +462,10 @@ def test_serve_data_parallel_end_to_end(tiny_model, tmp_path):
             shares = sorted(s.cpu_affinity() for s in servers)
             assert len(shares[0]) == len(cores) // 2 and not set(shares[0]) & set(shares[1])
         client = client_for(url)
-        texts = [client.completions.create(model=MODEL, prompt=f"Count {i}:", max_tokens=4, temperature=0)
-                 .choices[0].text for i in range(4)]
+        texts = [
+            client.completions.create(model=MODEL, prompt=f"Count {i}:", max_tokens=4, temperature=0).choices[0].text
+            for i in range(4)
+        ]
         assert len(texts) == 4
         m = metric_values(url)
         assert sum(v for k, v in m.items() if k.startswith("tokenmill:router_replica_healthy")) == 2
@@ -439,6 +481,7 @@ def test_serve_data_parallel_end_to_end(tiny_model, tmp_path):
 
 # ---- failures (these kill the module's replicas: keep them last) ----------------------------------
 
+
 @needs_model
 def test_a_dead_replica_gets_no_requests(cluster):
     router, servers = cluster
@@ -449,8 +492,9 @@ def test_a_dead_replica_gets_no_requests(cluster):
         prompt = PREFIX + f"After the crash, question {i}"
         assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).choices
     assert routed(router.url).get(servers[1].url, 0) - before == 3
-    wait_for(lambda: metric_values(router.url)[f'tokenmill:router_replica_healthy{{replica="{servers[0].url}"}}'] == 0,
-             10)
+    wait_for(
+        lambda: metric_values(router.url)[f'tokenmill:router_replica_healthy{{replica="{servers[0].url}"}}'] == 0, 10
+    )
     health = httpx.get(f"{router.url}/health", timeout=10).json()
     assert health["healthy_replicas"] == 1
     assert [r["healthy"] for r in health["replicas"]] == [False, True]

@@ -1,4 +1,5 @@
 """Batched sampler: greedy, filters, distribution, seeds, penalties, min_tokens, logprobs."""
+
 import pytest
 import torch
 
@@ -14,8 +15,14 @@ sampler = Sampler()
 def meta_for(params, vocab=V, prompts=None, outputs=None, generators=None, eos=None):
     B = len(params)
     return SamplingMetadata.build(
-        params, prompts or [[] for _ in range(B)], outputs or [[] for _ in range(B)],
-        generators, eos, vocab_size=vocab, device="cpu")
+        params,
+        prompts or [[] for _ in range(B)],
+        outputs or [[] for _ in range(B)],
+        generators,
+        eos,
+        vocab_size=vocab,
+        device="cpu",
+    )
 
 
 def frequencies(params, n=4000, logits=BASE, seed=0):
@@ -49,8 +56,12 @@ def test_mixed_greedy_and_random_batch():
     torch.manual_seed(0)
     logits = torch.zeros(4, 20)
     logits[:, 7] = 0.5  # greedy picks 7; random rows (near uniform) pick many tokens
-    params = [SamplingParams(temperature=0), SamplingParams(),
-              SamplingParams(temperature=0), SamplingParams(temperature=1.5)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.5),
+    ]
     meta = meta_for(params, vocab=20)
     assert not meta.all_greedy and not meta.all_random
     seen = [set() for _ in range(4)]
@@ -125,8 +136,7 @@ def _seeded_run(seed, position, others, steps=6, vocab=64):
     row_logits = torch.linspace(0, 1, vocab)  # near uniform: the draw really matters
     params = list(others)
     params.insert(position, SamplingParams(seed=seed, temperature=0.9))
-    gens = [torch.Generator("cpu").manual_seed(p.seed) if p.seed is not None else None
-            for p in params]
+    gens = [torch.Generator("cpu").manual_seed(p.seed) if p.seed is not None else None for p in params]
     logits[position] = row_logits
     meta = meta_for(params, vocab=vocab, generators=gens)
     return [int(sampler(logits, meta).sampled_token_ids[position]) for _ in range(steps)]
@@ -135,8 +145,12 @@ def _seeded_run(seed, position, others, steps=6, vocab=64):
 def test_seed_reproducible_regardless_of_batch():
     alone = _seeded_run(1234, 0, [])
     assert len(set(alone)) > 1
-    others = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(seed=99, top_k=5),
-              SamplingParams(top_p=0.5, min_p=0.1, presence_penalty=1.0)]
+    others = [
+        SamplingParams(),
+        SamplingParams(temperature=0),
+        SamplingParams(seed=99, top_k=5),
+        SamplingParams(top_p=0.5, min_p=0.1, presence_penalty=1.0),
+    ]
     assert _seeded_run(1234, 2, others) == alone
     assert _seeded_run(1234, 4, others[::-1]) == alone
     assert _seeded_run(4321, 0, []) != alone
@@ -156,10 +170,12 @@ def _reference_penalties(logits, prompts, outputs, params):
 def test_penalties_match_reference():
     torch.manual_seed(0)
     logits = torch.randn(4, 10) * 3
-    params = [SamplingParams(repetition_penalty=1.3),
-              SamplingParams(presence_penalty=0.5, frequency_penalty=0.3),
-              SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=1.5),
-              SamplingParams()]
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=1.5),
+        SamplingParams(),
+    ]
     prompts = [[1, 2, 2], [0, 4], [9, 3, 3, 1], [1, 2]]
     outputs = [[3, 1], [4, 4, 5, 4], [3, 6, 6, 6], [1, 1]]
     meta = meta_for(params, vocab=10, prompts=prompts, outputs=outputs)
@@ -180,9 +196,11 @@ def test_penalty_changes_greedy_choice_and_skips_prompt_tensor():
 def test_min_tokens_blocks_eos_and_stop_ids():
     logits = torch.tensor([[0.0, 1.0, 5.0, 2.0, 0.5, 4.0]] * 3)  # EOS=2 best, stop 5 second
     eos = [{2}, {2}, {2}]
-    params = [SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5]),
-              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5], ignore_eos=True),
-              SamplingParams(temperature=0, stop_token_ids=[5])]
+    params = [
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5]),
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5], ignore_eos=True),
+        SamplingParams(temperature=0, stop_token_ids=[5]),
+    ]
     for n_out in range(5):
         outputs = [[1] * n_out] * 3
         got = sampler(logits, meta_for(params, vocab=6, outputs=outputs, eos=eos))
@@ -205,8 +223,12 @@ def test_min_tokens_with_random_sampling():
 def test_logprobs_from_raw_logits():
     torch.manual_seed(0)
     logits = torch.randn(4, 30)
-    params = [SamplingParams(logprobs=3, repetition_penalty=1.5), SamplingParams(logprobs=0),
-              SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=5, top_k=2)]
+    params = [
+        SamplingParams(logprobs=3, repetition_penalty=1.5),
+        SamplingParams(logprobs=0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=5, top_k=2),
+    ]
     meta = meta_for(params, vocab=30, outputs=[[1, 2]] * 4)
     assert meta.max_num_logprobs == 5
     out = sampler(logits, meta)
@@ -233,8 +255,9 @@ def test_allowed_token_mask_full_and_rows():
     assert out.sampled_token_ids.tolist() == torch.tensor([1, 4, 9])[sub].tolist()
     # Only row 1 constrained; random sampling never leaves the allowed set.
     rows = torch.tensor([1])
-    meta = meta_for([SamplingParams(temperature=0), SamplingParams(temperature=2.0),
-                     SamplingParams(temperature=0)], vocab=12)
+    meta = meta_for(
+        [SamplingParams(temperature=0), SamplingParams(temperature=2.0), SamplingParams(temperature=0)], vocab=12
+    )
     for _ in range(200):
         out = sampler(logits, meta, allowed_token_mask=mask[:1], allowed_token_rows=rows)
         assert out.sampled_token_ids[1].item() in (1, 4, 9)

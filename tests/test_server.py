@@ -28,8 +28,21 @@ CHAT = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # the exact mode: these tests compare outputs across batchings, streaming and prefix hits
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--dtype", "float32", "--num-kv-blocks", str(NUM_BLOCKS),
-                        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--log-interval", "1").start()
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("server"),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        str(NUM_BLOCKS),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "32",
+        "--max-num-batched-tokens",
+        "512",
+        "--log-interval",
+        "1",
+    ).start()
     try:
         core = srv.core_pid()
         yield srv
@@ -49,14 +62,19 @@ def wait_for_idle(url: str, timeout: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metric_values(url)
-        idle = (m["tokenmill:num_requests_running"] == 0 and m["tokenmill:num_requests_waiting"] == 0
-                and m["tokenmill:num_free_kv_blocks"] == NUM_BLOCKS and m["tokenmill:kv_cache_usage_perc"] == 0)
+        idle = (
+            m["tokenmill:num_requests_running"] == 0
+            and m["tokenmill:num_requests_waiting"] == 0
+            and m["tokenmill:num_free_kv_blocks"] == NUM_BLOCKS
+            and m["tokenmill:kv_cache_usage_perc"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
 
 
 # ---- basic endpoints --------------------------------------------------------------------------------
+
 
 def test_health_version_models(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -80,6 +98,7 @@ def test_tokenize_detokenize(server, tokenizer):
 
 # ---- completions ------------------------------------------------------------------------------------
 
+
 def test_completion_usage_matches_tokenizer(client, tokenizer):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL
@@ -94,8 +113,16 @@ def test_completion_usage_matches_tokenizer(client, tokenizer):
 
 def test_completion_stream_matches_non_stream(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -125,8 +152,7 @@ def test_prompt_forms_and_echo(client, tokenizer):
     assert by_ids.choices[0].text == by_text.choices[0].text
     echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
     assert echo.choices[0].text == PROMPT + by_text.choices[0].text
-    batch = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello, my name is"], max_tokens=5,
-                                      temperature=0)
+    batch = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello, my name is"], max_tokens=5, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[0].text == by_text.choices[0].text[: len(batch.choices[0].text)]
     assert batch.usage.prompt_tokens == len(ids) + len(tokenizer.encode("Hello, my name is"))
@@ -138,8 +164,9 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
     before = metric_values(server.url)
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-    salted = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
-                                       extra_body={"cache_salt": "tenant-b"})
+    salted = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-b"}
+    )
     n = first.usage.prompt_tokens
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
@@ -172,13 +199,17 @@ def test_n2_and_seeds_reproduce(client):
 def test_stop_sequences(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
     # a stop string that first occurs part-way through the greedy output (" Paris.\n\nThe answer ...")
-    stop = next(full[i:i + 3] for i in range(3, len(full) - 3)
-                if full[i:i + 3].strip() and full[i:i + 3] not in full[:i + 2])
+    stop = next(
+        full[i : i + 3]
+        for i in range(3, len(full) - 3)
+        if full[i : i + 3].strip() and full[i : i + 3] not in full[: i + 2]
+    )
     expected = full[: full.index(stop)]
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "@@@@"])
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -197,6 +228,7 @@ def test_completion_logprobs(client):
 
 # ---- chat -------------------------------------------------------------------------------------------
 
+
 def test_chat_multi_turn_stream_and_not(client, tokenizer):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
@@ -205,9 +237,16 @@ def test_chat_multi_turn_stream_and_not(client, tokenizer):
     assert r.usage.prompt_tokens == len(tokenizer.apply_chat_template(CHAT))
     assert r.usage.completion_tokens <= 10
     assert r.choices[0].finish_reason in ("stop", "length")
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_completion_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
@@ -216,8 +255,11 @@ def test_chat_multi_turn_stream_and_not(client, tokenizer):
 
 
 def test_chat_n2_stream_and_logprobs(client):
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2, seed=5,
-                                                 temperature=0.8, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=6, n=2, seed=5, temperature=0.8, stream=True
+        )
+    )
     texts = {0: "", 1: ""}
     finished = set()
     for c in chunks:
@@ -226,8 +268,9 @@ def test_chat_n2_stream_and_logprobs(client):
             if ch.finish_reason:
                 finished.add(ch.index)
     assert finished == {0, 1} and all(texts.values())
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
-                                       top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for item in content:
@@ -237,6 +280,7 @@ def test_chat_n2_stream_and_logprobs(client):
 
 # ---- concurrency and cancellation ------------------------------------------------------------------
 
+
 def test_32_concurrent_streams(server):
     prompts = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(32)]
 
@@ -244,9 +288,15 @@ def test_32_concurrent_streams(server):
         aclient = server.openai_client(asynchronous=True)
 
         async def one(prompt: str) -> tuple[str, str, int]:
-            stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                                      stream=True, stream_options={"include_usage": True},
-                                                      extra_body={"ignore_eos": True})
+            stream = await aclient.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             text, finish, usage = "", None, None
             async for chunk in stream:
                 if chunk.choices:
@@ -265,8 +315,11 @@ def test_32_concurrent_streams(server):
     assert all(finish == "length" and n == 12 and text for text, finish, n in results)
     assert len({text for text, _, _ in results}) == 32
     # the same prompts as one batched non-streaming request give the same greedy texts
-    ref = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
-        "model": MODEL, "prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": True}).json()
+    ref = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=300,
+        json={"model": MODEL, "prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+    ).json()
     ref_texts = [c["text"] for c in sorted(ref["choices"], key=lambda c: c["index"])]
     matches = sum(a == b for (a, _, _), b in zip(results, ref_texts))
     assert matches >= 30, list(zip([r[0] for r in results], ref_texts))
@@ -293,8 +346,10 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert after["tokenmill:num_free_kv_blocks"] == NUM_BLOCKS, after
     assert after["tokenmill:kv_cache_usage_perc"] == 0
     assert time.monotonic() - start < 20
-    assert after['tokenmill:request_success_total{finished_reason="abort"}'] >= \
-        before.get('tokenmill:request_success_total{finished_reason="abort"}', 0) + 1
+    assert (
+        after['tokenmill:request_success_total{finished_reason="abort"}']
+        >= before.get('tokenmill:request_success_total{finished_reason="abort"}', 0) + 1
+    )
     # far fewer than 400 tokens were generated for it
     assert after["tokenmill:generation_tokens_total"] - before["tokenmill:generation_tokens_total"] < 300
 
@@ -306,8 +361,10 @@ def test_disconnect_non_streaming_frees_blocks(server):
         httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
     after = wait_for_idle(server.url, timeout=20)
     assert after["tokenmill:num_free_kv_blocks"] == NUM_BLOCKS, after
-    assert after['tokenmill:request_success_total{finished_reason="abort"}'] >= \
-        before.get('tokenmill:request_success_total{finished_reason="abort"}', 0) + 1
+    assert (
+        after['tokenmill:request_success_total{finished_reason="abort"}']
+        >= before.get('tokenmill:request_success_total{finished_reason="abort"}', 0) + 1
+    )
 
 
 # ---- errors -----------------------------------------------------------------------------------------
@@ -329,33 +386,57 @@ ERROR_CASES = [
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream": "yes"}, 400, "stream", "boolean"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "logprobs": 99}, 400, "logprobs", "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt", "string"),
-    ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, "prompt", "vocabulary"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt", "vocabulary"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", "token"),
     ("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "prompt", "context length"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 600}, 400, "max_tokens", "context length"),
     ("/v1/completions", {"model": "gpt-4", "prompt": PROMPT}, 404, "model", "gpt-4"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
-     "messages[0].role", "role"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
-     "messages[0].content", "content"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_completion_tokens": 0}, 400,
-     "max_completion_tokens", "max_completion_tokens"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+        "messages[0].role",
+        "role",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages[0].content",
+        "content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+        "max_completion_tokens",
+    ),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 50}, 400,
-     "top_logprobs", "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 50},
+        400,
+        "top_logprobs",
+        "top_logprobs",
+    ),
     ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model", "nope"),
-    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "seed": 2 ** 70}, 400, "seed", "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "seed": 2**70}, 400, "seed", "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "cache_salt": ""}, 400, "cache_salt", "cache_salt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "vocabulary"),
 ]
 
 
-@pytest.mark.parametrize("path,body,status,param,words", ERROR_CASES,
-                         ids=[f"{c[0]}-{i}" for i, c in enumerate(ERROR_CASES)])
+@pytest.mark.parametrize(
+    "path,body,status,param,words", ERROR_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(ERROR_CASES)]
+)
 def test_bad_requests_get_openai_errors(server, path, body, status, param, words):
-    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
         else {"json": body}
+    )
     r = httpx.post(f"{server.url}{path}", timeout=60, **kwargs)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -381,23 +462,38 @@ def test_errors_through_openai_client_then_normal_request(server, client):
 
 # ---- metrics and logs -------------------------------------------------------------------------------
 
-HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
-              "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
-              "request_decode_time_seconds"]
+HISTOGRAMS = [
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+]
 
 
 def test_metrics_move_after_traffic(server, client):
     before = metric_values(server.url)
-    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
-                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total"] + [f"{h}_count" for h in HISTOGRAMS]:
+    for name in [
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+    ] + [f"{h}_count" for h in HISTOGRAMS]:
         assert f"tokenmill:{name}" in before, name
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     after = metric_values(server.url)
     for h in HISTOGRAMS:
         assert after[f"tokenmill:{h}_count"] >= before[f"tokenmill:{h}_count"] + 1, h
-    assert after["tokenmill:inter_token_latency_seconds_count"] >= before[
-        "tokenmill:inter_token_latency_seconds_count"] + 4
+    assert (
+        after["tokenmill:inter_token_latency_seconds_count"]
+        >= before["tokenmill:inter_token_latency_seconds_count"] + 4
+    )
     assert after["tokenmill:prompt_tokens_total"] - before["tokenmill:prompt_tokens_total"] == r.usage.prompt_tokens
     assert after["tokenmill:generation_tokens_total"] - before["tokenmill:generation_tokens_total"] == 5
     key = 'tokenmill:request_success_total{finished_reason="length"}'

@@ -26,9 +26,23 @@ BODY_LIMIT = 65536
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), "--api-key", KEY, "--max-queue", "1", "--max-num-seqs", "1",
-                        "--num-kv-blocks", "64", "--max-body-bytes", str(BODY_LIMIT), "--log-interval", "0",
-                        "--shutdown-timeout", "1").start()
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("server"),
+        "--api-key",
+        KEY,
+        "--max-queue",
+        "1",
+        "--max-num-seqs",
+        "1",
+        "--num-kv-blocks",
+        "64",
+        "--max-body-bytes",
+        str(BODY_LIMIT),
+        "--log-interval",
+        "0",
+        "--shutdown-timeout",
+        "1",
+    ).start()
     try:
         yield srv
     finally:
@@ -41,8 +55,7 @@ def completion(url: str, headers: dict | None = AUTH, **body) -> httpx.Response:
 
 
 def test_api_key_required_on_v1(server):
-    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
-                    {"Authorization": KEY}):
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}):
         r = completion(server.url, headers)
         assert r.status_code == 401, r.text
         assert r.json()["error"]["code"] == "invalid_api_key"
@@ -72,8 +85,12 @@ def test_oversized_body_gets_413(server):
             yield b"y" * 8192
         yield b'"}'
 
-    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=60,
-                   headers={**AUTH, "content-type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=chunks(),
+        timeout=60,
+        headers={**AUTH, "content-type": "application/json"},
+    )
     assert r.status_code == 413
     assert completion(server.url).status_code == 200
 
@@ -103,8 +120,12 @@ def test_startup_errors_exit_cleanly():
     ]
     try:
         for args, words in cases:
-            r = subprocess.run([sys.executable, "-m", "tokenmill.server.cli", "serve", *args], capture_output=True,
-                               text=True, timeout=120)
+            r = subprocess.run(
+                [sys.executable, "-m", "tokenmill.server.cli", "serve", *args],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert r.returncode != 0
             assert words in r.stderr, r.stderr
             assert "Traceback" not in r.stderr, r.stderr

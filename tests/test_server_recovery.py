@@ -28,8 +28,9 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deadline_server(tmp_path_factory):
     # a deadline a short request meets even on a loaded machine, and room for requests that cannot meet it
-    yield from _server(tmp_path_factory, "deadlines", "--request-timeout", "12", "--shutdown-timeout", "120",
-                       "--num-kv-blocks", "320")
+    yield from _server(
+        tmp_path_factory, "deadlines", "--request-timeout", "12", "--shutdown-timeout", "120", "--num-kv-blocks", "320"
+    )
 
 
 def _server(tmp_path_factory, name: str, *args: str):
@@ -67,7 +68,10 @@ def assert_pool_whole(url: str) -> None:
     deadline = time.monotonic() + 30
     while True:
         m = metric_values(url)
-        if m["tokenmill:num_free_kv_blocks"] == m["tokenmill:num_kv_blocks"] and not m["tokenmill:num_requests_running"]:
+        if (
+            m["tokenmill:num_free_kv_blocks"] == m["tokenmill:num_kv_blocks"]
+            and not m["tokenmill:num_requests_running"]
+        ):
             return
         assert time.monotonic() < deadline, m
         time.sleep(0.2)

@@ -23,8 +23,18 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is Rome."
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # a small budget: prompts are scored chunk by chunk; --dtype float32: the exact mode, as transformers
-    yield from running_server(tmp_path_factory, "scoring", "--num-kv-blocks", "64", "--max-num-batched-tokens", "8",
-                              "--log-interval", "0", "--dtype", "float32")
+    yield from running_server(
+        tmp_path_factory,
+        "scoring",
+        "--num-kv-blocks",
+        "64",
+        "--max-num-batched-tokens",
+        "8",
+        "--log-interval",
+        "0",
+        "--dtype",
+        "float32",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +66,21 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(server, reference):
 
 
 def test_streamed_echo_gives_the_same_numbers(server, reference):
-    body = {"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
         events = [json.loads(e) for e in sse_events(r) if e != "[DONE]"]
     first = events[0]["choices"][0]
     assert first["text"] == PROMPT and first["logprobs"]["token_logprobs"][0] is None
     plain = post(server, "/v1/completions", dict(body, stream=False)).json()["choices"][0]
-    assert first["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"][:len(reference[0])]
+    assert first["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"][: len(reference[0])]
     assert PROMPT + "".join(e["choices"][0]["text"] for e in events[1:] if e["choices"]) == plain["text"]
 
 
@@ -74,10 +91,17 @@ def test_vllm_prompt_logprobs_field(server, reference):
     assert entries[0] is None and len(entries) == len(ids)
     for j in range(1, len(ids)):
         own = entries[j][str(ids[j])]
-        assert abs(own["logprob"] - want[j - 1]) < 1e-3 and own["rank"] == int((lp[j - 1] > lp[j - 1, ids[j]]).sum()) + 1
-        assert {int(t) for t, e in entries[j].items() if e["rank"] <= 3} >= set(lp[j - 1].topk(3).indices.tolist()) - {ids[j]}
-    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-                                                 "prompt_logprobs": 0}).json()
+        assert (
+            abs(own["logprob"] - want[j - 1]) < 1e-3 and own["rank"] == int((lp[j - 1] > lp[j - 1, ids[j]]).sum()) + 1
+        )
+        assert {int(t) for t, e in entries[j].items() if e["rank"] <= 3} >= set(lp[j - 1].topk(3).indices.tolist()) - {
+            ids[j]
+        }
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0},
+    ).json()
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
 
 
@@ -96,21 +120,41 @@ def test_scoring_errors_name_the_field(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True, "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
-                                              "prompt_logprobs": 1})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "stream": True, "prompt_logprobs": 1},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_openapi_describes_every_endpoint_and_field(server):
     schema = httpx.get(f"{server.url}/openapi.json").json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-            "/metrics"} <= set(schema["paths"])
+    assert {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+    } <= set(schema["paths"])
     components = schema["components"]["schemas"]
     completion = components["CompletionRequest"]["properties"]
-    assert {"prompt", "echo", "logprobs", "prompt_logprobs", "max_tokens", "logit_bias", "structured_outputs",
-            "cache_salt", "priority"} <= set(completion)
-    assert {"messages", "tools", "tool_choice", "chat_template_kwargs"} <= set(components["ChatCompletionRequest"]
-                                                                               ["properties"])
+    assert {
+        "prompt",
+        "echo",
+        "logprobs",
+        "prompt_logprobs",
+        "max_tokens",
+        "logit_bias",
+        "structured_outputs",
+        "cache_salt",
+        "priority",
+    } <= set(completion)
+    assert {"messages", "tools", "tool_choice", "chat_template_kwargs"} <= set(
+        components["ChatCompletionRequest"]["properties"]
+    )
     body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["$ref"].endswith("/CompletionRequest")
     assert "swagger" in httpx.get(f"{server.url}/docs").text.lower()
@@ -121,9 +165,25 @@ def test_tokenmill_eval_perplexity_of_the_shipped_corpus(server, hf_default_mode
     from tokenmill.eval.tasks import corpus_items
 
     out = tmp_path / "ppl.json"
-    subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "eval", "perplexity", "--limit", "2",
-                    "--chunk-chars", "600", "--base-url", f"{server.url}/v1", "--output", str(out)],
-                   check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.entrypoints.cli",
+            "eval",
+            "perplexity",
+            "--limit",
+            "2",
+            "--chunk-chars",
+            "600",
+            "--base-url",
+            f"{server.url}/v1",
+            "--output",
+            str(out),
+        ],
+        check=True,
+        timeout=600,
+    )
     result = json.loads(out.read_text())
     total = tokens = 0
     for item in corpus_items(chunk_chars=600)[:2]:
@@ -139,8 +199,22 @@ def test_tokenmill_eval_perplexity_of_the_shipped_corpus(server, hf_default_mode
 def run_eval_cli(server, items: list[dict], tmp_path) -> dict:
     task, out = tmp_path / "task.jsonl", tmp_path / "result.json"
     task.write_text("".join(json.dumps(item) + "\n" for item in items))
-    subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "eval", "--task", str(task),
-                    "--base-url", f"{server.url}/v1", "--output", str(out)], check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.entrypoints.cli",
+            "eval",
+            "--task",
+            str(task),
+            "--base-url",
+            f"{server.url}/v1",
+            "--output",
+            str(out),
+        ],
+        check=True,
+        timeout=600,
+    )
     return json.loads(out.read_text())
 
 

@@ -21,9 +21,22 @@ OPENAI_FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter", "func
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("soak"), "--num-kv-blocks", "48", "--max-model-len", "256",
-                        "--max-num-seqs", "8", "--max-queue", "64", "--max-body-bytes", str(BODY_LIMIT),
-                        "--log-interval", "0", "--disable-log-requests").start()
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("soak"),
+        "--num-kv-blocks",
+        "48",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "8",
+        "--max-queue",
+        "64",
+        "--max-body-bytes",
+        str(BODY_LIMIT),
+        "--log-interval",
+        "0",
+        "--disable-log-requests",
+    ).start()
     try:
         yield srv
     finally:
@@ -34,12 +47,21 @@ def server(tmp_path_factory):
 def _good(rng: random.Random) -> tuple[str, dict]:
     tokens = rng.randint(1, 8)
     if rng.random() < 0.5:
-        return "/v1/completions", {"model": MODEL, "prompt": rng.choice(["Hello", "1, 2, 3,", "def f(x):"]),
-                                   "max_tokens": tokens, "temperature": rng.choice([0, 0.8]),
-                                   "stream": rng.random() < 0.5, "n": rng.choice([1, 2])}
-    return "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}],
-                                    "max_tokens": tokens, "stream": rng.random() < 0.5,
-                                    "response_format": {"type": "json_object"} if rng.random() < 0.2 else None}
+        return "/v1/completions", {
+            "model": MODEL,
+            "prompt": rng.choice(["Hello", "1, 2, 3,", "def f(x):"]),
+            "max_tokens": tokens,
+            "temperature": rng.choice([0, 0.8]),
+            "stream": rng.random() < 0.5,
+            "n": rng.choice([1, 2]),
+        }
+    return "/v1/chat/completions", {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": tokens,
+        "stream": rng.random() < 0.5,
+        "response_format": {"type": "json_object"} if rng.random() < 0.2 else None,
+    }
 
 
 _MALFORMED = [
@@ -54,10 +76,13 @@ _MALFORMED = [
     ("/v1/completions", json.dumps({"prompt": [99999999]}).encode()),
     ("/v1/completions", json.dumps({"prompt": "x " * 400}).encode()),  # longer than the context
     ("/v1/chat/completions", json.dumps({"messages": []}).encode()),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
-                                         "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}).encode()),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
-                                         "min_tokens": 500}).encode()),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}
+        ).encode(),
+    ),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "min_tokens": 500}).encode()),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode()),
     ("/v1/completions", b"x" * (BODY_LIMIT + 1)),  # oversized body: 413
 ]
@@ -87,8 +112,11 @@ def _one(url: str, i: int) -> tuple[str, int, list[str]]:
             if body["stream"]:
                 for line in r.text.splitlines():
                     if line.startswith("data: {"):
-                        reasons += [c["finish_reason"] for c in json.loads(line[6:]).get("choices", [])
-                                    if c.get("finish_reason")]
+                        reasons += [
+                            c["finish_reason"]
+                            for c in json.loads(line[6:]).get("choices", [])
+                            if c.get("finish_reason")
+                        ]
             else:
                 reasons = [c["finish_reason"] for c in r.json()["choices"]]
         return kind, r.status_code, reasons
@@ -106,13 +134,17 @@ def test_soak_mixed_traffic(server):
     deadline = time.monotonic() + 60  # abandoned requests are aborted as their connections close
     while True:
         m = metric_values(server.url)
-        idle = (m["tokenmill:num_requests_running"] == 0 and m["tokenmill:num_requests_waiting"] == 0
-                and m["tokenmill:num_free_kv_blocks"] == m["tokenmill:num_kv_blocks"])
+        idle = (
+            m["tokenmill:num_requests_running"] == 0
+            and m["tokenmill:num_requests_waiting"] == 0
+            and m["tokenmill:num_free_kv_blocks"] == m["tokenmill:num_kv_blocks"]
+        )
         if idle:
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.25)
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3},
-                   timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3}, timeout=60
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert "Traceback" not in server.log()

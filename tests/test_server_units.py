@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 import pytest
 
 from tokenmill.engine.core import EngineStats, RequestRejected
+from tokenmill.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.outputs import EngineCoreOutput, Logprob
 from tokenmill.engine.request import EngineCoreRequest
-from tokenmill.engine.output_processor import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import core_process
 from tokenmill.server.messages import AbortRequests, AddRejected, AddRequest, Shutdown, StepDone
-from tokenmill.server.request_stream import copy_step
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from tokenmill.server.request_stream import copy_step
 from tokenmill.server.serving import ServingContext
 
 # ---- protocol -----------------------------------------------------------------------------------------
@@ -31,24 +31,27 @@ def parse_error(model, raw: bytes) -> APIError:
     return e.value
 
 
-@pytest.mark.parametrize("raw,param,words", [
-    (b"{not json", None, "not valid JSON"),
-    (b"   ", None, "empty"),
-    (b'"a string"', None, "JSON object"),
-    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", "max_tokens must be"),
-    (b'{"prompt": "x", "max_tokens": 1.5}', "max_tokens", "integer"),
-    (b'{"prompt": "x", "temperature": "1"}', "temperature", "number"),
-    (b'{"prompt": "x", "echo": 1}', "echo", "boolean"),
-    (b'{"prompt": "x", "stop": 3}', "stop", "string or a list of strings"),
-    (b'{"prompt": "x", "stop": [""]}', "stop", "non-empty"),
-    (b'{"prompt": "x", "seed": 100000000000000000000000}', "seed", "64 bits"),
-    (b'{"prompt": "x", "logit_bias": {"a5": 1.0}}', "logit_bias", "token ids"),
-    (b'{"prompt": "x", "logit_bias": {"5": 500}}', "logit_bias", "[-100, 100]"),
-    (b'{"prompt": "x", "best_of": 3}', "best_of", "not supported"),
-    (b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage", "boolean"),
-    (b'{"prompt": {"a": 1}}', "prompt", "token-id lists"),
-    (b'{"max_tokens": 3}', "prompt", "required"),
-])
+@pytest.mark.parametrize(
+    "raw,param,words",
+    [
+        (b"{not json", None, "not valid JSON"),
+        (b"   ", None, "empty"),
+        (b'"a string"', None, "JSON object"),
+        (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", "max_tokens must be"),
+        (b'{"prompt": "x", "max_tokens": 1.5}', "max_tokens", "integer"),
+        (b'{"prompt": "x", "temperature": "1"}', "temperature", "number"),
+        (b'{"prompt": "x", "echo": 1}', "echo", "boolean"),
+        (b'{"prompt": "x", "stop": 3}', "stop", "string or a list of strings"),
+        (b'{"prompt": "x", "stop": [""]}', "stop", "non-empty"),
+        (b'{"prompt": "x", "seed": 100000000000000000000000}', "seed", "64 bits"),
+        (b'{"prompt": "x", "logit_bias": {"a5": 1.0}}', "logit_bias", "token ids"),
+        (b'{"prompt": "x", "logit_bias": {"5": 500}}', "logit_bias", "[-100, 100]"),
+        (b'{"prompt": "x", "best_of": 3}', "best_of", "not supported"),
+        (b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage", "boolean"),
+        (b'{"prompt": {"a": 1}}', "prompt", "token-id lists"),
+        (b'{"max_tokens": 3}', "prompt", "required"),
+    ],
+)
 def test_completion_request_errors_name_the_field(raw, param, words):
     e = parse_error(CompletionRequest, raw)
     assert e.status == 400 and e.param == param and words in e.message, e.to_dict()
@@ -56,21 +59,29 @@ def test_completion_request_errors_name_the_field(raw, param, words):
 
 
 def test_null_fields_mean_their_defaults():
-    req = parse_body(CompletionRequest, b'{"prompt": "x", "n": null, "stream": null, "logprobs": null, '
-                                        b'"echo": null, "max_tokens": null, "stop": null, "min_tokens": null}')
+    req = parse_body(
+        CompletionRequest,
+        b'{"prompt": "x", "n": null, "stream": null, "logprobs": null, '
+        b'"echo": null, "max_tokens": null, "stop": null, "min_tokens": null}',
+    )
     params = req.sampling_params()
     assert (req.n, req.stream, req.echo, params.logprobs, params.min_tokens) == (1, False, False, None, 0)
     assert params.max_tokens is None  # max_tokens is nullable: null is "the room left", as in vLLM
-    chat = parse_body(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "hi"}], "n": null, '
-                                             b'"logprobs": null, "parallel_tool_calls": null}')
+    chat = parse_body(
+        ChatCompletionRequest,
+        b'{"messages": [{"role": "user", "content": "hi"}], "n": null, "logprobs": null, "parallel_tool_calls": null}',
+    )
     assert chat.n == 1 and chat.logprobs is False and chat.parallel_tool_calls is True
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"chat_template": "{% for i in range(10**9) %}{% endfor %}"}, "chat_template_kwargs.chat_template"),
-    ({"tokenize": True}, "chat_template_kwargs.tokenize"),
-    ({"enable_thinking": {"nested": 1}}, "chat_template_kwargs.enable_thinking"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"chat_template": "{% for i in range(10**9) %}{% endfor %}"}, "chat_template_kwargs.chat_template"),
+        ({"tokenize": True}, "chat_template_kwargs.tokenize"),
+        ({"enable_thinking": {"nested": 1}}, "chat_template_kwargs.enable_thinking"),
+    ],
+)
 def test_chat_template_kwargs_are_limited_to_documented_switches(kwargs, param):
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}).encode()
     with pytest.raises(APIError) as e:
@@ -80,40 +91,68 @@ def test_chat_template_kwargs_are_limited_to_documented_switches(kwargs, param):
     assert parse_body(ChatCompletionRequest, ok).template_kwargs() == {"enable_thinking": False}
 
 
-@pytest.mark.parametrize("raw,param,words", [
-    (b'{"messages": "hi"}', "messages", "array"),
-    (b'{"messages": [{"role": "user"}], "max_completion_tokens": 0}', "max_completion_tokens",
-     "max_completion_tokens can be 0 only"),
-    (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages[0].content", "content"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}', "top_logprobs",
-     "top_logprobs must be"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 1}', "top_logprobs", "requires logprobs"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', "tools[0].function",
-     "required"),
-])
+@pytest.mark.parametrize(
+    "raw,param,words",
+    [
+        (b'{"messages": "hi"}', "messages", "array"),
+        (
+            b'{"messages": [{"role": "user"}], "max_completion_tokens": 0}',
+            "max_completion_tokens",
+            "max_completion_tokens can be 0 only",
+        ),
+        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages[0].content", "content"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}',
+            "top_logprobs",
+            "top_logprobs must be",
+        ),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 1}', "top_logprobs", "requires logprobs"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+            "tools[0].function",
+            "required",
+        ),
+    ],
+)
 def test_chat_request_errors_name_the_field(raw, param, words):
     e = parse_error(ChatCompletionRequest, raw)
     assert e.status == 400 and e.param == param and words in e.message, e.to_dict()
 
 
 def test_requests_map_to_sampling_params():
-    req = parse_body(CompletionRequest, b'{"prompt": [1, 2], "n": 2, "temperature": 0, "top_k": -1, "seed": 3, '
-                                        b'"stop": "x", "logprobs": 2, "user": "u", "unknown_field": 1}')
+    req = parse_body(
+        CompletionRequest,
+        b'{"prompt": [1, 2], "n": 2, "temperature": 0, "top_k": -1, "seed": 3, '
+        b'"stop": "x", "logprobs": 2, "user": "u", "unknown_field": 1}',
+    )
     p = req.sampling_params()
     assert (p.n, p.temperature, p.top_k, p.seed, p.stop, p.logprobs, p.max_tokens) == (2, 0.0, 0, 3, ["x"], 2, 16)
-    chat = parse_body(ChatCompletionRequest, b'{"messages": [{"role": "developer", "content": [{"type": "text", '
-                                              b'"text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5, '
-                                              b'"max_completion_tokens": 7, "logprobs": true}')
+    chat = parse_body(
+        ChatCompletionRequest,
+        b'{"messages": [{"role": "developer", "content": [{"type": "text", '
+        b'"text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5, '
+        b'"max_completion_tokens": 7, "logprobs": true}',
+    )
     p = chat.sampling_params()
     assert p.max_tokens == 7 and p.logprobs == 0
     assert chat.chat_messages() == [{"role": "system", "content": "ab"}]
-    assert parse_body(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}]}') \
-        .sampling_params().max_tokens is None
+    assert (
+        parse_body(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}]}')
+        .sampling_params()
+        .max_tokens
+        is None
+    )
 
 
 def _ctx(max_model_len=100, capacity=80) -> ServingContext:
-    return ServingContext(client=None, tokenizer=None, model_names=["m", "alias"], max_model_len=max_model_len,
-                          capacity_tokens=capacity, vocab_size=1000)
+    return ServingContext(
+        client=None,
+        tokenizer=None,
+        model_names=["m", "alias"],
+        max_model_len=max_model_len,
+        capacity_tokens=capacity,
+        vocab_size=1000,
+    )
 
 
 def test_context_checks():
@@ -134,6 +173,7 @@ def test_context_checks():
 
 
 # ---- engine-core loop ---------------------------------------------------------------------------------
+
 
 class FakeKV:
     num_free_blocks, num_blocks = 10, 10
@@ -163,7 +203,10 @@ class FakeCore:
         return bool(self.pending)
 
     def step(self):
-        outs = [EngineCoreOutput(request_id=r, new_token_ids=[7], timestamp=1.0, finish_reason="length") for r in self.pending]
+        outs = [
+            EngineCoreOutput(request_id=r, new_token_ids=[7], timestamp=1.0, finish_reason="length")
+            for r in self.pending
+        ]
         self.pending = []
         return outs
 
@@ -185,8 +228,10 @@ def test_core_loop_handles_adds_rejections_aborts_and_shutdown():
         messages.append(outputs.get())
     rejected = {m.request_id: m.message for m in messages if isinstance(m, AddRejected)}
     # a bug in add_request is logged, not forwarded (no exception names or internals to the client)
-    assert rejected == {"too-long": "prompt too long",
-                        "broken": "the engine could not accept this request (see the server log)"}
+    assert rejected == {
+        "too-long": "prompt too long",
+        "broken": "the engine could not accept this request (see the server log)",
+    }
     # shutdown came in the same drain as the adds: the loop stops before stepping
     assert not [m for m in messages if isinstance(m, StepDone)]
     assert core.aborted == ["broken", "b"]
@@ -217,12 +262,24 @@ def test_core_loop_steps_and_reports_stats():
 
 # ---- output snapshots and metrics ---------------------------------------------------------------------
 
+
 def _result(finished: bool, deltas: list[int], times: list[float]) -> RequestOutput:
-    out = CompletionOutput(0, text="ab", token_ids=[1, 2], delta_text="b", delta_token_ids=deltas,
-                           finish_reason="length" if finished else None,
-                           delta_logprobs=[{2: Logprob(-0.5, 1)}])
-    metrics = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, token_times=times,
-                             finished_time=times[-1] if finished else None)
+    out = CompletionOutput(
+        0,
+        text="ab",
+        token_ids=[1, 2],
+        delta_text="b",
+        delta_token_ids=deltas,
+        finish_reason="length" if finished else None,
+        delta_logprobs=[{2: Logprob(-0.5, 1)}],
+    )
+    metrics = RequestMetrics(
+        arrival_time=10.0,
+        first_scheduled_time=10.5,
+        first_token_time=11.0,
+        token_times=times,
+        finished_time=times[-1] if finished else None,
+    )
     return RequestOutput("r", None, [5, 6, 7], [out], metrics, num_cached_tokens=2, finished=finished)
 
 
@@ -240,8 +297,18 @@ def test_metrics_observe_engine_timestamps():
     m = ServerMetrics("m", log_requests=False)
     m.on_outputs([_result(False, [1], [11.0])])
     m.on_outputs([_result(True, [2, 3], [11.0, 11.5, 12.0])])
-    m.on_stats({"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.25, "num_preemptions": 2,
-                "num_free_blocks": 3, "num_blocks": 4, "prefix_cache_queries": 3, "prefix_cache_hits": 1})
+    m.on_stats(
+        {
+            "num_running": 0,
+            "num_waiting": 0,
+            "kv_cache_usage": 0.25,
+            "num_preemptions": 2,
+            "num_free_blocks": 3,
+            "num_blocks": 4,
+            "prefix_cache_queries": 3,
+            "prefix_cache_hits": 1,
+        }
+    )
     m.on_stats({"num_preemptions": 3, "prefix_cache_queries": 6, "prefix_cache_hits": 2})
 
     def value(name, **labels):
@@ -273,8 +340,9 @@ def test_undelivered_steps_merge_so_a_slow_reader_holds_one_output():
     async def read(steps, error=None):
         stream = RequestStream(SimpleNamespace(_streams={}, abort=lambda rid: None), "r")
         for i, (index, text, finish) in enumerate(steps):
-            stream.put(StreamOutput("r", [1], 0, [SampleDelta(index, text, [i], [{}], finish, None)],
-                                    finish is not None, []))
+            stream.put(
+                StreamOutput("r", [1], 0, [SampleDelta(index, text, [i], [{}], finish, None)], finish is not None, [])
+            )
         if error is not None:
             stream.put(error)
         assert len(stream._pending) == 1 + (error is not None)

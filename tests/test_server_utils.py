@@ -48,8 +48,12 @@ class ServerProcess:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.pop("TOKENMILL_API_KEY", None)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.server.cli", "serve", *self.args],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tokenmill.server.cli", "serve", *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -147,7 +151,7 @@ def sse_events(response: httpx.Response) -> list[str]:
     events = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            events.append(line[len("data: "):])
+            events.append(line[len("data: ") :])
         else:
             assert line == "", f"unexpected SSE line {line!r}"
     return events

@@ -9,9 +9,9 @@ import random
 import httpx
 import pytest
 import torch
-
 from helpers import make_core, make_tiny_model, run_core
 from test_server_utils import MODEL, model_available, running_server
+
 from tokenmill.config import SpeculativeConfig
 from tokenmill.sample.rejection_sampler import target_probs, verify
 from tokenmill.sampling_params import SamplingParams
@@ -45,8 +45,15 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float
     return float(((obs[nonzero] - exp[nonzero]) ** 2 / exp[nonzero]).sum()), int(nonzero.sum()) - 1
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=12),
-                                    SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "top-k", "top-p"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=12),
+        SamplingParams(temperature=1.3, top_p=0.8),
+    ],
+    ids=["t1", "top-k", "top-p"],
+)
 def test_rejection_sampling_keeps_the_target_distribution(params):
     """The first emitted token is distributed as p_1 whatever the draft; after an accepted first draft
     the second is distributed as p_2."""
@@ -67,8 +74,9 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     assert stat < chi_square_critical(df)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)],
-                         ids=["t1", "top-p"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)], ids=["t1", "top-p"]
+)
 def test_rejection_sampling_with_sampled_drafts_keeps_the_target_distribution(params):
     """Drafts drawn from a draft distribution q (min(1, p/q) acceptance, residual max(p - q, 0)): the first
     emitted token is distributed as p_1, the second (after an accepted first draft) as p_2."""
@@ -118,24 +126,37 @@ def test_greedy_output_is_identical_with_speculation(tmp_path, name):
     make_tiny_model(name, tmp_path)
     prompts = repetitive_prompts(8)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    params = [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
-                             frequency_penalty=0.2, logit_bias={int(prompts[6][0]): 2.0}),
-              SamplingParams(temperature=0, max_tokens=40, min_tokens=20, stop_token_ids=[int(prompts[7][1])])]
+    params = [
+        greedy,
+        greedy,
+        greedy,
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5),
+        SamplingParams(
+            temperature=0,
+            max_tokens=40,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            frequency_penalty=0.2,
+            logit_bias={int(prompts[6][0]): 2.0},
+        ),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=20, stop_token_ids=[int(prompts[7][1])]),
+    ]
     plain_logprobs, spec_logprobs = {}, {}
     plain = run_core(make_core(str(tmp_path), block_size=8), prompts, params, logprobs=plain_logprobs)
     core = make_core(str(tmp_path), block_size=8, speculative=SPEC)
     drafted = set()
-    spec = run_core(core, prompts, params, on_step=lambda c: drafted.update(c.last_schedule.spec_token_ids),
-                    logprobs=spec_logprobs)
+    spec = run_core(
+        core, prompts, params, on_step=lambda c: drafted.update(c.last_schedule.spec_token_ids), logprobs=spec_logprobs
+    )
     assert spec == plain
     assert len(spec_logprobs["3"]) == len(plain_logprobs["3"]) == 40
     for got, want in zip(spec_logprobs["3"], plain_logprobs["3"]):  # the same logprobs, token by token
         assert got.keys() == want.keys()
-        assert all(got[t].rank == want[t].rank and got[t].logprob == pytest.approx(want[t].logprob, abs=1e-4)
-                   for t in got)
+        assert all(
+            got[t].rank == want[t].rank and got[t].logprob == pytest.approx(want[t].logprob, abs=1e-4) for t in got
+        )
     stats = core.scheduler.spec_stats
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     # all may draft but the one that opted out (a penalty that stops repetition leaves n-grams nothing)
@@ -204,8 +225,7 @@ def test_under_load_nothing_is_drafted(tmp_path):
             loaded_steps.append(c)
             assert not any(r.spec_token_ids for r in c.scheduler.running)
 
-    run_core(core, repetitive_prompts(4), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-             on_step=check)
+    run_core(core, repetitive_prompts(4), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), on_step=check)
     assert loaded_steps and core.scheduler.spec_stats.num_drafts == 0
 
 
@@ -225,8 +245,16 @@ def test_speculative_config_errors():
 def spec_server(tmp_path_factory):
     if not model_available():
         pytest.skip(f"{MODEL} is not installed")
-    yield from running_server(tmp_path_factory, "spec", "--dtype", "float32", "--num-kv-blocks", "256",
-                              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 6}')
+    yield from running_server(
+        tmp_path_factory,
+        "spec",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "256",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 6}',
+    )
 
 
 def test_server_speculates_with_the_same_greedy_text_and_reports_it(spec_server):
@@ -240,18 +268,31 @@ def test_server_speculates_with_the_same_greedy_text_and_reports_it(spec_server)
     client = spec_server.openai_client()
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=64, temperature=0).choices[0].text
     metrics = httpx.get(f"{spec_server.url}/metrics").text
-    accepted = [float(line.split()[-1]) for line in metrics.splitlines()
-                if line.startswith("tokenmill:spec_decode_num_accepted_tokens_total")]
+    accepted = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("tokenmill:spec_decode_num_accepted_tokens_total")
+    ]
     assert accepted and accepted[0] > 0
     assert "tokenmill:spec_decode_num_accepted_tokens_per_pos_total" in metrics
-    want = LLM(MODEL, dtype="float32").generate([prompt], SamplingParams(temperature=0, max_tokens=64),
-                                                use_tqdm=False)[0].outputs[0].text
+    want = (
+        LLM(MODEL, dtype="float32")
+        .generate([prompt], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     assert got == want
-    opted_out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
-                                          extra_body={"speculative": False}).choices[0].text
+    opted_out = (
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"speculative": False}
+        )
+        .choices[0]
+        .text
+    )
     after = httpx.get(f"{spec_server.url}/metrics").text
-    assert [line for line in after.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")] == \
-        [line for line in metrics.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")]
+    assert [line for line in after.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")] == [
+        line for line in metrics.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")
+    ]
     assert opted_out == want[: len(opted_out)]
 
 
@@ -270,8 +311,10 @@ def test_drafts_are_sized_by_acceptance(tmp_path):
     rng = random.Random(4)
     prompts = [[rng.randrange(256) for _ in range(40)] for _ in range(2)]  # little to look up
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    always, sized = make_core(str(tmp_path), speculative=SPEC), make_core(
-        str(tmp_path), speculative=SpeculativeConfig(num_speculative_tokens=5))
+    always, sized = (
+        make_core(str(tmp_path), speculative=SPEC),
+        make_core(str(tmp_path), speculative=SpeculativeConfig(num_speculative_tokens=5)),
+    )
     assert run_core(always, prompts, greedy) == run_core(sized, prompts, greedy)
     a, s = always.scheduler.spec_stats, sized.scheduler.spec_stats
     assert a.num_draft_tokens > 0 and s.num_draft_tokens < a.num_draft_tokens
@@ -294,8 +337,12 @@ def test_n_greater_than_one_speculates_per_sample():
     got = [o.token_ids for o in llm.generate([prompt], greedy, use_tqdm=False)[0].outputs]
     stats = llm.engine.core.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
-    want = LLM(MODEL, dtype="float32").generate([prompt], SamplingParams(temperature=0, max_tokens=48),
-                                                use_tqdm=False)[0].outputs[0].token_ids
+    want = (
+        LLM(MODEL, dtype="float32")
+        .generate([prompt], SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert got == [want, want]
     sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=32, n=3)
     first, again = ([o.token_ids for o in llm.generate([prompt], sampled, use_tqdm=False)[0].outputs] for _ in range(2))

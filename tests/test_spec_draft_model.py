@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import all_logits, make_core, make_tiny_model, run_core
 from test_spec_decode import repetitive_prompts
+
 from tokenmill.config import EngineConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.sampling_params import SamplingParams
 
 
 def draft_spec(model: str, **kw) -> SpeculativeConfig:
-    return SpeculativeConfig(**{"method": "draft_model", "model": model, "disable_by_batch_size": 64,
-                                "min_acceptance": 0.0, **kw})
+    return SpeculativeConfig(
+        **{"method": "draft_model", "model": model, "disable_by_batch_size": 64, "min_acceptance": 0.0, **kw}
+    )
 
 
 def propose(proposer, **wanted) -> dict[str, list[int]]:
@@ -41,8 +42,13 @@ def test_greedy_output_is_identical_with_a_draft_model(models, which):
     draft = target if which == "itself" else other
     prompts = repetitive_prompts(5)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    params = [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False)]
+    params = [
+        greedy,
+        greedy,
+        greedy,
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False),
+    ]
     plain = run_core(make_core(target, block_size=8), prompts, params)
     core = make_core(target, block_size=8, speculative=draft_spec(draft, num_speculative_tokens=3))
     drafted = set()

@@ -11,22 +11,30 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from helpers import make_core, make_tiny_model, run_core
 from test_spec_decode import repetitive_prompts
+
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tools import train_eagle
 from tokenmill.spec_decode.hidden_drafter import Feed
+from tokenmill.tools import train_eagle
 
 AUX = (0, 1, 3)  # of the target's 4 layers (the default 2, L // 2, L - 3 needs L >= 6)
 
 
 def eagle_spec(path: str, **kw) -> SpeculativeConfig:
-    return SpeculativeConfig(**{"method": "eagle3", "model": path, "disable_by_batch_size": 64,
-                                "min_acceptance": 0.0, "num_speculative_tokens": 3, **kw})
+    return SpeculativeConfig(
+        **{
+            "method": "eagle3",
+            "model": path,
+            "disable_by_batch_size": 64,
+            "min_acceptance": 0.0,
+            "num_speculative_tokens": 3,
+            **kw,
+        }
+    )
 
 
 def random_drafter(config, seed: int = 1) -> train_eagle.Eagle3Trainable:
@@ -89,8 +97,12 @@ def test_greedy_output_is_identical_with_an_eagle3_drafter(target):
     model, path, _, _ = target
     prompts = repetitive_prompts(4)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    params = [greedy, greedy, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1),
-              SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=False)]
+    params = [
+        greedy,
+        greedy,
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=False),
+    ]
     plain = run_core(make_core(model, block_size=8), prompts, params)
     core = make_core(model, block_size=8, speculative=eagle_spec(path), max_num_batched_tokens=64)
     drafted = set()
@@ -179,7 +191,9 @@ def test_bad_eagle3_checkpoints_are_named(target, tmp_path):
     with pytest.raises(ValueError, match="target_hidden_size .* is 32, the target's hidden size is 64"):
         make_core(model, speculative=eagle_spec(write("hidden", target_hidden_size=32)))
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids must name 3 different layers"):
-        make_core(model, speculative=eagle_spec(write("aux", eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 9]})))
+        make_core(
+            model, speculative=eagle_spec(write("aux", eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 9]}))
+        )
     with pytest.raises(ValueError, match="field draft_vocab_size must be a positive integer"):
         make_core(model, speculative=eagle_spec(write("vocab", draft_vocab_size=0)))
     with pytest.raises(ValueError, match=r"lm_head.weight has shape \(128, 64\), config.json fields draft_vocab_size"):

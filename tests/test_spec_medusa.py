@@ -9,11 +9,11 @@ import json
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from helpers import make_core, make_tiny_model, run_core
+from safetensors.torch import save_file
 from test_server_utils import MODEL, model_available, running_server
 from test_spec_decode import repetitive_prompts
+
 from tokenmill.config import SpeculativeConfig
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.medusa import MedusaHeads, load_medusa_heads, save_medusa_heads
@@ -33,8 +33,12 @@ def test_both_checkpoint_layouts_load_the_same_heads(tmp_path):
     save_medusa_heads(heads, str(tmp_path / "medusa"), "tiny")
     vllm_dir = tmp_path / "vllm"  # vLLM's names for the same tensors
     vllm_dir.mkdir()
-    tensors = {f"blocks.{i}.layers.{j}.{kind}": getattr(linear, kind).detach().clone()
-               for i, layers in enumerate(heads.blocks) for j, linear in enumerate(layers) for kind in ("weight", "bias")}
+    tensors = {
+        f"blocks.{i}.layers.{j}.{kind}": getattr(linear, kind).detach().clone()
+        for i, layers in enumerate(heads.blocks)
+        for j, linear in enumerate(layers)
+        for kind in ("weight", "bias")
+    }
     tensors.update({f"lm_heads.{i}.weight": h.weight.detach().clone() for i, h in enumerate(heads.lm_heads)})
     save_file(tensors, str(vllm_dir / "model.safetensors"))
     (vllm_dir / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 3, "num_hidden_layers": 2}))
@@ -87,12 +91,18 @@ def test_greedy_output_is_identical_with_medusa_heads(tmp_path, name):
     """Medusa drafts verified in batches with requests that do not speculate; every block returns."""
     hf = make_tiny_model(name, tmp_path / "model")
     heads = identity_heads(tmp_path / "heads", hf.config.hidden_size, hf.config.vocab_size)
-    spec = SpeculativeConfig(method="medusa", model=heads, num_speculative_tokens=3, disable_by_batch_size=64,
-                             min_acceptance=0.0)
+    spec = SpeculativeConfig(
+        method="medusa", model=heads, num_speculative_tokens=3, disable_by_batch_size=64, min_acceptance=0.0
+    )
     prompts = repetitive_prompts(5)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    params = [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False)]
+    params = [
+        greedy,
+        greedy,
+        greedy,
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False),
+    ]
     plain = run_core(make_core(str(tmp_path / "model"), block_size=8), prompts, params)
     core = make_core(str(tmp_path / "model"), block_size=8, speculative=spec)
     drafted = set()
@@ -125,8 +135,7 @@ def trained_heads(tmp_path_factory):
     from tokenmill.tools.train_head import TrainOptions, train_draft_head
 
     out = tmp_path_factory.mktemp("heads")
-    opts = TrainOptions(num_heads=2, num_prompts=24, prompt_tokens=48, max_tokens=48, epochs=2, lr=3e-3,
-                        progress=False)
+    opts = TrainOptions(num_heads=2, num_prompts=24, prompt_tokens=48, max_tokens=48, epochs=2, lr=3e-3, progress=False)
     report = train_draft_head(MODEL, str(out), opts)
     return str(out), report
 
@@ -146,18 +155,23 @@ def test_trained_heads_learn_and_load_like_published_ones(trained_heads):
 
     llm = LLM(MODEL, speculative_config={"method": "medusa", "model": path, "min_acceptance": 0.0})
     ids = llm.get_tokenizer().encode(corpus_text())
-    llm.generate([{"prompt_token_ids": ids[s : s + 48]} for s in (5000, 20000)],
-                 SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": ids[s : s + 48]} for s in (5000, 20000)],
+        SamplingParams(temperature=0, max_tokens=64),
+        use_tqdm=False,
+    )
     stats = llm.engine.core.scheduler.spec_stats
     assert stats.num_drafts > 50 and stats.num_accepted_tokens > 0
 
 
 @pytest.fixture(scope="module")
 def medusa_server(tmp_path_factory, trained_heads):
-    spec = json.dumps({"method": "medusa", "model": trained_heads[0], "num_speculative_tokens": 2,
-                       "min_acceptance": 0.0})
-    yield from running_server(tmp_path_factory, "medusa", "--dtype", "float32", "--num-kv-blocks", "256",
-                              "--speculative-config", spec)
+    spec = json.dumps(
+        {"method": "medusa", "model": trained_heads[0], "num_speculative_tokens": 2, "min_acceptance": 0.0}
+    )
+    yield from running_server(
+        tmp_path_factory, "medusa", "--dtype", "float32", "--num-kv-blocks", "256", "--speculative-config", spec
+    )
 
 
 def test_server_with_trained_heads_keeps_the_greedy_text_and_reports_drafting(medusa_server):
@@ -167,10 +181,17 @@ def test_server_with_trained_heads_keeps_the_greedy_text_and_reports_drafting(me
 
     client = medusa_server.openai_client()
     messages = [{"role": "user", "content": "List the days of the week, one per line."}]
-    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48,
-                                         temperature=0).choices[0].message.content
-    want = LLM(MODEL, dtype="float32").chat(messages, SamplingParams(temperature=0, max_tokens=48),
-                                            use_tqdm=False)[0].outputs[0].text
+    got = (
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    want = (
+        LLM(MODEL, dtype="float32")
+        .chat(messages, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     assert got == want
     metrics = httpx.get(f"{medusa_server.url}/metrics").text
 

@@ -10,17 +10,24 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from helpers import make_core, make_tiny_model, run_core
+from safetensors.torch import load_file, save_file
 from test_spec_decode import repetitive_prompts
+
 from tokenmill.config import SpeculativeConfig
 from tokenmill.sampling_params import SamplingParams
 
 
 def mtp_spec(**kw) -> SpeculativeConfig:
-    return SpeculativeConfig(**{"method": "deepseek_mtp", "disable_by_batch_size": 64, "min_acceptance": 0.0,
-                                "num_speculative_tokens": 2, **kw})
+    return SpeculativeConfig(
+        **{
+            "method": "deepseek_mtp",
+            "disable_by_batch_size": 64,
+            "min_acceptance": 0.0,
+            "num_speculative_tokens": 2,
+            **kw,
+        }
+    )
 
 
 def with_mtp_layer(directory, copies_last_choice: bool) -> None:
@@ -61,16 +68,22 @@ def test_greedy_output_is_identical_with_mtp(models, which):
     model = str(models / which)
     prompts = repetitive_prompts(3)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    params = [greedy, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False)]
+    params = [
+        greedy,
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False),
+    ]
     plain = run_core(make_core(model, block_size=8), prompts, params)
     core = make_core(model, block_size=8, speculative=mtp_spec(), max_num_batched_tokens=48)
     assert core.config.speculative.method == "mtp"  # deepseek_mtp is its alias
     drafts = []
 
     def record(c) -> None:
-        drafts.extend((r.spec_token_ids, (r.prompt_token_ids + r.output_token_ids)[-1])
-                      for r in c.scheduler.running if r.spec_token_ids)
+        drafts.extend(
+            (r.spec_token_ids, (r.prompt_token_ids + r.output_token_ids)[-1])
+            for r in c.scheduler.running
+            if r.spec_token_ids
+        )
 
     assert run_core(core, prompts, params, on_step=record) == plain
     assert drafts and core.scheduler.spec_stats.num_draft_tokens > 0

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from helpers import make_core, make_tiny_model, run_core
+
 from tokenmill.attention.kv_spec import AttentionSpec, make_kv_cache_config
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
@@ -65,8 +65,12 @@ def test_preempted_request_resumes_with_a_whole_new_block_table(tmp_path):
     expected = run_core(make_core(str(tmp_path), loaded=loaded), prompts, params)
     core = make_core(str(tmp_path), loaded=loaded, num_blocks=14, block_size=8)
     resumed = []
-    got = run_core(core, prompts, params,
-                   on_step=lambda c: resumed.extend(r.request_id for r in c.last_schedule.cached_requests if r.resumed))
+    got = run_core(
+        core,
+        prompts,
+        params,
+        on_step=lambda c: resumed.extend(r.request_id for r in c.last_schedule.cached_requests if r.resumed),
+    )
     assert core.scheduler.num_preemptions > 0 and resumed
     assert got == expected
     assert set(core.executor.runner.requests) <= set(core.scheduler._finished_ids)  # told at the next step
@@ -77,8 +81,9 @@ def test_preempted_request_resumes_with_a_whole_new_block_table(tmp_path):
 def test_kv_cache_is_sized_from_layer_specs():
     full = AttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.float32)
     small = AttentionSpec(num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
-    config = make_kv_cache_config({"l0": full, "l1": small, "l2": full}, CacheConfig(block_size=4,
-                                                                                     kv_cache_memory_gib=1 / 1024))
+    config = make_kv_cache_config(
+        {"l0": full, "l1": small, "l2": full}, CacheConfig(block_size=4, kv_cache_memory_gib=1 / 1024)
+    )
     assert [(g.spec, g.layer_names) for g in config.groups] == [(full, ["l0", "l2"]), (small, ["l1"])]
     assert config.bytes_per_block == 4 * (2 * 2 * 8 * 4 * 2 + 2 * 2 * 8 * 2)
     assert config.num_blocks == 2**20 // config.bytes_per_block
@@ -122,9 +127,11 @@ def test_bfloat16_kv_cache_under_float32_compute(tmp_path):
 
 
 def test_model_files_are_imported_only_when_used():
-    code = ("import sys, tokenmill.config, tokenmill.models.registry as r; "
-            "assert 'tokenmill.models.llama' not in sys.modules; "
-            "r.model_class('Qwen2ForCausalLM'); assert 'tokenmill.models.llama' in sys.modules")
+    code = (
+        "import sys, tokenmill.config, tokenmill.models.registry as r; "
+        "assert 'tokenmill.models.llama' not in sys.modules; "
+        "r.model_class('Qwen2ForCausalLM'); assert 'tokenmill.models.llama' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -29,58 +29,169 @@ pytestmark = pytest.mark.skipif(not model_available(), reason=f"model {MODEL} is
 # 20 schemas: nested objects, arrays with min/max items, enums, required fields, bounded numbers, patterns.
 # Strings and arrays are bounded so every output can finish within max_tokens.
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"]},
-    {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
-     "required": ["color"]},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    },
+    {
+        "type": "object",
+        "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+    },
     {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "null"}}, "required": ["ok", "note"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
-                                               "minItems": 2, "maxItems": 3}}, "required": ["tags"]},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 9999},
-        "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}}, "required": ["id", "email"]}},
-     "required": ["user"]},
-    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0, "maximum": 100}},
-     "required": ["price"]},
-    {"type": "object", "properties": {"date": {"type": "string", "pattern": "^\\d{4}-\\d{2}-\\d{2}$"}},
-     "required": ["date"]},
-    {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
-        "type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
-                                         "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-        "required": ["sku", "qty"]}}}, "required": ["items"]},
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 2, "maxItems": 3}
+        },
+        "required": ["tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                    "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"},
+                },
+                "required": ["id", "email"],
+            }
+        },
+        "required": ["user"],
+    },
+    {
+        "type": "object",
+        "properties": {"price": {"type": "number", "minimum": 0, "maximum": 100}},
+        "required": ["price"],
+    },
+    {
+        "type": "object",
+        "properties": {"date": {"type": "string", "pattern": "^\\d{4}-\\d{2}-\\d{2}$"}},
+        "required": ["date"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "qty"],
+                },
+            }
+        },
+        "required": ["items"],
+    },
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 3, "maxItems": 5},
     {"type": "string", "enum": ["alpha", "beta", "gamma"]},
-    {"type": "object", "properties": {"level": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}},
-     "required": ["level"]},
-    {"type": "object", "properties": {"version": {"const": "v1"}, "count": {"type": "integer", "minimum": 0,
-                                                                            "maximum": 50}},
-     "required": ["version", "count"]},
-    {"type": "object", "properties": {"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 1000},
-                                                       {"type": "string", "pattern": "^[a-f0-9]{4}$"}]}},
-     "required": ["id"]},
-    {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
-                                                          "y": {"type": "integer", "minimum": -9, "maximum": 9}},
-                         "required": ["x", "y"]}},
-     "type": "object", "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
-     "required": ["a", "b"]},
-    {"type": "object", "properties": {"code": {"type": "string", "minLength": 3, "maxLength": 5}},
-     "required": ["code"]},
-    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 20},
-                                      "pages": {"type": "integer", "minimum": 1, "maximum": 999},
-                                      "isbn": {"type": "string", "pattern": "^[0-9]{10}$"}},
-     "required": ["title", "isbn"]},
-    {"type": "object", "properties": {"grid": {"type": "array", "minItems": 2, "maxItems": 2, "items": {
-        "type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": 9}}}},
-     "required": ["grid"]},
+    {
+        "type": "object",
+        "properties": {"level": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}},
+        "required": ["level"],
+    },
+    {
+        "type": "object",
+        "properties": {"version": {"const": "v1"}, "count": {"type": "integer", "minimum": 0, "maximum": 50}},
+        "required": ["version", "count"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "id": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0, "maximum": 1000},
+                    {"type": "string", "pattern": "^[a-f0-9]{4}$"},
+                ]
+            }
+        },
+        "required": ["id"],
+    },
+    {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": -9, "maximum": 9},
+                    "y": {"type": "integer", "minimum": -9, "maximum": 9},
+                },
+                "required": ["x", "y"],
+            }
+        },
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+        "required": ["a", "b"],
+    },
+    {
+        "type": "object",
+        "properties": {"code": {"type": "string", "minLength": 3, "maxLength": 5}},
+        "required": ["code"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 20},
+            "pages": {"type": "integer", "minimum": 1, "maximum": 999},
+            "isbn": {"type": "string", "pattern": "^[0-9]{10}$"},
+        },
+        "required": ["title", "isbn"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "grid": {
+                "type": "array",
+                "minItems": 2,
+                "maxItems": 2,
+                "items": {
+                    "type": "array",
+                    "minItems": 2,
+                    "maxItems": 2,
+                    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+            }
+        },
+        "required": ["grid"],
+    },
     {"type": "object", "properties": {"answer": {"enum": ["yes", "no", 0, 1, True, None]}}, "required": ["answer"]},
-    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[0-9a-f]{8}-[0-9a-f]{4}$"},
-                                      "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1,
-                                                "maxItems": 3}},
-     "required": ["id", "flags"]},
-    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
-        "c": {"type": "string", "enum": ["x", "y"]}, "d": {"type": "number", "minimum": -1, "maximum": 1}},
-        "required": ["c", "d"]}}, "required": ["b"]}}, "required": ["a"]},
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": "^[0-9a-f]{8}-[0-9a-f]{4}$"},
+            "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["id", "flags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {
+                    "b": {
+                        "type": "object",
+                        "properties": {
+                            "c": {"type": "string", "enum": ["x", "y"]},
+                            "d": {"type": "number", "minimum": -1, "maximum": 1},
+                        },
+                        "required": ["c", "d"],
+                    }
+                },
+                "required": ["b"],
+            }
+        },
+        "required": ["a"],
+    },
 ]
 
 # Bounded arithmetic: at most 3 operators per level and one level of parentheses, so it always ends.
@@ -97,8 +208,12 @@ num ::= [1-9] [0-9]{0,2}
 @pytest.fixture(scope="module")
 def engine():
     # the exact mode: tests compare outputs across batchings and against the exact `default_model`
-    config = EngineConfig(model=MODEL, dtype="float32", cache=CacheConfig(num_blocks=512),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64))
+    config = EngineConfig(
+        model=MODEL,
+        dtype="float32",
+        cache=CacheConfig(num_blocks=512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64),
+    )
     return LLMEngine(config)
 
 
@@ -126,9 +241,12 @@ def test_twenty_json_schemas_always_validate(engine):
     for i, schema in enumerate(SCHEMAS):
         # half greedy, half sampled (each seeded), in one batch
         sampling = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=1.0, top_p=0.95, seed=i)
-        requests.append((chat(engine, f"Reply with JSON for this schema: {json.dumps(schema)}"),
-                         SamplingParams(max_tokens=96, structured_output=StructuredOutputSpec.json(schema),
-                                        **sampling)))
+        requests.append(
+            (
+                chat(engine, f"Reply with JSON for this schema: {json.dumps(schema)}"),
+                SamplingParams(max_tokens=96, structured_output=StructuredOutputSpec.json(schema), **sampling),
+            )
+        )
     outputs = run(engine, requests)
     for schema, out in zip(SCHEMAS, outputs):
         o = out.outputs[0]
@@ -138,12 +256,19 @@ def test_twenty_json_schemas_always_validate(engine):
 
 def test_json_object_and_any_json(engine):
     # any object / any value is unbounded: prompts that invite a short answer, so it ends within max_tokens
-    outputs = run(engine, [
-        (chat(engine, 'Repeat this JSON exactly: {"cat": "Tom", "age": 3}'),
-         SamplingParams(temperature=0, max_tokens=64, structured_output=StructuredOutputSpec.json_object())),
-        (chat(engine, "Repeat this JSON exactly: [1, 2, 3]"),
-         SamplingParams(temperature=0, max_tokens=64, structured_output=StructuredOutputSpec.json({}))),
-    ])
+    outputs = run(
+        engine,
+        [
+            (
+                chat(engine, 'Repeat this JSON exactly: {"cat": "Tom", "age": 3}'),
+                SamplingParams(temperature=0, max_tokens=64, structured_output=StructuredOutputSpec.json_object()),
+            ),
+            (
+                chat(engine, "Repeat this JSON exactly: [1, 2, 3]"),
+                SamplingParams(temperature=0, max_tokens=64, structured_output=StructuredOutputSpec.json({})),
+            ),
+        ],
+    )
     assert isinstance(json.loads(outputs[0].outputs[0].text), dict), outputs[0].outputs[0].text
     json.loads(outputs[1].outputs[0].text)
 
@@ -160,14 +285,26 @@ SAMPLING_MODES = [
 
 def test_regex_choice_and_grammar_always_match(engine):
     cases = [
-        (StructuredOutputSpec.regex(r"\(\d{3}\) \d{3}-\d{4}"), "What is your phone number?",
-         lambda t: re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", t)),
-        (StructuredOutputSpec.regex(r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)"), "Write an email address.",
-         lambda t: re.fullmatch(r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)", t)),
-        (StructuredOutputSpec.choice(["Positive", "Negative", "Neutral"]), "Sentiment of 'I love it'?",
-         lambda t: t in ("Positive", "Negative", "Neutral")),
-        (StructuredOutputSpec.grammar(ARITHMETIC), "Write an arithmetic expression.",
-         lambda t: isinstance(ast.parse(t, mode="eval").body, (ast.BinOp, ast.Constant))),
+        (
+            StructuredOutputSpec.regex(r"\(\d{3}\) \d{3}-\d{4}"),
+            "What is your phone number?",
+            lambda t: re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", t),
+        ),
+        (
+            StructuredOutputSpec.regex(r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)"),
+            "Write an email address.",
+            lambda t: re.fullmatch(r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)", t),
+        ),
+        (
+            StructuredOutputSpec.choice(["Positive", "Negative", "Neutral"]),
+            "Sentiment of 'I love it'?",
+            lambda t: t in ("Positive", "Negative", "Neutral"),
+        ),
+        (
+            StructuredOutputSpec.grammar(ARITHMETIC),
+            "Write an arithmetic expression.",
+            lambda t: isinstance(ast.parse(t, mode="eval").body, (ast.BinOp, ast.Constant)),
+        ),
     ]
     requests, checks = [], []
     for spec, question, check in cases:
@@ -185,13 +322,22 @@ def test_constrained_and_unconstrained_batched_together(engine):
     free = SamplingParams(temperature=0, max_tokens=24)
     alone = run(engine, [(free_prompt, free)])[0].outputs[0].token_ids
     schema = SCHEMAS[0]
-    outputs = run(engine, [
-        (chat(engine, "A person as JSON."), SamplingParams(temperature=0, max_tokens=64,
-                                                           structured_output=StructuredOutputSpec.json(schema))),
-        (free_prompt, free),
-        (chat(engine, "Yes or no?"), SamplingParams(temperature=0, max_tokens=8,
-                                                    structured_output=StructuredOutputSpec.choice(["yes", "no"]))),
-    ])
+    outputs = run(
+        engine,
+        [
+            (
+                chat(engine, "A person as JSON."),
+                SamplingParams(temperature=0, max_tokens=64, structured_output=StructuredOutputSpec.json(schema)),
+            ),
+            (free_prompt, free),
+            (
+                chat(engine, "Yes or no?"),
+                SamplingParams(
+                    temperature=0, max_tokens=8, structured_output=StructuredOutputSpec.choice(["yes", "no"])
+                ),
+            ),
+        ],
+    )
     jsonschema.validate(json.loads(outputs[0].outputs[0].text), schema)
     assert outputs[1].outputs[0].token_ids == alone  # the mask touched only the constrained rows
     assert outputs[2].outputs[0].text in ("yes", "no")
@@ -200,17 +346,27 @@ def test_constrained_and_unconstrained_batched_together(engine):
 def test_preemption_keeps_constrained_outputs_exact(engine, default_model):
     """A KV pool far too small for the batch preempts requests again and again; their matchers must
     neither skip nor repeat a token, so the outputs equal those of a run with room for all."""
-    schemas = [{"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": k,
-                "maxItems": k} for k in (12, 14, 16, 18, 20, 22)]
+    schemas = [
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": k, "maxItems": k}
+        for k in (12, 14, 16, 18, 20, 22)
+    ]
     prompts = [chat(engine, "List some numbers.")] + [chat(engine, "Count.") for _ in schemas[1:]]
-    params = [SamplingParams(temperature=0, max_tokens=96, structured_output=StructuredOutputSpec.json(s))
-              for s in schemas]
+    params = [
+        SamplingParams(temperature=0, max_tokens=96, structured_output=StructuredOutputSpec.json(s)) for s in schemas
+    ]
     expected = [o.outputs[0].token_ids for o in run(engine, list(zip(prompts, params)))]
 
-    config = EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=16, enable_prefix_caching=False),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8))
-    core = EngineCore(config, UniProcExecutor(config, default_model), engine.tokenizer.eos_token_ids,
-                      TokenizerData.from_tokenizer(engine.tokenizer))
+    config = EngineConfig(
+        model=MODEL,
+        cache=CacheConfig(num_blocks=16, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8),
+    )
+    core = EngineCore(
+        config,
+        UniProcExecutor(config, default_model),
+        engine.tokenizer.eos_token_ids,
+        TokenizerData.from_tokenizer(engine.tokenizer),
+    )
     for i, (p, sp) in enumerate(zip(prompts, params)):
         core.add_request(EngineCoreRequest(str(i), p, sp))
     got = {str(i): [] for i in range(len(prompts))}
@@ -242,15 +398,27 @@ def test_compiling_grammar_does_not_block_other_requests(engine):
     for p in workers:
         os.kill(p.pid, signal.SIGSTOP)
     try:
-        schema = {"type": "object", "properties": {"compiled_late": {"type": "integer", "minimum": 0,
-                                                                     "maximum": 9}}, "required": ["compiled_late"]}
-        engine.add_request("slow", chat(engine, "JSON please."),
-                           SamplingParams(temperature=0, max_tokens=32,
-                                          structured_output=StructuredOutputSpec.json(schema)))
+        schema = {
+            "type": "object",
+            "properties": {"compiled_late": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["compiled_late"],
+        }
+        engine.add_request(
+            "slow",
+            chat(engine, "JSON please."),
+            SamplingParams(temperature=0, max_tokens=32, structured_output=StructuredOutputSpec.json(schema)),
+        )
         engine.add_request("free", chat(engine, "Hello!"), SamplingParams(temperature=0, max_tokens=4))
-        engine.add_request("aborted", chat(engine, "JSON please."),
-                           SamplingParams(max_tokens=8, structured_output=StructuredOutputSpec.json(
-                               {"type": "object", "properties": {"never_compiled": {"type": "null"}}})))
+        engine.add_request(
+            "aborted",
+            chat(engine, "JSON please."),
+            SamplingParams(
+                max_tokens=8,
+                structured_output=StructuredOutputSpec.json(
+                    {"type": "object", "properties": {"never_compiled": {"type": "null"}}}
+                ),
+            ),
+        )
         assert [r.request_id for r in core.compiling] == ["slow", "aborted"]
         assert core.stats().num_waiting == 3
         engine.abort_request("aborted")
@@ -295,8 +463,11 @@ def test_a_grammar_past_its_deadline_is_refused_and_its_worker_replaced(engine):
     with pytest.raises(ValueError, match="longer than 1 s"):  # a timed-out grammar is refused at once
         engine.add_request("again", chat(engine, "JSON please."), params)
     schema["properties"]["after"] = {"type": "integer"}
-    engine.add_request("fine", chat(engine, "JSON please."), SamplingParams(
-        temperature=0, max_tokens=40, structured_output=StructuredOutputSpec.json(schema)))
+    engine.add_request(
+        "fine",
+        chat(engine, "JSON please."),
+        SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutputSpec.json(schema)),
+    )
     assert json.loads(run_until(engine, "fine")["fine"].outputs[0].text)["deadline_test"] in (True, False)
 
 
@@ -315,35 +486,72 @@ def test_reasoning_budget_forces_the_end_then_constrains(engine):
     schema = SCHEMAS[1]
     budget = 5
     reasoning = ReasoningSpec("</think>", end_ids, in_reasoning=True, budget=budget)
-    outputs = run(engine, [
-        (chat(engine, "Pick a color."), SamplingParams(temperature=0, max_tokens=48, reasoning=reasoning,
-                                                       structured_output=StructuredOutputSpec.json(schema))),
-        (chat(engine, "Pick a color."), SamplingParams(temperature=0, max_tokens=12, reasoning=reasoning)),
-        (chat(engine, "Pick a color."),  # the prompt closed the thinking: constrained from the first token
-         SamplingParams(temperature=0, max_tokens=48, structured_output=StructuredOutputSpec.json(schema),
-                        reasoning=ReasoningSpec("</think>", end_ids, in_reasoning=False))),
-    ])
+    outputs = run(
+        engine,
+        [
+            (
+                chat(engine, "Pick a color."),
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=48,
+                    reasoning=reasoning,
+                    structured_output=StructuredOutputSpec.json(schema),
+                ),
+            ),
+            (chat(engine, "Pick a color."), SamplingParams(temperature=0, max_tokens=12, reasoning=reasoning)),
+            (
+                chat(engine, "Pick a color."),  # the prompt closed the thinking: constrained from the first token
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=48,
+                    structured_output=StructuredOutputSpec.json(schema),
+                    reasoning=ReasoningSpec("</think>", end_ids, in_reasoning=False),
+                ),
+            ),
+        ],
+    )
     ids = outputs[0].outputs[0].token_ids
-    assert tuple(ids[budget:budget + len(end_ids)]) == end_ids  # forced right after the budget
-    jsonschema.validate(json.loads(tok.decode(ids[budget + len(end_ids):])), schema)
-    assert tuple(outputs[1].outputs[0].token_ids[budget:budget + len(end_ids)]) == end_ids
+    assert tuple(ids[budget : budget + len(end_ids)]) == end_ids  # forced right after the budget
+    jsonschema.validate(json.loads(tok.decode(ids[budget + len(end_ids) :])), schema)
+    assert tuple(outputs[1].outputs[0].token_ids[budget : budget + len(end_ids)]) == end_ids
     assert len(outputs[1].outputs[0].token_ids) == 12  # unconstrained after the thinking
     jsonschema.validate(json.loads(outputs[2].outputs[0].text), schema)
 
 
 def test_stop_conditions_still_apply(engine):
     spec = StructuredOutputSpec.json(SCHEMAS[0])
-    outputs = run(engine, [
-        (chat(engine, "A person as JSON."), SamplingParams(temperature=0, max_tokens=64, structured_output=spec,
-                                                           stop=['"age"'])),
-        (chat(engine, "A person as JSON."), SamplingParams(temperature=0, max_tokens=5, structured_output=spec)),
-        (chat(engine, "Yes or no?"), SamplingParams(temperature=0, max_tokens=8, min_tokens=6,
-                                                    structured_output=StructuredOutputSpec.choice(["yes", "no"]))),
-        (chat(engine, "Yes or no?"), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                    structured_output=StructuredOutputSpec.choice(["yes", "no"]))),
-        (chat(engine, "A person as JSON."), SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=64,
-                                                           structured_output=spec)),
-    ])
+    outputs = run(
+        engine,
+        [
+            (
+                chat(engine, "A person as JSON."),
+                SamplingParams(temperature=0, max_tokens=64, structured_output=spec, stop=['"age"']),
+            ),
+            (chat(engine, "A person as JSON."), SamplingParams(temperature=0, max_tokens=5, structured_output=spec)),
+            (
+                chat(engine, "Yes or no?"),
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=8,
+                    min_tokens=6,
+                    structured_output=StructuredOutputSpec.choice(["yes", "no"]),
+                ),
+            ),
+            (
+                chat(engine, "Yes or no?"),
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=8,
+                    ignore_eos=True,
+                    structured_output=StructuredOutputSpec.choice(["yes", "no"]),
+                ),
+            ),
+            (
+                chat(engine, "A person as JSON."),
+                SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=64, structured_output=spec),
+            ),
+        ],
+    )
     stopped = outputs[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == '"age"' and '"age"' not in stopped.text
     cut = outputs[1].outputs[0]
@@ -361,7 +569,9 @@ def test_invalid_specs_are_rejected(engine, default_model):
     bare_config = EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=16))
     bare = EngineCore(bare_config, UniProcExecutor(bare_config, default_model), {2})
     with pytest.raises(RequestRejected, match="structured output is not available"):
-        bare.add_request(EngineCoreRequest("x", [1, 2], SamplingParams(structured_output=StructuredOutputSpec.regex("a"))))
+        bare.add_request(
+            EngineCoreRequest("x", [1, 2], SamplingParams(structured_output=StructuredOutputSpec.regex("a")))
+        )
 
 
 def test_speculation_keeps_constrained_outputs_exact_and_valid(engine, default_model):
@@ -370,21 +580,35 @@ def test_speculation_keeps_constrained_outputs_exact_and_valid(engine, default_m
     speculation (which the module's engine runs), outputs that validate, accepted drafts, a whole pool."""
     from tokenmill.config import SpeculativeConfig
 
-    schema = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
-        "type": "object", "properties": {"name": {"type": "string", "enum": ["ann", "bob"]},
-                                         "ok": {"type": "boolean"}}, "required": ["name", "ok"]}}
+    schema = {
+        "type": "array",
+        "minItems": 6,
+        "maxItems": 6,
+        "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": ["ann", "bob"]}, "ok": {"type": "boolean"}},
+            "required": ["name", "ok"],
+        },
+    }
     prompts = [chat(engine, "Give me six people."), chat(engine, "Six records, please."), chat(engine, "Hello!")]
-    params = [SamplingParams(temperature=0, max_tokens=120, structured_output=StructuredOutputSpec.json(schema)),
-              SamplingParams(temperature=0, max_tokens=60, structured_output=StructuredOutputSpec.regex(
-                  r"(ab|cd){3,12}\.")),
-              SamplingParams(temperature=0, max_tokens=40)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=120, structured_output=StructuredOutputSpec.json(schema)),
+        SamplingParams(temperature=0, max_tokens=60, structured_output=StructuredOutputSpec.regex(r"(ab|cd){3,12}\.")),
+        SamplingParams(temperature=0, max_tokens=40),
+    ]
     expected = [o.outputs[0].token_ids for o in run(engine, list(zip(prompts, params)))]
 
-    config = EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=256),
-                          speculative=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8,
-                                                        min_acceptance=0.0))
-    core = EngineCore(config, UniProcExecutor(config, default_model), engine.tokenizer.eos_token_ids,
-                      TokenizerData.from_tokenizer(engine.tokenizer))
+    config = EngineConfig(
+        model=MODEL,
+        cache=CacheConfig(num_blocks=256),
+        speculative=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8, min_acceptance=0.0),
+    )
+    core = EngineCore(
+        config,
+        UniProcExecutor(config, default_model),
+        engine.tokenizer.eos_token_ids,
+        TokenizerData.from_tokenizer(engine.tokenizer),
+    )
     for i, (p, sp) in enumerate(zip(prompts, params)):
         core.add_request(EngineCoreRequest(str(i), p, sp))
     got, drafted = {str(i): [] for i in range(len(prompts))}, set()
@@ -397,8 +621,9 @@ def test_speculation_keeps_constrained_outputs_exact_and_valid(engine, default_m
     jsonschema.validate(json.loads(engine.tokenizer.decode(expected[0])), schema)
     assert re.fullmatch(r"(ab|cd){3,12}\.", engine.tokenizer.decode(expected[1]))
     assert core.kv.num_free_blocks == core.kv.num_blocks
-    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=60,
-                             structured_output=StructuredOutputSpec.regex(r"(ab|cd){3,12}\."))
+    sampled = SamplingParams(
+        temperature=0.9, seed=3, max_tokens=60, structured_output=StructuredOutputSpec.regex(r"(ab|cd){3,12}\.")
+    )
     for i in range(3):  # sampling: rejection-sampled against the masked distribution, still valid
         core.add_request(EngineCoreRequest(f"s{i}", prompts[1], sampled))
     out = {f"s{i}": [] for i in range(3)}

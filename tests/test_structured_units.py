@@ -4,6 +4,7 @@ the real SmolLM2 tokenizer, bitmask helpers, and the request-field parsing of th
 from __future__ import annotations
 
 import json
+
 import pytest
 import torch
 from test_server_utils import MODEL, model_available
@@ -26,6 +27,7 @@ needs_model = pytest.mark.skipif(not model_available(), reason=f"model {MODEL} i
 
 # ---- specs ------------------------------------------------------------------------------------------
 
+
 def test_spec_constructors_and_keys():
     a = StructuredOutputSpec.json({"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}})
     b = StructuredOutputSpec.json('{"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}}')
@@ -33,40 +35,50 @@ def test_spec_constructors_and_keys():
     assert a.value == '{"type":"object","properties":{"b":{"type":"integer"},"a":{}}}'  # property order kept
     reordered = StructuredOutputSpec.json({"type": "object", "properties": {"a": {}, "b": {"type": "integer"}}})
     assert reordered.key != a.key  # order is the output's order: a different grammar
-    keys = {StructuredOutputSpec.regex("a+").key, StructuredOutputSpec.grammar("a+").key,
-            StructuredOutputSpec.choice(["a+"]).key, StructuredOutputSpec.json_object().key}
+    keys = {
+        StructuredOutputSpec.regex("a+").key,
+        StructuredOutputSpec.grammar("a+").key,
+        StructuredOutputSpec.choice(["a+"]).key,
+        StructuredOutputSpec.json_object().key,
+    }
     assert len(keys) == 4
     assert StructuredOutputSpec.json_object().schema == {"type": "object"}
     assert SamplingParams(structured_output=a).structured_output is a
 
 
-@pytest.mark.parametrize("make,words", [
-    (lambda: StructuredOutputSpec.json("{not json"), "not valid JSON"),
-    (lambda: StructuredOutputSpec.json("[1, 2]"), "must be a JSON object"),
-    (lambda: StructuredOutputSpec.choice([]), "non-empty list"),
-    (lambda: StructuredOutputSpec.choice("yes"), "list of strings"),
-    (lambda: StructuredOutputSpec.choice(["a", ""]), "non-empty strings"),
-    (lambda: StructuredOutputSpec.regex(""), "non-empty string"),
-    (lambda: StructuredOutputSpec("xml", "x"), "kind must be one of"),
-    (lambda: ReasoningSpec(budget=-1, end_token_ids=(1,)), "budget"),
-    (lambda: ReasoningSpec(budget=3), "end_token_ids"),
-    (lambda: SamplingParams(structured_output={"type": "object"}), "structured_output"),
-])
+@pytest.mark.parametrize(
+    "make,words",
+    [
+        (lambda: StructuredOutputSpec.json("{not json"), "not valid JSON"),
+        (lambda: StructuredOutputSpec.json("[1, 2]"), "must be a JSON object"),
+        (lambda: StructuredOutputSpec.choice([]), "non-empty list"),
+        (lambda: StructuredOutputSpec.choice("yes"), "list of strings"),
+        (lambda: StructuredOutputSpec.choice(["a", ""]), "non-empty strings"),
+        (lambda: StructuredOutputSpec.regex(""), "non-empty string"),
+        (lambda: StructuredOutputSpec("xml", "x"), "kind must be one of"),
+        (lambda: ReasoningSpec(budget=-1, end_token_ids=(1,)), "budget"),
+        (lambda: ReasoningSpec(budget=3), "end_token_ids"),
+        (lambda: SamplingParams(structured_output={"type": "object"}), "structured_output"),
+    ],
+)
 def test_spec_construction_errors(make, words):
     with pytest.raises(ValueError, match=words):
         make()
 
 
-@pytest.mark.parametrize("spec,words", [
-    (StructuredOutputSpec.json({"type": "foo"}), "invalid JSON schema"),
-    (StructuredOutputSpec.json({"type": "object", "properties": {"a": {"type": 5}}}), "at 'properties/a/type'"),
-    (StructuredOutputSpec.json({"type": "integer", "minimum": 5, "maximum": 1}), "minimum greater than maximum"),
-    (StructuredOutputSpec.json({"type": "string", "pattern": "[a-"}), "is not a 'regex' (at 'pattern')"),
-    (StructuredOutputSpec.json({"$ref": "#/$defs/missing"}), "invalid JSON schema"),
-    (StructuredOutputSpec.regex("(ab"), "invalid regex: Regex parsing error"),
-    (StructuredOutputSpec.grammar("root ::= foo"), 'Rule "foo" is not defined'),
-    (StructuredOutputSpec.grammar('expr ::= "a"'), 'root rule with name "root" is not found'),
-])
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        (StructuredOutputSpec.json({"type": "foo"}), "invalid JSON schema"),
+        (StructuredOutputSpec.json({"type": "object", "properties": {"a": {"type": 5}}}), "at 'properties/a/type'"),
+        (StructuredOutputSpec.json({"type": "integer", "minimum": 5, "maximum": 1}), "minimum greater than maximum"),
+        (StructuredOutputSpec.json({"type": "string", "pattern": "[a-"}), "is not a 'regex' (at 'pattern')"),
+        (StructuredOutputSpec.json({"$ref": "#/$defs/missing"}), "invalid JSON schema"),
+        (StructuredOutputSpec.regex("(ab"), "invalid regex: Regex parsing error"),
+        (StructuredOutputSpec.grammar("root ::= foo"), 'Rule "foo" is not defined'),
+        (StructuredOutputSpec.grammar('expr ::= "a"'), 'root rule with name "root" is not found'),
+    ],
+)
 def test_check_spec_names_the_problem(spec, words):
     with pytest.raises(ValueError) as e:
         check_spec(spec)
@@ -75,10 +87,14 @@ def test_check_spec_names_the_problem(spec, words):
 
 
 def test_check_spec_accepts_valid_specs():
-    for spec in [StructuredOutputSpec.json({"type": "object", "properties": {"a": {"type": "string"}}}),
-                 StructuredOutputSpec.json({}), StructuredOutputSpec.json_object(),
-                 StructuredOutputSpec.regex(r"\d{3}-\d{4}"), StructuredOutputSpec.choice(["yes", 'a "b"']),
-                 StructuredOutputSpec.grammar('root ::= "a" | "b"')]:
+    for spec in [
+        StructuredOutputSpec.json({"type": "object", "properties": {"a": {"type": "string"}}}),
+        StructuredOutputSpec.json({}),
+        StructuredOutputSpec.json_object(),
+        StructuredOutputSpec.regex(r"\d{3}-\d{4}"),
+        StructuredOutputSpec.choice(["yes", 'a "b"']),
+        StructuredOutputSpec.grammar('root ::= "a" | "b"'),
+    ]:
         check_spec(spec)
 
 
@@ -88,6 +104,7 @@ def test_choice_ebnf_escapes():
 
 
 # ---- xgrammar backend on the real tokenizer -----------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def data(tokenizer):
@@ -136,11 +153,13 @@ def test_tokenizer_data_is_made_without_xgrammar_and_decodes_as_xgrammar_does(to
 
     import xgrammar as xgr
 
-    made_at_start = ("import sys; from tokenmill.loader.source import resolve_model; "
-                     "from tokenmill.tokenizer import load_tokenizer; "
-                     "from tokenmill.structured.backend import TokenizerData; "
-                     f"TokenizerData.from_tokenizer(load_tokenizer(resolve_model({MODEL!r}))); "
-                     "assert 'xgrammar' not in sys.modules, 'xgrammar was imported'")
+    made_at_start = (
+        "import sys; from tokenmill.loader.source import resolve_model; "
+        "from tokenmill.tokenizer import load_tokenizer; "
+        "from tokenmill.structured.backend import TokenizerData; "
+        f"TokenizerData.from_tokenizer(load_tokenizer(resolve_model({MODEL!r}))); "
+        "assert 'xgrammar' not in sys.modules, 'xgrammar was imported'"
+    )
     subprocess.run([sys.executable, "-c", made_at_start], check=True, timeout=300)
     ref = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, stop_token_ids=sorted(tokenizer.eos_token_ids))
     data = pickle.loads(pickle.dumps(TokenizerData.from_tokenizer(tokenizer)))  # as the engine core gets it
@@ -221,6 +240,7 @@ def test_bitmask_helpers_match_a_plain_unpack():
 
 # ---- request fields ---------------------------------------------------------------------------------
 
+
 def _chat(**fields) -> ChatCompletionRequest:
     body = {"messages": [{"role": "user", "content": "x"}], **fields}
     return parse_body(ChatCompletionRequest, json.dumps(body).encode())
@@ -236,18 +256,33 @@ def _error(fn) -> APIError:
 def test_request_fields_map_to_specs():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     cases = [
-        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
-         StructuredOutputSpec.json(schema), "response_format.json_schema.schema"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
+            StructuredOutputSpec.json(schema),
+            "response_format.json_schema.schema",
+        ),
         (dict(response_format={"type": "json_object"}), StructuredOutputSpec.json_object(), "response_format"),
         (dict(structured_outputs={"json": schema}), StructuredOutputSpec.json(schema), "structured_outputs.json"),
-        (dict(structured_outputs={"regex": "a+", "backend": "xgrammar"}), StructuredOutputSpec.regex("a+"),
-         "structured_outputs.regex"),
-        (dict(structured_outputs={"choice": ["y", "n"]}), StructuredOutputSpec.choice(["y", "n"]),
-         "structured_outputs.choice"),
-        (dict(structured_outputs={"grammar": 'root ::= "a"'}), StructuredOutputSpec.grammar('root ::= "a"'),
-         "structured_outputs.grammar"),
-        (dict(structured_outputs={"json_object": True}), StructuredOutputSpec.json_object(),
-         "structured_outputs.json_object"),
+        (
+            dict(structured_outputs={"regex": "a+", "backend": "xgrammar"}),
+            StructuredOutputSpec.regex("a+"),
+            "structured_outputs.regex",
+        ),
+        (
+            dict(structured_outputs={"choice": ["y", "n"]}),
+            StructuredOutputSpec.choice(["y", "n"]),
+            "structured_outputs.choice",
+        ),
+        (
+            dict(structured_outputs={"grammar": 'root ::= "a"'}),
+            StructuredOutputSpec.grammar('root ::= "a"'),
+            "structured_outputs.grammar",
+        ),
+        (
+            dict(structured_outputs={"json_object": True}),
+            StructuredOutputSpec.json_object(),
+            "structured_outputs.json_object",
+        ),
         (dict(guided_json=json.dumps(schema)), StructuredOutputSpec.json(schema), "guided_json"),
         (dict(guided_regex="a+"), StructuredOutputSpec.regex("a+"), "guided_regex"),
         (dict(guided_choice=["y"]), StructuredOutputSpec.choice(["y"]), "guided_choice"),
@@ -263,22 +298,35 @@ def test_request_fields_map_to_specs():
     assert _chat().sampling_params().structured_output is None
 
 
-@pytest.mark.parametrize("fields,param,words", [
-    (dict(response_format={"type": "xml"}), "response_format.type", "must be 'text', 'json_object' or 'json_schema'"),
-    (dict(response_format={"type": "json_schema"}), "response_format.json_schema", "must be an object"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-     "response_format.json_schema.schema", "is required"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}),
-     "response_format.json_schema.schema", "must be a JSON schema"),
-    (dict(structured_outputs={}), "structured_outputs", "exactly one of"),
-    (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "got regex, choice"),
-    (dict(structured_outputs={"jsn": {}}), "structured_outputs.jsn", "unknown field"),
-    (dict(structured_outputs={"choice": []}), "structured_outputs.choice", "non-empty list"),
-    (dict(structured_outputs={"json_object": "yes"}), "structured_outputs.json_object", "must be true"),
-    (dict(guided_json="{bad"), "guided_json", "not valid JSON"),
-    (dict(guided_regex="a", guided_choice=["b"]), "guided_choice", "only one output constraint"),
-    (dict(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "only one output constraint"),
-])
+@pytest.mark.parametrize(
+    "fields,param,words",
+    [
+        (
+            dict(response_format={"type": "xml"}),
+            "response_format.type",
+            "must be 'text', 'json_object' or 'json_schema'",
+        ),
+        (dict(response_format={"type": "json_schema"}), "response_format.json_schema", "must be an object"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format.json_schema.schema",
+            "is required",
+        ),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}),
+            "response_format.json_schema.schema",
+            "must be a JSON schema",
+        ),
+        (dict(structured_outputs={}), "structured_outputs", "exactly one of"),
+        (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "got regex, choice"),
+        (dict(structured_outputs={"jsn": {}}), "structured_outputs.jsn", "unknown field"),
+        (dict(structured_outputs={"choice": []}), "structured_outputs.choice", "non-empty list"),
+        (dict(structured_outputs={"json_object": "yes"}), "structured_outputs.json_object", "must be true"),
+        (dict(guided_json="{bad"), "guided_json", "not valid JSON"),
+        (dict(guided_regex="a", guided_choice=["b"]), "guided_choice", "only one output constraint"),
+        (dict(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "only one output constraint"),
+    ],
+)
 def test_request_field_errors(fields, param, words):
     e = _error(lambda: _chat(**fields).sampling_params())
     assert e.param == param and words in e.message, e.to_dict()
@@ -294,13 +342,19 @@ def test_tool_fields():
     assert _chat(tools=[tool], tool_choice=named).tool_mode() == ("named", "get_weather")
     for fields, param, words in [
         (dict(tool_choice="required"), "tool_choice", "requires tools"),
-        (dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "other"}}), "tool_choice",
-         "not in tools"),
+        (
+            dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "other"}}),
+            "tool_choice",
+            "not in tools",
+        ),
         (dict(tools=[tool, tool]), "tools[1].function.name", "more than one tool"),
-        (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name",
-         "letters, digits"),
+        (
+            dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
+            "tools[0].function.name",
+            "letters, digits",
+        ),
     ]:
-        e = _error(lambda: _chat(**fields).tool_mode())
+        e = _error(lambda fields=fields: _chat(**fields).tool_mode())
         assert e.param == param and words in e.message, e.to_dict()
     e = _error(lambda: _chat(tools=[{"type": "retrieval"}]))
     assert e.param.startswith("tools[0]")
@@ -309,13 +363,23 @@ def test_tool_fields():
 
 
 def test_tool_messages_are_accepted():
-    req = _chat(messages=[
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ])
+    req = _chat(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    )
     msgs = req.chat_messages()
     assert msgs[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert msgs[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
@@ -341,12 +405,15 @@ def test_bench_json_schema_option(tmp_path):
 
     path = tmp_path / "person.json"
     path.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
-    args = build_parser().parse_args(["serve", "--model", "m", "--json-schema", str(path),
-                                      "--extra-body", '{"top_p": 0.5}'])
+    args = build_parser().parse_args(
+        ["serve", "--model", "m", "--json-schema", str(path), "--extra-body", '{"top_p": 0.5}']
+    )
     body = _endpoint(args).payload([{"role": "user", "content": "x"}], 8)
     assert body["top_p"] == 0.5
-    assert body["response_format"] == {"type": "json_schema", "json_schema": {
-        "name": "person", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    }
     args = build_parser().parse_args(["serve", "--model", "m", "--json-schema", str(tmp_path / "missing.json")])
     with pytest.raises(ValueError, match="--json-schema"):
         _endpoint(args)

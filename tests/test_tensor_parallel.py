@@ -61,15 +61,19 @@ for model, dtype, mode in jobs:
 def run_parallel(jobs: list[tuple[str, str, str]], size: int = 2) -> subprocess.CompletedProcess:
     """One driver process running each of `jobs` (model, dtype, mode) in turn; mode "ep": with
     --enable-expert-parallel."""
-    return subprocess.run([sys.executable, "-c", _RUN, json.dumps(jobs), str(size), json.dumps(PROMPTS), str(TOKENS)],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", _RUN, json.dumps(jobs), str(size), json.dumps(PROMPTS), str(TOKENS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def parallel_runs(jobs: list[tuple[str, str, str]]) -> list[tuple[list[list[int]], dict]]:
     """(greedy tokens of each prompt, the engine's routing statistics at the end) of each job."""
     done = run_parallel(jobs)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(line[len("RESULT ") :]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(results) == len(jobs), done.stdout[-3000:]
     return [(r["tokens"], r["stats"]) for r in results]
 
@@ -103,8 +107,20 @@ def two_rank_runs(tmp_path_factory):
     hf = make_tiny_model("llama-gqa-untied", tmp_path_factory.mktemp("gguf-hf"))
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     # o_proj (64 columns) and down_proj (128) are split by columns: 32 and 64 per rank, whole blocks
-    write_tiny_gguf(hf, path, {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_0",
-                               "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "Q8_0"})
+    write_tiny_gguf(
+        hf,
+        path,
+        {
+            "attn_q": "Q8_0",
+            "attn_k": "Q4_0",
+            "attn_v": "Q4_1",
+            "attn_output": "Q4_0",
+            "ffn_gate": "Q8_0",
+            "ffn_up": "Q4_1",
+            "ffn_down": "Q8_0",
+            "output": "Q8_0",
+        },
+    )
     for dtype in GGUF_DTYPES:
         cases[f"gguf-{dtype}"] = (str(path), dtype, None)
     for variant in CT_VARIANTS:
@@ -152,11 +168,12 @@ def test_k_quant_columns_split_inside_super_blocks(qtype, int8_activations):
     x = torch.randn(5, 768)
     total = torch.zeros(5, 48)
     for rank in range(2):
-        layer = RowParallelLinear(768, 48, quant_config=GGUFConfig({"w.weight": qtype}, int8_activations), prefix="w",
-                                  tp_rank=rank, tp_size=2)
+        layer = RowParallelLinear(
+            768, 48, quant_config=GGUFConfig({"w.weight": qtype}, int8_activations), prefix="w", tp_rank=rank, tp_size=2
+        )
         layer.weight_loader("weight", weight)
         assert layer.scales.dtype == torch.float32 and layer.supers is None
-        total += layer.quant_method.apply(layer, x[:, rank * 384:(rank + 1) * 384], None)
+        total += layer.quant_method.apply(layer, x[:, rank * 384 : (rank + 1) * 384], None)
     want = q8_reference(x, ref) if int8_activations else x @ ref.T
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
@@ -173,15 +190,29 @@ def tp_server(tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp("tiny-llama-tp")
     make_tiny_model("llama-gqa-untied", directory, vocab_size=len(tokenizer.hf))
     tokenizer.hf.save_pretrained(directory)
-    args = ("--model", str(directory), "--served-model-name", "tiny-tp", "--tensor-parallel-size", "2",
-            "--dtype", "float32", "--num-kv-blocks", "64", "--log-interval", "0")
+    args = (
+        "--model",
+        str(directory),
+        "--served-model-name",
+        "tiny-tp",
+        "--tensor-parallel-size",
+        "2",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "64",
+        "--log-interval",
+        "0",
+    )
     yield from running_server(tmp_path_factory, "tp-server", *args)
 
 
 def _worker_pid(server) -> int:
     """Rank 1: the engine core's child bound to the second half of the cores (the driver has the first)."""
     core = psutil.Process(server.core_pid())
-    ranks = [c for c in core.children() if c.cpu_affinity() != core.cpu_affinity() and "spawn_main" in " ".join(c.cmdline())]
+    ranks = [
+        c for c in core.children() if c.cpu_affinity() != core.cpu_affinity() and "spawn_main" in " ".join(c.cmdline())
+    ]
     assert len(ranks) == 1, [(c.pid, c.cmdline(), c.cpu_affinity()) for c in core.children()]
     return ranks[0].pid
 
@@ -189,8 +220,9 @@ def _worker_pid(server) -> int:
 @pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
 def test_served_engine_reports_a_dead_worker_and_recovers(tp_server):
     client = tp_server.openai_client()
-    first = client.completions.create(model="tiny-tp", prompt="The quick brown fox", max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    first = client.completions.create(
+        model="tiny-tp", prompt="The quick brown fox", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert first.usage.completion_tokens == 8
     psutil.Process(_worker_pid(tp_server)).kill()
     deadline = time.monotonic() + 30  # the core notices within a second or two, then is restarted
@@ -202,8 +234,9 @@ def test_served_engine_reports_a_dead_worker_and_recovers(tp_server):
     while httpx.get(f"{tp_server.url}/health", timeout=10).status_code != 200:
         assert time.monotonic() < deadline, "the server did not come back"
         time.sleep(0.5)
-    again = client.completions.create(model="tiny-tp", prompt="The quick brown fox", max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model="tiny-tp", prompt="The quick brown fox", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert again.choices[0].text == first.choices[0].text  # two fresh ranks, the same greedy answer
 
 
@@ -236,5 +269,5 @@ def test_a_second_parallel_llm_in_one_process_after_shutdown(tmp_path, tokenizer
     done = subprocess.run([sys.executable, "-c", _TWO_LLMS, str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("TOKENS "))
-    first, second = json.loads(line[len("TOKENS "):])
+    first, second = json.loads(line[len("TOKENS ") :])
     assert first == second and len(first) == 6

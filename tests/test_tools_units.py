@@ -11,12 +11,21 @@ import pytest
 
 from tokenmill.structured import tools as T
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object",
-                                                           "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+    },
+}
 NOARGS = {"type": "function", "function": {"name": "ping"}}
 
 
@@ -47,18 +56,29 @@ def _check_streams(make, text, expected):
 
 HERMES_CASES = [
     ("Just text.", ("Just text.", [])),
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     ("", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])),
-    ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>\n'
-     '<tool_call>{"name": "get_time", "parameters": {"tz": "CET"}}</tool_call> done',
-     ("Let me check. \n done", [{"name": "get_weather", "arguments": '{"city": "Zürich"}'},
-                                {"name": "get_time", "arguments": '{"tz": "CET"}'}])),
-    ('<tool_call>not json</tool_call>', ('<tool_call>not json</tool_call>', [])),  # stays content
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        ("", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]),
+    ),
+    (
+        'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "parameters": {"tz": "CET"}}</tool_call> done',
+        (
+            "Let me check. \n done",
+            [
+                {"name": "get_weather", "arguments": '{"city": "Zürich"}'},
+                {"name": "get_time", "arguments": '{"tz": "CET"}'},
+            ],
+        ),
+    ),
+    ("<tool_call>not json</tool_call>", ("<tool_call>not json</tool_call>", [])),  # stays content
     ('<tool_call>{"name": "ping"}', ("", [{"name": "ping", "arguments": "{}"}])),  # unclosed at the end, valid
     ('<tool_call>{"name": "pi', ('<tool_call>{"name": "pi', [])),  # unclosed and cut: content
     ("a <tool_c", ("a <tool_c", [])),  # a partial tag at the end is text
-    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',  # arguments written as a JSON string
-     ("", [{"name": "f", "arguments": '{"x": 1}'}])),
+    (
+        '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',  # arguments written as a JSON string
+        ("", [{"name": "f", "arguments": '{"x": 1}'}]),
+    ),
 ]
 
 
@@ -68,25 +88,38 @@ def test_hermes_parser(text, expected):
 
 
 def test_hermes_without_parallel_calls_keeps_the_first():
-    text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}'
-            "</tool_call>")
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
     assert T.collect(T.HermesToolParser(parallel=False), text) == ("", [{"name": "a", "arguments": "{}"}])
 
 
 def test_named_parser():
-    _check_streams(lambda: T.NamedToolParser("get_weather"), '{"city": "Paris"}',
-                   ("", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]))
+    _check_streams(
+        lambda: T.NamedToolParser("get_weather"),
+        '{"city": "Paris"}',
+        ("", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]),
+    )
     assert T.collect(T.NamedToolParser("ping"), "") == ("", [{"name": "ping", "arguments": ""}])
 
 
 ARRAY_CASES = [
-    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-     ("", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])),
-    ('[{"name": "get_weather", "arguments": {"city": "a}b\\"]"}}, {"name": "get_time", "arguments": {"tz": "[{"}}]',
-     ("", [{"name": "get_weather", "arguments": '{"city": "a}b\\"]"}'},
-           {"name": "get_time", "arguments": '{"tz": "[{"}'}])),
-    ('[ {"name":"ping","arguments":{}} ,{"name": "ping", "arguments": {"n": [1, {"m": []}]}} ]',
-     ("", [{"name": "ping", "arguments": "{}"}, {"name": "ping", "arguments": '{"n": [1, {"m": []}]}'}])),
+    (
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        ("", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]),
+    ),
+    (
+        '[{"name": "get_weather", "arguments": {"city": "a}b\\"]"}}, {"name": "get_time", "arguments": {"tz": "[{"}}]',
+        (
+            "",
+            [
+                {"name": "get_weather", "arguments": '{"city": "a}b\\"]"}'},
+                {"name": "get_time", "arguments": '{"tz": "[{"}'},
+            ],
+        ),
+    ),
+    (
+        '[ {"name":"ping","arguments":{}} ,{"name": "ping", "arguments": {"n": [1, {"m": []}]}} ]',
+        ("", [{"name": "ping", "arguments": "{}"}, {"name": "ping", "arguments": '{"n": [1, {"m": []}]}'}]),
+    ),
     ('[{"name": "f", "arguments": 12}]', ("", [{"name": "f", "arguments": "12"}])),
     ('[{"name": "f", "arguments": "s,}"}]', ("", [{"name": "f", "arguments": '"s,}"'}])),
     ("not an array", ("not an array", [])),
@@ -110,30 +143,42 @@ def test_required_schema_accepts_only_calls_of_the_tools():
     jsonschema.Draft202012Validator.check_schema(schema)
     good = [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "ping", "arguments": {}}]
     jsonschema.validate(good, schema)
-    for bad in ([], [{"name": "get_weather", "arguments": {}}], [{"name": "nope", "arguments": {}}],
-                [{"name": "get_time"}]):
+    for bad in (
+        [],
+        [{"name": "get_weather", "arguments": {}}],
+        [{"name": "nope", "arguments": {}}],
+        [{"name": "get_time"}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     single = T.required_schema([WEATHER], parallel=False)
-    assert single["maxItems"] == 1 and single["items"]["properties"]["name"] == {"type": "string",
-                                                                                  "enum": ["get_weather"]}
+    assert single["maxItems"] == 1 and single["items"]["properties"]["name"] == {
+        "type": "string",
+        "enum": ["get_weather"],
+    }
 
 
 def test_default_prompt_format():
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
     out = T.render_messages(messages, [WEATHER], native=False)
     assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\n# Tools")
     assert json.dumps({"type": "function", "function": WEATHER["function"]}) in out[0]["content"]
     assert "<tool_call>" in out[0]["content"] and "</tools>" in out[0]["content"]
-    assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
-                                                      '{"city": "Paris"}}\n</tool_call>'}
+    assert out[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    }
     assert out[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
     # without a system message one is added; without tools nothing is
     assert T.render_messages(messages[1:2], [WEATHER], native=False)[0]["role"] == "system"

@@ -13,8 +13,10 @@ import pytest
 
 from tokenmill.kernels import block_quant, triton_block
 
-pytestmark = pytest.mark.skipif(not triton_block.available() or block_quant.load() is None,
-                                reason="needs Triton and the C++ kernels (the reference)")
+pytestmark = pytest.mark.skipif(
+    not triton_block.available() or block_quant.load() is None,
+    reason="needs Triton and the C++ kernels (the reference)",
+)
 
 _CHECK = r"""
 import numpy as np, torch
@@ -78,8 +80,13 @@ def test_a_quantized_model_runs_the_triton_path_like_the_cpu_kernels(tmp_path):
     """Every linear layer of a tiny model (int4 with its int8 LM head, int8, NVFP4, MXFP4; biases) through the Triton
     kernel, in the interpreter: the logits of the C++ kernels on the same blocks."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", _MODEL, str(Path(__file__).parent), str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _MODEL, str(Path(__file__).parent), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
 
 
@@ -137,8 +144,15 @@ def test_triton_kernel_reads_fp4_nibbles_and_their_scale_bytes():
 def test_triton_kernel_refuses_layouts_it_lacks():
     import torch
 
-    w = block_quant.Blocks(torch.zeros(4, 128, dtype=torch.uint8), torch.zeros(4, 32, dtype=torch.uint8),
-                           torch.zeros(4, 8, dtype=torch.int8), None, torch.zeros(4, 1, 2, dtype=torch.float16), 6, 32)
+    w = block_quant.Blocks(
+        torch.zeros(4, 128, dtype=torch.uint8),
+        torch.zeros(4, 32, dtype=torch.uint8),
+        torch.zeros(4, 8, dtype=torch.int8),
+        None,
+        torch.zeros(4, 1, 2, dtype=torch.float16),
+        6,
+        32,
+    )
     assert not triton_block.supports(w)
     with pytest.raises(ValueError, match="without super-blocks; got 6-bit K-quant blocks"):
         triton_block.matmul(torch.zeros(1, 256), w)

@@ -49,9 +49,14 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def stream_response(send: Send, receive: Receive, status: int, headers: list[tuple[bytes, bytes]],
-                          pump: Callable[[Send], Awaitable[None]], aclose: Callable[[], Awaitable[object]]
-                          ) -> BaseException | None:
+async def stream_response(
+    send: Send,
+    receive: Receive,
+    status: int,
+    headers: list[tuple[bytes, bytes]],
+    pump: Callable[[Send], Awaitable[None]],
+    aclose: Callable[[], Awaitable[object]],
+) -> BaseException | None:
     """Start a streamed response and run `pump(send)` until it ends or the client disconnects; then
     cancel what still runs and close the source with `aclose` (errors there are no longer anyone's to
     answer). Returns the pump's exception, if it raised one."""

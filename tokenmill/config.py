@@ -32,8 +32,13 @@ _DTYPES = {
 }
 # what the KV cache may store besides those: one byte per value and a scale per token and kv head
 # (tokenmill.attention.kv_quant); "fp8" is e4m3, as in vLLM
-_KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-              "fp8_e5m2": torch.float8_e5m2}
+_KV_DTYPES = {
+    **_DTYPES,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 KV_CACHE_DTYPES = ("auto", *_KV_DTYPES)  # the names --kv-cache-dtype takes
 
 
@@ -63,10 +68,20 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
         if self.hidden_act not in self.supported_activations:
-            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported "
-                             f"(only {', '.join(self.supported_activations)})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            raise ValueError(
+                f"model config: hidden_act {self.hidden_act!r} is not supported "
+                f"(only {', '.join(self.supported_activations)})"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
@@ -78,8 +93,10 @@ class ModelConfig:
         if self.rope_scaling is not None:
             kind = rope_type(self.rope_scaling)
             if kind not in ("default", "linear", "llama3", "yarn", "longrope", "su"):
-                raise ValueError(f"model config: rope_scaling type {kind!r} is not supported "
-                                 "(supported: default, linear, llama3, yarn, longrope)")
+                raise ValueError(
+                    f"model config: rope_scaling type {kind!r} is not supported "
+                    "(supported: default, linear, llama3, yarn, longrope)"
+                )
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -90,8 +107,11 @@ class ModelConfig:
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_type(rope_params) != "default" else None)
         if rope_type(rope_scaling) in ("longrope", "su"):  # the factor is of the config's context, not the engine's
             original = rope_scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
-            rope_scaling = {"factor": cfg.get("max_position_embeddings", original) / original, **rope_scaling,
-                            "original_max_position_embeddings": original}
+            rope_scaling = {
+                "factor": cfg.get("max_position_embeddings", original) / original,
+                **rope_scaling,
+                "original_max_position_embeddings": original,
+            }
         heads = cfg["num_attention_heads"]
         fields = dict(
             architecture=arch,
@@ -144,8 +164,9 @@ class CacheConfig:
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory_gib}")
         if self.prefix_cache_hash not in PREFIX_CACHE_HASHES:
-            raise ValueError(f"prefix_cache_hash must be one of {', '.join(PREFIX_CACHE_HASHES)}, "
-                             f"got {self.prefix_cache_hash!r}")
+            raise ValueError(
+                f"prefix_cache_hash must be one of {', '.join(PREFIX_CACHE_HASHES)}, got {self.prefix_cache_hash!r}"
+            )
         resolve_cache_dtype(self.cache_dtype, torch.float32)  # raises for an unknown name
 
 
@@ -210,27 +231,39 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                             f"got {self.method!r}")
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
         if self.method == "deepseek_mtp":
             self.method = "mtp"
         if (self.method in SPECULATIVE_MODEL_METHODS) != (self.model is not None):
-            raise ValueError("speculative_config.model (a Medusa heads directory, the draft model or an EAGLE-3 "
-                             "checkpoint) is required by methods medusa and draft_model and eagle3 and only by them, "
-                             f"got method {self.method!r} with model {self.model!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-                     "max_verify_tokens"):
+            raise ValueError(
+                "speculative_config.model (a Medusa heads directory, the draft model or an EAGLE-3 "
+                "checkpoint) is required by methods medusa and draft_model and eagle3 and only by them, "
+                f"got method {self.method!r} with model {self.model!r}"
+            )
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "disable_by_batch_size",
+            "max_verify_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
             raise ValueError(f"speculative_config.min_acceptance must be in [0, 1), got {self.min_acceptance!r}")
         if self.num_speculative_tokens > 15:
-            raise ValueError("speculative_config.num_speculative_tokens must be at most 15 (a verify step of at most "
-                             f"16 tokens), got {self.num_speculative_tokens}")
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be at most 15 (a verify step of at most "
+                f"16 tokens), got {self.num_speculative_tokens}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -244,7 +277,9 @@ class SpeculativeConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"speculative_config has unknown fields {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"speculative_config has unknown fields {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
         return cls(**raw)
 
 
@@ -271,11 +306,14 @@ class ParallelConfig:
         self.pipeline_layer_partition = tuple(self.pipeline_layer_partition)
         partition = self.pipeline_layer_partition
         if partition and (len(partition) != self.pipeline_parallel_size or min(partition) < 1):
-            raise ValueError(f"--pipeline-layer-partition {','.join(map(str, partition))} must give a positive "
-                             f"number of layers to each of the {self.pipeline_parallel_size} pipeline stages")
+            raise ValueError(
+                f"--pipeline-layer-partition {','.join(map(str, partition))} must give a positive "
+                f"number of layers to each of the {self.pipeline_parallel_size} pipeline stages"
+            )
         if self.distributed_executor_backend not in ("mp", "ray"):
-            raise ValueError(f"--distributed-executor-backend must be 'mp' or 'ray', "
-                             f"got {self.distributed_executor_backend!r}")
+            raise ValueError(
+                f"--distributed-executor-backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -308,17 +346,27 @@ class EngineConfig:
         if not self.grammar_timeout > 0:
             raise ValueError(f"grammar_timeout must be positive, got {self.grammar_timeout}")
         if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
-                             f"got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}"
+            )
         if self.quantization_group_size is not None and self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}")
-        if self.quantization not in ("int8", "int4") and (self.quantization_group_size or self.quantization_symmetric is not None):
-            raise ValueError("quantization_group_size and quantization_symmetric apply to --quantization int8 / "
-                             f"int4, not {self.quantization!r}")
-        if self.speculative is not None and self.speculative.method != "ngram" and \
-                self.parallel.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config.method {self.speculative.method} does not run with "
-                             "--tensor-parallel-size > 1 yet (ngram does)")
+        if self.quantization not in ("int8", "int4") and (
+            self.quantization_group_size or self.quantization_symmetric is not None
+        ):
+            raise ValueError(
+                "quantization_group_size and quantization_symmetric apply to --quantization int8 / "
+                f"int4, not {self.quantization!r}"
+            )
+        if (
+            self.speculative is not None
+            and self.speculative.method != "ngram"
+            and self.parallel.tensor_parallel_size > 1
+        ):
+            raise ValueError(
+                f"speculative_config.method {self.speculative.method} does not run with "
+                "--tensor-parallel-size > 1 yet (ngram does)"
+            )
         if self.speculative is not None and self.parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with --pipeline-parallel-size > 1 yet")
 
@@ -367,7 +415,8 @@ def resolve_cache_dtype(cache_dtype: str, compute_dtype: torch.dtype, quantizati
     compute dtype. int8 and fp8 caches are quantized (see tokenmill.attention.kv_quant)."""
     if cache_dtype != "auto":
         if cache_dtype not in _KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {', '.join(sorted(_KV_DTYPES))}, "
-                             f"got {cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or one of {', '.join(sorted(_KV_DTYPES))}, got {cache_dtype!r}"
+            )
         return _KV_DTYPES[cache_dtype]
     return torch.float16 if quantization == "gguf-q8" else compute_dtype

@@ -22,8 +22,15 @@ MAX_JSON_DEPTH = 200
 class APIError(Exception):
     """An error to send as `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -44,14 +51,24 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request body; 413 as soon as it is known to exceed `limit` bytes (declared or received)."""
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                       "invalid_request_error", None, "request_too_large")
+        raise APIError(
+            413,
+            f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error", None,
-                           "request_too_large")
+            raise APIError(
+                413,
+                f"request body exceeds the limit of {limit} bytes",
+                "invalid_request_error",
+                None,
+                "request_too_large",
+            )
     return bytes(body)
 
 
@@ -97,8 +114,11 @@ def install_error_handlers(app, logger: logging.Logger) -> None:
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {e.detail}"
-        return JSONResponse(APIError(e.status_code, message, kind).to_dict(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+        return JSONResponse(
+            APIError(e.status_code, message, kind).to_dict(),
+            status_code=e.status_code,
+            headers=getattr(e, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> JSONResponse:

@@ -1,4 +1,5 @@
 """Per-request sampling parameters (mirrors vLLM's ``SamplingParams``)."""
+
 from __future__ import annotations
 
 import math
@@ -99,8 +100,11 @@ class SamplingParams:
         if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be > 0")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_END - self.n):
-            bad("seed", f"must fit in 64 bits, as must seed + n - 1 (sample i of n is seeded with seed + i): "
-                        f"an int in [-2**63, 2**64 - {self.n}]")
+            bad(
+                "seed",
+                f"must fit in 64 bits, as must seed + n - 1 (sample i of n is seeded with seed + i): "
+                f"an int in [-2**63, 2**64 - {self.n}]",
+            )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             bad("max_tokens", "must be an int >= 0 or None")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
@@ -113,9 +117,7 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
-        ):
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of ints >= 0")
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(self, field)
@@ -128,8 +130,10 @@ class SamplingParams:
             bad("structured_output", "must be a StructuredOutputSpec or None")
         if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpec):
             bad("reasoning", "must be a ReasoningSpec or None")
-        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or not all(
-                _is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())):
+        if self.logit_bias is not None and (
+            not isinstance(self.logit_bias, dict)
+            or not all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())
+        ):
             bad("logit_bias", "must map token ids (ints >= 0) to biases in [-100, 100]")
 
     @property

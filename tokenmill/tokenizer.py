@@ -97,8 +97,9 @@ def _load_gguf(path: Path, name: str) -> Tokenizer:
         backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
         # a directory, not the file: beside a large vocabulary transformers looks for a config.json there,
         # and offline it takes a file path for a hub repo id
-        hf = PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(path.parent), **tokenizer_config,
-                                     **extra)
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=backend, name_or_path=str(path.parent), **tokenizer_config, **extra
+        )
     except Exception as e:
         raise ValueError(f"cannot build a tokenizer from GGUF file {path}: {e}") from e
     ids = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
@@ -172,8 +173,14 @@ class IncrementalDetokenizer:
     would; a window ending in an incomplete UTF-8 char ('\\ufffd') is held until the char completes.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
-                 stop: Sequence[str] | StopStringMatcher = (), include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] | StopStringMatcher = (),
+        include_stop_str_in_output: bool = False,
+    ):
         self._backend = tokenizer.hf.backend_tokenizer  # the Rust tokenizer: decode without Python overhead
         self._skip = skip_special_tokens
         if not isinstance(stop, StopStringMatcher):
@@ -207,7 +214,7 @@ class IncrementalDetokenizer:
         pending = len(self._ids) - self._read
         if not force and (len(text) <= len(self._prefix_text) or text.endswith("\ufffd")) and pending < _MAX_PENDING:
             return ""  # nothing new, or a char still incomplete
-        delta = text[len(self._prefix_text):]
+        delta = text[len(self._prefix_text) :]
         # The pending tokens become the next prefix; the window never grows past a few tokens.
         del self._ids[: self._read]
         self._read = len(self._ids)

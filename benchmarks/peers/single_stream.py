@@ -40,9 +40,14 @@ def gguf_path(name: str) -> Path:
 
 def llama_speeds(binary: Path, path: Path, prompt_len: int, tokens: int, threads: int) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) from one llama-bench run of each."""
+
     def run(*flags: str) -> float:
-        out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-r", "1", "-o", "json", *flags],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [str(binary), "-m", str(path), "-t", str(threads), "-r", "1", "-o", "json", *flags],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         return float(json.loads(out)[0]["avg_ts"])
 
     return run("-p", str(prompt_len), "-n", "0"), run("-p", "0", "-n", str(tokens), "-d", str(prompt_len))
@@ -50,8 +55,11 @@ def llama_speeds(binary: Path, path: Path, prompt_len: int, tokens: int, threads
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b",
-                    help="comma-separated fetch.sh names, smollm2-135m, or .gguf paths (default: %(default)s)")
+    ap.add_argument(
+        "--models",
+        default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b",
+        help="comma-separated fetch.sh names, smollm2-135m, or .gguf paths (default: %(default)s)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="runs of each engine, taking turns (default: %(default)s)")
     ap.add_argument("--prompt-len", type=int, default=512, help="context before decode (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per run (default: %(default)s)")
@@ -73,8 +81,10 @@ def main() -> None:
         def tokenmill_speeds() -> tuple[float, float]:
             llm.engine.core.reset_prefix_cache()
             m = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].metrics
-            return (args.prompt_len / (m.first_token_time - m.first_scheduled_time),
-                    (len(m.token_times) - 1) / (m.token_times[-1] - m.token_times[0]))
+            return (
+                args.prompt_len / (m.first_token_time - m.first_scheduled_time),
+                (len(m.token_times) - 1) / (m.token_times[-1] - m.token_times[0]),
+            )
 
         tokenmill_speeds()  # warm-up
         ours, theirs = [], []
@@ -84,7 +94,7 @@ def main() -> None:
         lp, lt = (statistics.median(v[i] for v in theirs) for i in (0, 1))
         tp, tt = (statistics.median(v[i] for v in ours) for i in (0, 1))
         print(f"{path.name:<44} {lp:9.1f} {tp:8.1f} {tp / lp:5.2f}x {lt:9.1f} {tt:8.1f} {tt / lt:5.2f}x", flush=True)
-        del llm
+        llm.shutdown()
 
 
 if __name__ == "__main__":

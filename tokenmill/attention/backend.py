@@ -40,9 +40,18 @@ class AttentionBackend(ABC):
         window, if they have one: each query sees only the last `sliding_window` positions)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta,
-                scale: float, soft_cap: float | None = None, kv_scales: torch.Tensor | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta,
+        scale: float,
+        soft_cap: float | None = None,
+        kv_scales: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Write the new K/V into `kv_cache`, attend (scores soft-capped: cap * tanh(s / cap), if set).
         q: [T, H, D]; k, v: [T, KVH, D]; kv_scales: an int8 / fp8 cache's scales; sinks: [H] float32,
         each head's extra softmax logit with no value. Returns [T, H, D]."""

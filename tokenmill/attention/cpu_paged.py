@@ -39,8 +39,16 @@ class CpuPagedBackend(TorchSDPABackend):
             return super().build_metadata(common, sliding_window)
         req = np.repeat(np.arange(common.num_reqs), np.diff(common.query_start_loc))
         positions = np.arange(len(req)) - common.query_start_loc[req] + common.num_computed_tokens[req]
-        rows = CommonAttentionMetadata(len(req), np.arange(len(req) + 1), positions, positions + 1,
-                                       common.block_table[req], common.slot_mapping, common.block_size, common.device)
+        rows = CommonAttentionMetadata(
+            len(req),
+            np.arange(len(req) + 1),
+            positions,
+            positions + 1,
+            common.block_table[req],
+            common.slot_mapping,
+            common.block_size,
+            common.device,
+        )
         return super().build_metadata(rows, sliding_window)
 
     def _prefill(self, q, k, v, k_cache, v_cache, p, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
@@ -52,10 +60,29 @@ class CpuPagedBackend(TorchSDPABackend):
         total = p.mask.shape[1]
         lens = torch.arange(total - n + 1, total + 1, device=q.device)
         tables = p.block_table[None].expand(n, -1).contiguous()
-        return paged_attention.paged_decode_attention(q[p.start : p.end].contiguous(), k_cache, v_cache, tables, lens,
-                                                      scale, meta.sliding_window, soft_cap, kv_scales, sinks)
+        return paged_attention.paged_decode_attention(
+            q[p.start : p.end].contiguous(),
+            k_cache,
+            v_cache,
+            tables,
+            lens,
+            scale,
+            meta.sliding_window,
+            soft_cap,
+            kv_scales,
+            sinks,
+        )
 
     def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
-        return paged_attention.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_context_lens, scale, meta.sliding_window, soft_cap,
-                                                      kv_scales, sinks)
+        return paged_attention.paged_decode_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            meta.sliding_window,
+            soft_cap,
+            kv_scales,
+            sinks,
+        )

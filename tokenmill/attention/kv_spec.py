@@ -116,15 +116,20 @@ def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_
     return max_num_seqs * (-(-window // block_size) + 2) + -(-max_num_batched_tokens // block_size)
 
 
-def make_kv_cache_config(specs: dict[str, AttentionSpec], cache: CacheConfig, max_num_seqs: int = 64,
-                         max_num_batched_tokens: int = 512) -> KVCacheConfig:
+def make_kv_cache_config(
+    specs: dict[str, AttentionSpec], cache: CacheConfig, max_num_seqs: int = 64, max_num_batched_tokens: int = 512
+) -> KVCacheConfig:
     """Size the pools: `cache.num_blocks` blocks (window pools: no more than they can use), or as many
     as fit in `cache.kv_cache_memory_gib` (window pools capped the same way, the rest to pool 0)."""
     config = KVCacheConfig([0], cache.block_size, group_specs(specs))
     config.pool_blocks = [0] * (1 + max(g.pool for g in config.groups))
     windows = config.pool_windows
-    caps = [None if w is None or len(windows) == 1 else window_pool_blocks(w, cache.block_size, max_num_seqs,
-                                                                          max_num_batched_tokens) for w in windows]
+    caps = [
+        None
+        if w is None or len(windows) == 1
+        else window_pool_blocks(w, cache.block_size, max_num_seqs, max_num_batched_tokens)
+        for w in windows
+    ]
     if cache.num_blocks is not None:
         config.pool_blocks = [cache.num_blocks if c is None else min(cache.num_blocks, c) for c in caps]
         return config
@@ -137,6 +142,8 @@ def make_kv_cache_config(specs: dict[str, AttentionSpec], cache: CacheConfig, ma
         caps = [None] * len(caps)
     config.pool_blocks = [full if c is None else c for c in caps]
     if min(config.pool_blocks) < 1:
-        raise ValueError(f"kv_cache_memory {cache.kv_cache_memory_gib} GiB is smaller than one KV block "
-                         f"({config.bytes_per_block} bytes)")
+        raise ValueError(
+            f"kv_cache_memory {cache.kv_cache_memory_gib} GiB is smaller than one KV block "
+            f"({config.bytes_per_block} bytes)"
+        )
     return config

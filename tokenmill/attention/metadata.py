@@ -27,8 +27,9 @@ class CommonAttentionMetadata:
         return len(self.seq_lens)
 
 
-def build_common_metadata(num_new: np.ndarray, num_computed: np.ndarray, block_ids: list[list[int]],
-                          block_size: int, device: torch.device) -> tuple[CommonAttentionMetadata, np.ndarray]:
+def build_common_metadata(
+    num_new: np.ndarray, num_computed: np.ndarray, block_ids: list[list[int]], block_size: int, device: torch.device
+) -> tuple[CommonAttentionMetadata, np.ndarray]:
     """The step's description and the position of every new token. `num_new` / `num_computed` are
     int64 arrays per request, decodes (num_new == 1) first."""
     num_reqs = len(num_new)
@@ -46,6 +47,14 @@ def build_common_metadata(num_new: np.ndarray, num_computed: np.ndarray, block_i
     for i, blocks in enumerate(block_ids):
         table[i, : len(blocks)] = blocks
     slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
-    common = CommonAttentionMetadata(num_decodes, query_start_loc, num_computed, num_computed + num_new, table,
-                                     torch.from_numpy(slots).to(device), block_size, device)
+    common = CommonAttentionMetadata(
+        num_decodes,
+        query_start_loc,
+        num_computed,
+        num_computed + num_new,
+        table,
+        torch.from_numpy(slots).to(device),
+        block_size,
+        device,
+    )
     return common, positions

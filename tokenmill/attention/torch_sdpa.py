@@ -49,7 +49,9 @@ class TorchSDPABackend(AttentionBackend):
     supported_features = ("sliding_window", "logits_soft_cap", "sinks")
     needs_decode_mask = True
 
-    def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None) -> TorchAttentionMetadata:
+    def build_metadata(
+        self, common: CommonAttentionMetadata, sliding_window: int | None = None
+    ) -> TorchAttentionMetadata:
         d, bs, device, w = common.num_decodes, common.block_size, common.device, sliding_window
         decode_tables = decode_lens = decode_mask = None
         if d:
@@ -71,7 +73,10 @@ class TorchSDPABackend(AttentionBackend):
             if c:
                 table = torch.from_numpy(common.block_table[i, : (c + n + bs - 1) // bs].copy()).to(device)
             if c or (w is not None and n > w):
-                keys, queries = torch.arange(c + n, device=device)[None, :], (c + torch.arange(n, device=device))[:, None]
+                keys, queries = (
+                    torch.arange(c + n, device=device)[None, :],
+                    (c + torch.arange(n, device=device))[:, None],
+                )
                 mask = keys <= queries
                 if w is not None:
                     mask &= keys > queries - w
@@ -92,12 +97,12 @@ class TorchSDPABackend(AttentionBackend):
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale, soft_cap, kv_scales, sinks)
         for p in meta.prefills:
-            out[p.start : p.end] = self._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap, kv_scales,
-                                                 sinks)
+            out[p.start : p.end] = self._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap, kv_scales, sinks)
         return out
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillMetadata, meta, scale, soft_cap=None, kv_scales=None,
-                 sinks=None):
+    def _prefill(
+        self, q, k, v, k_cache, v_cache, p: PrefillMetadata, meta, scale, soft_cap=None, kv_scales=None, sinks=None
+    ):
         """One prompt chunk's (or verify step's) attention: [n, H, hd]. With nothing cached it attends
         the chunk's own K/V as computed (unquantized, as the float path does)."""
         latent = v_cache.data_ptr() == k_cache.data_ptr()
@@ -129,14 +134,22 @@ class TorchSDPABackend(AttentionBackend):
         return _attend(q.unsqueeze(2), keys, values, meta.decode_mask, scale, soft_cap, sinks).squeeze(2)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            soft_cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale) v over [B, H, n, hd] queries and [B, KVH, L, hd] keys/values (heads
     grouped); `mask` (True = attend) or, when None, causal over n == L. Soft-capped scores, and
     sinks (each head's [H] logit in the softmax's denominator), are written out; otherwise SDPA."""
     if soft_cap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = q @ k.transpose(-1, -2) * scale
@@ -152,8 +165,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return probs.to(v.dtype) @ v
 
 
-def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,
-               latent: bool, kv_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    dtype: torch.dtype,
+    latent: bool,
+    kv_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the blocks in `block_tables` (a latent cache is gathered once: values are
     the keys' leading features; a quantized one dequantized with `kv_scales`)."""
     k_scales, v_scales = (None, None) if kv_scales is None else kv_scales
@@ -161,8 +180,9 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch
     return keys, keys[..., : v_cache.shape[-1]] if latent else _gather(v_cache, block_tables, dtype, v_scales)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,
-            scales: torch.Tensor | None = None) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor | None = None
+) -> torch.Tensor:
     """[num_blocks, bs, KVH, hd] cache + [B, nb] tables -> [B, KVH, nb * bs, hd] in `dtype` (a quantized
     cache times its [num_blocks, bs, KVH] scales)."""
     b, nb = block_tables.shape
@@ -170,6 +190,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype,
     if scales is None:
         blocks = cache.index_select(0, flat)  # whole blocks: row copies, not per element
     else:  # through bytes: fp8 index_select is not on every device
-        blocks = kv_quant.dequantize(cache.view(torch.uint8).index_select(0, flat).view(cache.dtype),
-                                     scales.index_select(0, flat), dtype)
+        blocks = kv_quant.dequantize(
+            cache.view(torch.uint8).index_select(0, flat).view(cache.dtype), scales.index_select(0, flat), dtype
+        )
     return blocks.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2).to(dtype)

@@ -28,34 +28,67 @@ examples:
 
 # ---------------------------------------------------------------------------------------------- flags
 
+
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default=DEFAULT_BASE_URL,
-                   help="server root URL, with or without /v1 (default: %(default)s)")
-    g.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
-                   help="API to drive; chat sends message lists (default: %(default)s)")
+    g.add_argument(
+        "--base-url", default=DEFAULT_BASE_URL, help="server root URL, with or without /v1 (default: %(default)s)"
+    )
+    g.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="API to drive; chat sends message lists (default: %(default)s)",
+    )
     g.add_argument("--model", default=None, help="model name to send (default: the first of the server's /v1/models)")
-    g.add_argument("--tokenizer", default=None,
-                   help="tokenizer for exact prompt lengths: a tokenmill model name, a .gguf file or a local HF "
-                        "directory/cached repo id (default: --model)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="bearer token (default: $OPENAI_API_KEY; never written to the result file)")
-    g.add_argument("--extra-body", type=json.loads, default={},
-                   help='JSON object merged into every request body, e.g. \'{"top_p": 0.9}\'')
-    g.add_argument("--json-schema", default=None, metavar="PATH",
-                   help="constrain every request's output to the JSON schema in this file (sends OpenAI "
-                        "response_format {'type': 'json_schema', ...}); compare with a run without it to see the "
-                        "cost of structured output")
-    g.add_argument("--timeout", type=float, default=600.0,
-                   help="per-request timeout in seconds; a request past it counts as failed (default: %(default)s)")
-    g.add_argument("--server-pid", type=int, default=None,
-                   help="PID of the server process: its CPU use (with children) is sampled during the run")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer for exact prompt lengths: a tokenmill model name, a .gguf file or a local HF "
+        "directory/cached repo id (default: --model)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $OPENAI_API_KEY; never written to the result file)",
+    )
+    g.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default={},
+        help="JSON object merged into every request body, e.g. '{\"top_p\": 0.9}'",
+    )
+    g.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="PATH",
+        help="constrain every request's output to the JSON schema in this file (sends OpenAI "
+        "response_format {'type': 'json_schema', ...}); compare with a run without it to see the "
+        "cost of structured output",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="per-request timeout in seconds; a request past it counts as failed (default: %(default)s)",
+    )
+    g.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="PID of the server process: its CPU use (with children) is sampled during the run",
+    )
 
 
 # numeric workload flags: (flag, type, default, help)
 _WORKLOAD_SIZES = [
-    ("--random-input-len", int, 1024, "prompt tokens (random, long-context short prompts), question tokens "
-                                      "(shared-prefix), user-turn tokens (multi-turn)"),
+    (
+        "--random-input-len",
+        int,
+        1024,
+        "prompt tokens (random, long-context short prompts), question tokens "
+        "(shared-prefix), user-turn tokens (multi-turn)",
+    ),
     ("--random-output-len", int, 128, "output tokens to ask for (max_tokens); jsonl lines without output_len"),
     ("--random-range-ratio", float, 0.0, "lengths drawn uniformly in [L*(1-r), L*(1+r)]"),
     ("--num-prefixes", int, 4, "shared-prefix: distinct system prompts"),
@@ -70,17 +103,28 @@ def _add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     from tokenmill.bench.datasets import DATASETS
 
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default="random", choices=DATASETS,
-                   help="random: lengths drawn around --random-input-len/--random-output-len; "
-                        "shared-prefix: --num-prefixes system prompts of --prefix-len tokens shared by the "
-                        "questions; multi-turn: conversations of --num-turns turns, each re-sending the history; "
-                        "long-context: --long-context-fraction of prompts are --long-context-len tokens; "
-                        "jsonl: --dataset-path (default: %(default)s)")
-    g.add_argument("--dataset-path", default=None,
-                   help='jsonl file: one object per line, {"prompt": "..."} or {"messages": [...]}, optionally '
-                        'with "output_len"; cycled to --num-prompts')
-    g.add_argument("--num-prompts", type=int, default=1000,
-                   help="requests to measure (conversations for multi-turn) (default: %(default)s)")
+    g.add_argument(
+        "--dataset",
+        default="random",
+        choices=DATASETS,
+        help="random: lengths drawn around --random-input-len/--random-output-len; "
+        "shared-prefix: --num-prefixes system prompts of --prefix-len tokens shared by the "
+        "questions; multi-turn: conversations of --num-turns turns, each re-sending the history; "
+        "long-context: --long-context-fraction of prompts are --long-context-len tokens; "
+        "jsonl: --dataset-path (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dataset-path",
+        default=None,
+        help='jsonl file: one object per line, {"prompt": "..."} or {"messages": [...]}, optionally '
+        'with "output_len"; cycled to --num-prompts',
+    )
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        default=1000,
+        help="requests to measure (conversations for multi-turn) (default: %(default)s)",
+    )
     for flag, kind, default, text in _WORKLOAD_SIZES:
         g.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     if seed:
@@ -89,37 +133,62 @@ def _add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load")
-    g.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests (conversations) started per second, gamma-distributed gaps; inf: all at once "
-                        "(default: %(default)s)")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 more regular (default: %(default)s)")
-    g.add_argument("--max-concurrency", type=int, default=None,
-                   help="most requests in flight; with an infinite rate, a closed loop of this many clients")
-    g.add_argument("--num-warmups", type=int, default=0,
-                   help="requests sent before measuring, not counted (default: %(default)s)")
-    g.add_argument("--max-duration", type=float, default=None,
-                   help="stop the run after this many seconds: requests in flight count as failed, the rest "
-                        "are not sent")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests (conversations) started per second, gamma-distributed gaps; inf: all at once "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 more regular (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight; with an infinite rate, a closed loop of this many clients",
+    )
+    g.add_argument(
+        "--num-warmups", type=int, default=0, help="requests sent before measuring, not counted (default: %(default)s)"
+    )
+    g.add_argument(
+        "--max-duration",
+        type=float,
+        default=None,
+        help="stop the run after this many seconds: requests in flight count as failed, the rest are not sent",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="keep generating past EOS so outputs have exactly the asked length (sends ignore_eos: true)")
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past EOS so outputs have exactly the asked length (sends ignore_eos: true)",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
-    g.add_argument("--slo", default=None,
-                   help="service-level objective for goodput, e.g. ttft=500ms,tpot=50ms,e2e=10s (units us/ms/s; "
-                        "bare numbers are ms)")
-    g.add_argument("--cost-per-hour", type=float, default=None,
-                   help="machine price in $/hour: report $ per 1M input tokens, per 1M output tokens, per request")
+    g.add_argument(
+        "--slo",
+        default=None,
+        help="service-level objective for goodput, e.g. ttft=500ms,tpot=50ms,e2e=10s (units us/ms/s; "
+        "bare numbers are ms)",
+    )
+    g.add_argument(
+        "--cost-per-hour",
+        type=float,
+        default=None,
+        help="machine price in $/hour: report $ per 1M input tokens, per 1M output tokens, per request",
+    )
     g.add_argument("--result-file", default=None, help="write the full result (every request's timings) as JSON")
-    g.add_argument("--plot-dir", default=None,
-                   help="write PNG charts here (default: next to --result-file, if given)")
+    g.add_argument("--plot-dir", default=None, help="write PNG charts here (default: next to --result-file, if given)")
     g.add_argument("--label", default="", help="name of this run in tables and charts")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
@@ -128,18 +197,24 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sweep").add_mutually_exclusive_group(required=True)
     g.add_argument("--concurrencies", default=None, help="comma-separated --max-concurrency values, e.g. 1,2,4,8")
     g.add_argument("--request-rates", default=None, help="comma-separated --request-rate values, e.g. 1,2,4,8")
-    p.add_argument("--slo-attainment", type=float, default=0.9,
-                   help="fraction of requests that must meet --slo for a load to count as meeting it "
-                        "(default: %(default)s)")
+    p.add_argument(
+        "--slo-attainment",
+        type=float,
+        default=0.9,
+        help="fraction of requests that must meet --slo for a load to count as meeting it (default: %(default)s)",
+    )
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add `bench` (with serve, sweep, compare, offline) to a parent CLI's subparsers."""
     bench = subparsers.add_parser(
-        "bench", help="benchmark a server or the engine",
+        "bench",
+        help="benchmark a server or the engine",
         description="Drive an OpenAI-compatible server (tokenmill, vLLM, SGLang, llama-server, ...) or the engine "
-                    "in-process with realistic traffic and report the serving metrics.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "in-process with realistic traffic and report the serving metrics.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_subcommands(bench)
     return bench
 
@@ -148,31 +223,49 @@ def _add_subcommands(bench: argparse.ArgumentParser) -> None:
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,compare,offline}")
     bench.set_defaults(func=lambda args: bench.print_help())
 
-    serve = sub.add_parser("serve", help="one run against a server",
-                           description="Benchmark a running OpenAI-compatible server with one workload and load.")
+    serve = sub.add_parser(
+        "serve",
+        help="one run against a server",
+        description="Benchmark a running OpenAI-compatible server with one workload and load.",
+    )
     for add in (_add_target_args, _add_dataset_args, _add_load_args, _add_sampling_args, _add_output_args):
         add(serve)
     serve.set_defaults(func=cmd_serve)
 
-    sweep = sub.add_parser("sweep", help="the same workload at several concurrencies or rates",
-                           description="Run the same workload at several loads: throughput-latency curve and knee "
-                                       "(the highest load that still meets --slo).")
-    for add in (_add_target_args, _add_dataset_args, _add_load_args, _add_sampling_args, _add_output_args,
-                _add_sweep_args):
+    sweep = sub.add_parser(
+        "sweep",
+        help="the same workload at several concurrencies or rates",
+        description="Run the same workload at several loads: throughput-latency curve and knee "
+        "(the highest load that still meets --slo).",
+    )
+    for add in (
+        _add_target_args,
+        _add_dataset_args,
+        _add_load_args,
+        _add_sampling_args,
+        _add_output_args,
+        _add_sweep_args,
+    ):
         add(sweep)
     sweep.set_defaults(func=cmd_sweep)
 
-    compare = sub.add_parser("compare", help="tables and charts of several result files side by side",
-                             description="Compare result files (runs or sweeps) in one table and charts.")
+    compare = sub.add_parser(
+        "compare",
+        help="tables and charts of several result files side by side",
+        description="Compare result files (runs or sweeps) in one table and charts.",
+    )
     compare.add_argument("files", nargs="+", help="result JSON files from serve, sweep or offline")
-    compare.add_argument("--labels", default=None, help="comma-separated names for the files (default: their labels "
-                                                        "or file names)")
+    compare.add_argument(
+        "--labels", default=None, help="comma-separated names for the files (default: their labels or file names)"
+    )
     compare.add_argument("--plot-dir", default=".", help="where to write compare_*.png (default: %(default)s)")
     compare.set_defaults(func=cmd_compare)
 
-    offline = sub.add_parser("offline", help="the engine in-process, no HTTP",
-                             description="Run a workload through tokenmill's engine in this process: engine-only "
-                                         "throughput and latency.")
+    offline = sub.add_parser(
+        "offline",
+        help="the engine in-process, no HTTP",
+        description="Run a workload through tokenmill's engine in this process: engine-only throughput and latency.",
+    )
     from tokenmill.engine_args import add_engine_args
 
     add_engine_args(offline)  # --model, --seed (also the workload seed) and the engine sizing flags
@@ -180,12 +273,14 @@ def _add_subcommands(bench: argparse.ArgumentParser) -> None:
     _add_load_args(offline)
     _add_sampling_args(offline)
     _add_output_args(offline)
-    offline.add_argument("--chat", action="store_true",
-                         help="build prompts with the model's chat template (as the chat endpoint would)")
+    offline.add_argument(
+        "--chat", action="store_true", help="build prompts with the model's chat template (as the chat endpoint would)"
+    )
     offline.set_defaults(func=cmd_offline)
 
 
 # ---------------------------------------------------------------------------------------------- commands
+
 
 def _quiet_http_logs() -> None:
     """httpx logs every request at INFO: thousands of lines in a benchmark."""
@@ -196,8 +291,11 @@ def _quiet_http_logs() -> None:
 def _config(args: argparse.Namespace) -> dict:
     """The flags worth recording (JSON-able, no secrets)."""
     skip = {"func", "api_key"}
-    return {k: v for k, v in vars(args).items()
-            if k not in skip and isinstance(v, (str, int, float, bool, dict, list, type(None)))}
+    return {
+        k: v
+        for k, v in vars(args).items()
+        if k not in skip and isinstance(v, (str, int, float, bool, dict, list, type(None)))
+    }
 
 
 def _run_options(args: argparse.Namespace, tokenizer):
@@ -207,21 +305,43 @@ def _run_options(args: argparse.Namespace, tokenizer):
     from tokenmill.bench.runner import RunOptions
 
     dataset = DatasetConfig(
-        name=args.dataset, num_prompts=args.num_prompts, seed=args.seed, input_len=args.random_input_len,
-        output_len=args.random_output_len, range_ratio=args.random_range_ratio, num_prefixes=args.num_prefixes,
-        prefix_len=args.prefix_len, num_turns=args.num_turns, long_context_len=args.long_context_len,
-        long_context_fraction=args.long_context_fraction, path=args.dataset_path)
+        name=args.dataset,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        input_len=args.random_input_len,
+        output_len=args.random_output_len,
+        range_ratio=args.random_range_ratio,
+        num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len,
+        num_turns=args.num_turns,
+        long_context_len=args.long_context_len,
+        long_context_fraction=args.long_context_fraction,
+        path=args.dataset_path,
+    )
     dataset.validate()
-    load = LoadConfig(request_rate=args.request_rate, burstiness=args.burstiness,
-                      max_concurrency=args.max_concurrency, max_duration=args.max_duration, seed=args.seed)
+    load = LoadConfig(
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        max_duration=args.max_duration,
+        seed=args.seed,
+    )
     load.validate()
     if args.num_warmups < 0:
         raise ValueError("--num-warmups must be >= 0")
     if args.cost_per_hour is not None and args.cost_per_hour < 0:
         raise ValueError("--cost-per-hour must be >= 0")
-    return RunOptions(dataset=dataset, load=load, tokenizer=tokenizer, num_warmups=args.num_warmups,
-                      slo=parse_slo(args.slo), cost_per_hour=args.cost_per_hour, progress=not args.disable_tqdm,
-                      label=args.label, config=_config(args))
+    return RunOptions(
+        dataset=dataset,
+        load=load,
+        tokenizer=tokenizer,
+        num_warmups=args.num_warmups,
+        slo=parse_slo(args.slo),
+        cost_per_hour=args.cost_per_hour,
+        progress=not args.disable_tqdm,
+        label=args.label,
+        config=_config(args),
+    )
 
 
 def _endpoint(args: argparse.Namespace):
@@ -237,11 +357,20 @@ def _endpoint(args: argparse.Namespace):
             schema = json.loads(Path(args.json_schema).read_text())
         except (OSError, ValueError) as e:
             raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
-        extra_body["response_format"] = {"type": "json_schema",
-                                         "json_schema": {"name": Path(args.json_schema).stem, "schema": schema}}
-    return EndpointConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
-                          temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra_body,
-                          timeout=args.timeout)
+        extra_body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": Path(args.json_schema).stem, "schema": schema},
+        }
+    return EndpointConfig(
+        base_url=args.base_url,
+        model=args.model,
+        endpoint=args.endpoint,
+        api_key=args.api_key,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        extra_body=extra_body,
+        timeout=args.timeout,
+    )
 
 
 def _served_model(base_url: str, api_key: str | None) -> str:
@@ -308,10 +437,16 @@ def cmd_sweep(args: argparse.Namespace) -> dict:
     _quiet_http_logs()
     endpoint = _endpoint(args)
     opts = _run_options(args, _tokenizer(args))
-    sweep_by, loads = ("max_concurrency", args.concurrencies) if args.concurrencies else \
-        ("request_rate", args.request_rates)
-    result = run_sweep(lambda o: run_serve(endpoint, o, server_pid=args.server_pid), opts, parse_loads(loads),
-                       sweep_by, args.slo_attainment)
+    sweep_by, loads = (
+        ("max_concurrency", args.concurrencies) if args.concurrencies else ("request_rate", args.request_rates)
+    )
+    result = run_sweep(
+        lambda o: run_serve(endpoint, o, server_pid=args.server_pid),
+        opts,
+        parse_loads(loads),
+        sweep_by,
+        args.slo_attainment,
+    )
     _write_outputs(result, args)
     return result
 
@@ -322,8 +457,9 @@ def cmd_offline(args: argparse.Namespace) -> dict:
 
     engine = load_engine(args)
     tokenizer = BenchTokenizer(engine.tokenizer.hf, args.model)
-    result = run_offline(engine, _run_options(args, tokenizer), chat=args.chat, temperature=args.temperature,
-                         ignore_eos=args.ignore_eos)
+    result = run_offline(
+        engine, _run_options(args, tokenizer), chat=args.chat, temperature=args.temperature, ignore_eos=args.ignore_eos
+    )
     _write_outputs(result, args)
     return result
 
@@ -332,8 +468,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
     from tokenmill.bench import plots, report
 
     results = [report.load_json(f) for f in args.files]
-    labels = args.labels.split(",") if args.labels else [r.get("label") or Path(f).stem
-                                                         for r, f in zip(results, args.files)]
+    labels = (
+        args.labels.split(",") if args.labels else [r.get("label") or Path(f).stem for r, f in zip(results, args.files)]
+    )
     if len(labels) != len(results):
         raise ValueError(f"--labels has {len(labels)} names for {len(results)} files")
     named = list(zip(labels, results))
@@ -341,8 +478,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
     runs = [run for name, r in named for run in report.runs_of(r, name)]
     console.print(report.compare_table(runs))
     out = Path(args.plot_dir)
-    written = [plots.plot_compare(named, out / "compare_bars.png"),
-               plots.plot_latency_cdfs(runs, out / "compare_latency_cdf.png")]
+    written = [
+        plots.plot_compare(named, out / "compare_bars.png"),
+        plots.plot_latency_cdfs(runs, out / "compare_latency_cdf.png"),
+    ]
     sweeps = [(name, r) for name, r in named if r["kind"] == "sweep"]
     if sweeps and len({r["sweep_by"] for _, r in sweeps}) == 1:
         written.append(plots.plot_sweeps(sweeps, out / "compare_sweep.png"))
@@ -352,9 +491,14 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------------- standalone
 
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill bench", description="tokenmill's benchmark tool.",
-                                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="tokenmill bench",
+        description="tokenmill's benchmark tool.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
     _add_subcommands(parser)
     return parser

@@ -103,8 +103,9 @@ def _content(chunk: dict, chat: bool) -> str:
     return (delta.get("reasoning_content") or "") + (delta.get("content") or "")
 
 
-async def _stream(client: httpx.AsyncClient, cfg: EndpointConfig, prompt, max_tokens: int,
-                  record: RequestRecord, t0: float) -> None:
+async def _stream(
+    client: httpx.AsyncClient, cfg: EndpointConfig, prompt, max_tokens: int, record: RequestRecord, t0: float
+) -> None:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     start = time.perf_counter()
     record.start = start - t0
@@ -159,8 +160,15 @@ async def _stream(client: httpx.AsyncClient, cfg: EndpointConfig, prompt, max_to
         record.output_text = "".join(text)
 
 
-async def send_request(client: httpx.AsyncClient, cfg: EndpointConfig, prompt, max_tokens: int,
-                       record: RequestRecord, t0: float, count_tokens: Callable[[str], int] | None = None) -> None:
+async def send_request(
+    client: httpx.AsyncClient,
+    cfg: EndpointConfig,
+    prompt,
+    max_tokens: int,
+    record: RequestRecord,
+    t0: float,
+    count_tokens: Callable[[str], int] | None = None,
+) -> None:
     """Stream one request, filling `record` (timings, token counts, error text)."""
     try:
         await asyncio.wait_for(_stream(client, cfg, prompt, max_tokens, record, t0), cfg.timeout)
@@ -179,9 +187,14 @@ async def send_request(client: httpx.AsyncClient, cfg: EndpointConfig, prompt, m
             record.prompt_tokens = count_tokens(prompt)
 
 
-async def run_load(sessions: list[Session], cfg: EndpointConfig, load: LoadConfig,
-                   count_tokens: Callable[[str], int] | None = None, progress: bool = True,
-                   desc: str = "bench") -> tuple[list[RequestRecord], float]:
+async def run_load(
+    sessions: list[Session],
+    cfg: EndpointConfig,
+    load: LoadConfig,
+    count_tokens: Callable[[str], int] | None = None,
+    progress: bool = True,
+    desc: str = "bench",
+) -> tuple[list[RequestRecord], float]:
     """Send every session's turns per the arrival process; return (records, duration in seconds).
     Requests cut off by `max_duration` are recorded as failed; sessions not started by then are not sent."""
     load.validate()
@@ -200,16 +213,28 @@ async def run_load(sessions: list[Session], cfg: EndpointConfig, load: LoadConfi
                 replies: list[str] = []
                 for k, turn in enumerate(session.turns):
                     async with limit:
-                        record = RequestRecord(session=index, turn=k, expected_output_len=turn.output_len,
-                                               expected_prompt_len=turn.prompt_len)
+                        record = RequestRecord(
+                            session=index,
+                            turn=k,
+                            expected_output_len=turn.output_len,
+                            expected_prompt_len=turn.prompt_len,
+                        )
                         records.append(record)
-                        await send_request(client, cfg, session.prompt(k, replies, cfg.chat), turn.output_len,
-                                           record, t0, count_tokens)
+                        await send_request(
+                            client, cfg, session.prompt(k, replies, cfg.chat), turn.output_len, record, t0, count_tokens
+                        )
                     bar.update(1)
                     if not record.success:
                         for j in range(k + 1, len(session.turns)):
-                            records.append(RequestRecord(session=index, turn=j, error=SKIPPED, start=record.start,
-                                                         expected_output_len=session.turns[j].output_len))
+                            records.append(
+                                RequestRecord(
+                                    session=index,
+                                    turn=j,
+                                    error=SKIPPED,
+                                    start=record.start,
+                                    expected_output_len=session.turns[j].output_len,
+                                )
+                            )
                             bar.update(1)
                         return
                     replies.append(record.output_text)

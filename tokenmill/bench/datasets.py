@@ -31,19 +31,71 @@ DATASETS = ("random", "shared-prefix", "multi-turn", "long-context", "jsonl")
 
 # Stdlib modules whose docstrings make the prompt corpus (fixed order: the same text on every run).
 _CORPUS_MODULES = (
-    "argparse", "asyncio.events", "asyncio.queues", "asyncio.streams", "asyncio.tasks", "bisect", "calendar",
-    "collections", "concurrent.futures._base", "contextlib", "csv", "dataclasses", "datetime", "decimal",
-    "difflib", "email.message", "enum", "fractions", "functools", "gettext", "heapq", "http.client",
-    "http.cookiejar", "inspect", "ipaddress", "itertools", "json", "json.decoder", "logging", "logging.handlers",
-    "mailbox", "pathlib", "pickle", "pprint", "queue", "random", "re", "shlex", "shutil", "smtplib", "socket",
-    "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "typing",
-    "unittest.case", "unittest.mock", "urllib.parse", "urllib.request", "uuid", "warnings", "weakref", "zipfile",
+    "argparse",
+    "asyncio.events",
+    "asyncio.queues",
+    "asyncio.streams",
+    "asyncio.tasks",
+    "bisect",
+    "calendar",
+    "collections",
+    "concurrent.futures._base",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email.message",
+    "enum",
+    "fractions",
+    "functools",
+    "gettext",
+    "heapq",
+    "http.client",
+    "http.cookiejar",
+    "inspect",
+    "ipaddress",
+    "itertools",
+    "json",
+    "json.decoder",
+    "logging",
+    "logging.handlers",
+    "mailbox",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socket",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "typing",
+    "unittest.case",
+    "unittest.mock",
+    "urllib.parse",
+    "urllib.request",
+    "uuid",
+    "warnings",
+    "weakref",
+    "zipfile",
 )
 _MIN_DOC_CHARS = 120  # shorter docstrings are mostly one-liners ("Return self.")
 TRANSCRIPT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
 # ---------------------------------------------------------------------------------------------- corpus
+
 
 def _zen_of_python() -> str:
     """The text of `import this`, without importing it (the import prints)."""
@@ -68,8 +120,11 @@ def _docstrings(module_name: str) -> list[str]:
             continue
         if inspect.isclass(obj):
             docs.append(inspect.getdoc(obj) or "")
-            docs.extend(inspect.getdoc(m) or "" for n, m in sorted(vars(obj).items())
-                        if not n.startswith("_") and inspect.isfunction(m))
+            docs.extend(
+                inspect.getdoc(m) or ""
+                for n, m in sorted(vars(obj).items())
+                if not n.startswith("_") and inspect.isfunction(m)
+            )
         elif inspect.isfunction(obj):
             docs.append(inspect.getdoc(obj) or "")
     return [d for d in docs if len(d) >= _MIN_DOC_CHARS]
@@ -92,6 +147,7 @@ def corpus_text() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
+
 
 class BenchTokenizer:
     """What the bench needs of a tokenizer, over a Hugging Face tokenizer (`hf`)."""
@@ -140,8 +196,10 @@ def load_bench_tokenizer(name: str) -> BenchTokenizer:
         return BenchTokenizer(AutoTokenizer.from_pretrained(name, local_files_only=True), name)
     except Exception as e:
         errors.append(f"transformers: {type(e).__name__}: {e}")
-    raise ValueError(f"cannot load a tokenizer for {name!r} (pass --tokenizer with a local path or a tokenmill "
-                     f"model name): " + "; ".join(errors))
+    raise ValueError(
+        f"cannot load a tokenizer for {name!r} (pass --tokenizer with a local path or a tokenmill "
+        f"model name): " + "; ".join(errors)
+    )
 
 
 class TextSampler:
@@ -154,7 +212,7 @@ class TextSampler:
 
     def _window(self, start: int, n: int) -> str:
         start %= len(self.ids)
-        ids = self.ids[start:start + n]
+        ids = self.ids[start : start + n]
         while len(ids) < n:  # longer than the corpus: wrap around
             ids += self.ids[: n - len(ids)]
         return self.tok.decode(ids)
@@ -186,6 +244,7 @@ class TextSampler:
 
 
 # ---------------------------------------------------------------------------------------------- workloads
+
 
 @dataclass
 class Turn:
@@ -271,8 +330,12 @@ def build_sessions(cfg: DatasetConfig, tokenizer: BenchTokenizer | None, chat: b
     if tokenizer is None:
         raise ValueError(f"dataset {cfg.name!r} needs a tokenizer")
     sampler = TextSampler(tokenizer, add_special_tokens=not chat)
-    builders = {"random": _random, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn,
-                "long-context": _long_context}
+    builders = {
+        "random": _random,
+        "shared-prefix": _shared_prefix,
+        "multi-turn": _multi_turn,
+        "long-context": _long_context,
+    }
     return builders[cfg.name](cfg, sampler, rng, chat)
 
 
@@ -293,8 +356,11 @@ def _random(cfg, sampler, rng, chat) -> list[Session]:
 
 
 def _long_context(cfg, sampler, rng, chat) -> list[Session]:
-    n_long = min(cfg.num_prompts, max(1, round(cfg.long_context_fraction * cfg.num_prompts))) \
-        if cfg.long_context_fraction > 0 else 0
+    n_long = (
+        min(cfg.num_prompts, max(1, round(cfg.long_context_fraction * cfg.num_prompts)))
+        if cfg.long_context_fraction > 0
+        else 0
+    )
     long_positions = set(rng.sample(range(cfg.num_prompts), n_long))
     sessions = []
     for i in range(cfg.num_prompts):
@@ -308,14 +374,16 @@ def _shared_prefix(cfg, sampler, rng, chat) -> list[Session]:
     stride = len(sampler.ids) // cfg.num_prefixes
     prefixes = [sampler.text(cfg.prefix_len, i * stride) + "\n\n" for i in range(cfg.num_prefixes)]
     sessions = []
-    for i in range(cfg.num_prompts):
+    for _ in range(cfg.num_prompts):
         prefix = prefixes[rng.randrange(cfg.num_prefixes)]
         n_q = sample_len(cfg.input_len, cfg.range_ratio, rng)
         n_out = sample_len(cfg.output_len, cfg.range_ratio, rng)
         start = sampler.random_start(rng)
         if chat:
-            messages = [{"role": "system", "content": prefix.rstrip()},
-                        {"role": "user", "content": sampler.text(n_q, start)}]
+            messages = [
+                {"role": "system", "content": prefix.rstrip()},
+                {"role": "user", "content": sampler.text(n_q, start)},
+            ]
             sessions.append(Session([Turn(messages, n_out, sampler.tok.count_chat(messages))]))
         else:
             n_prefix = sampler.tok.count(prefix, sampler.special)

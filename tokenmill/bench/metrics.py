@@ -91,8 +91,7 @@ def distribution(values: list[float], scale: float = 1.0) -> dict:
     xs = [v * scale for v in values if v is not None]
     stats: dict = {"count": len(xs)}
     if not xs:
-        return stats | {k: None for k in ("mean", "median", "std", "min", "max")} | \
-            {f"p{p}": None for p in PERCENTILES}
+        return stats | {k: None for k in ("mean", "median", "std", "min", "max")} | {f"p{p}": None for p in PERCENTILES}
     mean = sum(xs) / len(xs)
     stats |= {
         "mean": mean,
@@ -106,7 +105,7 @@ def distribution(values: list[float], scale: float = 1.0) -> dict:
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
-    """"ttft=500ms,tpot=50ms,e2e=10s" -> {"ttft": 0.5, "tpot": 0.05, "e2el": 10.0} (seconds).
+    """ "ttft=500ms,tpot=50ms,e2e=10s" -> {"ttft": 0.5, "tpot": 0.05, "e2el": 10.0} (seconds).
     Units us, ms or s; a bare number is milliseconds."""
     if not text:
         return {}
@@ -201,8 +200,12 @@ def cost_metrics(cost_per_hour: float | None, summary: dict) -> dict | None:
 def find_knee(points: list[dict], min_attainment: float) -> dict | None:
     """The point with the highest `load` whose `slo_attainment` is at least `min_attainment`.
     `points` are dicts with "load" and "summary"; None if none meets the SLO (or no SLO was set)."""
-    meeting = [p for p in points if (p["summary"].get("slo_attainment") or 0) >= min_attainment
-               and p["summary"].get("slo_attainment") is not None]
+    meeting = [
+        p
+        for p in points
+        if (p["summary"].get("slo_attainment") or 0) >= min_attainment
+        and p["summary"].get("slo_attainment") is not None
+    ]
     return max(meeting, key=lambda p: p["load"], default=None)
 
 
@@ -214,9 +217,15 @@ def expert_load_summary(expert_tokens: list[list[float]], rank_tokens: list[floa
     per_layer = [max(c) / (sum(c) / len(c)) for c in expert_tokens if c and sum(c) > 0]
     if not per_layer:
         return None
-    summary = {"moe_layers": len(expert_tokens), "routed_tokens": sum(sum(c) for c in expert_tokens),
-               "load_imbalance_max": max(per_layer), "load_imbalance_mean": sum(per_layer) / len(per_layer),
-               "load_imbalance_per_layer": per_layer}
+    summary = {
+        "moe_layers": len(expert_tokens),
+        "routed_tokens": sum(sum(c) for c in expert_tokens),
+        "load_imbalance_max": max(per_layer),
+        "load_imbalance_mean": sum(per_layer) / len(per_layer),
+        "load_imbalance_per_layer": per_layer,
+    }
     if rank_tokens and sum(rank_tokens) > 0:
-        summary.update(rank_tokens=list(rank_tokens), rank_imbalance=max(rank_tokens) / (sum(rank_tokens) / len(rank_tokens)))
+        summary.update(
+            rank_tokens=list(rank_tokens), rank_imbalance=max(rank_tokens) / (sum(rank_tokens) / len(rank_tokens))
+        )
     return summary

@@ -73,8 +73,13 @@ def _gpu_or_none() -> _GPU | None:
 class ResourceMonitor:
     """`with ResourceMonitor(pid, metrics_url): run()`, then `.summary()`."""
 
-    def __init__(self, server_pid: int | None = None, metrics_url: str | None = None, interval: float = 0.5,
-                 model: str | None = None):
+    def __init__(
+        self,
+        server_pid: int | None = None,
+        metrics_url: str | None = None,
+        interval: float = 0.5,
+        model: str | None = None,
+    ):
         self.interval = interval
         self.metrics_url = metrics_url
         self.model = model
@@ -123,8 +128,14 @@ class ResourceMonitor:
             out["server_rss_mib"] = _brief([m for _, m, _ in self.cpu_samples])
         if self.gpu_samples:
             devices = list(zip(*self.gpu_samples))
-            out["gpu"] = [{"device": i, "util_percent": _brief([u for u, _ in dev]),
-                           "memory_used_mib": _brief([m for _, m in dev])} for i, dev in enumerate(devices)]
+            out["gpu"] = [
+                {
+                    "device": i,
+                    "util_percent": _brief([u for u, _ in dev]),
+                    "memory_used_mib": _brief([m for _, m in dev]),
+                }
+                for i, dev in enumerate(devices)
+            ]
         return out
 
 

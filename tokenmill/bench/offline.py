@@ -47,8 +47,9 @@ class OfflineRunner:
 
         self.engine = engine
         self.chat = chat
-        self._params = lambda max_tokens: SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                         ignore_eos=ignore_eos)
+        self._params = lambda max_tokens: SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos
+        )
         self._ids = 0
         self.kv_usage_max: float | None = None
 
@@ -58,8 +59,9 @@ class OfflineRunner:
             return self.engine.tokenizer.apply_chat_template(prompt)
         return prompt
 
-    def run(self, sessions: list[Session], load: LoadConfig, progress: bool = True,
-            desc: str = "offline") -> tuple[list[RequestRecord], float]:
+    def run(
+        self, sessions: list[Session], load: LoadConfig, progress: bool = True, desc: str = "offline"
+    ) -> tuple[list[RequestRecord], float]:
         load.validate()
         gaps = arrival_gaps(len(sessions), load.request_rate, load.burstiness, load.seed)
         t0 = time.monotonic()
@@ -71,8 +73,9 @@ class OfflineRunner:
         in_flight: dict[str, tuple[_Conversation, RequestRecord, float]] = {}
         records: list[RequestRecord] = []
         deadline = t0 + load.max_duration if load.max_duration else None
-        bar = tqdm(total=num_requests(sessions), desc=desc, unit="req", disable=not progress, file=sys.stderr,
-                   leave=False)
+        bar = tqdm(
+            total=num_requests(sessions), desc=desc, unit="req", disable=not progress, file=sys.stderr, leave=False
+        )
         try:
             while arrivals or ready or in_flight:
                 now = time.monotonic()
@@ -103,8 +106,9 @@ class OfflineRunner:
 
     def _start(self, conv, t0, in_flight, records, bar) -> None:
         turn = conv.session.turns[conv.turn]
-        record = RequestRecord(session=conv.index, turn=conv.turn, expected_output_len=turn.output_len,
-                               expected_prompt_len=turn.prompt_len)
+        record = RequestRecord(
+            session=conv.index, turn=conv.turn, expected_output_len=turn.output_len, expected_prompt_len=turn.prompt_len
+        )
         records.append(record)
         prompt = self._prompt(conv)
         request_id = f"bench-{self._ids}"
@@ -141,8 +145,15 @@ class OfflineRunner:
 
     def _skip_rest(self, conv, record, records, bar) -> None:
         for j in range(conv.turn + 1, len(conv.session.turns)):
-            records.append(RequestRecord(session=conv.index, turn=j, error=SKIPPED, start=record.start,
-                                         expected_output_len=conv.session.turns[j].output_len))
+            records.append(
+                RequestRecord(
+                    session=conv.index,
+                    turn=j,
+                    error=SKIPPED,
+                    start=record.start,
+                    expected_output_len=conv.session.turns[j].output_len,
+                )
+            )
             bar.update(1)
 
     def _abort(self, in_flight, now) -> None:
@@ -162,8 +173,9 @@ def load_engine(args):
     return LLMEngine(engine_config_from_args(args))
 
 
-def run_offline(engine, opts: RunOptions, chat: bool = False, temperature: float = 0.0,
-                ignore_eos: bool = False) -> dict:
+def run_offline(
+    engine, opts: RunOptions, chat: bool = False, temperature: float = 0.0, ignore_eos: bool = False
+) -> dict:
     """Benchmark `engine` in-process with the workload and load of `opts`."""
     runner = OfflineRunner(engine, chat, temperature, ignore_eos)
     warmups, sessions = split_warmups(opts, chat)
@@ -183,8 +195,12 @@ def run_offline(engine, opts: RunOptions, chat: bool = False, temperature: float
         "kv_cache_usage_before": kv_before,
         "kv_cache_usage_after": kv_usage(engine),
         "kv_cache_usage_max": runner.kv_usage_max,
-        "moe": expert_load_summary([[n - b for n, b in zip(c, experts_before.get(layer, [0] * len(c)))]
-                                    for layer, c in sorted(engine.core.stats().expert_tokens.items())]),
+        "moe": expert_load_summary(
+            [
+                [n - b for n, b in zip(c, experts_before.get(layer, [0] * len(c)))]
+                for layer, c in sorted(engine.core.stats().expert_tokens.items())
+            ]
+        ),
     }
     return make_result("offline", opts, records, duration, num_requests(sessions), server_metrics, monitor.summary())
 

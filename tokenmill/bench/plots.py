@@ -48,8 +48,7 @@ def plot_latency_cdfs(named: list[tuple[str, dict]], path: str | Path) -> Path:
         for name, result in named:
             xs = sorted(latency_samples(result, metric))
             if xs:  # the empirical CDF: 0 before the smallest sample, k/n from the k-th
-                ax.step([xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))], where="post",
-                        label=name)
+                ax.step([xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))], where="post", label=name)
         ax.set_title(f"{LATENCY_NAMES[metric]} CDF")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests" if metric != "itl" else "fraction of token gaps")
@@ -67,8 +66,11 @@ _P99_STYLES = {"ttft": "-", "tpot": "--", "itl": ":", "e2el": "-."}
 
 def _has_data(ax) -> bool:
     """Some line of `ax` has a positive, finite point (what a log scale needs)."""
-    return any(x > 0 and y > 0 and math.isfinite(y)
-               for line in ax.get_lines() for x, y in zip(line.get_xdata(), line.get_ydata()))
+    return any(
+        x > 0 and y > 0 and math.isfinite(y)
+        for line in ax.get_lines()
+        for x, y in zip(line.get_xdata(), line.get_ydata())
+    )
 
 
 def _p99(points: list[dict], metric: str) -> list[float]:
@@ -86,15 +88,22 @@ def plot_sweeps(named: list[tuple[str, dict]], path: str | Path) -> Path:
         pts = sweep["points"]
         loads = [p["load"] for p in pts]
         tput = [p["summary"]["output_throughput"] for p in pts]
-        line, = ax_tput.plot(loads, tput, marker="o", label=name)
+        (line,) = ax_tput.plot(loads, tput, marker="o", label=name)
         for metric, style in _P99_STYLES.items():
             ax_p99.plot(loads, _p99(pts, metric), style, marker=".", color=line.get_color())
         ax_curve.plot(tput, _p99(pts, "e2el"), marker="o", color=line.get_color())
         knee = sweep.get("knee")
         if knee and knee["load"] in loads:
             k = loads.index(knee["load"])
-            ax_tput.plot([loads[k]], [tput[k]], "o", markersize=14, fillstyle="none", color="green",
-                         label="knee" if name == named[0][0] else None)
+            ax_tput.plot(
+                [loads[k]],
+                [tput[k]],
+                "o",
+                markersize=14,
+                fillstyle="none",
+                color="green",
+                label="knee" if name == named[0][0] else None,
+            )
     log_ok = {ax: _has_data(ax) for ax in (ax_tput, ax_p99)}  # before the SLO lines, which are not data
     for metric, limit in (named[0][1].get("slo") or {}).items():
         ax_p99.axhline(limit, color="red", linestyle=_P99_STYLES[metric], linewidth=0.8, alpha=0.7)
@@ -111,17 +120,24 @@ def plot_sweeps(named: list[tuple[str, dict]], path: str | Path) -> Path:
                 ax.set_xscale("log", base=2)
             ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
     ax_tput.legend(fontsize="small")
-    ax_p99.legend([Line2D([], [], color="black", linestyle=s) for s in _P99_STYLES.values()],
-                  [LATENCY_NAMES[m] for m in _P99_STYLES], fontsize="small")
+    ax_p99.legend(
+        [Line2D([], [], color="black", linestyle=s) for s in _P99_STYLES.values()],
+        [LATENCY_NAMES[m] for m in _P99_STYLES],
+        fontsize="small",
+    )
     return _save(fig, path)
 
 
 _BAR_PANELS = [
     ("throughput (req/s)", [("req/s", lambda s: s["request_throughput"]), ("goodput", lambda s: s["goodput"])]),
-    ("throughput (tokens/s)", [("output", lambda s: s["output_throughput"]),
-                               ("total", lambda s: s["total_token_throughput"])]),
-    *[(f"{LATENCY_NAMES[m]} (ms)", [(stat, lambda s, m=m, stat=stat: s[f"{m}_ms"][stat]) for stat in ("p50", "p99")])
-      for m in ("ttft", "tpot", "itl", "e2el")],
+    (
+        "throughput (tokens/s)",
+        [("output", lambda s: s["output_throughput"]), ("total", lambda s: s["total_token_throughput"])],
+    ),
+    *[
+        (f"{LATENCY_NAMES[m]} (ms)", [(stat, lambda s, m=m, stat=stat: s[f"{m}_ms"][stat]) for stat in ("p50", "p99")])
+        for m in ("ttft", "tpot", "itl", "e2el")
+    ],
 ]
 
 
@@ -138,8 +154,9 @@ def plot_compare(named: list[tuple[str, dict]], path: str | Path) -> Path:
         ax.set_xticks(range(len(series)), [label for label, _ in series])
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=min(len(runs), 4),
-               fontsize="small")
+    fig.legend(
+        *axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=min(len(runs), 4), fontsize="small"
+    )
     return _save(fig, path)
 
 
@@ -147,6 +164,8 @@ def write_plots(result: dict, prefix: str | Path) -> list[Path]:
     """The charts of a run or a sweep, as `<prefix>_*.png`."""
     prefix = str(prefix)
     if result["kind"] == "sweep":
-        return [plot_sweeps([(result.get("label") or "sweep", result)], f"{prefix}_sweep.png"),
-                plot_latency_cdfs([(p["label"], p) for p in result["points"]], f"{prefix}_latency_cdf.png")]
+        return [
+            plot_sweeps([(result.get("label") or "sweep", result)], f"{prefix}_sweep.png"),
+            plot_latency_cdfs([(p["label"], p) for p in result["points"]], f"{prefix}_latency_cdf.png"),
+        ]
     return [plot_latency_cdfs([(result.get("label") or "", result)], f"{prefix}_latency_cdf.png")]

@@ -14,10 +14,12 @@ import httpx
 
 from tokenmill.bench.metrics import expert_load_summary
 
-PREFIX_QUERIES = ("tokenmill:prefix_cache_queries_total", "vllm:prefix_cache_queries_total",
-                  "vllm:gpu_prefix_cache_queries_total")
-PREFIX_HITS = ("tokenmill:prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
-               "vllm:gpu_prefix_cache_hits_total")
+PREFIX_QUERIES = (
+    "tokenmill:prefix_cache_queries_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries_total",
+)
+PREFIX_HITS = ("tokenmill:prefix_cache_hits_total", "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 EXPERT_TOKENS = "tokenmill:moe_expert_tokens_total"
 RANK_TOKENS = "tokenmill:moe_rank_tokens_total"  # expert parallelism
@@ -25,12 +27,17 @@ RANK_TOKENS = "tokenmill:moe_rank_tokens_total"  # expert parallelism
 SPEC_COUNTERS = {
     "drafts": ("tokenmill:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"),
     "draft_tokens": ("tokenmill:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
-    "accepted_tokens": ("tokenmill:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"),
+    "accepted_tokens": (
+        "tokenmill:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+    ),
     "draft_seconds": ("tokenmill:spec_decode_draft_seconds_total",),
     "verify_seconds": ("tokenmill:spec_decode_verify_seconds_total",),
 }
-SPEC_PER_POSITION = ("tokenmill:spec_decode_num_accepted_tokens_per_pos_total",
-                     "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+SPEC_PER_POSITION = (
+    "tokenmill:spec_decode_num_accepted_tokens_per_pos_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+)
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
@@ -106,8 +113,13 @@ def cache_stats(samples: list[Sample], model: str | None = None) -> dict:
 def accepted_per_position(samples: list[Sample], model: str | None = None) -> dict[int, float]:
     """{draft position (0 first): accepted drafts} from the first per-position counter exposed."""
     for name in SPEC_PER_POSITION:
-        counts = {int(s.labels["position"]): s.value for s in samples
-                  if s.name == name and "position" in s.labels and (model is None or s.labels.get("model_name") in (None, model))}
+        counts = {
+            int(s.labels["position"]): s.value
+            for s in samples
+            if s.name == name
+            and "position" in s.labels
+            and (model is None or s.labels.get("model_name") in (None, model))
+        }
         if counts:
             return counts
     return {}
@@ -124,8 +136,11 @@ def expert_tokens(samples: list[Sample], model: str | None = None) -> dict[str, 
 
 def rank_tokens(samples: list[Sample], model: str | None = None) -> dict[str, float]:
     """{rank: tokens routed to its experts} under expert parallelism (empty otherwise)."""
-    return {s.labels["rank"]: s.value for s in samples
-            if s.name == RANK_TOKENS and (model is None or s.labels.get("model_name") in (None, model))}
+    return {
+        s.labels["rank"]: s.value
+        for s in samples
+        if s.name == RANK_TOKENS and (model is None or s.labels.get("model_name") in (None, model))
+    }
 
 
 def metrics_url(base_url: str) -> str:
@@ -156,11 +171,15 @@ def cache_delta(before: dict | None, after: dict | None, kv_samples: list[float]
 
     queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
     experts_before = before.get("expert_tokens") or {}
-    routed = [[n - experts_before.get(layer, {}).get(e, 0.0) for e, n in sorted(c.items(), key=lambda i: int(i[0]))]
-              for layer, c in sorted((after.get("expert_tokens") or {}).items(), key=lambda i: int(i[0]))]
+    routed = [
+        [n - experts_before.get(layer, {}).get(e, 0.0) for e, n in sorted(c.items(), key=lambda i: int(i[0]))]
+        for layer, c in sorted((after.get("expert_tokens") or {}).items(), key=lambda i: int(i[0]))
+    ]
     ranks_before = before.get("rank_tokens") or {}
-    per_rank = [n - ranks_before.get(rank, 0.0) for rank, n in sorted((after.get("rank_tokens") or {}).items(),
-                                                                      key=lambda i: int(i[0]))]
+    per_rank = [
+        n - ranks_before.get(rank, 0.0)
+        for rank, n in sorted((after.get("rank_tokens") or {}).items(), key=lambda i: int(i[0]))
+    ]
     peak = [v for v in [*kv_samples, before.get("kv_cache_usage"), after.get("kv_cache_usage")] if v is not None]
     return {
         "exposed": bool(before) and any(v is not None for v in before.values()),

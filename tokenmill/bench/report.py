@@ -17,6 +17,7 @@ _STATS = ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES))
 
 # ---------------------------------------------------------------------------------------------- JSON
 
+
 def _strict(obj):
     """Non-finite floats as strings ("inf"), so the file is standard JSON."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -44,6 +45,7 @@ def load_json(path: str | Path) -> dict:
 
 # ---------------------------------------------------------------------------------------------- formatting
 
+
 def fmt(value, digits: int = 2, unit: str = "") -> str:
     if value is None:
         return "-"
@@ -69,6 +71,7 @@ def load_label(result: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- one run
+
 
 def run_table(result: dict) -> Table:
     s, cfg = result["summary"], result.get("config", {})
@@ -105,31 +108,44 @@ def run_table(result: dict) -> Table:
         section("server cache")
     if server.get("exposed"):
         table.add_row("prefix cache hit rate (/metrics)", pct(server.get("prefix_cache_hit_rate")))
-        table.add_row("KV cache usage before / after / peak", " / ".join(
-            pct(server.get(k)) for k in ("kv_cache_usage_before", "kv_cache_usage_after", "kv_cache_usage_max")))
+        table.add_row(
+            "KV cache usage before / after / peak",
+            " / ".join(
+                pct(server.get(k)) for k in ("kv_cache_usage_before", "kv_cache_usage_after", "kv_cache_usage_max")
+            ),
+        )
     if server.get("moe"):
         moe = server["moe"]
-        table.add_row("MoE load imbalance max / mean (max/mean tokens per expert)",
-                      f"{fmt(moe['load_imbalance_max'], 2)} / {fmt(moe['load_imbalance_mean'], 2)} "
-                      f"over {moe['moe_layers']} layers")
+        table.add_row(
+            "MoE load imbalance max / mean (max/mean tokens per expert)",
+            f"{fmt(moe['load_imbalance_max'], 2)} / {fmt(moe['load_imbalance_mean'], 2)} "
+            f"over {moe['moe_layers']} layers",
+        )
         if moe.get("rank_tokens"):
-            table.add_row("MoE tokens per expert-parallel rank (imbalance)",
-                          f"{' / '.join(fmt(int(n)) for n in moe['rank_tokens'])} ({fmt(moe['rank_imbalance'], 2)})")
+            table.add_row(
+                "MoE tokens per expert-parallel rank (imbalance)",
+                f"{' / '.join(fmt(int(n)) for n in moe['rank_tokens'])} ({fmt(moe['rank_imbalance'], 2)})",
+            )
     if s.get("client_cached_tokens") is not None and s["total_input_tokens"]:
-        table.add_row("prompt tokens cached (usage)",
-                      f"{fmt(s['client_cached_tokens'])} ({pct(s['client_cached_tokens'] / s['total_input_tokens'])})")
+        table.add_row(
+            "prompt tokens cached (usage)",
+            f"{fmt(s['client_cached_tokens'])} ({pct(s['client_cached_tokens'] / s['total_input_tokens'])})",
+        )
     spec = server.get("spec")
     if spec:
         section("speculative decoding (/metrics)")
-        table.add_row("verify steps / drafted / accepted tokens",
-                      f"{fmt(spec['drafts'])} / {fmt(spec.get('draft_tokens'))} / {fmt(spec.get('accepted_tokens'))}")
+        table.add_row(
+            "verify steps / drafted / accepted tokens",
+            f"{fmt(spec['drafts'])} / {fmt(spec.get('draft_tokens'))} / {fmt(spec.get('accepted_tokens'))}",
+        )
         table.add_row("acceptance rate", pct(spec.get("acceptance_rate")))
         table.add_row("mean tokens per verify step", fmt(spec.get("mean_accepted_length"), 2))
         if spec.get("acceptance_per_position"):
             table.add_row("acceptance by draft position", " / ".join(pct(r) for r in spec["acceptance_per_position"]))
         if spec.get("draft_seconds") is not None and spec.get("verify_seconds") is not None:
-            table.add_row("time drafting / verifying", f"{fmt(spec['draft_seconds'], 2)} s / "
-                                                       f"{fmt(spec['verify_seconds'], 2)} s")
+            table.add_row(
+                "time drafting / verifying", f"{fmt(spec['draft_seconds'], 2)} s / {fmt(spec['verify_seconds'], 2)} s"
+            )
     util = result.get("utilization") or {}
     if util.get("server_cpu_percent") or util.get("gpu"):
         section("utilization")
@@ -138,11 +154,15 @@ def run_table(result: dict) -> Table:
             table.add_row("server CPU % mean / max (100 = 1 core)", f"{fmt(cpu['mean'], 0)} / {fmt(cpu['max'], 0)}")
             main = util.get("server_main_cpu_percent")
             if main:
-                table.add_row("  of it the server's main process (tokenmill: the HTTP front end)",
-                              f"{fmt(main['mean'], 0)} / {fmt(main['max'], 0)}")
+                table.add_row(
+                    "  of it the server's main process (tokenmill: the HTTP front end)",
+                    f"{fmt(main['mean'], 0)} / {fmt(main['max'], 0)}",
+                )
         for gpu in util.get("gpu") or []:
-            table.add_row(f"GPU {gpu['device']} util % mean / max",
-                          f"{fmt(gpu['util_percent']['mean'], 0)} / {fmt(gpu['util_percent']['max'], 0)}")
+            table.add_row(
+                f"GPU {gpu['device']} util % mean / max",
+                f"{fmt(gpu['util_percent']['mean'], 0)} / {fmt(gpu['util_percent']['max'], 0)}",
+            )
     cost = result.get("cost")
     if cost:
         section(f"cost at ${cost['cost_per_hour']:g}/h")
@@ -185,11 +205,22 @@ def print_run(result: dict, console: Console | None = None) -> None:
 
 # ---------------------------------------------------------------------------------------------- sweeps
 
+
 def sweep_table(result: dict) -> Table:
     by = result["sweep_by"]
     table = Table(title=f"sweep over {by.replace('_', ' ')}", title_justify="left")
-    columns = [by.replace("_", " "), "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-               "ITL p99", "E2E p99", "failed"]
+    columns = [
+        by.replace("_", " "),
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+        "ITL p99",
+        "E2E p99",
+        "failed",
+    ]
     if result.get("slo"):
         columns += ["goodput", "SLO met"]
     for c in columns:
@@ -197,10 +228,18 @@ def sweep_table(result: dict) -> Table:
     knee = (result.get("knee") or {}).get("load")
     for point in result["points"]:
         s = point["summary"]
-        row = [fmt(point["load"], 3).rstrip("0").rstrip("."), fmt(s["request_throughput"], 3),
-               fmt(s["output_throughput"], 1), fmt(s["ttft_ms"]["p50"], 1), fmt(s["ttft_ms"]["p99"], 1),
-               fmt(s["tpot_ms"]["p50"], 1), fmt(s["tpot_ms"]["p99"], 1), fmt(s["itl_ms"]["p99"], 1),
-               fmt(s["e2el_ms"]["p99"], 1), str(s["failed"])]
+        row = [
+            fmt(point["load"], 3).rstrip("0").rstrip("."),
+            fmt(s["request_throughput"], 3),
+            fmt(s["output_throughput"], 1),
+            fmt(s["ttft_ms"]["p50"], 1),
+            fmt(s["ttft_ms"]["p99"], 1),
+            fmt(s["tpot_ms"]["p50"], 1),
+            fmt(s["tpot_ms"]["p99"], 1),
+            fmt(s["itl_ms"]["p99"], 1),
+            fmt(s["e2el_ms"]["p99"], 1),
+            str(s["failed"]),
+        ]
         if result.get("slo"):
             row += [fmt(s["goodput"], 3), pct(s["slo_attainment"])]
         table.add_row(*row, style="bold green" if point["load"] == knee else None)
@@ -219,8 +258,10 @@ def print_sweep(result: dict, console: Console | None = None) -> None:
     if not result.get("slo"):
         console.print("no --slo given: no knee")
     elif result.get("knee"):
-        console.print(f"knee (highest load with >= {pct(result['min_slo_attainment'])} of requests within the SLO): "
-                      f"[bold green]{result['sweep_by']} = {result['knee']['load']:g}[/bold green]")
+        console.print(
+            f"knee (highest load with >= {pct(result['min_slo_attainment'])} of requests within the SLO): "
+            f"[bold green]{result['sweep_by']} = {result['knee']['load']:g}[/bold green]"
+        )
     else:
         console.print("[red]no load met the SLO[/red]")
 
@@ -234,8 +275,11 @@ COMPARE_ROWS = [
     ("output tokens/s", lambda s: s["output_throughput"], 1),
     ("total tokens/s", lambda s: s["total_token_throughput"], 1),
     ("goodput req/s", lambda s: s["goodput"], 3),
-    *[(f"{LATENCY_NAMES[k]} {stat} (ms)", lambda s, k=k, stat=stat: s[f"{k}_ms"][stat], 1)
-      for k in LATENCY_METRICS for stat in ("median", "p99")],
+    *[
+        (f"{LATENCY_NAMES[k]} {stat} (ms)", lambda s, k=k, stat=stat: s[f"{k}_ms"][stat], 1)
+        for k in LATENCY_METRICS
+        for stat in ("median", "p99")
+    ],
 ]
 
 

@@ -45,11 +45,18 @@ def split_warmups(opts: RunOptions, chat: bool) -> tuple[list[Session], list[Ses
     """(warm-up sessions, measured sessions): one workload, the first `num_warmups` sessions set apart."""
     cfg = dataclasses.replace(opts.dataset, num_prompts=opts.dataset.num_prompts + opts.num_warmups)
     sessions = build_sessions(cfg, opts.tokenizer, chat)
-    return sessions[: opts.num_warmups], sessions[opts.num_warmups:]
+    return sessions[: opts.num_warmups], sessions[opts.num_warmups :]
 
 
-def make_result(kind: str, opts: RunOptions, records: list[RequestRecord], duration: float, planned: int,
-                server_metrics: dict, utilization: dict) -> dict:
+def make_result(
+    kind: str,
+    opts: RunOptions,
+    records: list[RequestRecord],
+    duration: float,
+    planned: int,
+    server_metrics: dict,
+    utilization: dict,
+) -> dict:
     """The result dict of a run; `planned` requests were in the workload (the difference from the records:
     never sent, the run having reached --max-duration)."""
     summary = summarize(records, duration, opts.slo)
@@ -85,11 +92,19 @@ def run_serve(endpoint: EndpointConfig, opts: RunOptions, server_pid: int | None
     url = prometheus.metrics_url(endpoint.base_url)
     before = _cache_stats(url, endpoint.model)
     with ResourceMonitor(server_pid, url if before else None, model=endpoint.model) as monitor:
-        records, duration = asyncio.run(run_load(sessions, endpoint, opts.load, count, opts.progress,
-                                                 opts.label or "bench"))
+        records, duration = asyncio.run(
+            run_load(sessions, endpoint, opts.load, count, opts.progress, opts.label or "bench")
+        )
     after = _cache_stats(url, endpoint.model) if before else None
-    return make_result("serve", opts, records, duration, num_requests(sessions),
-                       prometheus.cache_delta(before, after, monitor.kv_samples), monitor.summary())
+    return make_result(
+        "serve",
+        opts,
+        records,
+        duration,
+        num_requests(sessions),
+        prometheus.cache_delta(before, after, monitor.kv_samples),
+        monitor.summary(),
+    )
 
 
 def num_requests(sessions: list[Session]) -> int:
@@ -112,9 +127,13 @@ def run_sweep(run_one, opts: RunOptions, loads: list[float], sweep_by: str, min_
     for i, load in enumerate(loads):
         load_cfg = dataclasses.replace(opts.load, **{sweep_by: int(load) if sweep_by == "max_concurrency" else load})
         point_opts = dataclasses.replace(
-            opts, load=load_cfg, dataset=dataclasses.replace(opts.dataset, seed=opts.dataset.seed + i),
-            num_warmups=opts.num_warmups if i == 0 else 0, label=f"{sweep_by}={load:g}",
-            config=dict(opts.config, **{sweep_by: load}))
+            opts,
+            load=load_cfg,
+            dataset=dataclasses.replace(opts.dataset, seed=opts.dataset.seed + i),
+            num_warmups=opts.num_warmups if i == 0 else 0,
+            label=f"{sweep_by}={load:g}",
+            config=dict(opts.config, **{sweep_by: load}),
+        )
         result = run_one(point_opts)
         result["load"] = load
         points.append(result)
@@ -128,14 +147,19 @@ def run_sweep(run_one, opts: RunOptions, loads: list[float], sweep_by: str, min_
         "sweep_by": sweep_by,
         "slo": {k: v * 1000 for k, v in opts.slo.items()},
         "min_slo_attainment": min_attainment,
-        "knee": None if knee is None else {"load": knee["load"], "goodput": knee["summary"]["goodput"],
-                                           "request_throughput": knee["summary"]["request_throughput"]},
+        "knee": None
+        if knee is None
+        else {
+            "load": knee["load"],
+            "goodput": knee["summary"]["goodput"],
+            "request_throughput": knee["summary"]["request_throughput"],
+        },
         "points": points,
     }
 
 
 def parse_loads(text: str) -> list[float]:
-    """"1,2,4,inf" -> [1.0, 2.0, 4.0, inf]; positive and increasing order not required."""
+    """ "1,2,4,inf" -> [1.0, 2.0, 4.0, inf]; positive and increasing order not required."""
     try:
         loads = [float(x) for x in text.split(",") if x.strip()]
     except ValueError as e:

@@ -44,8 +44,10 @@ def local_experts(num_experts: int, prefix: str) -> range:
     """The experts this rank holds under expert parallelism."""
     size = parallel_state.tp_size()
     if num_experts % size:
-        raise ValueError(f"{prefix}: {num_experts} experts do not split over {size} ranks "
-                         "(--enable-expert-parallel needs a multiple of --tensor-parallel-size)")
+        raise ValueError(
+            f"{prefix}: {num_experts} experts do not split over {size} ranks "
+            "(--enable-expert-parallel needs a multiple of --tensor-parallel-size)"
+        )
     per_rank = num_experts // size
     return range(parallel_state.tp_rank() * per_rank, (parallel_state.tp_rank() + 1) * per_rank)
 
@@ -56,15 +58,17 @@ def rank_tokens(expert_tokens: dict[int, list[int]], size: int) -> list[int]:
     for counts in expert_tokens.values():
         per_rank = len(counts) // size
         for rank in range(size):
-            totals[rank] += sum(counts[rank * per_rank:(rank + 1) * per_rank])
+            totals[rank] += sum(counts[rank * per_rank : (rank + 1) * per_rank])
     return totals
 
 
 def check_has_experts(model_config) -> None:
     """`--enable-expert-parallel` needs a model with mixture-of-experts layers."""
     if not getattr(model_config, "num_experts", 0):
-        raise ValueError(f"--enable-expert-parallel: {model_config.architecture} is a dense model "
-                         "(no mixture-of-experts layers to place across ranks)")
+        raise ValueError(
+            f"--enable-expert-parallel: {model_config.architecture} is a dense model "
+            "(no mixture-of-experts layers to place across ranks)"
+        )
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
@@ -79,15 +83,16 @@ def _gather_rows(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Every rank's `x` (rank j's has sizes[j] rows) stacked in rank order."""
     start = time.perf_counter()
     padded = x.new_zeros(max(sizes), x.shape[1])
-    padded[:x.shape[0]] = x
+    padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=parallel_state.tp_group())
     parallel_state.stats.add("all_gather", start, padded.numel() * padded.element_size())
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
-def dispatch_and_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: range,
-                         run_experts) -> torch.Tensor:
+def dispatch_and_combine(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: range, run_experts
+) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token, this rank running only
     `experts` (`run_experts(rows grouped by local expert, rows per local expert)`)."""
     size, rank = parallel_state.tp_size(), parallel_state.tp_rank()

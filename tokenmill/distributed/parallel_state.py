@@ -30,8 +30,9 @@ _device = torch.device("cpu")
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def init_model_parallel(rank: int, tp: int, pp: int, init_method: str, device: torch.device,
-                        partition: tuple[int, ...] = ()) -> None:
+def init_model_parallel(
+    rank: int, tp: int, pp: int, init_method: str, device: torch.device, partition: tuple[int, ...] = ()
+) -> None:
     """Join a world of tp * pp ranks (global `rank`), and its tensor-parallel group per pipeline stage."""
     global _rank, _size, _pp_rank, _pp_size, _tp_group, _partition, _device
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -48,6 +49,8 @@ def destroy_tensor_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _rank, _size, _pp_rank, _pp_size, _tp_group, _partition = 0, 1, 0, 1, None, ()
+
+
 _pp_rank, _pp_size = 0, 1
 _tp_group: dist.ProcessGroup | None = None  # this stage's tensor-parallel group (None: the whole world)
 _partition: tuple[int, ...] = ()  # decoder layers per pipeline stage (empty: an even split)
@@ -91,12 +94,16 @@ def layer_partition(num_layers: int, stages: int, partition: tuple[int, ...] = (
     """Decoder layers per pipeline stage: `partition`, else an even split (an error naming the option
     when the layers do not fit)."""
     if not partition and num_layers % stages:
-        raise ValueError(f"--pipeline-parallel-size {stages} does not divide the model's {num_layers} decoder "
-                         "layers; give the layers per stage with --pipeline-layer-partition")
+        raise ValueError(
+            f"--pipeline-parallel-size {stages} does not divide the model's {num_layers} decoder "
+            "layers; give the layers per stage with --pipeline-layer-partition"
+        )
     counts = partition or (num_layers // stages,) * stages
     if sum(counts) != num_layers:
-        raise ValueError(f"--pipeline-layer-partition {','.join(map(str, counts))} sums to {sum(counts)}, "
-                         f"but the model has {num_layers} decoder layers")
+        raise ValueError(
+            f"--pipeline-layer-partition {','.join(map(str, counts))} sums to {sum(counts)}, "
+            f"but the model has {num_layers} decoder layers"
+        )
     return counts
 
 

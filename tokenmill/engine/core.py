@@ -75,8 +75,7 @@ class EngineCore:
     or a function returning one) enables structured output; without it, constrained requests are
     rejected. The structured-output manager is built on the first constrained request."""
 
-    def __init__(self, config: EngineConfig, executor: Executor, eos_token_ids: set[int],
-                 tokenizer_data=None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, eos_token_ids: set[int], tokenizer_data=None) -> None:
         self.config = config
         self.executor = executor
         self.model_config = executor.model_config
@@ -85,10 +84,18 @@ class EngineCore:
         check_supported(config)  # before the executor builds the KV connector's worker half
         self.kv_cache_config = executor.initialize_kv_cache()
         kv_config = self.kv_cache_config
-        self.kv = KVCacheCoordinator([  # one manager per pool: windowed pools return blocks as they leave the window
-            KVCacheManager(blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                           HASH_FUNCTIONS[config.cache.prefix_cache_hash], window)
-            for blocks, window in zip(kv_config.pool_blocks, kv_config.pool_windows)])
+        self.kv = KVCacheCoordinator(
+            [  # one manager per pool: windowed pools return blocks as they leave the window
+                KVCacheManager(
+                    blocks,
+                    config.cache.block_size,
+                    config.cache.enable_prefix_caching,
+                    HASH_FUNCTIONS[config.cache.prefix_cache_hash],
+                    window,
+                )
+                for blocks, window in zip(kv_config.pool_blocks, kv_config.pool_windows)
+            ]
+        )
         # disaggregated prefill/decode (later: KV-cache tiers): the scheduler half of the KV connector
         self.kv_connector = scheduler_connector(config, self.kv)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.kv_connector)
@@ -110,8 +117,9 @@ class EngineCore:
 
             try:
                 data = self._tokenizer_data() if callable(self._tokenizer_data) else self._tokenizer_data
-                self._structured = StructuredOutputManager(data, self.model_config.vocab_size,
-                                                           self.config.grammar_timeout)
+                self._structured = StructuredOutputManager(
+                    data, self.model_config.vocab_size, self.config.grammar_timeout
+                )
             except Exception:  # noqa: BLE001 - serve unconstrained requests; constrained ones are rejected
                 logger.exception("cannot set up structured output; constrained requests will be rejected")
                 self._tokenizer_data = None
@@ -131,8 +139,11 @@ class EngineCore:
         if n == 0:
             raise RequestRejected("prompt must contain at least one token")
         vocab = self.model_config.vocab_size
-        for name, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", params.logit_bias or ())):
+        for name, ids in (
+            ("prompt", prompt),
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+        ):
             if any(not 0 <= t < vocab for t in ids):
                 raise RequestRejected(f"{name} contains token ids outside the vocabulary [0, {vocab})", name)
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - n)
@@ -140,15 +151,21 @@ class EngineCore:
         if total > self.max_model_len:
             raise RequestRejected(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} exceeds the maximum "
-                f"context length of {self.max_model_len} tokens", "prompt", "context_length_exceeded")
+                f"context length of {self.max_model_len} tokens",
+                "prompt",
+                "context_length_exceeded",
+            )
         if total > self.capacity_tokens:
             raise RequestRejected(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} tokens does not fit in the "
                 f"KV cache ({self.capacity_tokens} tokens); raise --kv-cache-memory or lower max_tokens",
-                "prompt", "context_length_exceeded")
+                "prompt",
+                "context_length_exceeded",
+            )
         if params.min_tokens > max_tokens:  # the room left in the context is less than min_tokens
-            raise RequestRejected(f"min_tokens must be <= max_tokens ({max_tokens}), got {params.min_tokens!r}",
-                                  "min_tokens")
+            raise RequestRejected(
+                f"min_tokens must be <= max_tokens ({max_tokens}), got {params.min_tokens!r}", "min_tokens"
+            )
         params = dataclasses.replace(params, max_tokens=max_tokens)
         if params.kv_transfer_id is not None:
             if self.kv_connector is None:
@@ -158,10 +175,12 @@ class EngineCore:
         budget = params.reasoning.budget if params.reasoning is not None else None
         if params.structured_output is not None or budget is not None:
             if self.structured is None:
-                raise RequestRejected("structured output is not available: the engine has no tokenizer data",
-                                      "structured_output")
-            request.structured = self.structured.new_state(params.structured_output, params.reasoning,
-                                                           request.eos_token_ids | request.stop_token_ids)
+                raise RequestRejected(
+                    "structured output is not available: the engine has no tokenizer data", "structured_output"
+                )
+            request.structured = self.structured.new_state(
+                params.structured_output, params.reasoning, request.eos_token_ids | request.stop_token_ids
+            )
             if request.structured is not None and request.structured.ready:  # cached grammar
                 error = request.structured.start()
                 if error is not None:
@@ -187,9 +206,15 @@ class EngineCore:
         logger.warning("request %s: %s", request.request_id, error)
         request.status = RequestStatus.FINISHED_ABORTED
         del self.requests[request.request_id]
-        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], timestamp=time.monotonic(),
-                                finish_reason="abort", arrival_time=request.times.arrival, error=error,
-                                error_param="structured_output")
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            timestamp=time.monotonic(),
+            finish_reason="abort",
+            arrival_time=request.times.arrival,
+            error=error,
+            error_param="structured_output",
+        )
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Move requests whose grammar finished compiling to the scheduler (never blocks)."""
@@ -219,8 +244,12 @@ class EngineCore:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self.compiling) or bool(self.batch_queue)
-                or (self.kv_connector is not None and self.kv_connector.has_held()))
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self.compiling)
+            or bool(self.batch_queue)
+            or (self.kv_connector is not None and self.kv_connector.has_held())
+        )
 
     def stats(self, fresh: bool = True) -> EngineStats:
         """The engine's counters. MoE expert counts live on the device (reading them waits for it), so
@@ -229,24 +258,37 @@ class EngineCore:
         now = time.monotonic()
         if fresh or now - self._experts_read_at >= EXPERT_READ_INTERVAL:
             self._expert_tokens, self._experts_read_at = self.executor.expert_load(), now
-        stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting) + len(self.compiling),
-                            self.kv.usage, self.scheduler.num_preemptions, self.kv.prefix_queries,
-                            self.kv.prefix_hits, expert_tokens=self._expert_tokens)
+        stats = EngineStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting) + len(self.compiling),
+            self.kv.usage,
+            self.scheduler.num_preemptions,
+            self.kv.prefix_queries,
+            self.kv.prefix_hits,
+            expert_tokens=self._expert_tokens,
+        )
         spec = self.scheduler.spec_stats
         stats.spec_drafts, stats.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
-        stats.spec_accepted_tokens, stats.spec_accepted_per_position = spec.num_accepted_tokens, list(
-            spec.accepted_per_position)
+        stats.spec_accepted_tokens, stats.spec_accepted_per_position = (
+            spec.num_accepted_tokens,
+            list(spec.accepted_per_position),
+        )
         stats.spec_draft_seconds, stats.spec_verify_seconds = spec.draft_seconds, spec.verify_seconds
         if self.kv_connector is not None:
             t = self.kv_connector.stats
-            stats.kv_transfers, stats.kv_transfer_bytes, stats.kv_transfer_seconds = t.num_transfers, t.num_bytes, t.seconds
+            stats.kv_transfers, stats.kv_transfer_bytes, stats.kv_transfer_seconds = (
+                t.num_transfers,
+                t.num_bytes,
+                t.seconds,
+            )
         if self._structured is not None:
             c = self._structured.compiler.stats
             stats.grammar_compiles, stats.grammar_compile_seconds = c.num_compiles, c.compile_seconds
             stats.grammar_cache_hits = c.cache_hits
         if self.config.parallel.enable_expert_parallel:
-            stats.moe_rank_tokens = expert_parallel.rank_tokens(stats.expert_tokens,
-                                                                self.config.parallel.tensor_parallel_size)
+            stats.moe_rank_tokens = expert_parallel.rank_tokens(
+                stats.expert_tokens, self.config.parallel.tensor_parallel_size
+            )
         return stats
 
     def reset_prefix_cache(self) -> int:
@@ -275,8 +317,7 @@ class EngineCore:
                     return outputs  # room for another step before waiting on the oldest
         if not queue:
             if self.compiling and not outputs:  # nothing to run but grammars compiling: wait a little
-                wait_futures([r.structured.future for r in self.compiling], timeout=0.01,
-                             return_when=FIRST_COMPLETED)
+                wait_futures([r.structured.future for r in self.compiling], timeout=0.01, return_when=FIRST_COMPLETED)
             return outputs
         sched, start = queue.popleft()
         self.scheduler.in_flight.difference_update(sched.num_scheduled_tokens)
@@ -399,18 +440,31 @@ class EngineCore:
         """Finish a request because the engine failed on it (its blocks return to the pool)."""
         request = self.requests.pop(request_id)
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        return EngineCoreOutput(request_id=request_id, new_token_ids=[], timestamp=time.monotonic(),
-                                finish_reason="abort", arrival_time=request.times.arrival,
-                                first_scheduled_time=request.times.first_scheduled, error=error,
-                                error_param=error_param)
+        return EngineCoreOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            timestamp=time.monotonic(),
+            finish_reason="abort",
+            arrival_time=request.times.arrival,
+            first_scheduled_time=request.times.first_scheduled,
+            error=error,
+            error_param=error_param,
+        )
 
     def _output(self, update: RequestUpdate) -> EngineCoreOutput:
         request, status = update.request, update.status
         if status is not None:
             del self.requests[request.request_id]
         timestamp = request.times.tokens[-1] if request.times.tokens else time.monotonic()
-        return EngineCoreOutput(request_id=request.request_id, new_token_ids=update.new_token_ids, timestamp=timestamp,
-                                finish_reason=status.value if status else None, new_logprobs=update.new_logprobs,
-                                num_cached_tokens=request.num_cached_tokens, arrival_time=request.times.arrival,
-                                first_scheduled_time=request.times.first_scheduled, error=update.error,
-                                prompt_logprobs=update.prompt_logprobs)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=update.new_token_ids,
+            timestamp=timestamp,
+            finish_reason=status.value if status else None,
+            new_logprobs=update.new_logprobs,
+            num_cached_tokens=request.num_cached_tokens,
+            arrival_time=request.times.arrival,
+            first_scheduled_time=request.times.first_scheduled,
+            error=update.error,
+            prompt_logprobs=update.prompt_logprobs,
+        )

@@ -61,15 +61,21 @@ class KVCacheCoordinator:
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         self.managers[0].record_lookup(request, num_hit_tokens)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[list[KVBlock]] | None = None,
-                       num_lookahead_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[list[KVBlock]] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
         """Room for `num_new_tokens` more tokens in every pool, or (changing nothing but returning
         blocks already out of a window) False."""
         computed = computed_blocks or [[] for _ in self.managers]
         for m in self.managers:
             m.free_out_of_window(request)
-        if not all(m.can_allocate(request, num_new_tokens, c, num_lookahead_tokens)
-                   for m, c in zip(self.managers, computed)):
+        if not all(
+            m.can_allocate(request, num_new_tokens, c, num_lookahead_tokens) for m, c in zip(self.managers, computed)
+        ):
             return False
         for m, c in zip(self.managers, computed):
             m.allocate_slots(request, num_new_tokens, c, num_lookahead_tokens)

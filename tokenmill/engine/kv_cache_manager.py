@@ -143,8 +143,14 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = blake2b_hash, sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = blake2b_hash,
+        sliding_window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.num_blocks = num_blocks
@@ -194,8 +200,11 @@ class KVCacheManager:
         keys = self._block_keys(request)
         for i, key in enumerate(keys[: (request.num_tokens - 1) // bs]):
             block = self.pool.cached.get(key)
-            if block is None or block.parent != self._parent(keys, i, request) \
-                    or block.token_ids != tuple(request.token_slice(i * bs, (i + 1) * bs)):
+            if (
+                block is None
+                or block.parent != self._parent(keys, i, request)
+                or block.token_ids != tuple(request.token_slice(i * bs, (i + 1) * bs))
+            ):
                 break
             hits.append(block)
         return hits, len(hits) * bs
@@ -206,8 +215,9 @@ class KVCacheManager:
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (),
-                       num_lookahead_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (), num_lookahead_tokens: int = 0
+    ) -> bool:
         """Give the request room for `num_new_tokens` more tokens (plus lookahead slots for
         speculative decoding), first adopting `computed_blocks` from the prefix cache. Returns False,
         changing nothing, when the pool is too small."""
@@ -229,8 +239,9 @@ class KVCacheManager:
             ids.extend(b.block_id for b in new)
         return True
 
-    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (),
-                     num_lookahead_tokens: int = 0) -> bool:
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (), num_lookahead_tokens: int = 0
+    ) -> bool:
         """Whether `allocate_slots` with these arguments would succeed."""
         held = len(self.req_blocks.get(request.request_id, ()))
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens

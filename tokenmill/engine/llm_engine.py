@@ -31,8 +31,14 @@ class LLMEngine:
 
         return TokenizerData.from_tokenizer(self.tokenizer)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
         """Queue a prompt (text or token ids). Raises ValueError if it can never be served (including an
         invalid structured-output schema, regex or grammar)."""
         params = params or SamplingParams()

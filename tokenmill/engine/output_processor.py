@@ -69,13 +69,20 @@ class _Sample:
         self.parent = parent
         p = parent.params
         self.output = CompletionOutput(index, logprobs=[] if p.logprobs is not None else None)
-        self.detok = IncrementalDetokenizer(tokenizer, parent.prompt_token_ids, p.skip_special_tokens,
-                                            p.stop, p.include_stop_str_in_output)
+        self.detok = IncrementalDetokenizer(
+            tokenizer, parent.prompt_token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
+        )
 
 
 class _RequestState:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_time: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -87,8 +94,16 @@ class _RequestState:
 
     def snapshot(self) -> RequestOutput:
         outputs = [s.output for s in self.samples]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.metrics,
-                             self.num_cached_tokens, all(o.finished for o in outputs), self.prompt_logprobs)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            self.metrics,
+            self.num_cached_tokens,
+            all(o.finished for o in outputs),
+            self.prompt_logprobs,
+        )
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -111,9 +126,16 @@ class OutputProcessor:
         self.requests: dict[str, _RequestState] = {}
         self.samples: dict[str, _Sample] = {}  # core (child) request id -> sample
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float, priority: int = 0,
-                    cache_salt: str | None = None) -> list[EngineCoreRequest]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[EngineCoreRequest]:
         """Track a request; returns the core requests of its `n` samples (the one place `n` fans out)."""
         state = _RequestState(request_id, prompt, prompt_token_ids, params, arrival_time)
         self.requests[request_id] = state
@@ -123,8 +145,9 @@ class OutputProcessor:
             state.samples.append(sample)
             cid = child_request_id(request_id, i, params.n)
             self.samples[cid] = sample
-            children.append(EngineCoreRequest(cid, prompt_token_ids, child_params(params, i), arrival_time,
-                                              priority, cache_salt))
+            children.append(
+                EngineCoreRequest(cid, prompt_token_ids, child_params(params, i), arrival_time, priority, cache_salt)
+            )
         return children
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -65,8 +65,13 @@ class SpecDecodingStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheCoordinator, max_model_len: int,
-                 connector: KVConnectorScheduler | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheCoordinator,
+        max_model_len: int,
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
         self.config = config
         self.connector = connector
         self.kv = kv_manager
@@ -106,8 +111,9 @@ class Scheduler:
             num_new += len(drafts)
             had = [len(table) for table in self.kv.block_ids(request.request_id)]
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.waiting.victim([r for r in self.running if r.request_id not in self.in_flight]
-                                             if self.in_flight else self.running)
+                victim = self.waiting.victim(
+                    [r for r in self.running if r.request_id not in self.in_flight] if self.in_flight else self.running
+                )
                 position = self.running.index(victim)
                 del self.running[position]
                 self._preempt(victim)
@@ -124,8 +130,11 @@ class Scheduler:
         for request, num_new, had, drafts in scheduled:
             if request.status == RequestStatus.RUNNING:
                 tables = self.kv.block_ids(request.request_id)
-                out.cached_requests.append(CachedRequestData(
-                    request.request_id, [t[n:] for t, n in zip(tables, had)], request.num_computed_tokens))
+                out.cached_requests.append(
+                    CachedRequestData(
+                        request.request_id, [t[n:] for t, n in zip(tables, had)], request.num_computed_tokens
+                    )
+                )
                 out.num_scheduled_tokens[request.request_id] = num_new
                 if drafts:
                     out.spec_token_ids[request.request_id] = drafts
@@ -133,8 +142,12 @@ class Scheduler:
             request.spec_token_ids = []  # verified this step, or stale: new drafts follow the step
 
         # admit waiting requests only when nobody had to give way this step
-        while len(self.waiting) and budget > 0 and not out.preempted_request_ids \
-                and len(self.running) < self.config.max_num_seqs:
+        while (
+            len(self.waiting)
+            and budget > 0
+            and not out.preempted_request_ids
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting.peek()
             computed_blocks, num_hits = self.kv.get_computed_blocks(request)
             num_external = self.connector.get_num_new_matched_tokens(request, num_hits) if self.connector else 0
@@ -144,8 +157,9 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             if self.connector is not None:
-                self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_hits,
-                                                        num_external)
+                self.connector.update_state_after_alloc(
+                    request, self.kv.block_ids(request.request_id), num_hits, num_external
+                )
             self.waiting.pop()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
@@ -168,8 +182,16 @@ class Scheduler:
             out.cached_requests.append(CachedRequestData(rid, blocks, request.num_computed_tokens, resumed=True))
             return
         self._in_runner.add(rid)
-        out.new_requests.append(NewRequestData(rid, request.prompt_token_ids, request.params,
-                                               request.eos_token_ids, blocks, request.num_computed_tokens))
+        out.new_requests.append(
+            NewRequestData(
+                rid,
+                request.prompt_token_ids,
+                request.params,
+                request.eos_token_ids,
+                blocks,
+                request.num_computed_tokens,
+            )
+        )
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance every scheduled request by its tokens; append what the sampling ones drew, checking
@@ -215,8 +237,16 @@ class Scheduler:
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                 self.kv.cache_full_blocks(request)
             logprobs = output.logprobs.get(rid)
-            updates.append(RequestUpdate(request, accepted, logprobs[: len(accepted)] if logprobs else None, status,
-                                         error, self._take_prompt_logprobs(request)))
+            updates.append(
+                RequestUpdate(
+                    request,
+                    accepted,
+                    logprobs[: len(accepted)] if logprobs else None,
+                    status,
+                    error,
+                    self._take_prompt_logprobs(request),
+                )
+            )
             if status is not None:
                 self.finish(request, status)
         return updates

@@ -8,21 +8,38 @@ import logging
 import sys
 import time
 
-from tokenmill.engine_args import (DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, add_engine_args,
-                                   engine_config_from_args)
+from tokenmill.engine_args import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+    add_engine_args,
+    engine_config_from_args,
+)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"model: an alias ({DEFAULT_MODEL}), a .gguf file or an HF checkpoint directory "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"model: an alias ({DEFAULT_MODEL}), a .gguf file or an HF checkpoint directory (default: %(default)s)",
+    )
     parser.add_argument("--dtype", default="auto", help="compute dtype to report for (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default: %(default)s)")
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES, metavar="METHOD",
-                        help="weight format to report for, resolved as `serve` resolves it (default: %(default)s)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES, metavar="DTYPE",
-                        help="KV cache dtype to report sizes for, as `serve` takes it (int8 / fp8_e4m3 / fp8_e5m2: "
-                             "quantized, with scales); auto as `serve` resolves it (default: %(default)s)")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        metavar="METHOD",
+        help="weight format to report for, resolved as `serve` resolves it (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPE_CHOICES,
+        metavar="DTYPE",
+        help="KV cache dtype to report sizes for, as `serve` takes it (int8 / fp8_e4m3 / fp8_e5m2: "
+        "quantized, with scales); auto as `serve` resolves it (default: %(default)s)",
+    )
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -42,8 +59,14 @@ def cmd_info(args: argparse.Namespace) -> None:
     c = ckpt.config
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, c.torch_dtype)
-    method = resolve_quantization(args.quantization, source.kind, device, dtype, exact=args.dtype != "auto",
-                                  checkpoint_method=getattr(ckpt, "quant_method", None))
+    method = resolve_quantization(
+        args.quantization,
+        source.kind,
+        device,
+        dtype,
+        exact=args.dtype != "auto",
+        checkpoint_method=getattr(ckpt, "quant_method", None),
+    )
     cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, dtype, method)
     model = build_model(c, UnquantizedConfig(), dtype, torch.device("meta"))  # shapes only, no memory
     params = sum(p.numel() for p in model.parameters())
@@ -52,13 +75,23 @@ def cmd_info(args: argparse.Namespace) -> None:
     kv_bytes = sum(m.kv_spec(cache_dtype).bytes_per_token for m in attention)
     windows = {m.sliding_window for m in attention}
     rows = [
-        ("model", source.name), ("file", str(source.path)), ("format", source.kind),
-        ("architecture", c.architecture), ("parameters", _count(params)), ("dtype", str(dtype)),
+        ("model", source.name),
+        ("file", str(source.path)),
+        ("format", source.kind),
+        ("architecture", c.architecture),
+        ("parameters", _count(params)),
+        ("dtype", str(dtype)),
         ("weights", method),
-        ("layers", c.num_hidden_layers), ("hidden size", c.hidden_size), ("heads", c.num_attention_heads),
-        ("kv heads", c.num_key_value_heads), ("head dim", c.head_dim), ("vocab", c.vocab_size),
-        ("context length", c.max_position_embeddings), ("rope theta", c.rope_theta),
-        ("rope scaling", c.rope_scaling or "none"), ("tied embeddings", c.tie_word_embeddings),
+        ("layers", c.num_hidden_layers),
+        ("hidden size", c.hidden_size),
+        ("heads", c.num_attention_heads),
+        ("kv heads", c.num_key_value_heads),
+        ("head dim", c.head_dim),
+        ("vocab", c.vocab_size),
+        ("context length", c.max_position_embeddings),
+        ("rope theta", c.rope_theta),
+        ("rope scaling", c.rope_scaling or "none"),
+        ("tied embeddings", c.tie_word_embeddings),
         ("KV bytes per token", f"{kv_bytes} ({cache_dtype})"),
         ("KV tokens per GiB", _kv_tokens_per_gib(attention, cache_dtype)),
     ]
@@ -73,18 +106,29 @@ def cmd_info(args: argparse.Namespace) -> None:
         if None not in windows:
             rows.append(("KV bytes per sequence", f"at most ~{bound} (window + 2 blocks) plus the prefill chunk"))
         else:
-            rows.append(("KV bytes per sequence", f"{kv_bytes - windowed_bytes} per token (full-attention layers) "
-                                                  f"+ at most ~{bound} (window layers)"))
+            rows.append(
+                (
+                    "KV bytes per sequence",
+                    f"{kv_bytes - windowed_bytes} per token (full-attention layers) + at most ~{bound} (window layers)",
+                )
+            )
     mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
     if mla:
         expanded = sum(m.expanded_kv_bytes_per_token(cache_dtype) for m in mla)
-        rows.append(("KV layout", f"latent (MLA): {mla[0].kv_lora_rank} + {mla[0].rope_dim} rope values per token "
-                                  f"and layer; full per-head K/V would be {expanded} bytes per token "
-                                  f"({expanded / kv_bytes:.1f}x)"))
+        rows.append(
+            (
+                "KV layout",
+                f"latent (MLA): {mla[0].kv_lora_rank} + {mla[0].rope_dim} rope values per token "
+                f"and layer; full per-head K/V would be {expanded} bytes per token "
+                f"({expanded / kv_bytes:.1f}x)",
+            )
+        )
     if moe:
         active = params - sum(m.inactive_parameters() for m in moe)
-        rows[5:5] = [("active parameters", f"{_count(active)} per token"),
-                     ("experts", f"{moe[0].num_experts}, {moe[0].top_k} per token, in {len(moe)} layers")]
+        rows[5:5] = [
+            ("active parameters", f"{_count(active)} per token"),
+            ("experts", f"{moe[0].num_experts}, {moe[0].top_k} per token, in {len(moe)} layers"),
+        ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -98,8 +142,12 @@ def _kv_tokens_per_gib(attention: list, chosen) -> str:
     def per_gib(dtype: torch.dtype) -> str:
         return f"{2**30 // sum(m.kv_spec(dtype).bytes_per_token for m in attention):,}"
 
-    kinds = {"float32": torch.float32, "float16/bfloat16": torch.float16, "int8": torch.int8,
-             "fp8": torch.float8_e4m3fn}
+    kinds = {
+        "float32": torch.float32,
+        "float16/bfloat16": torch.float16,
+        "int8": torch.int8,
+        "fp8": torch.float8_e4m3fn,
+    }
     return f"{per_gib(chosen)} ({chosen}); " + ", ".join(f"{name} {per_gib(dt)}" for name, dt in kinds.items())
 
 
@@ -113,10 +161,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     engine = LLMEngine(engine_config_from_args(args))
     tok = engine.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
-        else tok.encode(args.prompt)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    prompt = (
+        tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+    )
     start = time.perf_counter()
     engine.add_request("cli", prompt, params)
     n_out = 0
@@ -127,8 +181,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
             sys.stdout.write(sample.delta_text)
             sys.stdout.flush()
     elapsed = time.perf_counter() - start
-    print(f"\n[{len(prompt)} prompt tokens, {n_out} generated in {elapsed:.2f}s, {n_out / elapsed:.1f} tok/s]",
-          file=sys.stderr)
+    print(
+        f"\n[{len(prompt)} prompt tokens, {n_out} generated in {elapsed:.2f}s, {n_out / elapsed:.1f} tok/s]",
+        file=sys.stderr,
+    )
 
 
 # the commands that live in their own packages -> the module and function that add their parser; only the
@@ -150,13 +206,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="show a model's architecture, size and KV cache cost",
-                          description="Show a model's architecture, size and KV cache cost without loading weights.")
+    info = sub.add_parser(
+        "info",
+        help="show a model's architecture, size and KV cache cost",
+        description="Show a model's architecture, size and KV cache cost without loading weights.",
+    )
     add_model_args(info)
     info.set_defaults(func=cmd_info)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal",
-                         description="Generate a completion for one prompt and stream it to the terminal.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt, streamed to the terminal",
+        description="Generate a completion for one prompt and stream it to the terminal.",
+    )
     add_engine_args(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")

@@ -52,8 +52,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
-                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in
         prompt order. `sampling_params` is one for all prompts or a list with one per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -67,8 +71,13 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         return self._run([(_prompt_input(p), sp) for p, sp in zip(prompts, params)], use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Chat completion for one conversation (a list of messages) or several, through the
         model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages

@@ -13,26 +13,46 @@ from tokenmill.eval.tasks import KINDS
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "eval", help="score a task file, or the perplexity of a text corpus (log-likelihood, multiple choice, "
-                     "perplexity)",
+        "eval",
+        help="score a task file, or the perplexity of a text corpus (log-likelihood, multiple choice, perplexity)",
         description="Score a JSONL task file (--task) or, with `tokenmill eval perplexity`, a text corpus (the one "
-                    "tokenmill ships, or --corpus) with the engine in-process (the model flags below) or against any "
-                    "OpenAI-compatible server (--base-url, through /v1/completions with echo + logprobs). "
-                    "Kinds: loglikelihood {context, continuation}; multiple_choice {context, choices, gold}; "
-                    "perplexity {text}.")
-    p.add_argument("builtin", nargs="?", choices=("perplexity",),
-                   help="perplexity: token and word perplexity of --corpus, scored in chunks of whole lines")
+        "tokenmill ships, or --corpus) with the engine in-process (the model flags below) or against any "
+        "OpenAI-compatible server (--base-url, through /v1/completions with echo + logprobs). "
+        "Kinds: loglikelihood {context, continuation}; multiple_choice {context, choices, gold}; "
+        "perplexity {text}.",
+    )
+    p.add_argument(
+        "builtin",
+        nargs="?",
+        choices=("perplexity",),
+        help="perplexity: token and word perplexity of --corpus, scored in chunks of whole lines",
+    )
     p.add_argument("--task", default=None, metavar="FILE.jsonl", help="the task file, one JSON object per line")
-    p.add_argument("--corpus", default=None, metavar="FILE.txt",
-                   help="perplexity: the text to score (default: the corpus tokenmill ships, a frozen copy of its "
-                        "README, architecture notes and scheduler source, ~38 KB)")
-    p.add_argument("--chunk-chars", type=int, default=2000,
-                   help="perplexity: characters per scored chunk, cut at line ends (default: %(default)s)")
-    p.add_argument("--kind", default="auto", choices=("auto", *KINDS),
-                   help="task kind; auto tells it from the first item's fields (default: %(default)s)")
+    p.add_argument(
+        "--corpus",
+        default=None,
+        metavar="FILE.txt",
+        help="perplexity: the text to score (default: the corpus tokenmill ships, a frozen copy of its "
+        "README, architecture notes and scheduler source, ~38 KB)",
+    )
+    p.add_argument(
+        "--chunk-chars",
+        type=int,
+        default=2000,
+        help="perplexity: characters per scored chunk, cut at line ends (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kind",
+        default="auto",
+        choices=("auto", *KINDS),
+        help="task kind; auto tells it from the first item's fields (default: %(default)s)",
+    )
     p.add_argument("--limit", type=int, default=None, help="score only the first N items (chunks)")
-    p.add_argument("--base-url", default=None,
-                   help="score against this server (e.g. http://127.0.0.1:8000/v1) instead of loading the model")
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help="score against this server (e.g. http://127.0.0.1:8000/v1) instead of loading the model",
+    )
     p.add_argument("--served-model", default=None, help="the model name to send to the server (default: its first)")
     p.add_argument("--api-key", default=None, help="bearer token for the server")
     p.add_argument("--output", default=None, metavar="FILE.json", help="write metrics and per-item results here")

@@ -28,15 +28,20 @@ class EngineScorer:
             pieces = [self.tokenizer.decode(ids[: i + 1], skip_special_tokens=False) for i in range(len(ids))]
             offsets = [len(pieces[i - 1]) if i else 0 for i in range(len(ids))]
             shift = len(pieces[-1]) - len(text)  # a BOS or prefix the tokenizer adds before the text
-            scored.append(Scored([max(0, o - shift) for o in offsets],
-                                 [None if e is None else e[t].logprob for t, e in zip(ids, entries)],
-                                 [e is not None and e[t].rank == 1 for t, e in zip(ids, entries)]))
+            scored.append(
+                Scored(
+                    [max(0, o - shift) for o in offsets],
+                    [None if e is None else e[t].logprob for t, e in zip(ids, entries)],
+                    [e is not None and e[t].rank == 1 for t, e in zip(ids, entries)],
+                )
+            )
         return scored
 
 
 class ServerScorer:
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 timeout: float = 600.0) -> None:
+    def __init__(
+        self, base_url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600.0
+    ) -> None:
         self.url = base_url.rstrip("/") + "/completions"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(headers=headers, timeout=timeout)
@@ -62,8 +67,14 @@ class ServerScorer:
         return [self._one(t) for t in texts]
 
     def _one(self, text: str) -> Scored:
-        body = {"model": self.model, "prompt": text, "echo": True, "logprobs": 1, "temperature": 0,
-                "max_tokens": self.max_tokens}
+        body = {
+            "model": self.model,
+            "prompt": text,
+            "echo": True,
+            "logprobs": 1,
+            "temperature": 0,
+            "max_tokens": self.max_tokens,
+        }
         r = self._send("POST", self.url, json=body)
         if r.status_code == 400 and self.max_tokens == 0:  # a server without scoring-only requests
             self.max_tokens = 1
@@ -71,6 +82,8 @@ class ServerScorer:
         lp = self._check(r).json()["choices"][0]["logprobs"]
         offsets, logprobs, tops = lp["text_offset"], lp["token_logprobs"], lp["top_logprobs"]
         keep = [i for i, o in enumerate(offsets) if o < len(text)]  # drop a generated token
-        greedy = [tops[i] is not None and logprobs[i] is not None and logprobs[i] >= max(tops[i].values()) - 1e-6
-                  for i in keep]
+        greedy = [
+            tops[i] is not None and logprobs[i] is not None and logprobs[i] >= max(tops[i].values()) - 1e-6
+            for i in keep
+        ]
         return Scored([offsets[i] for i in keep], [logprobs[i] for i in keep], greedy)

@@ -51,14 +51,24 @@ def load_task(path: str | Path, kind: str = "auto") -> tuple[str, list[dict]]:
         raise ValueError(f"{path}: no items")
     if kind == "auto":
         first = items[0]
-        kind = "multiple_choice" if "choices" in first else "loglikelihood" if "continuation" in first else \
-            "perplexity" if "text" in first else None
+        kind = (
+            "multiple_choice"
+            if "choices" in first
+            else "loglikelihood"
+            if "continuation" in first
+            else "perplexity"
+            if "text" in first
+            else None
+        )
         if kind is None:
             raise ValueError(f"{path}: cannot tell the task kind from the first item's fields {sorted(first)}")
     if kind not in KINDS:
         raise ValueError(f"task kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    need = {"loglikelihood": ("context", "continuation"), "multiple_choice": ("context", "choices", "gold"),
-            "perplexity": ("text",)}[kind]
+    need = {
+        "loglikelihood": ("context", "continuation"),
+        "multiple_choice": ("context", "choices", "gold"),
+        "perplexity": ("text",),
+    }[kind]
     for n, item in enumerate(items, 1):
         missing = [k for k in need if k not in item]
         if missing:
@@ -103,19 +113,28 @@ def evaluate(kind: str, items: list[dict], scored: list[Scored]) -> dict:
     per_item = []
     if kind == "perplexity":
         total, tokens, words = 0.0, 0, 0
-        for item, ((text, _), s) in zip(items, pieces):
+        for (text, _), s in pieces:
             lps = [lp for lp in s.logprobs if lp is not None]
             total, tokens, words = total + sum(lps), tokens + len(lps), words + len(text.split())
             per_item.append({"loglikelihood": sum(lps), "tokens": len(lps)})
-        return {"kind": kind, "items": len(items), "token_perplexity": math.exp(-total / max(tokens, 1)),
-                "word_perplexity": math.exp(-total / max(words, 1)), "per_item": per_item}
+        return {
+            "kind": kind,
+            "items": len(items),
+            "token_perplexity": math.exp(-total / max(tokens, 1)),
+            "word_perplexity": math.exp(-total / max(words, 1)),
+            "per_item": per_item,
+        }
     if kind == "loglikelihood":
-        for (text, start), s in pieces:
+        for (_, start), s in pieces:
             ll, greedy, n = s.continuation(start)
             per_item.append({"loglikelihood": ll, "is_greedy": greedy, "tokens": n})
-        return {"kind": kind, "items": len(items),
-                "mean_loglikelihood": sum(p["loglikelihood"] for p in per_item) / len(per_item),
-                "greedy_fraction": sum(p["is_greedy"] for p in per_item) / len(per_item), "per_item": per_item}
+        return {
+            "kind": kind,
+            "items": len(items),
+            "mean_loglikelihood": sum(p["loglikelihood"] for p in per_item) / len(per_item),
+            "greedy_fraction": sum(p["is_greedy"] for p in per_item) / len(per_item),
+            "per_item": per_item,
+        }
     correct = correct_norm = 0
     for item in items:
         lls = [s.continuation(start)[0] for (_, start), s in (next(pieces) for _ in item["choices"])]
@@ -124,5 +143,10 @@ def evaluate(kind: str, items: list[dict], scored: list[Scored]) -> dict:
         correct += pick == item["gold"]
         correct_norm += pick_norm == item["gold"]
         per_item.append({"loglikelihoods": lls, "pick": pick, "pick_norm": pick_norm, "gold": item["gold"]})
-    return {"kind": kind, "items": len(items), "acc": correct / len(items), "acc_norm": correct_norm / len(items),
-            "per_item": per_item}
+    return {
+        "kind": kind,
+        "items": len(items),
+        "acc": correct / len(items),
+        "acc_norm": correct_norm / len(items),
+        "per_item": per_item,
+    }

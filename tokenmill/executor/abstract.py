@@ -67,9 +67,15 @@ def load_configured_model(config: EngineConfig) -> LoadedModel:
     """The model `config` names, as it asks (dtype, device, weight format), on this process's
     tensor-parallel rank (its experts, with expert parallelism)."""
     with expert_parallel.placement(config.parallel.enable_expert_parallel):
-        loaded = load_model(config.model, config.dtype, config.device, max_positions=config.scheduler.max_model_len,
-                            quantization=config.quantization, group_size=config.quantization_group_size,
-                            symmetric=config.quantization_symmetric)
+        loaded = load_model(
+            config.model,
+            config.dtype,
+            config.device,
+            max_positions=config.scheduler.max_model_len,
+            quantization=config.quantization,
+            group_size=config.quantization_group_size,
+            symmetric=config.quantization_symmetric,
+        )
     if config.parallel.enable_expert_parallel:
         expert_parallel.check_has_experts(loaded.config)
     return loaded

@@ -31,15 +31,20 @@ class WorkerProcesses:
 
     def __init__(self, config: EngineConfig, init_method: str) -> None:
         context = multiprocessing.get_context("spawn")
-        self.processes = [context.Process(target=process_main, args=(config, rank, init_method), daemon=True,
-                                          name=f"tokenmill-rank{rank}")
-                          for rank in range(1, config.parallel.world_size)]
+        self.processes = [
+            context.Process(
+                target=process_main, args=(config, rank, init_method), daemon=True, name=f"tokenmill-rank{rank}"
+            )
+            for rank in range(1, config.parallel.world_size)
+        ]
         for w in self.processes:
             w.start()
 
     def dead(self) -> list[str]:
         """How each rank that is gone ended."""
-        return [f"rank {rank} exited (code {w.exitcode})" for rank, w in enumerate(self.processes, 1) if not w.is_alive()]
+        return [
+            f"rank {rank} exited (code {w.exitcode})" for rank, w in enumerate(self.processes, 1) if not w.is_alive()
+        ]
 
     def stop(self) -> None:
         """Wait a little for the ranks to exit (they were asked to), then kill them."""

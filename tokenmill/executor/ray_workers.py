@@ -22,8 +22,9 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise RuntimeError("--distributed-executor-backend ray needs the ray package (pip install 'tokenmill[ray]')"
-                           ) from None
+        raise RuntimeError(
+            "--distributed-executor-backend ray needs the ray package (pip install 'tokenmill[ray]')"
+        ) from None
     return ray
 
 
@@ -35,8 +36,14 @@ def _start_local_ray(ray, num_cpus: int) -> None:
     root = str(Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     try:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=True, configure_logging=False)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=True,
+            configure_logging=False,
+        )
     except Exception as e:  # noqa: BLE001 - the reason, said for this option
         raise RuntimeError(f"--distributed-executor-backend ray: cannot start a local Ray cluster: {e}") from e
 
@@ -59,8 +66,10 @@ class RayWorkers:
         ready, _ = ray.wait([self.group.ready()], timeout=_STARTUP_TIMEOUT)
         if not ready:
             remove_placement_group(self.group)
-            raise RuntimeError(f"--distributed-executor-backend ray: the local Ray cluster cannot place "
-                               f"{world - 1} worker(s) of {bundle} each ({ray.available_resources()} available)")
+            raise RuntimeError(
+                f"--distributed-executor-backend ray: the local Ray cluster cannot place "
+                f"{world - 1} worker(s) of {bundle} each ({ray.available_resources()} available)"
+            )
         rank_actor = ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(_RankActor)
         self.actors, self.tasks = [], []
         for rank in range(1, world):

@@ -32,13 +32,16 @@ def join_and_load(config: EngineConfig, rank: int, init_method: str) -> LoadedMo
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) >= p.world_size:
             share = len(cores) // p.world_size
-            os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
-    parallel_state.init_model_parallel(rank, p.tensor_parallel_size, p.pipeline_parallel_size, init_method, device,
-                                       p.pipeline_layer_partition)
+            os.sched_setaffinity(0, cores[rank * share : (rank + 1) * share])
+    parallel_state.init_model_parallel(
+        rank, p.tensor_parallel_size, p.pipeline_parallel_size, init_method, device, p.pipeline_layer_partition
+    )
     loaded = load_configured_model(config)
     if p.pipeline_parallel_size > 1 and not hasattr(loaded.model.model, "stage_layers"):
-        raise ValueError(f"--pipeline-parallel-size: {type(loaded.model).__name__} does not split into pipeline "
-                         "stages yet (Llama-family and DeepSeek models do)")
+        raise ValueError(
+            f"--pipeline-parallel-size: {type(loaded.model).__name__} does not split into pipeline "
+            "stages yet (Llama-family and DeepSeek models do)"
+        )
     return loaded
 
 

@@ -101,7 +101,8 @@ def build_from_source(source: Path, march: str, name: str = "cpu"):
 def _build_root() -> Path:
     """Where builds from source are cached: $TORCH_EXTENSIONS_DIR, else ~/.cache/tokenmill/kernels."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenmill", "kernels")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenmill", "kernels"
+    )
     return Path(root)
 
 

@@ -64,13 +64,18 @@ def _linear_operands(linear: nn.Module) -> tuple[list[torch.Tensor], list[int], 
 class CompiledDecode:
     """Runs a stack of `LayerParts` for steps of decode tokens only (see the module docstring)."""
 
-    def __init__(self, parts: list[LayerParts], tensors: list[torch.Tensor], ints: list[int],
-                 max_tokens: int | None) -> None:
+    def __init__(
+        self, parts: list[LayerParts], tensors: list[torch.Tensor], ints: list[int], max_tokens: int | None
+    ) -> None:
         first = parts[0]
         self.kv_cache = first.attn.kv_cache  # the first layer's cache when this was built
         self.kv_group, self.rotary = first.attn.kv_group, first.rotary
         self.tensors, self.ints, self.max_tokens = tensors, ints, max_tokens
-        self.num_heads, self.num_kv_heads, self.head_dim = first.attn.num_heads, first.attn.num_kv_heads, first.attn.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            first.attn.num_heads,
+            first.attn.num_kv_heads,
+            first.attn.head_dim,
+        )
         self.eps, self.scale = first.input_norm.eps, first.attn.scale
 
     @classmethod
@@ -82,12 +87,27 @@ class CompiledDecode:
         tensors, ints, limits = [], [], []
         for p in parts:
             a = p.attn
-            same = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.kv_group, p.rotary) == \
-                (first.num_heads, first.num_kv_heads, first.head_dim, first.scale, first.kv_group, parts[0].rotary)
-            if (not same or {p.input_norm.eps, p.post_norm.eps} != {parts[0].input_norm.eps} or a.kv_cache is None
-                    or a.kv_cache.dtype not in paged_attention.CACHE_DTYPES or a.kv_cache.device.type != "cpu"
-                    or getattr(a.backend, "name", None) != "cpu-paged" or a.sliding_window or a.logits_soft_cap
-                    or a.latent_rope_dim is not None or p.rotary.interleaved or p.rotary.rotary_dim != a.head_dim):
+            same = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.kv_group, p.rotary) == (
+                first.num_heads,
+                first.num_kv_heads,
+                first.head_dim,
+                first.scale,
+                first.kv_group,
+                parts[0].rotary,
+            )
+            if (
+                not same
+                or {p.input_norm.eps, p.post_norm.eps} != {parts[0].input_norm.eps}
+                or a.kv_cache is None
+                or a.kv_cache.dtype not in paged_attention.CACHE_DTYPES
+                or a.kv_cache.device.type != "cpu"
+                or getattr(a.backend, "name", None) != "cpu-paged"
+                or a.sliding_window
+                or a.logits_soft_cap
+                or a.latent_rope_dim is not None
+                or p.rotary.interleaved
+                or p.rotary.rotary_dim != a.head_dim
+            ):
                 return None
             linears = [_linear_operands(m) for m in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj)]
             if any(op is None for op in linears):
@@ -102,14 +122,32 @@ class CompiledDecode:
 
     def applies(self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, meta) -> bool:
         """Whether this step (all decodes, few enough tokens for every kernel) can run compiled."""
-        return (kv_cache is self.kv_cache and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
-                and not meta.prefills and meta.num_decodes == hidden.shape[0]
-                and (self.max_tokens is None or hidden.shape[0] <= self.max_tokens))
+        return (
+            kv_cache is self.kv_cache
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+            and not meta.prefills
+            and meta.num_decodes == hidden.shape[0]
+            and (self.max_tokens is None or hidden.shape[0] <= self.max_tokens)
+        )
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                 meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = load().decode_layers(
-            hidden, residual, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-            self.rotary._table(hidden), self.tensors, self.ints, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps, self.scale)
+            hidden,
+            residual,
+            positions,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            self.rotary._table(hidden),
+            self.tensors,
+            self.ints,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.eps,
+            self.scale,
+        )
         return hidden, residual

@@ -22,8 +22,9 @@ def applies(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual); x is updated in place to the sum."""
     out = torch.empty_like(x)
     load().add_rms_norm(x, residual, weight, eps, out)

@@ -28,27 +28,54 @@ def load():
     return cpu_kernels()
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store the step's new keys and values at their cache slots, in one call for both."""
     load().write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       kv_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_quantized(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """The same into an int8 / fp8 cache with its scales [2, blocks, block_size, KVH], bit for bit as
     `kv_quant.write`."""
     load().write_kv_quantized(k, v, k_cache, v_cache, kv_scales[0], kv_scales[1], slot_mapping)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           window: int | None = None, soft_cap: float | None = None,
-                           kv_scales: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Decode attention of q [B, H, D] over each sequence's blocks; `kv_scales` [2, blocks, block_size, KVH]
     for an int8 / fp8 cache; `sinks` [H] float32 (each head's extra softmax logit)."""
     out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
     k_scales, v_scales = (None, None) if kv_scales is None else kv_scales
-    load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window or 0,
-                                  soft_cap or 0.0, out, k_scales, v_scales, sinks)
+    load().paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        window or 0,
+        soft_cap or 0.0,
+        out,
+        k_scales,
+        v_scales,
+        sinks,
+    )
     return out

@@ -24,17 +24,38 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def block_matmul(x_ptr, codes_ptr, scales_ptr, offsets_ptr, rows_ptr, out_ptr, M, N, K, stride_x, stride_c,
-                     stride_s, stride_o, BITS: tl.constexpr, BS: tl.constexpr, CENTER: tl.constexpr,
-                     HAS_OFFSETS: tl.constexpr, SCALES: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr):
+    def block_matmul(
+        x_ptr,
+        codes_ptr,
+        scales_ptr,
+        offsets_ptr,
+        rows_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_x,
+        stride_c,
+        stride_s,
+        stride_o,
+        BITS: tl.constexpr,
+        BS: tl.constexpr,
+        CENTER: tl.constexpr,
+        HAS_OFFSETS: tl.constexpr,
+        SCALES: tl.constexpr,
+        IEEE: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
+            x = tl.load(
+                x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
+            )
             wmask = (rn[:, None] < N) & (rk[None, :] < K)
             if BITS == 8:
                 q = tl.load(codes_ptr + rn[:, None] * stride_c + rk[None, :], mask=wmask, other=0).to(tl.float32)
@@ -43,7 +64,9 @@ def _kernel():
                 shift = (rk % 32) // 16 * 4
                 b = tl.load(codes_ptr + rn[:, None] * stride_c + byte[None, :], mask=wmask, other=0).to(tl.int32)
                 nibble = (b >> shift[None, :]) & 0xF
-                if BITS == -4:  # e2m1 (its code less its center): bit 3 the sign; index 0-7 -> twice 0, 0.5, 1, 1.5, 2, 3, 4, 6
+                if (
+                    BITS == -4
+                ):  # e2m1 (its code less its center): bit 3 the sign; index 0-7 -> twice 0, 0.5, 1, 1.5, 2, 3, 4, 6
                     i = nibble & 7
                     magnitude = tl.where(i < 4, i, (2 + (i & 1)) << ((i >> 1) - 1))
                     q = tl.where(nibble >= 8, -magnitude, magnitude).to(tl.float32)
@@ -68,8 +91,11 @@ def _kernel():
                 acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(
+            out_ptr + rm[:, None] * stride_o + rn[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
 
     return block_matmul
 
@@ -88,8 +114,12 @@ def supports(w) -> bool:
     e2m1 = w.bits == block_quant.E2M1_CODES
     if e2m1 and w.scales.dtype == torch.float8_e4m3fn:  # NVFP4: a float32 factor per row in `supers`
         return w.high is None and w.supers is not None and w.supers.dtype == torch.float32
-    return ((w.bits in (4, 8) or e2m1) and w.high is None and w.supers is None
-            and w.scales.dtype in ((torch.float16, torch.float32) + ((torch.uint8,) if e2m1 else ())))
+    return (
+        (w.bits in (4, 8) or e2m1)
+        and w.high is None
+        and w.supers is None
+        and w.scales.dtype in ((torch.float16, torch.float32) + ((torch.uint8,) if e2m1 else ()))
+    )
 
 
 def matmul(x: torch.Tensor, w) -> torch.Tensor:
@@ -97,8 +127,10 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
     import triton
 
     if not supports(w):
-        raise ValueError(f"the Triton block kernel runs 4- and 8-bit codes and e2m1 nibbles without super-blocks; got {w.bits}-bit "
-                         f"{'K-quant ' if w.supers is not None else ''}blocks")
+        raise ValueError(
+            f"the Triton block kernel runs 4- and 8-bit codes and e2m1 nibbles without super-blocks; got {w.bits}-bit "
+            f"{'K-quant ' if w.supers is not None else ''}blocks"
+        )
     x = x.contiguous()
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -107,7 +139,28 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
     offsets = w.offsets if w.offsets is not None else scales
     rows = w.supers if kind == 2 else scales  # e4m3's factor per row
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _kernel()[grid](x, w.codes, scales, offsets, rows, out, m, n, k, x.stride(0), w.codes.stride(0), scales.stride(0),
-                    out.stride(0), BITS=w.bits, BS=w.block, CENTER=w.center, HAS_OFFSETS=w.offsets is not None,
-                    SCALES=kind, IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    _kernel()[grid](
+        x,
+        w.codes,
+        scales,
+        offsets,
+        rows,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.codes.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        BITS=w.bits,
+        BS=w.block,
+        CENTER=w.center,
+        HAS_OFFSETS=w.offsets is not None,
+        SCALES=kind,
+        IEEE=x.dtype == torch.float32,
+        BM=BLOCK_M,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
+    )
     return out

@@ -19,8 +19,9 @@ the halves share nothing but these two messages, so the worker half may live in 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -79,8 +80,9 @@ class KVConnectorScheduler(ABC):
         this connector supplies; the scheduler counts them as computed."""
         return 0
 
-    def update_state_after_alloc(self, request: Request, blocks: BlockTable, num_computed_tokens: int,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: BlockTable, num_computed_tokens: int, num_external_tokens: int
+    ) -> None:
         """The request got its blocks: the connector's tokens go after the pool's `num_computed_tokens`."""
 
     @abstractmethod
@@ -138,11 +140,14 @@ def check_supported(config: EngineConfig) -> None:
         return
     parallel = config.parallel
     if parallel.pipeline_parallel_size > 1:
-        raise ValueError("--kv-role does not run with --pipeline-parallel-size > 1 yet (each pipeline stage holds "
-                         "its own layers' KV cache: KV transfer between pipeline stages is not built)")
+        raise ValueError(
+            "--kv-role does not run with --pipeline-parallel-size > 1 yet (each pipeline stage holds "
+            "its own layers' KV cache: KV transfer between pipeline stages is not built)"
+        )
     if parallel.tensor_parallel_size != 1:
-        raise ValueError("--kv-role needs --tensor-parallel-size 1 (KV transfer between tensor-parallel "
-                         "engines is not built)")
+        raise ValueError(
+            "--kv-role needs --tensor-parallel-size 1 (KV transfer between tensor-parallel engines is not built)"
+        )
     if config.speculative is not None and config.speculative.method == "draft_model":
         raise ValueError("--kv-role does not work with a draft model (its own KV cache is not transferred)")
 
@@ -171,5 +176,9 @@ def worker_connector(config: EngineConfig, runner) -> KVConnectorWorker | None:
 def cache_tensors(runner) -> list[tuple[torch.Tensor, int]]:
     """Every KV cache tensor of a model runner (quantized caches' scales too), with the pool its blocks
     come from: what a worker half copies a block of (its blocks along `kv_transfer.connector.BLOCK_DIM`)."""
-    return [(t, g.pool) for g, cache, scales in zip(runner.kv_cache_config.groups, runner.kv_caches,
-                                                    runner.kv_scales) for t in (cache, scales) if t is not None]
+    return [
+        (t, g.pool)
+        for g, cache, scales in zip(runner.kv_cache_config.groups, runner.kv_caches, runner.kv_scales)
+        for t in (cache, scales)
+        if t is not None
+    ]

@@ -9,14 +9,24 @@ from tokenmill.router.cli import add_http_args
 
 def add_proxy_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "disagg-proxy", help="front a prefill and a decode server (disaggregated prefill/decode)",
+        "disagg-proxy",
+        help="front a prefill and a decode server (disaggregated prefill/decode)",
         description="An OpenAI-compatible front (/v1/completions, /v1/chat/completions, /v1/models, /health) for a "
-                    "`tokenmill serve --kv-role producer` (prefill) and a `--kv-role consumer` (decode) server: each "
-                    "request is prefilled on the first, its KV blocks move to the second, which decodes and streams.")
-    p.add_argument("--prefill", required=True, metavar="URL",
-                   help="the prefill (producer) server's root URL, e.g. http://127.0.0.1:8001")
-    p.add_argument("--decode", required=True, metavar="URL",
-                   help="the decode (consumer) server's root URL, e.g. http://127.0.0.1:8002")
+        "`tokenmill serve --kv-role producer` (prefill) and a `--kv-role consumer` (decode) server: each "
+        "request is prefilled on the first, its KV blocks move to the second, which decodes and streams.",
+    )
+    p.add_argument(
+        "--prefill",
+        required=True,
+        metavar="URL",
+        help="the prefill (producer) server's root URL, e.g. http://127.0.0.1:8001",
+    )
+    p.add_argument(
+        "--decode",
+        required=True,
+        metavar="URL",
+        help="the decode (consumer) server's root URL, e.g. http://127.0.0.1:8002",
+    )
     add_http_args(p.add_argument_group("HTTP"))
     p.set_defaults(func=run_proxy)
     return p
@@ -35,9 +45,13 @@ def run_proxy(args: argparse.Namespace) -> int:
     _quiet_http_logs()
     sock = _bind(args)
     app = build_proxy_app(args.prefill, args.decode)
-    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=10)
-    print(f"tokenmill disagg-proxy: prefill {args.prefill}, decode {args.decode}; listening at "
-          f"http://{args.host}:{args.port}/v1", flush=True)
+    config = uvicorn.Config(
+        app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=10
+    )
+    print(
+        f"tokenmill disagg-proxy: prefill {args.prefill}, decode {args.decode}; listening at "
+        f"http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -33,18 +33,25 @@ class KVTransferConfig:
         if self.kv_connector not in CONNECTORS:
             raise ValueError(f"kv_connector must be one of {', '.join(CONNECTORS)}, got {self.kv_connector!r}")
         if self.kv_parallel_size != 2:
-            raise ValueError(f"kv_parallel_size must be 2 (one producer and one consumer), got {self.kv_parallel_size!r}")
+            raise ValueError(
+                f"kv_parallel_size must be 2 (one producer and one consumer), got {self.kv_parallel_size!r}"
+            )
         rank = RANK_OF_ROLE[self.kv_role]
         if self.kv_rank is None:
             object.__setattr__(self, "kv_rank", rank)
         elif self.kv_rank != rank:
-            raise ValueError(f"kv_rank must be {rank} for a {self.kv_role} (0 = producer, 1 = consumer), "
-                             f"got {self.kv_rank!r}")
+            raise ValueError(
+                f"kv_rank must be {rank} for a {self.kv_role} (0 = producer, 1 = consumer), got {self.kv_rank!r}"
+            )
         if not isinstance(self.kv_ip, str) or not self.kv_ip:
             raise ValueError(f"kv_ip must be a host name or address, got {self.kv_ip!r}")
         if not isinstance(self.kv_port, int) or isinstance(self.kv_port, bool) or not 0 < self.kv_port < 65536:
             raise ValueError(f"kv_port must be a TCP port in 1..65535, got {self.kv_port!r}")
-        if not isinstance(self.kv_timeout, (int, float)) or isinstance(self.kv_timeout, bool) or not self.kv_timeout > 0:
+        if (
+            not isinstance(self.kv_timeout, (int, float))
+            or isinstance(self.kv_timeout, bool)
+            or not self.kv_timeout > 0
+        ):
             raise ValueError(f"kv_timeout must be a positive number of seconds, got {self.kv_timeout!r}")
 
     @property
@@ -66,8 +73,9 @@ class KVTransferConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"--kv-transfer-config: unknown field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"--kv-transfer-config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         if role is not None and data.get("kv_role", role) != role:
             raise ValueError(f"--kv-transfer-config: kv_role {data['kv_role']!r} contradicts --kv-role {role}")
         data.setdefault("kv_role", role)

@@ -75,8 +75,10 @@ class KVTransport(ABC):
         store = self._open_store()
         theirs, ours = store.get("layout").decode(), describe(self.layout)
         if theirs != ours:
-            raise KVTransferError(f"KV transfer: the producer's KV cache layout ({theirs}) differs from this "
-                                  f"consumer's ({ours}); both need the same model, dtype, block size and KV cache dtype")
+            raise KVTransferError(
+                f"KV transfer: the producer's KV cache layout ({theirs}) differs from this "
+                f"consumer's ({ours}); both need the same model, dtype, block size and KV cache dtype"
+            )
         self._joined(store)
         self.store = store
 
@@ -85,8 +87,12 @@ class KVTransport(ABC):
 
     def empty(self, num_blocks: int) -> list[torch.Tensor]:
         """A payload of `num_blocks` blocks to receive into."""
-        return [torch.empty(tuple(num_blocks if d == BLOCK_DIM else n for d, n in enumerate(shape)), dtype=dtype,
-                            device=self.device) for shape, dtype in self.layout]
+        return [
+            torch.empty(
+                tuple(num_blocks if d == BLOCK_DIM else n for d, n in enumerate(shape)), dtype=dtype, device=self.device
+            )
+            for shape, dtype in self.layout
+        ]
 
     @abstractmethod
     def send(self, transfer_id: str, tensors: list[torch.Tensor]) -> None:

@@ -28,8 +28,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.kv_transfer import CONNECTORS
-from tokenmill.kv_transfer.base import (BlockTable, KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
-                                        KVConnectorWorker)
+from tokenmill.kv_transfer.base import (
+    BlockTable,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
 from tokenmill.kv_transfer.config import KVTransferConfig
 from tokenmill.kv_transfer.connector import BLOCK_DIM, KVTransferError, layout_of
 
@@ -95,8 +100,9 @@ class DisaggregatedScheduler(KVConnectorScheduler):
             return 0
         return max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
 
-    def update_state_after_alloc(self, request, blocks: BlockTable, num_computed_tokens: int,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request, blocks: BlockTable, num_computed_tokens: int, num_external_tokens: int
+    ) -> None:
         rid = request.request_id
         if rid not in self._fetched:
             return
@@ -137,8 +143,12 @@ class DisaggregatedScheduler(KVConnectorScheduler):
             need = self._num_blocks(request)
             if got != need:
                 self._drop.add(rid)
-                failed[rid] = str(KVTransferError(f"the producer sent {got} KV blocks, the prompt needs {need} (both "
-                                                  "servers must get the same prompt and --block-size)"))
+                failed[rid] = str(
+                    KVTransferError(
+                        f"the producer sent {got} KV blocks, the prompt needs {need} (both "
+                        "servers must get the same prompt and --block-size)"
+                    )
+                )
                 continue
             self.stats.record(num_bytes, seconds)
             self._fetched.add(rid)
@@ -186,7 +196,9 @@ class DisaggregatedWorker(KVConnectorWorker):
             payload = self.payloads.pop(rid)
             need = payload[0].shape[BLOCK_DIM] if payload else 0
             for (t, pool), part in zip(self.tensors, payload):
-                t.index_copy_(BLOCK_DIM, self._index(tables[pool][first:need]), part.narrow(BLOCK_DIM, first, need - first))
+                t.index_copy_(
+                    BLOCK_DIM, self._index(tables[pool][first:need]), part.narrow(BLOCK_DIM, first, need - first)
+                )
 
     def wait_for_save(self, meta: DisaggregatedMetadata) -> None:
         for transfer_id, tables, num_blocks in meta.save.values():
@@ -208,8 +220,11 @@ class DisaggregatedWorker(KVConnectorWorker):
                 out.failed[rid] = str(error) if isinstance(error, KVTransferError) else f"KV transfer failed: {error}"
                 continue
             payload = self.payloads[rid] = future.result()
-            out.fetched[rid] = (payload[0].shape[BLOCK_DIM] if payload else 0,
-                                sum(t.numel() * t.element_size() for t in payload), time.perf_counter() - start)
+            out.fetched[rid] = (
+                payload[0].shape[BLOCK_DIM] if payload else 0,
+                sum(t.numel() * t.element_size() for t in payload),
+                time.perf_counter() - start,
+            )
         return out
 
     def close(self) -> None:

@@ -23,8 +23,14 @@ from starlette.responses import JSONResponse, Response
 
 from tokenmill.asgi import ClientDisconnected, run_until_disconnect
 from tokenmill.http_front import install_error_handlers, parse_json_object, read_body
-from tokenmill.router.upstream import (CLIENT_CLOSED, add_generation_routes, error_body, relay, request_headers,
-                                      response_headers)
+from tokenmill.router.upstream import (
+    CLIENT_CLOSED,
+    add_generation_routes,
+    error_body,
+    relay,
+    request_headers,
+    response_headers,
+)
 
 logger = logging.getLogger("tokenmill.disagg_proxy")
 
@@ -56,8 +62,10 @@ def build_proxy_app(prefill_url: str, decode_url: str, connect_timeout: float = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        holder["client"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout),
-                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        holder["client"] = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
         try:
             yield
         finally:
@@ -102,8 +110,9 @@ def build_proxy_app(prefill_url: str, decode_url: str, connect_timeout: float = 
             return unreachable(PREFILL, e)
         if prefill.status_code != 200:  # the client's error (400), or the prefill server's
             response = Response(content=answer, status_code=prefill.status_code)
-            response.raw_headers = response_headers(prefill, PREFILL, decoded=True) + \
-                [(b"content-length", str(len(answer)).encode())]
+            response.raw_headers = response_headers(prefill, PREFILL, decoded=True) + [
+                (b"content-length", str(len(answer)).encode())
+            ]
             return response
         decode = dict(data, kv_transfer_params={"transfer_id": transfer_id})
         return await forward(request, DECODE, "POST", path, json.dumps(decode).encode())

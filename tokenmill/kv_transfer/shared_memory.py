@@ -33,8 +33,9 @@ class SharedMemoryConnector(KVTransport):
     def send(self, transfer_id: str, tensors: list[torch.Tensor]) -> None:
         self._unlink_expired()
         flat = [_as_bytes(t.cpu()) for t in tensors]
-        segment = shared_memory.SharedMemory(name=f"tokenmill-kv-{uuid.uuid4().hex[:20]}", create=True,
-                                             size=max(1, sum(f.numel() for f in flat)))
+        segment = shared_memory.SharedMemory(
+            name=f"tokenmill-kv-{uuid.uuid4().hex[:20]}", create=True, size=max(1, sum(f.numel() for f in flat))
+        )
         # the consumer unlinks it: this process's resource tracker must not (and must not warn at exit)
         resource_tracker.unregister(segment._name, "shared_memory")
         view, offset = torch.frombuffer(segment.buf, dtype=torch.uint8), 0
@@ -44,8 +45,9 @@ class SharedMemoryConnector(KVTransport):
         del view
         segment.close()
         self._segments[segment.name] = time.monotonic()
-        self.store.set(f"ready/{transfer_id}", json.dumps({"segment": segment.name,
-                                                           "blocks": tensors[0].shape[BLOCK_DIM]}))
+        self.store.set(
+            f"ready/{transfer_id}", json.dumps({"segment": segment.name, "blocks": tensors[0].shape[BLOCK_DIM]})
+        )
 
     def _unlink_expired(self) -> None:
         now = time.monotonic()
@@ -67,9 +69,11 @@ class SharedMemoryConnector(KVTransport):
             self.store.delete_key(key)
         except Exception as e:  # noqa: BLE001 - timed out, or the producer (the store's host) is gone
             self.store = None  # reconnect on the next fetch
-            raise KVTransferError(f"KV transfer {transfer_id!r}: nothing from the producer at {self.config.kv_ip}:"
-                                  f"{self.config.kv_port} within {self.config.kv_timeout:g} s "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            raise KVTransferError(
+                f"KV transfer {transfer_id!r}: nothing from the producer at {self.config.kv_ip}:"
+                f"{self.config.kv_port} within {self.config.kv_timeout:g} s "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from None
         try:
             segment = shared_memory.SharedMemory(name=meta["segment"])
         except FileNotFoundError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -86,8 +87,9 @@ class TorchDistributedConnector(KVTransport):
                 store.delete_key(key)
                 tensors = self.staged.take(transfer_id, self.config.kv_timeout)
                 num_blocks = tensors[0].shape[BLOCK_DIM] if tensors else 0
-                self._send_tensor(torch.tensor([tensors is not None, num_blocks], dtype=torch.int64,
-                                               device=self.device))
+                self._send_tensor(
+                    torch.tensor([tensors is not None, num_blocks], dtype=torch.int64, device=self.device)
+                )
                 for t in tensors or ():
                     self._send_tensor(t)
         except Exception as e:  # noqa: BLE001 - the consumer is gone: nothing more can be sent
@@ -109,12 +111,16 @@ class TorchDistributedConnector(KVTransport):
             for t in payload:
                 self._recv_tensor(t)
         except Exception as e:  # noqa: BLE001 - the producer (or the link) is gone
-            self.broken = (f"KV transfer: lost the producer at {self.config.kv_ip}:{self.config.kv_port} "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); restart both servers")
+            self.broken = (
+                f"KV transfer: lost the producer at {self.config.kv_ip}:{self.config.kv_port} "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); restart both servers"
+            )
             raise KVTransferError(self.broken) from None
         if not found:
-            raise KVTransferError(f"KV transfer {transfer_id!r}: the producer has no KV for it (its prefill "
-                                  f"failed or was aborted, or it expired after {self.config.kv_timeout:g} s)")
+            raise KVTransferError(
+                f"KV transfer {transfer_id!r}: the producer has no KV for it (its prefill "
+                f"failed or was aborted, or it expired after {self.config.kv_timeout:g} s)"
+            )
         return payload
 
     def close(self) -> None:

@@ -20,9 +20,18 @@ from tokenmill.quantization.base import dense
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None, prefix: str = "",
-                 latent_rope_dim: int | None = None, sinks: bool = False) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        prefix: str = "",
+        latent_rope_dim: int | None = None,
+        sinks: bool = False,
+    ) -> None:
         super().__init__()
         self.latent_rope_dim = latent_rope_dim
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
@@ -41,7 +50,9 @@ class Attention(nn.Module):
             raise ValueError(f"is a {kind!r} tensor, which attention layers do not hold")
         first = parallel_state.tp_rank() * self.num_heads
         if weight.shape[0] < first + self.num_heads:
-            raise ValueError(f"has shape {tuple(weight.shape)}, expected {self.num_heads * parallel_state.tp_size()} heads")
+            raise ValueError(
+                f"has shape {tuple(weight.shape)}, expected {self.num_heads * parallel_state.tp_size()} heads"
+            )
         self.sinks.data.copy_(dense(weight)[first : first + self.num_heads])
 
     def kv_spec(self, cache_dtype: torch.dtype) -> AttentionSpec:
@@ -49,8 +60,9 @@ class Attention(nn.Module):
             return MLAAttentionSpec(1, self.head_dim, cache_dtype, self.sliding_window, self.latent_rope_dim)
         return AttentionSpec(self.num_kv_heads, self.head_dim, cache_dtype, self.sliding_window)
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor, backend, kv_group: int,
-                      kv_scales: torch.Tensor | None = None) -> None:
+    def bind_kv_cache(
+        self, kv_cache: torch.Tensor, backend, kv_group: int, kv_scales: torch.Tensor | None = None
+    ) -> None:
         backend.check_layer(self)
         self.kv_cache, self.backend, self.kv_group, self.kv_scales = kv_cache, backend, kv_group, kv_scales
 
@@ -58,5 +70,6 @@ class Attention(nn.Module):
         """q: [T, heads, D]; k, v: [T, kv heads, D] -> [T, heads, D] (latent: v is k's leading
         features, a view of it, and the output has v's width)."""
         meta = get_forward_context().attn_metadata[self.kv_group]
-        return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.logits_soft_cap, self.kv_scales,
-                                    self.sinks)
+        return self.backend.forward(
+            q, k, v, self.kv_cache, meta, self.scale, self.logits_soft_cap, self.kv_scales, self.sinks
+        )

@@ -45,11 +45,13 @@ class VocabEmbedding(nn.Module):
 class LMHead(LinearBase):
     """hidden [T, H] -> logits [T, vocab], in whatever weight format the quantization config gives it."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, quant_config: QuantizationConfig | None = None,
-                 prefix: str = "lm_head") -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, quant_config: QuantizationConfig | None = None, prefix: str = "lm_head"
+    ) -> None:
         self.vocab_size = vocab_size
-        super().__init__(hidden_size, [vocab_size], False, quant_config, prefix, parallel_state.tp_rank(),
-                         parallel_state.tp_size())
+        super().__init__(
+            hidden_size, [vocab_size], False, quant_config, prefix, parallel_state.tp_rank(), parallel_state.tp_size()
+        )
         self.tied = False  # shares the embedding's parameter
         self.reads_embedding = False  # tied in the checkpoint, but stored in its own format here
 

@@ -36,8 +36,12 @@ from tokenmill.quantization.base import LinearMethod, dense
 
 # checkpoint names of one expert's projections -> (our parameter, shard of it)
 EXPERT_PROJECTIONS = {
-    "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0),  # Qwen-MoE, DeepSeek
-    "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0),  # Mixtral
+    "gate_proj": ("w13", 0),
+    "up_proj": ("w13", 1),
+    "down_proj": ("w2", 0),  # Qwen-MoE, DeepSeek
+    "w1": ("w13", 0),
+    "w3": ("w13", 1),
+    "w2": ("w2", 0),  # Mixtral
 }
 
 
@@ -58,8 +62,9 @@ def check_expert_counts(num_experts: int, top_k: int) -> None:
         raise ValueError(f"model config: num_experts_per_tok must be in 1..{num_experts}, got {top_k}")
 
 
-def select_experts(router_logits: torch.Tensor, routing: Routing,
-                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    router_logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]) of each token's experts. `correction_bias` shifts
     the scores for choosing only; the weights are the unshifted scores."""
     logits = router_logits.float()
@@ -67,8 +72,9 @@ def select_experts(router_logits: torch.Tensor, routing: Routing,
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if routing.num_groups > 1:
         grouped = choice.view(choice.shape[0], routing.num_groups, -1)
-        group_scores = grouped.amax(dim=-1) if routing.group_score == "max" else \
-            grouped.topk(2, dim=-1).values.sum(dim=-1)
+        group_scores = (
+            grouped.amax(dim=-1) if routing.group_score == "max" else grouped.topk(2, dim=-1).values.sum(dim=-1)
+        )
         best = torch.topk(group_scores, routing.topk_groups, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
@@ -79,8 +85,9 @@ def select_experts(router_logits: torch.Tensor, routing: Routing,
     return weights * routing.scale if routing.scale != 1.0 else weights, ids
 
 
-def grouped_experts(x: torch.Tensor, num_experts: int, run_experts, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor, num_experts: int, run_experts, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t, one matmul pair per active
     expert (`run_experts(rows grouped by expert, rows per expert)`)."""
     flat = ids.flatten()
@@ -105,9 +112,17 @@ class ExpertProjection(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, routing: Routing, hidden_size: int, intermediate_size: int,
-                 prefix: str = "", bias: bool = False, activation=silu_and_mul,
-                 method: LinearMethod | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        routing: Routing,
+        hidden_size: int,
+        intermediate_size: int,
+        prefix: str = "",
+        bias: bool = False,
+        activation=silu_and_mul,
+        method: LinearMethod | None = None,
+    ) -> None:
         """`activation`: [n, 2I] gate and up halves -> [n, I]; `method`: the experts' weight format
         (None: dense in the default dtype)."""
         super().__init__()
@@ -121,8 +136,9 @@ class FusedMoE(nn.Module):
             self.experts, self.columns = expert_parallel.local_experts(num_experts, prefix), slice(None)
         else:  # every expert, this rank's share of its intermediate features (all of them on one rank)
             if intermediate_size % size:
-                raise ValueError(f"{prefix}: expert intermediate size {intermediate_size} does not split over "
-                                 f"{size} ranks")
+                raise ValueError(
+                    f"{prefix}: expert intermediate size {intermediate_size} does not split over {size} ranks"
+                )
             share = intermediate_size // size
             self.experts, self.columns = range(num_experts), slice(rank * share, (rank + 1) * share)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
@@ -132,10 +148,12 @@ class FusedMoE(nn.Module):
             self.w13 = nn.Parameter(torch.empty(local, 2 * share, hidden_size), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(local, hidden_size, share), requires_grad=False)
         else:
-            self.w13 = nn.ModuleList(ExpertProjection(method, 2 * share, hidden_size, f"{prefix}.{e}.gate_up_proj")
-                                     for e in self.experts)
-            self.w2 = nn.ModuleList(ExpertProjection(method, hidden_size, share, f"{prefix}.{e}.down_proj")
-                                    for e in self.experts)
+            self.w13 = nn.ModuleList(
+                ExpertProjection(method, 2 * share, hidden_size, f"{prefix}.{e}.gate_up_proj") for e in self.experts
+            )
+            self.w2 = nn.ModuleList(
+                ExpertProjection(method, hidden_size, share, f"{prefix}.{e}.down_proj") for e in self.experts
+            )
         self.w13_bias = nn.Parameter(torch.zeros(local, 2 * share), requires_grad=False) if bias else None
         self.w2_bias = nn.Parameter(torch.zeros(local, hidden_size), requires_grad=False) if bias else None
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
@@ -160,7 +178,11 @@ class FusedMoE(nn.Module):
         if kind.endswith("_bias"):
             whole = (self.intermediate_size,) if kind == "w13_bias" else (self.hidden_size,)
         else:
-            whole = (self.intermediate_size, self.hidden_size) if kind == "w13" else (self.hidden_size, self.intermediate_size)
+            whole = (
+                (self.intermediate_size, self.hidden_size)
+                if kind == "w13"
+                else (self.hidden_size, self.intermediate_size)
+            )
         if kind not in ("w13", "w2") or self.method is None:
             src = dense(weight)
             want = whole if expert is not None else (self.num_experts, *whole)
@@ -176,7 +198,7 @@ class FusedMoE(nn.Module):
             return
         dest = getattr(self, kind).data
         if expert is None:
-            dest, src = dest[:, rows], src[self.experts.start:self.experts.stop]
+            dest, src = dest[:, rows], src[self.experts.start : self.experts.stop]
         else:
             dest = dest[expert - self.experts.start, rows]
         if kind == "w13":
@@ -206,8 +228,14 @@ class FusedMoE(nn.Module):
     def _project(weights, expert: int, x: torch.Tensor) -> torch.Tensor:
         return weights[expert](x) if isinstance(weights, nn.ModuleList) else x @ weights[expert].t()
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
-                shared: nn.Module | None = None, shared_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        correction_bias: torch.Tensor | None = None,
+        shared: nn.Module | None = None,
+        shared_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The routed experts' output, plus `shared` (always-on experts: an MLP with `partial`) times
         `shared_scale` when given. Under tensor parallelism both partial sums share one all-reduce."""
         weights, ids = select_experts(router_logits, self.routing, correction_bias)

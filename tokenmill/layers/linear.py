@@ -27,8 +27,16 @@ _ALL = slice(None)
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
-                 quant_config: QuantizationConfig | None, prefix: str, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         super().__init__()
         self.prefix = prefix
         self.input_size, self.output_sizes = input_size, list(output_sizes)
@@ -36,8 +44,9 @@ class LinearBase(nn.Module):
         self.input_size_per_partition = self._input_partition()[0]
         self.output_partition_sizes = [self._output_partition(i)[0] for i in range(len(self.output_sizes))]
         self.quant_method = (quant_config or UnquantizedConfig()).linear_method(prefix)
-        self.quant_method.create_weights(self, self.input_size_per_partition, self.output_partition_sizes,
-                                         torch.get_default_dtype())
+        self.quant_method.create_weights(
+            self, self.input_size_per_partition, self.output_partition_sizes, torch.get_default_dtype()
+        )
         rows = sum(self.output_partition_sizes)
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
 
@@ -83,8 +92,14 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
 
@@ -96,9 +111,16 @@ def _group(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: int | list[int],
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
         tp_rank, tp_size = _group(tp_rank, tp_size)
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         for size in sizes:
@@ -119,15 +141,32 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul: shards 0, 1, 2. Each rank holds num_heads / tp query heads
     and max(1, num_kv_heads / tp) key/value heads."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
         tp_rank, tp_size = _group(tp_rank, tp_size)
         if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
             raise ValueError(f"{prefix}: {num_heads} query / {num_kv_heads} kv heads do not split over {tp_size} ranks")
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
-        LinearBase.__init__(self, hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
-                                                num_kv_heads * head_dim], bias, quant_config, prefix, tp_rank, tp_size)
+        LinearBase.__init__(
+            self,
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias,
+            quant_config,
+            prefix,
+            tp_rank,
+            tp_size,
+        )
 
     def _output_partition(self, shard):
         if shard == 0:
@@ -140,9 +179,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "", tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
         tp_rank, tp_size = _group(tp_rank, tp_size)
         if input_size % tp_size:
             raise ValueError(f"{prefix}: {input_size} input columns do not split over {tp_size} ranks")

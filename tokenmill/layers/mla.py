@@ -34,7 +34,9 @@ class LatentKVProjection(nn.Module):
 
     num_shards = 2
 
-    def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_dim: int, heads: range | None = None) -> None:
+    def __init__(
+        self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_dim: int, heads: range | None = None
+    ) -> None:
         super().__init__()
         self.shape = (num_heads, kv_lora_rank, nope_dim, v_dim)
         self.heads = slice(heads.start, heads.stop) if heads is not None else slice(None)
@@ -50,8 +52,10 @@ class LatentKVProjection(nn.Module):
         w = dense(weight)
         want = {None: heads * (nope + v) * rank, 0: heads * rank * nope, 1: heads * v * rank}[shard]
         if kind != "weight" or w.numel() != want:
-            raise ValueError(f"has shape {tuple(w.shape)}, expected {want} values for heads={heads}, "
-                             f"kv_lora_rank={rank}, qk_nope_head_dim={nope}, v_head_dim={v}")
+            raise ValueError(
+                f"has shape {tuple(w.shape)}, expected {want} values for heads={heads}, "
+                f"kv_lora_rank={rank}, qk_nope_head_dim={nope}, v_head_dim={v}"
+            )
         mine = self.heads
         if shard is None:
             w = w.reshape(heads, nope + v, rank)[mine]
@@ -67,9 +71,22 @@ class MLAAttention(nn.Module):
     """Queries (directly, or through a low-rank `q_a_proj` -> norm -> `q_b_proj`), the joint latent +
     rope-key projection `kv_a_proj_with_mqa`, absorbed attention over the latent cache, `o_proj`."""
 
-    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
-                 nope_dim: int, rope_dim: int, v_dim: int, rotary: RotaryEmbedding, scale: float, bias: bool,
-                 rms_norm_eps: float, quant_config: QuantizationConfig, prefix: str) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        nope_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        rotary: RotaryEmbedding,
+        scale: float,
+        bias: bool,
+        rms_norm_eps: float,
+        quant_config: QuantizationConfig,
+        prefix: str,
+    ) -> None:
         super().__init__()
         tp, rank = parallel_state.tp_size(), parallel_state.tp_rank()
         if num_heads % tp:
@@ -83,15 +100,17 @@ class MLAAttention(nn.Module):
             self.q_b_proj = ColumnParallelLinear(q_lora_rank, q_size, False, quant_config, f"{prefix}.q_b_proj")
         else:
             self.q_proj = ColumnParallelLinear(hidden_size, q_size, False, quant_config, f"{prefix}.q_proj")
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + rope_dim, bias, quant_config,
-                                                   f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden_size, kv_lora_rank + rope_dim, bias, quant_config, f"{prefix}.kv_a_proj_with_mqa"
+        )
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, rms_norm_eps)
         mine = range(rank * self.num_heads, (rank + 1) * self.num_heads)
         self.kv_b_proj = LatentKVProjection(num_heads, kv_lora_rank, nope_dim, v_dim, mine)
         self.o_proj = RowParallelLinear(num_heads * v_dim, hidden_size, bias, quant_config, f"{prefix}.o_proj")
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, kv_lora_rank + rope_dim, scale, 1, prefix=f"{prefix}.attn",
-                              latent_rope_dim=rope_dim)
+        self.attn = Attention(
+            self.num_heads, kv_lora_rank + rope_dim, scale, 1, prefix=f"{prefix}.attn", latent_rope_dim=rope_dim
+        )
 
     def expanded_kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """What every head's full key and value would take per token, against the latent row cached."""

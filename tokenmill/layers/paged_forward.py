@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 class PagedForward:
-    def __init__(self, model: nn.Module, device: torch.device, cache_dtype: torch.dtype,
-                 backend: AttentionBackend) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, cache_dtype: torch.dtype, backend: AttentionBackend
+    ) -> None:
         self.model, self.device, self.cache_dtype, self.backend = model, device, cache_dtype, backend
         self.attention_layers = {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
         self.kv_cache_config: KVCacheConfig | None = None
@@ -44,29 +45,46 @@ class PagedForward:
             names = [n for n in group.layer_names if n in self.attention_layers]  # a pipeline stage's own
             shape = self.backend.kv_cache_shape(config.pool_blocks[group.pool], config.block_size, group.spec)
             cache = torch.zeros(len(names), *shape, dtype=group.spec.dtype, device=self.device)
-            scales = (torch.zeros(len(names), *shape[:-1], dtype=SCALE_DTYPE, device=self.device)
-                      if is_quantized(group.spec.dtype) else None)
+            scales = (
+                torch.zeros(len(names), *shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+                if is_quantized(group.spec.dtype)
+                else None
+            )
             self.kv_caches.append(cache)
             self.kv_scales.append(scales)
             for i, name in enumerate(names):
                 layer_scales = None if scales is None else scales[i]
                 self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g, layer_scales)
 
-    def forward(self, input_ids: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
-                block_ids: list[list[list[int]]], **model_inputs) -> tuple[object, CommonAttentionMetadata]:
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        num_new: np.ndarray,
+        num_computed: np.ndarray,
+        block_ids: list[list[list[int]]],
+        **model_inputs,
+    ) -> tuple[object, CommonAttentionMetadata]:
         """Run the model on a flat batch (per request: its new tokens after `num_computed` cached ones,
         decodes first; `block_ids[request][pool]` its block tables; `model_inputs`: more inputs of the
         model's, e.g. a drafter's hidden states or a pipeline stage's intermediate tensors). Returns the
         model's output (the final hidden state of every new token) and the step's description (of pool 0:
         positions and lengths are the same in all)."""
-        commons = [build_common_metadata(num_new, num_computed, [tables[pool] for tables in block_ids],
-                                         self.kv_cache_config.block_size, self.device)
-                   for pool in range(len(self.kv_cache_config.pool_blocks))]
+        commons = [
+            build_common_metadata(
+                num_new,
+                num_computed,
+                [tables[pool] for tables in block_ids],
+                self.kv_cache_config.block_size,
+                self.device,
+            )
+            for pool in range(len(self.kv_cache_config.pool_blocks))
+        ]
         (common, positions) = commons[0]
         # one backend metadata per (pool, sliding window): each group's layers read theirs
         metas = {key: self.backend.build_metadata(commons[key[0]][0], key[1]) for key in set(self.group_keys)}
         context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)})
         with set_forward_context(context):
-            hidden = self.model(torch.from_numpy(input_ids).to(self.device),
-                                torch.from_numpy(positions).to(self.device), **model_inputs)
+            hidden = self.model(
+                torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), **model_inputs
+            )
         return hidden, common

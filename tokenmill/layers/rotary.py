@@ -19,8 +19,9 @@ from tokenmill.config import rope_type
 from tokenmill.kernels import fused_ops
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,
-                             factors: list[float] | None = None) -> torch.Tensor:
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, factors: list[float] | None = None
+) -> torch.Tensor:
     """Per-pair rotation frequencies, with rope scaling default, linear or llama3; `factors` (longrope)
     divide each pair's frequency."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -80,9 +81,15 @@ def _yarn_inverse_frequencies(inv_freq: torch.Tensor, dim: int, theta: float, sc
 class RotaryEmbedding(nn.Module):
     """A precomputed cos/sin table indexed by token position, applied to queries and keys."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None = None, rotary_dim: int | None = None,
-                 interleaved: bool = False) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
+        interleaved: bool = False,
+    ) -> None:
         super().__init__()
         self.interleaved = interleaved
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
@@ -102,7 +109,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = torch.where((positions < original)[:, None], short, long)
         factor = scaling.get("factor") or self.max_positions / original
         scale = scaling.get("attention_factor") or (
-            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
         return positions[:, None] * inv_freq, scale
 
     def _table(self, like: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,13 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(config: ModelConfig, quant_config: QuantizationConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None) -> nn.Module:
+def build_model(
+    config: ModelConfig,
+    quant_config: QuantizationConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+) -> nn.Module:
     """The model for `config` with uninitialised storage on `device` (parameters in `dtype`, quantized
     layers in their own formats); `device` "meta" allocates nothing."""
     cls = model_class(config.architecture)
@@ -55,9 +60,15 @@ def build_model(config: ModelConfig, quant_config: QuantizationConfig, dtype: to
         return cls(config, quant_config, max_positions or config.max_position_embeddings)
 
 
-def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               max_positions: int | None = None, quantization: str = "auto", group_size: int | None = None,
-               symmetric: bool | None = None) -> LoadedModel:
+def load_model(
+    model: str | None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+    quantization: str = "auto",
+    group_size: int | None = None,
+    symmetric: bool | None = None,
+) -> LoadedModel:
     """Load `model` (alias, .gguf file or HF directory) onto `device` in `dtype` with the weight format
     `quantization` (see `tokenmill.quantization`; `group_size` and `symmetric` for int8/int4)."""
     start = time.perf_counter()
@@ -67,8 +78,9 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str
     config = ckpt.config
     torch_dtype = resolve_dtype(dtype, dev, config.torch_dtype)
     exact = dtype != "auto"
-    method = resolve_quantization(quantization, source.kind, dev, torch_dtype, exact,
-                                  getattr(ckpt, "quant_method", None))
+    method = resolve_quantization(
+        quantization, source.kind, dev, torch_dtype, exact, getattr(ckpt, "quant_method", None)
+    )
     quant_config = get_quantization_config(method, ckpt, dev, exact, group_size, symmetric, torch_dtype)
     net = build_model(config, quant_config, torch_dtype, dev, max_positions)
     with torch.no_grad():
@@ -77,6 +89,12 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", device: str
             if hasattr(module, "quant_method"):
                 module.quant_method.process_after_loading(module)
     net.eval()
-    logger.info("loaded %s (%s, %s, quantization %s) in %.1fs", source.name, config.architecture, torch_dtype,
-                quant_config.name, time.perf_counter() - start)
+    logger.info(
+        "loaded %s (%s, %s, quantization %s) in %.1fs",
+        source.name,
+        config.architecture,
+        torch_dtype,
+        quant_config.name,
+        time.perf_counter() - start,
+    )
     return LoadedModel(net, config, source, torch_dtype, dev, quant_config.name)

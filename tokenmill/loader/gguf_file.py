@@ -56,8 +56,9 @@ class GGUFFile:
         self.table_span = (start, self._pos)
         self.alignment = int(self.fields.get("general.alignment", _DEFAULT_ALIGNMENT))
         self.data_start = -(-self._pos // self.alignment) * self.alignment
-        self.tensors = [self._tensor(name, ggml_type, shape, self.data_start + offset)
-                        for name, ggml_type, shape, offset in table]
+        self.tensors = [
+            self._tensor(name, ggml_type, shape, self.data_start + offset) for name, ggml_type, shape, offset in table
+        ]
 
     def _read(self, n: int) -> bytes:
         if self._pos + n > len(self._map):

@@ -20,9 +20,21 @@ from tokenmill.models.registry import GGUF_ARCHITECTURES, config_from_hf_dict
 from tokenmill.quantization.gguf_codes import Codes, unpack
 
 _DEQUANTIZABLE = {
-    GGMLQuantizationType[t] for t in (
-        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    GGMLQuantizationType[t]
+    for t in (
+        "F32",
+        "F16",
+        "BF16",
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
     )
 }
 
@@ -62,11 +74,18 @@ _GEMMA = ("gemma2", "gemma3")
 _PHI3_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # stored fused
 # DeepSeek's latent attention (kv_b split by newer converters into k_b, transposed, and v_b), shared experts
 _DEEPSEEK_LAYER_NAMES = {
-    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
-    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-    "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
 _GATING = {1: "softmax", 2: "sigmoid"}  # expert_gating_func; files without it are DeepSeek-V2 (softmax)
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 longrope, read as config
@@ -129,8 +148,9 @@ class GGUFCheckpoint:
     def _read_config(self) -> ModelConfig:
         arch = self._field("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"{self.path.name}: unsupported GGUF architecture {arch!r}; "
-                             f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+            raise ValueError(
+                f"{self.path.name}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
         p = lambda key, default=None: self._field(f"{arch}.{key}", default)  # noqa: E731
         heads = p("attention.head_count")
         hidden = p("embedding_length")
@@ -143,58 +163,77 @@ class GGUFCheckpoint:
         if p("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": p("rope.scaling.factor")}
         elif p("rope.scaling.type") == "yarn":
-            scaling = {"rope_type": "yarn", "factor": float(p("rope.scaling.factor")),
-                       "original_max_position_embeddings": int(p("rope.scaling.original_context_length"))}
+            scaling = {
+                "rope_type": "yarn",
+                "factor": float(p("rope.scaling.factor")),
+                "original_max_position_embeddings": int(p("rope.scaling.original_context_length")),
+            }
             if p("rope.scaling.yarn_log_multiplier") is not None:  # DeepSeek: llama.cpp writes 0.1 * mscale_all_dim
                 mscale = float(p("rope.scaling.yarn_log_multiplier")) / 0.1
                 scaling.update(mscale=mscale, mscale_all_dim=mscale)
         if _ROPE_FACTORS[0] in names:
-            factors = {t.name: [float(x) for x in np.asarray(t.data).reshape(-1)] for t in self.reader.tensors
-                       if t.name in _ROPE_FACTORS}
-            scaling = {"rope_type": "longrope", "long_factor": factors[_ROPE_FACTORS[0]],
-                       "short_factor": factors[_ROPE_FACTORS[1]],
-                       "original_max_position_embeddings": int(p("rope.scaling.original_context_length"))}
+            factors = {
+                t.name: [float(x) for x in np.asarray(t.data).reshape(-1)]
+                for t in self.reader.tensors
+                if t.name in _ROPE_FACTORS
+            }
+            scaling = {
+                "rope_type": "longrope",
+                "long_factor": factors[_ROPE_FACTORS[0]],
+                "short_factor": factors[_ROPE_FACTORS[1]],
+                "original_max_position_embeddings": int(p("rope.scaling.original_context_length")),
+            }
             if p("rope.scaling.attn_factor") is not None:
                 scaling["attention_factor"] = float(p("rope.scaling.attn_factor"))
         experts = int(p("expert_count", 0))
         hf_arch = "MixtralForCausalLM" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
-        moe = {} if not experts else {
-            "num_experts": experts,
-            "num_experts_per_tok": int(p("expert_used_count")),
-            "moe_intermediate_size": int(p("expert_feed_forward_length", p("feed_forward_length"))),
-            "norm_topk_prob": bool(p("expert_weights_norm", _NORM_TOPK.get(arch, True))),
-            "shared_expert_intermediate_size": int(p("expert_shared_feed_forward_length", 0)),
-        }
-        gemma = {} if arch not in _GEMMA else {
-            "attn_logit_softcapping": p("attn_logit_softcapping"),
-            "final_logit_softcapping": p("final_logit_softcapping"),
-            "query_pre_attn_scalar": int(p("attention.key_length", hidden // heads)),  # as llama.cpp (not 27B)
-        }
+        moe = (
+            {}
+            if not experts
+            else {
+                "num_experts": experts,
+                "num_experts_per_tok": int(p("expert_used_count")),
+                "moe_intermediate_size": int(p("expert_feed_forward_length", p("feed_forward_length"))),
+                "norm_topk_prob": bool(p("expert_weights_norm", _NORM_TOPK.get(arch, True))),
+                "shared_expert_intermediate_size": int(p("expert_shared_feed_forward_length", 0)),
+            }
+        )
+        gemma = (
+            {}
+            if arch not in _GEMMA
+            else {
+                "attn_logit_softcapping": p("attn_logit_softcapping"),
+                "final_logit_softcapping": p("final_logit_softcapping"),
+                "query_pre_attn_scalar": int(p("attention.key_length", hidden // heads)),  # as llama.cpp (not 27B)
+            }
+        )
         head_dim = int(p("attention.key_length", hidden // heads))
         deepseek = {} if arch != "deepseek2" else self._deepseek_fields(p)
         if deepseek.get("scoring_func") == "sigmoid":
             hf_arch = "DeepseekV3ForCausalLM"
-        return config_from_hf_dict({  # the config.json this file's metadata stands for
-            "architectures": [hf_arch],
-            **moe,
-            **gemma,
-            **deepseek,
-            "sliding_window": p("attention.sliding_window"),
-            "partial_rotary_factor": int(p("rope.dimension_count", head_dim)) / head_dim,
-            "vocab_size": int(vocab),
-            "hidden_size": int(hidden),
-            "intermediate_size": int(p("feed_forward_length", 0) or p("expert_feed_forward_length")),
-            "num_hidden_layers": int(p("block_count")),
-            "num_attention_heads": int(heads),
-            "num_key_value_heads": int(p("attention.head_count_kv", heads)),
-            "head_dim": head_dim,
-            "rms_norm_eps": float(p("attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(p("rope.freq_base", 10000.0)),
-            "rope_scaling": scaling,
-            "max_position_embeddings": int(p("context_length", 2048)),
-            "tie_word_embeddings": "output.weight" not in names,
-            "attention_bias": "blk.0.attn_q.bias" in names,
-        })
+        return config_from_hf_dict(
+            {  # the config.json this file's metadata stands for
+                "architectures": [hf_arch],
+                **moe,
+                **gemma,
+                **deepseek,
+                "sliding_window": p("attention.sliding_window"),
+                "partial_rotary_factor": int(p("rope.dimension_count", head_dim)) / head_dim,
+                "vocab_size": int(vocab),
+                "hidden_size": int(hidden),
+                "intermediate_size": int(p("feed_forward_length", 0) or p("expert_feed_forward_length")),
+                "num_hidden_layers": int(p("block_count")),
+                "num_attention_heads": int(heads),
+                "num_key_value_heads": int(p("attention.head_count_kv", heads)),
+                "head_dim": head_dim,
+                "rms_norm_eps": float(p("attention.layer_norm_rms_epsilon", 1e-6)),
+                "rope_theta": float(p("rope.freq_base", 10000.0)),
+                "rope_scaling": scaling,
+                "max_position_embeddings": int(p("context_length", 2048)),
+                "tie_word_embeddings": "output.weight" not in names,
+                "attention_bias": "blk.0.attn_q.bias" in names,
+            }
+        )
 
     @staticmethod
     def _deepseek_fields(p) -> dict:
@@ -205,17 +244,21 @@ class GGUFCheckpoint:
         key = int(p("attention.key_length_mla" if mla else "attention.key_length"))
         groups = int(p("expert_group_count", 1))
         return {
-            "q_lora_rank": p("attention.q_lora_rank"), "kv_lora_rank": int(p("attention.kv_lora_rank")),
-            "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope,
+            "q_lora_rank": p("attention.q_lora_rank"),
+            "kv_lora_rank": int(p("attention.kv_lora_rank")),
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": key - rope,
             "v_head_dim": int(p("attention.value_length_mla" if mla else "attention.value_length")),
-            "n_routed_experts": int(p("expert_count", 0)), "num_experts_per_tok": int(p("expert_used_count", 0)),
+            "n_routed_experts": int(p("expert_count", 0)),
+            "num_experts_per_tok": int(p("expert_used_count", 0)),
             "moe_intermediate_size": int(p("expert_feed_forward_length", 0)),
             "n_shared_experts": int(p("expert_shared_count", 0)),
             "first_k_dense_replace": int(p("leading_dense_block_count", 0)),
             "routed_scaling_factor": float(p("expert_weights_scale", 1.0)),
             "norm_topk_prob": bool(p("expert_weights_norm", False)),
             "scoring_func": _GATING.get(int(p("expert_gating_func", 1)), "softmax"),
-            "n_group": groups, "topk_group": int(p("expert_group_used_count", 1)),
+            "n_group": groups,
+            "topk_group": int(p("expert_group_used_count", 1)),
             "topk_method": "group_limited_greedy" if groups > 1 else "greedy",
         }
 

@@ -55,8 +55,11 @@ class HFCheckpoint:
             return files
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
-            hint = " (only PyTorch .bin files found; convert them to safetensors)" if any(
-                self.directory.glob("*.bin")) else ""
+            hint = (
+                " (only PyTorch .bin files found; convert them to safetensors)"
+                if any(self.directory.glob("*.bin"))
+                else ""
+            )
             raise FileNotFoundError(f"no *.safetensors weights in {self.directory}{hint}")
         return files
 

@@ -64,25 +64,40 @@ class DeepseekConfig(ModelConfig):
         first_dense, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
         routed = [i for i in range(layers + 1) if cfg.get("n_routed_experts") and i >= first_dense and i % freq == 0]
         sparse, mtp_sparse = tuple(i for i in routed if i < layers), bool(mtp) and layers in routed
-        experts = cfg["n_routed_experts"] if sparse or mtp_sparse else 0  # a dense-only config names experts it never uses
+        experts = (
+            cfg["n_routed_experts"] if sparse or mtp_sparse else 0
+        )  # a dense-only config names experts it never uses
         groups = cfg.get("n_group") or 1
         grouped = groups > 1 and (v3 or cfg.get("topk_method") == "group_limited_greedy")
-        routing = Routing(cfg.get("num_experts_per_tok") or 1, renormalize=bool(cfg.get("norm_topk_prob")),
-                          scoring="sigmoid" if v3 else "softmax", num_groups=groups if grouped else 1,
-                          topk_groups=cfg.get("topk_group") or 1 if grouped else 1,
-                          group_score="top2" if v3 else "max", scale=float(cfg.get("routed_scaling_factor", 1.0)))
+        routing = Routing(
+            cfg.get("num_experts_per_tok") or 1,
+            renormalize=bool(cfg.get("norm_topk_prob")),
+            scoring="sigmoid" if v3 else "softmax",
+            num_groups=groups if grouped else 1,
+            topk_groups=cfg.get("topk_group") or 1 if grouped else 1,
+            group_score="top2" if v3 else "max",
+            scale=float(cfg.get("routed_scaling_factor", 1.0)),
+        )
         return dict(
             num_key_value_heads=cfg["num_attention_heads"],  # every head reads the one latent
             head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
-            q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
-            qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-            v_head_dim=cfg["v_head_dim"], attention_bias=cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False), rope_interleave=cfg.get("rope_interleave", True) if v3 else True,
-            num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_nope_head_dim=cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            rope_interleave=cfg.get("rope_interleave", True) if v3 else True,
+            num_experts=experts,
+            num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
             n_shared_experts=cfg.get("n_shared_experts") or 0,
             sparse_layers=sparse,
-            routing=routing, routing_bias=v3, num_nextn_predict_layers=mtp, mtp_sparse=mtp_sparse,
+            routing=routing,
+            routing_bias=v3,
+            num_nextn_predict_layers=mtp,
+            mtp_sparse=mtp_sparse,
         )
 
 
@@ -93,47 +108,82 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, quant_config, f"{prefix}.gate")
         if config.routing_bias:
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
-                                                        requires_grad=False)
-        self.experts = FusedMoE(config.num_experts, config.routing, config.hidden_size,
-                                config.moe_intermediate_size, f"{prefix}.experts",
-                                method=quant_config.expert_method(f"{prefix}.experts"))
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False
+            )
+        self.experts = FusedMoE(
+            config.num_experts,
+            config.routing,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            f"{prefix}.experts",
+            method=quant_config.expert_method(f"{prefix}.experts"),
+        )
         if config.n_shared_experts:
-            self.shared_experts = LlamaMLP(config, quant_config, f"{prefix}.shared_experts",
-                                           config.moe_intermediate_size * config.n_shared_experts)
+            self.shared_experts = LlamaMLP(
+                config, quant_config, f"{prefix}.shared_experts", config.moe_intermediate_size * config.n_shared_experts
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x), getattr(self, "e_score_correction_bias", None),
-                            shared=getattr(self, "shared_experts", None))
+        return self.experts(
+            x,
+            self.gate(x),
+            getattr(self, "e_score_correction_bias", None),
+            shared=getattr(self, "shared_experts", None),
+        )
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config: DeepseekConfig, rotary: RotaryEmbedding, scale: float,
-                 quant_config: QuantizationConfig, prefix: str, layer: int) -> None:
+    def __init__(
+        self,
+        config: DeepseekConfig,
+        rotary: RotaryEmbedding,
+        scale: float,
+        quant_config: QuantizationConfig,
+        prefix: str,
+        layer: int,
+    ) -> None:
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = MLAAttention(c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank,
-                                      c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, rotary, scale,
-                                      c.attention_bias, c.rms_norm_eps, quant_config, f"{prefix}.self_attn")
+        self.self_attn = MLAAttention(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.q_lora_rank,
+            c.kv_lora_rank,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            rotary,
+            scale,
+            c.attention_bias,
+            c.rms_norm_eps,
+            quant_config,
+            f"{prefix}.self_attn",
+        )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         sparse = layer in c.sparse_layers
-        self.mlp = DeepseekMoE(c, quant_config, f"{prefix}.mlp") if sparse else LlamaMLP(c, quant_config,
-                                                                                         f"{prefix}.mlp")
+        self.mlp = (
+            DeepseekMoE(c, quant_config, f"{prefix}.mlp") if sparse else LlamaMLP(c, quant_config, f"{prefix}.mlp")
+        )
 
 
 class DeepseekModel(LlamaModel):
-    def build_layers(self, config: DeepseekConfig, quant_config: QuantizationConfig,
-                     max_positions: int) -> list[nn.Module]:
+    def build_layers(
+        self, config: DeepseekConfig, quant_config: QuantizationConfig, max_positions: int
+    ) -> list[nn.Module]:
         rotary, scale = mla_rotary_and_scale(config, max_positions)
-        return [DeepseekDecoderLayer(config, rotary, scale, quant_config, f"model.layers.{i}", i)
-                for i in range(config.num_hidden_layers)]
+        return [
+            DeepseekDecoderLayer(config, rotary, scale, quant_config, f"model.layers.{i}", i)
+            for i in range(config.num_hidden_layers)
+        ]
 
 
 def mla_rotary_and_scale(c: DeepseekConfig, max_positions: int) -> tuple[RotaryEmbedding, float]:
     """The rotation of the rope part of keys and queries, and the softmax scale (yarn: times mscale^2)."""
-    rotary = RotaryEmbedding(c.qk_rope_head_dim, max_positions, c.rope_theta, c.rope_scaling,
-                             interleaved=c.rope_interleave)
+    rotary = RotaryEmbedding(
+        c.qk_rope_head_dim, max_positions, c.rope_theta, c.rope_scaling, interleaved=c.rope_interleave
+    )
     scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
     scaling = c.rope_scaling or {}
     if rope_type(scaling) != "default" and scaling.get("mscale_all_dim"):
@@ -149,6 +199,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
         """Everything but the multi-token-prediction layers numbered after the last decoder layer."""
+
         def is_mtp(name: str) -> bool:
             m = _LAYER.match(name)
             return m is not None and int(m.group(1)) >= self.config.num_hidden_layers

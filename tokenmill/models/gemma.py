@@ -41,8 +41,10 @@ class GemmaConfig(LlamaConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {SLIDING, FULL}:
-            raise ValueError(f"model config: layer_types must give {SLIDING!r} or {FULL!r} for each of the "
-                             f"{self.num_hidden_layers} layers")
+            raise ValueError(
+                f"model config: layer_types must give {SLIDING!r} or {FULL!r} for each of the "
+                f"{self.num_hidden_layers} layers"
+            )
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("model config: sliding_attention layers need a sliding_window")
 
@@ -56,11 +58,15 @@ class GemmaConfig(LlamaConfig):
         full, local = full or {}, local or {}
         scaling = cfg.get("rope_scaling") or (full if rope_type(full) != "default" else None)
         return dict(
-            qkv_bias=cfg.get("attention_bias", False), o_bias=cfg.get("attention_bias", False), mlp_bias=False,
+            qkv_bias=cfg.get("attention_bias", False),
+            o_bias=cfg.get("attention_bias", False),
+            mlp_bias=False,
             qk_norm=arch == "Gemma3ForCausalLM",
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
-            layer_types=tuple(types), sliding_window=cfg.get("sliding_window"),
-            rope_theta=cfg.get("rope_theta") or full.get("rope_theta", 10000.0), rope_scaling=scaling,
+            layer_types=tuple(types),
+            sliding_window=cfg.get("sliding_window"),
+            rope_theta=cfg.get("rope_theta") or full.get("rope_theta", 10000.0),
+            rope_scaling=scaling,
             rope_local_theta=cfg.get("rope_local_base_freq") or local.get("rope_theta", 10000.0),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
@@ -76,15 +82,22 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: GemmaConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
-                 prefix: str, sliding: bool) -> None:
+    def __init__(
+        self, config: GemmaConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig, prefix: str, sliding: bool
+    ) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.self_attn = LlamaAttention(config, rotary, quant_config, f"{prefix}.self_attn",
-                                        scale=config.query_pre_attn_scalar**-0.5,
-                                        sliding_window=config.sliding_window if sliding else None,
-                                        soft_cap=config.attn_logit_softcapping, norm=GemmaRMSNorm)
+        self.self_attn = LlamaAttention(
+            config,
+            rotary,
+            quant_config,
+            f"{prefix}.self_attn",
+            scale=config.query_pre_attn_scalar**-0.5,
+            sliding_window=config.sliding_window if sliding else None,
+            soft_cap=config.attn_logit_softcapping,
+            norm=GemmaRMSNorm,
+        )
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp", act_and_mul=gelu_tanh_and_mul)
@@ -107,9 +120,11 @@ class GemmaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, local if kind == SLIDING else full, quant_config, f"model.layers.{i}",
-                              kind == SLIDING)
-            for i, kind in enumerate(config.layer_types))
+            GemmaDecoderLayer(
+                config, local if kind == SLIDING else full, quant_config, f"model.layers.{i}", kind == SLIDING
+            )
+            for i, kind in enumerate(config.layer_types)
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -43,10 +43,15 @@ class GptOssConfig(LlamaConfig):
     @classmethod
     def architecture_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         fields = super().architecture_fields(cfg)  # biases, the sliding layers
-        fields.update(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
-                      moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
-                      sparse_layers=tuple(range(cfg["num_hidden_layers"])),
-                      swiglu_alpha=cfg.get("swiglu_alpha", 1.702), swiglu_limit=cfg.get("swiglu_limit", 7.0))
+        fields.update(
+            num_experts=cfg["num_local_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+            sparse_layers=tuple(range(cfg["num_hidden_layers"])),
+            swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
+            swiglu_limit=cfg.get("swiglu_limit", 7.0),
+        )
         return fields
 
 
@@ -58,31 +63,44 @@ class GptOssMoE(nn.Module):
         super().__init__()
         self.router = ReplicatedLinear(config.hidden_size, config.num_experts, True, quant_config, f"{prefix}.router")
         activation = functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
-        self.experts = FusedMoE(config.num_experts, Routing(config.num_experts_per_tok, renormalize=True),
-                                config.hidden_size, config.moe_intermediate_size, f"{prefix}.experts", bias=True,
-                                activation=activation, method=quant_config.expert_method(f"{prefix}.experts"))
+        self.experts = FusedMoE(
+            config.num_experts,
+            Routing(config.num_experts_per_tok, renormalize=True),
+            config.hidden_size,
+            config.moe_intermediate_size,
+            f"{prefix}.experts",
+            bias=True,
+            activation=activation,
+            method=quant_config.expert_method(f"{prefix}.experts"),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.router(x))
 
 
 class GptOssDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config: GptOssConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
-                 prefix: str, layer: int) -> None:
+    def __init__(
+        self, config: GptOssConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig, prefix: str, layer: int
+    ) -> None:
         super().__init__()
         window = config.sliding_window if layer in config.sliding_layers else None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, quant_config, f"{prefix}.self_attn", sliding_window=window,
-                                        sinks=True)
+        self.self_attn = LlamaAttention(
+            config, rotary, quant_config, f"{prefix}.self_attn", sliding_window=window, sinks=True
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GptOssMoE(config, quant_config, f"{prefix}.mlp")
 
 
 class GptOssModel(LlamaModel):
-    def build_layers(self, config: GptOssConfig, quant_config: QuantizationConfig, max_positions: int) -> list[nn.Module]:
+    def build_layers(
+        self, config: GptOssConfig, quant_config: QuantizationConfig, max_positions: int
+    ) -> list[nn.Module]:
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        return [GptOssDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
-                for i in range(config.num_hidden_layers)]
+        return [
+            GptOssDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
+            for i in range(config.num_hidden_layers)
+        ]
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -128,9 +146,11 @@ def expert_tensors(weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str,
 
 def _mxfp4_experts(prefix: str, proj: str, blocks: torch.Tensor, scales: torch.Tensor) -> Iterator[tuple[str, Codes]]:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"checkpoint tensors {prefix}.{proj}_blocks {tuple(blocks.shape)} {blocks.dtype} and _scales "
-                         f"{tuple(scales.shape)} {scales.dtype} are not MXFP4 (uint8 [E, out, in / 32, 16] and "
-                         "[E, out, in / 32])")
+        raise ValueError(
+            f"checkpoint tensors {prefix}.{proj}_blocks {tuple(blocks.shape)} {blocks.dtype} and _scales "
+            f"{tuple(scales.shape)} {scales.dtype} are not MXFP4 (uint8 [E, out, in / 32, 16] and "
+            "[E, out, in / 32])"
+        )
     for e in range(blocks.shape[0]):
         codes = e8m0_codes(blocks[e], scales[e])
         if proj == "down_proj":
@@ -141,5 +161,9 @@ def _mxfp4_experts(prefix: str, proj: str, blocks: torch.Tensor, scales: torch.T
 
 
 def _rows(codes: Codes, rows: slice) -> Codes:
-    return dataclasses.replace(codes, q=codes.q[rows], scales=codes.scales[rows],
-                               offsets=None if codes.offsets is None else codes.offsets[rows])
+    return dataclasses.replace(
+        codes,
+        q=codes.q[rows],
+        scales=codes.scales[rows],
+        offsets=None if codes.offsets is None else codes.offsets[rows],
+    )

@@ -28,8 +28,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.forward_context import get_forward_context
 from tokenmill.layers.fused_moe import FusedMoE, Routing, check_expert_counts
-from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                     RowParallelLinear)
+from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.utils import load_checkpoint
@@ -61,8 +60,12 @@ class LlamaConfig(ModelConfig):
     def architecture_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         arch = cfg["architectures"][0]
         bias = cfg.get("attention_bias", False)
-        fields = dict(qkv_bias=bias, o_bias=bias, mlp_bias=cfg.get("mlp_bias", False),
-                      qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"))
+        fields = dict(
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=cfg.get("mlp_bias", False),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        )
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):  # q/k/v always carry a bias, o_proj never
             fields.update(qkv_bias=True, o_bias=False)
         layers = range(cfg["num_hidden_layers"])
@@ -81,16 +84,23 @@ class LlamaConfig(ModelConfig):
         fields["partial_rotary_factor"] = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1.0)
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
         if arch == "MixtralForCausalLM":
-            fields.update(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
-                          moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
-                          sparse_layers=tuple(layers))
+            fields.update(
+                num_experts=experts,
+                num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["intermediate_size"],
+                norm_topk_prob=True,
+                sparse_layers=tuple(layers),
+            )
         elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
             step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
-            fields.update(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
-                          moe_intermediate_size=cfg["moe_intermediate_size"],
-                          norm_topk_prob=cfg.get("norm_topk_prob", False),
-                          shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
-                          sparse_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0))
+            fields.update(
+                num_experts=experts,
+                num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=cfg.get("norm_topk_prob", False),
+                shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
+                sparse_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
+            )
         return fields
 
 
@@ -99,21 +109,40 @@ class LlamaAttention(nn.Module):
     rotation, attention (optionally windowed, soft-capped, with sinks), output projection. Shared by
     the model files of other families (Gemma, GPT-OSS)."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
-                 prefix: str, scale: float | None = None, sliding_window: int | None = None,
-                 soft_cap: float | None = None, norm: type[RMSNorm] = RMSNorm, sinks: bool = False) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        quant_config: QuantizationConfig,
+        prefix: str,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        norm: type[RMSNorm] = RMSNorm,
+        sinks: bool = False,
+    ) -> None:
         super().__init__()
         heads, kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads,
-                                          config.qkv_bias, quant_config, f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, config.o_bias, quant_config,
-                                        f"{prefix}.o_proj")
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, heads, kv_heads, config.qkv_bias, quant_config, f"{prefix}.qkv_proj"
+        )
+        self.o_proj = RowParallelLinear(
+            heads * self.head_dim, config.hidden_size, config.o_bias, quant_config, f"{prefix}.o_proj"
+        )
         tp = self.qkv_proj.tp_size  # this rank's heads (kv heads replicated when fewer than ranks)
         self.num_heads, self.num_kv_heads = heads // tp, max(1, kv_heads // tp)
         self.q_size = self.num_heads * self.head_dim
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim**-0.5, self.num_kv_heads,
-                              sliding_window, soft_cap, prefix=f"{prefix}.attn", sinks=sinks)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            scale or self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window,
+            soft_cap,
+            prefix=f"{prefix}.attn",
+            sinks=sinks,
+        )
         if config.qk_norm:
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
@@ -132,15 +161,23 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (act: SiLU, or GELU-tanh for Gemma)."""
 
-    def __init__(self, config: ModelConfig, quant_config: QuantizationConfig, prefix: str,
-                 intermediate_size: int | None = None, act_and_mul=silu_and_mul) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        quant_config: QuantizationConfig,
+        prefix: str,
+        intermediate_size: int | None = None,
+        act_and_mul=silu_and_mul,
+    ) -> None:
         super().__init__()
         self.act_and_mul = act_and_mul
         size = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias,
-                                                       quant_config, f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, quant_config,
-                                           f"{prefix}.down_proj")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], config.mlp_bias, quant_config, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, config.mlp_bias, quant_config, f"{prefix}.down_proj"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
@@ -157,20 +194,28 @@ class LlamaSparseMoeBlock(nn.Module):
     def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, quant_config, f"{prefix}.gate")
-        self.experts = FusedMoE(config.num_experts, Routing(config.num_experts_per_tok, config.norm_topk_prob),
-                                config.hidden_size, config.moe_intermediate_size, f"{prefix}.experts",
-                                method=quant_config.expert_method(f"{prefix}.experts"))
+        self.experts = FusedMoE(
+            config.num_experts,
+            Routing(config.num_experts_per_tok, config.norm_topk_prob),
+            config.hidden_size,
+            config.moe_intermediate_size,
+            f"{prefix}.experts",
+            method=quant_config.expert_method(f"{prefix}.experts"),
+        )
         if config.shared_expert_intermediate_size:
-            self.shared_expert = LlamaMLP(config, quant_config, f"{prefix}.shared_expert",
-                                          config.shared_expert_intermediate_size)
-            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, False, quant_config,
-                                                       f"{prefix}.shared_expert_gate")
+            self.shared_expert = LlamaMLP(
+                config, quant_config, f"{prefix}.shared_expert", config.shared_expert_intermediate_size
+            )
+            self.shared_expert_gate = ReplicatedLinear(
+                config.hidden_size, 1, False, quant_config, f"{prefix}.shared_expert_gate"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "shared_expert"):
             return self.experts(x, self.gate(x))
-        return self.experts(x, self.gate(x), shared=self.shared_expert,
-                            shared_scale=torch.sigmoid(self.shared_expert_gate(x)))
+        return self.experts(
+            x, self.gate(x), shared=self.shared_expert, shared_scale=torch.sigmoid(self.shared_expert_gate(x))
+        )
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -186,8 +231,9 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig,
-                 prefix: str, layer: int) -> None:
+    def __init__(
+        self, config: LlamaConfig, rotary: RotaryEmbedding, quant_config: QuantizationConfig, prefix: str, layer: int
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         window = config.sliding_window if layer in config.sliding_layers else None
@@ -201,8 +247,16 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         attn, mlp = self.self_attn, self.mlp
         if type(mlp) is not LlamaMLP or mlp.act_and_mul is not silu_and_mul or hasattr(attn, "q_norm"):
             return None
-        return LayerParts(self.input_layernorm, attn.qkv_proj, attn.rotary, attn.attn, attn.o_proj,
-                          self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj)
+        return LayerParts(
+            self.input_layernorm,
+            attn.qkv_proj,
+            attn.rotary,
+            attn.attn,
+            attn.o_proj,
+            self.post_attention_layernorm,
+            mlp.gate_up_proj,
+            mlp.down_proj,
+        )
 
 
 class LlamaModel(nn.Module):
@@ -227,14 +281,24 @@ class LlamaModel(nn.Module):
         self.aux_hidden: torch.Tensor | None = None
         self.aux_decode: tuple[tuple | None, list[CompiledDecode] | None] = (None, None)  # (for, steps)
 
-    def build_layers(self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int) -> list[nn.Module]:
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
-                                 int(config.head_dim * config.partial_rotary_factor))
-        return [LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
-                for i in range(config.num_hidden_layers)]
+    def build_layers(
+        self, config: LlamaConfig, quant_config: QuantizationConfig, max_positions: int
+    ) -> list[nn.Module]:
+        rotary = RotaryEmbedding(
+            config.head_dim,
+            max_positions,
+            config.rope_theta,
+            config.rope_scaling,
+            int(config.head_dim * config.partial_rotary_factor),
+        )
+        return [
+            LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
+            for i in range(config.num_hidden_layers)
+        ]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
         hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         if self.aux_layers:  # an EAGLE-3 drafter's target: one stage (speculation is refused with pipelines)
             return self.norm(*self._forward_keeping_aux(positions, hidden))[0]
@@ -266,7 +330,9 @@ class LlamaModel(nn.Module):
         self.aux_hidden = torch.cat(aux, dim=-1)
         return hidden, residual
 
-    def _compiled_stretches(self, hidden: torch.Tensor, bounds: list[int]) -> tuple[list[CompiledDecode] | None, object]:
+    def _compiled_stretches(
+        self, hidden: torch.Tensor, bounds: list[int]
+    ) -> tuple[list[CompiledDecode] | None, object]:
         """`_compiled_decode` for the layers between `bounds`: one compiled step each, or (None, None)."""
         attn = getattr(getattr(self.layers[0], "self_attn", None), "attn", None)
         if attn is None or attn.kv_cache is None:
@@ -313,8 +379,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions: [T] for the whole flat batch. Returns final hidden states [T, hidden]
         (a pipeline stage before the last: its `IntermediateTensors`, from the previous stage's)."""
         if intermediate is None:  # decoders that do not split into stages (Gemma) take no third argument

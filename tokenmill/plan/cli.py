@@ -12,22 +12,34 @@ from tokenmill.plan.model_facts import KV_DTYPE_BYTES
 
 def add_plan_parser(sub) -> None:
     plan = sub.add_parser(
-        "plan", help="estimate memory, fit and speed of a model on some hardware, without running it",
+        "plan",
+        help="estimate memory, fit and speed of a model on some hardware, without running it",
         description="From the model's config alone: weight bytes per format, KV bytes per token, how many "
-                    "sequences fit, decode and prefill rooflines, and what quantization, a quantized KV cache, "
-                    "speculative decoding or tensor parallelism would change.")
+        "sequences fit, decode and prefill rooflines, and what quantization, a quantized KV cache, "
+        "speculative decoding or tensor parallelism would change.",
+    )
     plan.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file or HF directory (default: %(default)s)")
-    plan.add_argument("--hardware", default="auto",
-                      help=f"auto (this machine, measured once and cached) or one of {', '.join(HARDWARE)} "
-                           "(default: %(default)s)")
-    plan.add_argument("--remeasure", action="store_true",
-                      help="with --hardware auto: measure this machine again (run it when the machine is idle)")
+    plan.add_argument(
+        "--hardware",
+        default="auto",
+        help=f"auto (this machine, measured once and cached) or one of {', '.join(HARDWARE)} (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="with --hardware auto: measure this machine again (run it when the machine is idle)",
+    )
     plan.add_argument("--context", type=int, default=4096, help="tokens per sequence (default: %(default)s)")
     plan.add_argument("--concurrency", type=int, default=1, help="sequences decoding together (default: %(default)s)")
-    plan.add_argument("--kv-cache-dtype", default="float16", choices=[k for k in KV_DTYPE_BYTES if k != "bfloat16"],
-                      help="KV cache dtype of the main tables (default: %(default)s)")
-    plan.add_argument("--memory-gib", type=float, default=None,
-                      help="memory for weights + KV (default: 90%% of the hardware's)")
+    plan.add_argument(
+        "--kv-cache-dtype",
+        default="float16",
+        choices=[k for k in KV_DTYPE_BYTES if k != "bfloat16"],
+        help="KV cache dtype of the main tables (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--memory-gib", type=float, default=None, help="memory for weights + KV (default: 90%% of the hardware's)"
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)
 
@@ -59,32 +71,83 @@ def render(p: dict) -> None:
     if m["experts"]:
         params += f", {_n(m['active_params'])} active ({m['experts_per_token']} of {m['experts']} experts)"
     rates = ", ".join(f"{k} {v / 1e12:,.3g} TFLOP/s" for k, v in hw["flops"].items())
-    console.print(f"[bold]{m['name']}[/] ({m['architecture']}, {params}, {m['weights']}) on [bold]{hw['name']}[/]: "
-                  f"{hw['memory_bytes'] / 1e9:.0f} GB at {hw['bandwidth'] / 1e9:,.0f} GB/s, "
-                  f"{rates}  [dim]({hw['source']})[/]")
-    console.print(f"context {p['context']}, concurrency {p['concurrency']}, KV {p['kv_dtype']}, "
-                  f"{p['memory_for_model'] / 1e9:.1f} GB for weights + KV; the longest context one sequence fits: "
-                  f"{p['max_context_one_sequence']:,} (model: {m['max_context']:,})")
+    console.print(
+        f"[bold]{m['name']}[/] ({m['architecture']}, {params}, {m['weights']}) on [bold]{hw['name']}[/]: "
+        f"{hw['memory_bytes'] / 1e9:.0f} GB at {hw['bandwidth'] / 1e9:,.0f} GB/s, "
+        f"{rates}  [dim]({hw['source']})[/]"
+    )
+    console.print(
+        f"context {p['context']}, concurrency {p['concurrency']}, KV {p['kv_dtype']}, "
+        f"{p['memory_for_model'] / 1e9:.1f} GB for weights + KV; the longest context one sequence fits: "
+        f"{p['max_context_one_sequence']:,} (model: {m['max_context']:,})"
+    )
     c = p["concurrency"]
-    _table(console, "Weight formats", ["format", "bytes", "bits/weight", "sequences fit", "decode b=1 tok/s",
-                                        f"decode b={c} tok/s", "prefill tok/s"],
-           [[w["format"], _b(w["bytes"]), f"{w['bits_per_weight']:.2f}", w["sequences_that_fit"],
-             _r(w["decode_batch1_tokens_per_s"]), _r(w["decode_tokens_per_s"]), _r(w["prefill_tokens_per_s"])]
-            for w in p["weights"]], Table)
-    _table(console, "KV cache", ["dtype", "bytes/token", f"bytes/sequence ({p['context']})", "sequences fit",
-                                 f"decode b={c} tok/s"],
-           [[k["dtype"], f"{k['bytes_per_token']:,}", _b(k["bytes_per_sequence"]), k["sequences_that_fit"],
-             _r(k["decode_tokens_per_s"])] for k in p["kv"]], Table)
-    _table(console, f"Decode roofline ({p['weights'][0]['format']} weights, compute at {p['compute']})",
-           ["batch", "tok/s", "step ms", "bytes/step", "bound"],
-           [[d["batch"], _r(d["tokens_per_s"]), f"{d['seconds'] * 1e3:.2f}", _b(d["bytes"]), d["bound"]]
-            for d in p["decode"]], Table)
-    _table(console, "Speculative decoding and tensor parallelism", ["option", "decode b=1", f"decode b={c}"],
-           [[f"spec: acceptance {s['acceptance']}, {s['drafts']} drafts ({s['tokens_per_step']:.2f} tokens/step)",
-             f"{s['speedup_batch1']:.2f}x", f"{s['speedup']:.2f}x"] for s in p["speculative"]]
-           + [[f"tensor parallel x{t['devices']} (fits {t['sequences_that_fit']})",
-               _r(t["decode_batch1_tokens_per_s"]) + " tok/s", _r(t["decode_tokens_per_s"]) + " tok/s"]
-              for t in p["tensor_parallel"]], Table)
+    _table(
+        console,
+        "Weight formats",
+        ["format", "bytes", "bits/weight", "sequences fit", "decode b=1 tok/s", f"decode b={c} tok/s", "prefill tok/s"],
+        [
+            [
+                w["format"],
+                _b(w["bytes"]),
+                f"{w['bits_per_weight']:.2f}",
+                w["sequences_that_fit"],
+                _r(w["decode_batch1_tokens_per_s"]),
+                _r(w["decode_tokens_per_s"]),
+                _r(w["prefill_tokens_per_s"]),
+            ]
+            for w in p["weights"]
+        ],
+        Table,
+    )
+    _table(
+        console,
+        "KV cache",
+        ["dtype", "bytes/token", f"bytes/sequence ({p['context']})", "sequences fit", f"decode b={c} tok/s"],
+        [
+            [
+                k["dtype"],
+                f"{k['bytes_per_token']:,}",
+                _b(k["bytes_per_sequence"]),
+                k["sequences_that_fit"],
+                _r(k["decode_tokens_per_s"]),
+            ]
+            for k in p["kv"]
+        ],
+        Table,
+    )
+    _table(
+        console,
+        f"Decode roofline ({p['weights'][0]['format']} weights, compute at {p['compute']})",
+        ["batch", "tok/s", "step ms", "bytes/step", "bound"],
+        [
+            [d["batch"], _r(d["tokens_per_s"]), f"{d['seconds'] * 1e3:.2f}", _b(d["bytes"]), d["bound"]]
+            for d in p["decode"]
+        ],
+        Table,
+    )
+    _table(
+        console,
+        "Speculative decoding and tensor parallelism",
+        ["option", "decode b=1", f"decode b={c}"],
+        [
+            [
+                f"spec: acceptance {s['acceptance']}, {s['drafts']} drafts ({s['tokens_per_step']:.2f} tokens/step)",
+                f"{s['speedup_batch1']:.2f}x",
+                f"{s['speedup']:.2f}x",
+            ]
+            for s in p["speculative"]
+        ]
+        + [
+            [
+                f"tensor parallel x{t['devices']} (fits {t['sequences_that_fit']})",
+                _r(t["decode_batch1_tokens_per_s"]) + " tok/s",
+                _r(t["decode_tokens_per_s"]) + " tok/s",
+            ]
+            for t in p["tensor_parallel"]
+        ],
+        Table,
+    )
     for line in p["recommendations"]:
         console.print(f"- {line}")
 

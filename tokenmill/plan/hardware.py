@@ -45,36 +45,56 @@ def _gpu(name, memory_gb, bandwidth_tb, fp32, fp16, int8, fp8, fp4, source) -> H
 
 
 # Published figures, dense TFLOP/s (half the "with sparsity" ones); 0: the chip has no such path.
-HARDWARE = {h.name: h for h in (
-    # NVIDIA H100 datasheet (SXM): 80 GB HBM3, 3.35 TB/s, FP32 67, BF16 989, INT8 / FP8 1,979 TFLOPS dense
-    _gpu("h100", 80, 3.35, 67, 989, 1979, 1979, 0, "NVIDIA H100 Tensor Core GPU datasheet, SXM5"),
-    # NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, the H100 SXM's compute
-    _gpu("h200", 141, 4.8, 67, 989, 1979, 1979, 0, "NVIDIA H200 Tensor Core GPU datasheet, SXM"),
-    # NVIDIA HGX B200 datasheet, per GPU: 180 GB HBM3e, 7.7 TB/s; dense FP16 2.25, INT8 / FP8 4.5, FP4 9
-    # PFLOPS (the sheet's sparse figures halved); FP32 75 TFLOPS
-    _gpu("b200", 180, 7.7, 75, 2250, 4500, 4500, 9000, "NVIDIA HGX B200 datasheet (per GPU, dense = sparse / 2)"),
-    # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, FP32 163.4 (matrix), FP16 1,307.4, INT8 / FP8 2,614.9
-    _gpu("mi300x", 192, 5.3, 163.4, 1307.4, 2614.9, 2614.9, 0, "AMD Instinct MI300X data sheet"),
-    # NVIDIA DGX Spark (GB10): 128 GB LPDDR5x unified at 273 GB/s; "1 PFLOP FP4" is sparse: 0.5 dense,
-    # FP8 / FP16 derived as 1/2 and 1/4 of that (Blackwell's ratios), FP32 assumed 1/16
-    _gpu("dgx-spark", 128, 0.273, 31, 125, 250, 250, 500, "NVIDIA DGX Spark specifications (GB10); rates derived"),
-    # Apple M4 Max (40-core GPU): up to 128 GB unified at 546 GB/s (Apple); ~18 TFLOPS FP32/FP16 GPU
-    # (third-party estimate: Apple publishes none)
-    _gpu("m4-max", 128, 0.546, 18.4, 18.4, 0, 0, 0, "Apple M4 Max (40-core GPU) specifications; FLOPS estimated"),
-    # CPUs: peak = cores x GHz x FMA units x lanes x 2; bandwidth = channels x MT/s x 8 bytes
-    # this host class: 2 vCPU of an AMD EPYC Zen 3 (AVX2: 2 FMA x 8 float32 lanes at ~3 GHz per core;
-    # int8 via vpmaddubsw ~2x) and what one core's share of the memory system streams (~20 GB/s)
-    Hardware("zen3-2core", "cpu", 24 * 2**30, 20 * GB, {"float32": 96 * 1e9, "int8": 192 * 1e9},
-             "estimate: 2 vCPU AMD EPYC Zen 3 (AVX2), this project's benchmark host"),
-    # AMD EPYC 9654 (Zen 4, 96 cores, 2.4 GHz, AVX-512 on 256-bit units): 12 x DDR5-4800 = 460.8 GB/s
-    Hardware("epyc-9654", "cpu", 768 * GB, 460.8 * GB, {"float32": 7.4 * T, "int8": 14.7 * T},
-             "AMD EPYC 9654 product page (12 channels DDR5-4800); peak FLOPS computed"),
-    # Intel Xeon Platinum 8480+ (Sapphire Rapids, 56 cores, 2.0 GHz, AVX-512 + AMX): 8 x DDR5-4800 =
-    # 307 GB/s; AMX ~ 1,024 bf16 / 2,048 int8 ops per cycle per core
-    Hardware("xeon-8480", "cpu", 512 * GB, 307.2 * GB,
-             {"float32": 7.2 * T, "float16": 229 * T, "int8": 459 * T},
-             "Intel Xeon Platinum 8480+ (ark.intel.com, 8 channels DDR5-4800); AMX peak computed"),
-)}
+HARDWARE = {
+    h.name: h
+    for h in (
+        # NVIDIA H100 datasheet (SXM): 80 GB HBM3, 3.35 TB/s, FP32 67, BF16 989, INT8 / FP8 1,979 TFLOPS dense
+        _gpu("h100", 80, 3.35, 67, 989, 1979, 1979, 0, "NVIDIA H100 Tensor Core GPU datasheet, SXM5"),
+        # NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, the H100 SXM's compute
+        _gpu("h200", 141, 4.8, 67, 989, 1979, 1979, 0, "NVIDIA H200 Tensor Core GPU datasheet, SXM"),
+        # NVIDIA HGX B200 datasheet, per GPU: 180 GB HBM3e, 7.7 TB/s; dense FP16 2.25, INT8 / FP8 4.5, FP4 9
+        # PFLOPS (the sheet's sparse figures halved); FP32 75 TFLOPS
+        _gpu("b200", 180, 7.7, 75, 2250, 4500, 4500, 9000, "NVIDIA HGX B200 datasheet (per GPU, dense = sparse / 2)"),
+        # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, FP32 163.4 (matrix), FP16 1,307.4, INT8 / FP8 2,614.9
+        _gpu("mi300x", 192, 5.3, 163.4, 1307.4, 2614.9, 2614.9, 0, "AMD Instinct MI300X data sheet"),
+        # NVIDIA DGX Spark (GB10): 128 GB LPDDR5x unified at 273 GB/s; "1 PFLOP FP4" is sparse: 0.5 dense,
+        # FP8 / FP16 derived as 1/2 and 1/4 of that (Blackwell's ratios), FP32 assumed 1/16
+        _gpu("dgx-spark", 128, 0.273, 31, 125, 250, 250, 500, "NVIDIA DGX Spark specifications (GB10); rates derived"),
+        # Apple M4 Max (40-core GPU): up to 128 GB unified at 546 GB/s (Apple); ~18 TFLOPS FP32/FP16 GPU
+        # (third-party estimate: Apple publishes none)
+        _gpu("m4-max", 128, 0.546, 18.4, 18.4, 0, 0, 0, "Apple M4 Max (40-core GPU) specifications; FLOPS estimated"),
+        # CPUs: peak = cores x GHz x FMA units x lanes x 2; bandwidth = channels x MT/s x 8 bytes
+        # this host class: 2 vCPU of an AMD EPYC Zen 3 (AVX2: 2 FMA x 8 float32 lanes at ~3 GHz per core;
+        # int8 via vpmaddubsw ~2x) and what one core's share of the memory system streams (~20 GB/s)
+        Hardware(
+            "zen3-2core",
+            "cpu",
+            24 * 2**30,
+            20 * GB,
+            {"float32": 96 * 1e9, "int8": 192 * 1e9},
+            "estimate: 2 vCPU AMD EPYC Zen 3 (AVX2), this project's benchmark host",
+        ),
+        # AMD EPYC 9654 (Zen 4, 96 cores, 2.4 GHz, AVX-512 on 256-bit units): 12 x DDR5-4800 = 460.8 GB/s
+        Hardware(
+            "epyc-9654",
+            "cpu",
+            768 * GB,
+            460.8 * GB,
+            {"float32": 7.4 * T, "int8": 14.7 * T},
+            "AMD EPYC 9654 product page (12 channels DDR5-4800); peak FLOPS computed",
+        ),
+        # Intel Xeon Platinum 8480+ (Sapphire Rapids, 56 cores, 2.0 GHz, AVX-512 + AMX): 8 x DDR5-4800 =
+        # 307 GB/s; AMX ~ 1,024 bf16 / 2,048 int8 ops per cycle per core
+        Hardware(
+            "xeon-8480",
+            "cpu",
+            512 * GB,
+            307.2 * GB,
+            {"float32": 7.2 * T, "float16": 229 * T, "int8": 459 * T},
+            "Intel Xeon Platinum 8480+ (ark.intel.com, 8 channels DDR5-4800); AMX peak computed",
+        ),
+    )
+}
 
 
 def cache_path() -> Path:
@@ -125,8 +145,14 @@ def measure(threads: int = 2) -> Hardware:
     finally:
         torch.set_num_threads(previous)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware("this machine", "cpu", float(memory), bandwidth, flops,
-                    f"measured {time.strftime('%Y-%m-%d')} with {threads} threads (cached in {cache_path()})")
+    return Hardware(
+        "this machine",
+        "cpu",
+        float(memory),
+        bandwidth,
+        flops,
+        f"measured {time.strftime('%Y-%m-%d')} with {threads} threads (cached in {cache_path()})",
+    )
 
 
 def _block_kernel_rate(torch) -> float | None:
@@ -137,8 +163,15 @@ def _block_kernel_rate(torch) -> float | None:
     if block_quant.load() is None:
         return None
     n = k = 1024
-    w = block_quant.Blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8), None,
-                           torch.full((n, k // 32), 0.01, dtype=torch.float16), None, None, 8, 0)
+    w = block_quant.Blocks(
+        torch.randint(-127, 128, (n, k), dtype=torch.int8),
+        None,
+        torch.full((n, k // 32), 0.01, dtype=torch.float16),
+        None,
+        None,
+        8,
+        0,
+    )
     x = torch.randn(64, k)
     return 2 * 64 * n * k / _best(lambda: block_quant.matmul_q8(x, w))
 

@@ -97,8 +97,10 @@ class ModelFacts:
 
     def kv_bytes_per_sequence(self, context: int, kv_dtype: str) -> int:
         """A sequence of `context` tokens: window layers hold at most their window."""
-        return sum(layer.bytes_per_token(kv_dtype) * (context if layer.window is None else min(context, layer.window))
-                   for layer in self.layers)
+        return sum(
+            layer.bytes_per_token(kv_dtype) * (context if layer.window is None else min(context, layer.window))
+            for layer in self.layers
+        )
 
     def attention_flops(self, context: int) -> int:
         return sum(layer.attention_flops(context) for layer in self.layers)
@@ -152,8 +154,17 @@ def facts_from_config(config, name: str) -> ModelFacts:
     expert_ids = {id(p) for m in moe for p in (m.w13, m.w2)}
     counts = dict(linear=0, experts=0, head=0, embedding=0, other=0)
     for pname, p in net.named_parameters():  # shared (tied) tensors are listed once
-        kind = ("experts" if id(p) in expert_ids else "embedding" if "embed_tokens" in pname
-                else "head" if pname.startswith("lm_head") else "linear" if p.dim() >= 2 else "other")
+        kind = (
+            "experts"
+            if id(p) in expert_ids
+            else "embedding"
+            if "embed_tokens" in pname
+            else "head"
+            if pname.startswith("lm_head")
+            else "linear"
+            if p.dim() >= 2
+            else "other"
+        )
         counts[kind] += p.numel()
     tied = config.tie_word_embeddings
     if tied:
@@ -163,11 +174,26 @@ def facts_from_config(config, name: str) -> ModelFacts:
         if isinstance(m, Attention):
             spec = m.kv_spec(torch.float32)
             mla = m.latent_rope_dim is not None
-            layers.append(LayerKV(spec.num_kv_heads, spec.head_dim, spec.sliding_window, spec.num_tensors,
-                                  m.num_heads, spec.head_dim - m.latent_rope_dim if mla else spec.head_dim))
-    return ModelFacts(name, config.architecture, tied=tied, num_experts=moe[0].num_experts if moe else 0,
-                      experts_per_token=moe[0].top_k if moe else 0, layers=layers,
-                      max_context=config.max_position_embeddings, **counts)
+            layers.append(
+                LayerKV(
+                    spec.num_kv_heads,
+                    spec.head_dim,
+                    spec.sliding_window,
+                    spec.num_tensors,
+                    m.num_heads,
+                    spec.head_dim - m.latent_rope_dim if mla else spec.head_dim,
+                )
+            )
+    return ModelFacts(
+        name,
+        config.architecture,
+        tied=tied,
+        num_experts=moe[0].num_experts if moe else 0,
+        experts_per_token=moe[0].top_k if moe else 0,
+        layers=layers,
+        max_context=config.max_position_embeddings,
+        **counts,
+    )
 
 
 def _add_gguf_sizes(facts: ModelFacts, tensors, file_type: int | None) -> None:

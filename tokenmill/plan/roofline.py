@@ -36,8 +36,16 @@ def _step(bytes_: float, flops: float, tokens: int, hw: Hardware, rate: float, d
     return Step(tokens / seconds, seconds, bytes_, flops, "memory" if memory_s >= compute_s else "compute")
 
 
-def decode_step(facts: ModelFacts, hw: Hardware, fmt: str, kv_dtype: str, batch: int, context: int,
-                query_tokens: int = 1, devices: int = 1) -> Step:
+def decode_step(
+    facts: ModelFacts,
+    hw: Hardware,
+    fmt: str,
+    kv_dtype: str,
+    batch: int,
+    context: int,
+    query_tokens: int = 1,
+    devices: int = 1,
+) -> Step:
     """One decode step of `batch` sequences at `context` tokens, each with `query_tokens` new tokens (a
     verify step: 1 + drafts); tokens_per_s counts the query tokens."""
     _, read, experts = facts.weight_bytes(fmt)
@@ -54,8 +62,9 @@ def prefill(facts: ModelFacts, hw: Hardware, fmt: str, tokens: int) -> Step:
     return _step(read + experts * facts.expert_fraction(tokens), flops, tokens, hw, hw.compute_rate(fmt)[1])
 
 
-def crossover_batch(facts: ModelFacts, hw: Hardware, fmt: str, kv_dtype: str, context: int,
-                    limit: int = 1 << 16) -> int | None:
+def crossover_batch(
+    facts: ModelFacts, hw: Hardware, fmt: str, kv_dtype: str, context: int, limit: int = 1 << 16
+) -> int | None:
     """The smallest batch whose decode step is compute-bound (None: memory-bound up to `limit`): past
     it, more concurrent sequences cost time in proportion instead of riding on the weight reads."""
     if decode_step(facts, hw, fmt, kv_dtype, limit, context).bound == "memory":
@@ -70,8 +79,9 @@ def crossover_batch(facts: ModelFacts, hw: Hardware, fmt: str, kv_dtype: str, co
     return lo
 
 
-def sequences_that_fit(facts: ModelFacts, fmt: str, kv_dtype: str, context: int, memory: float,
-                       devices: int = 1) -> int:
+def sequences_that_fit(
+    facts: ModelFacts, fmt: str, kv_dtype: str, context: int, memory: float, devices: int = 1
+) -> int:
     """Sequences of `context` tokens whose KV fits in `memory` x `devices` after the weights."""
     free = memory * devices - facts.weight_bytes(fmt)[0]
     return max(0, int(free // facts.kv_bytes_per_sequence(context, kv_dtype)))
@@ -92,8 +102,16 @@ def expected_tokens_per_verify(acceptance: float, drafts: int) -> float:
     return (1 - acceptance ** (drafts + 1)) / (1 - acceptance) if acceptance < 1 else drafts + 1.0
 
 
-def speculative_speedup(facts: ModelFacts, hw: Hardware, fmt: str, kv_dtype: str, context: int,
-                        acceptance: float, drafts: int, batch: int = 1) -> float:
+def speculative_speedup(
+    facts: ModelFacts,
+    hw: Hardware,
+    fmt: str,
+    kv_dtype: str,
+    context: int,
+    acceptance: float,
+    drafts: int,
+    batch: int = 1,
+) -> float:
     """Decode speed with `drafts` free drafts per step over plain decode, at `batch` sequences."""
     plain = decode_step(facts, hw, fmt, kv_dtype, batch, context)
     verify = decode_step(facts, hw, fmt, kv_dtype, batch, context, query_tokens=drafts + 1)

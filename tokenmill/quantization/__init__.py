@@ -37,18 +37,41 @@ import torch
 
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf-q8", "int8", "int4", "awq", "gptq", "fp8", "mxfp4", "nvfp4",
-                        "compressed-tensors")
+QUANTIZATION_METHODS = (
+    "auto",
+    "none",
+    "gguf",
+    "gguf-q8",
+    "int8",
+    "int4",
+    "awq",
+    "gptq",
+    "fp8",
+    "mxfp4",
+    "nvfp4",
+    "compressed-tensors",
+)
 # read from an HF checkpoint's quantization_config
 CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "mxfp4", "compressed-tensors")
 ON_LOAD_METHODS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")  # applied to a dense checkpoint (fp8, mxfp4: either)
 
-__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config",
-           "resolve_quantization"]
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "LinearMethod",
+    "QuantizationConfig",
+    "get_quantization_config",
+    "resolve_quantization",
+]
 
 
-def resolve_quantization(quantization: str | None, checkpoint_kind: str, device: torch.device,
-                         dtype: torch.dtype, exact: bool = False, checkpoint_method: str | None = None) -> str:
+def resolve_quantization(
+    quantization: str | None,
+    checkpoint_kind: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    exact: bool = False,
+    checkpoint_method: str | None = None,
+) -> str:
     """The weight format to run, "auto" resolved (`exact`: the dtype was asked for, not defaulted;
     `checkpoint_method`: the `quant_method` of an HF checkpoint's quantization_config)."""
     from tokenmill.kernels import block_quant
@@ -58,18 +81,26 @@ def resolve_quantization(quantization: str | None, checkpoint_kind: str, device:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
     if checkpoint_method is not None:
         if checkpoint_method not in CHECKPOINT_METHODS:
-            raise ValueError(f"the checkpoint's quantization_config has quant_method {checkpoint_method!r}, which is "
-                             f"not supported (supported: {', '.join(CHECKPOINT_METHODS)})")
+            raise ValueError(
+                f"the checkpoint's quantization_config has quant_method {checkpoint_method!r}, which is "
+                f"not supported (supported: {', '.join(CHECKPOINT_METHODS)})"
+            )
         if quantization not in ("auto", checkpoint_method):
-            raise ValueError(f"--quantization {quantization} disagrees with the checkpoint's quantization_config "
-                             f"(quant_method {checkpoint_method!r}); use --quantization auto or {checkpoint_method}")
+            raise ValueError(
+                f"--quantization {quantization} disagrees with the checkpoint's quantization_config "
+                f"(quant_method {checkpoint_method!r}); use --quantization auto or {checkpoint_method}"
+            )
         quantization = checkpoint_method
     elif quantization in CHECKPOINT_METHODS and quantization not in ON_LOAD_METHODS:
-        raise ValueError(f"--quantization {quantization} reads a checkpoint quantized with {quantization.upper()}; "
-                         "this one has no quantization_config")
+        raise ValueError(
+            f"--quantization {quantization} reads a checkpoint quantized with {quantization.upper()}; "
+            "this one has no quantization_config"
+        )
     if quantization in ON_LOAD_METHODS and checkpoint_kind != "hf":
-        raise ValueError(f"--quantization {quantization} quantizes a dense HF checkpoint on load; a GGUF file keeps "
-                         "its own blocks (--quantization auto)")
+        raise ValueError(
+            f"--quantization {quantization} quantizes a dense HF checkpoint on load; a GGUF file keeps "
+            "its own blocks (--quantization auto)"
+        )
     if quantization == "none":
         return quantization
     if quantization == "fp8":  # CPU (its own kernel) or CUDA
@@ -83,8 +114,10 @@ def resolve_quantization(quantization: str | None, checkpoint_kind: str, device:
             return "none"
         return "gguf" if exact else "gguf-q8"
     if quantization in ("gguf", "gguf-q8") and (checkpoint_kind != "gguf" or not cpu_float32):
-        raise ValueError(f"quantization '{quantization}' runs a GGUF file's own blocks on CPU in float32; "
-                         f"got a {checkpoint_kind} model on {device.type} in {dtype}")
+        raise ValueError(
+            f"quantization '{quantization}' runs a GGUF file's own blocks on CPU in float32; "
+            f"got a {checkpoint_kind} model on {device.type} in {dtype}"
+        )
     if quantization == "compressed-tensors":  # each scheme checks its own device needs when the config is built
         return quantization
     check_block_kernels(f"quantization '{quantization}'", device, dtype)
@@ -103,13 +136,21 @@ def check_block_kernels(what: str, device: torch.device, dtype: torch.dtype) -> 
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"{what} runs the block kernels on CPU in float32 or on CUDA; got {device.type} in {dtype}")
     if block_quant.load() is None:
-        raise ValueError(f"{what} needs the C++ CPU kernel, which could not be built here "
-                         "(see the warning above); use --quantization none")
+        raise ValueError(
+            f"{what} needs the C++ CPU kernel, which could not be built here "
+            "(see the warning above); use --quantization none"
+        )
 
 
-def get_quantization_config(method: str, checkpoint, device: torch.device, exact: bool = False,
-                            group_size: int | None = None, symmetric: bool | None = None,
-                            dtype: torch.dtype = torch.float32) -> QuantizationConfig:
+def get_quantization_config(
+    method: str,
+    checkpoint,
+    device: torch.device,
+    exact: bool = False,
+    group_size: int | None = None,
+    symmetric: bool | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> QuantizationConfig:
     """The config for a resolved method name; `checkpoint` is the open GGUF or HF checkpoint; `exact`:
     float32 activations for the integer methods; `group_size`, `symmetric`: for int8/int4; `dtype`:
     the compute dtype."""
@@ -130,7 +171,9 @@ def get_quantization_config(method: str, checkpoint, device: torch.device, exact
     if method in ("mxfp4", "nvfp4"):
         from tokenmill.quantization.fp4 import FP4Config
 
-        return FP4Config(method, int8_activations=not exact, experts_only=getattr(checkpoint, "quant_method", None) == "mxfp4")
+        return FP4Config(
+            method, int8_activations=not exact, experts_only=getattr(checkpoint, "quant_method", None) == "mxfp4"
+        )
     if method in ON_LOAD_METHODS:
         from tokenmill.quantization.int_quant import IntQuantConfig
 

@@ -37,7 +37,7 @@ def unpack_words(words: torch.Tensor, bits: int) -> np.ndarray:
     """int32 words [..., n] -> their values [..., n, 32 / bits], value i from bits i*bits upwards."""
     u = words.numpy().astype(np.int64) & 0xFFFFFFFF
     shifts = np.arange(32 // bits) * bits
-    return ((u[..., None] >> shifts) & (2 ** bits - 1)).astype(np.int16)
+    return ((u[..., None] >> shifts) & (2**bits - 1)).astype(np.int16)
 
 
 def awq_codes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple:
@@ -50,8 +50,7 @@ def awq_codes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     return q.T, z.T, scales.float().numpy().T
 
 
-def gptq_codes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int,
-               zero_offset: int) -> tuple:
+def gptq_codes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int, zero_offset: int) -> tuple:
     """(q [out, in], zeros [out, groups], scales [out, groups]) of a GPTQ layer."""
     q = unpack_words(qweight, bits).transpose(0, 2, 1).reshape(-1, qweight.shape[1])  # [in, out]
     z = unpack_words(qzeros, bits).reshape(qzeros.shape[0], -1) + zero_offset

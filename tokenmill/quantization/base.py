@@ -31,8 +31,9 @@ class LinearMethod(ABC):
     optional_kinds: tuple[str, ...] = ()
 
     @abstractmethod
-    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
-                       params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
+    ) -> None:
         """Register the weight storage of a layer with `input_size` columns and `sum(output_sizes)`
         rows (one entry per fused shard), on the current default device."""
 
@@ -41,8 +42,9 @@ class LinearMethod(ABC):
         """Copy rows `src_rows`, columns `src_cols` of checkpoint tensor `weight` (a tensor, or the
         loader's packed form of it) into the layer's rows `rows`."""
 
-    def load_part(self, layer: nn.Module, kind: str, weight: torch.Tensor, rows: slice, src_rows: slice,
-                  src_cols: slice) -> None:
+    def load_part(
+        self, layer: nn.Module, kind: str, weight: torch.Tensor, rows: slice, src_rows: slice, src_cols: slice
+    ) -> None:
         """Take checkpoint tensor `kind` (one of `checkpoint_kinds` other than "weight", or of
         `optional_kinds`) for the layer's rows `rows`; formats that need every part of a shard
         before they can pack it keep them until `process_after_loading`."""

@@ -35,9 +35,9 @@ import re
 import numpy as np
 import torch
 
+from tokenmill.quantization import fp4
 from tokenmill.quantization.awq_gptq import to_codes, unpack_words
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
-from tokenmill.quantization import fp4
 from tokenmill.quantization.gguf import BlockLayout
 from tokenmill.quantization.gguf_codes import Codes
 from tokenmill.quantization.packed_checkpoint import PackedCheckpointMethod, PackedFormat
@@ -53,22 +53,30 @@ class IntFormat(PackedFormat):
     def __init__(self, fmt: str, weights: dict, where: str) -> None:
         self.name, self.bits = f"compressed-tensors {fmt}", int(weights.get("num_bits", 8))
         if self.bits not in ((4, 8) if fmt == "pack-quantized" else (8,)):
-            raise ValueError(f"{where}: {fmt} with {self.bits}-bit weights is not supported "
-                             f"({'4 or 8' if fmt == 'pack-quantized' else '8'} bits)")
+            raise ValueError(
+                f"{where}: {fmt} with {self.bits}-bit weights is not supported "
+                f"({'4 or 8' if fmt == 'pack-quantized' else '8'} bits)"
+            )
         strategy = weights.get("strategy") or "tensor"
         if strategy not in ("tensor", "channel", "group"):
-            raise ValueError(f"{where}: integer weights with strategy {strategy!r} are not supported "
-                             "(tensor, channel, group)")
+            raise ValueError(
+                f"{where}: integer weights with strategy {strategy!r} are not supported (tensor, channel, group)"
+            )
         self.group_size = int(weights["group_size"]) if strategy == "group" else None
         self.symmetric = bool(weights.get("symmetric", True))
         self.half = True
-        self.layout = BlockLayout(self.bits, 32, not self.symmetric,
-                                  2 ** (self.bits - 1) if self.symmetric and self.bits < 8 else 0)
+        self.layout = BlockLayout(
+            self.bits, 32, not self.symmetric, 2 ** (self.bits - 1) if self.symmetric and self.bits < 8 else 0
+        )
         self.data_kind = "weight_packed" if fmt == "pack-quantized" else "weight"
         zero = () if self.symmetric else ("weight_zero_point",)
         self.kinds = (self.data_kind, "weight_scale", *zero)
-        self.optional_kinds = ("weight_shape", "weight_g_idx", *STATIC_INPUT_KINDS,
-                               *(("weight_zero_point",) if self.symmetric else ()))
+        self.optional_kinds = (
+            "weight_shape",
+            "weight_g_idx",
+            *STATIC_INPUT_KINDS,
+            *(("weight_zero_point",) if self.symmetric else ()),
+        )
         self.g_idx_kind = "weight_g_idx"
 
     def codes(self, parts: dict[str, torch.Tensor]) -> Codes:
@@ -85,8 +93,9 @@ class IntFormat(PackedFormat):
                 raise ValueError(f"weight_shape {shape} does not fit the {self.data_kind} of {rows} rows")
             q = q[:, : shape[1]]
         scales = parts["weight_scale"].float().numpy()
-        scales = np.broadcast_to(scales.reshape(rows, -1) if scales.size > 1 else scales.reshape(1, 1),
-                                 (rows, max(1, scales.size // rows))).astype(np.float32)
+        scales = np.broadcast_to(
+            scales.reshape(rows, -1) if scales.size > 1 else scales.reshape(1, 1), (rows, max(1, scales.size // rows))
+        ).astype(np.float32)
         zeros = np.zeros(scales.shape, dtype=np.int64)
         if "weight_zero_point" in parts:
             z = parts["weight_zero_point"]
@@ -133,8 +142,10 @@ class FP4Format(PackedFormat):
                 raise ValueError("holds the E8M0 NaN scale (255)")
             scales = torch.ldexp(torch.ones(s.shape), s.to(torch.int32) - 127)
         if tuple(scales.shape) != (q.shape[0], q.shape[1] // self.group_size):
-            raise ValueError(f"has shape {tuple(s.shape)}, expected {(q.shape[0], q.shape[1] // self.group_size)} "
-                             f"(one scale per {self.group_size} values)")
+            raise ValueError(
+                f"has shape {tuple(s.shape)}, expected {(q.shape[0], q.shape[1] // self.group_size)} "
+                f"(one scale per {self.group_size} values)"
+            )
         return fp4.fp4_codes(q, scales.numpy(), self.method, tensor_scale)
 
 
@@ -145,8 +156,9 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     name = "compressed-tensors"
 
-    def __init__(self, raw: dict, tensor_names: set[str], device: torch.device, dtype: torch.dtype,
-                 exact: bool) -> None:
+    def __init__(
+        self, raw: dict, tensor_names: set[str], device: torch.device, dtype: torch.dtype, exact: bool
+    ) -> None:
         from tokenmill.quantization import check_block_kernels
         from tokenmill.quantization.fp8 import check_device
 
@@ -155,8 +167,10 @@ class CompressedTensorsConfig(QuantizationConfig):
         if raw.get("sparsity_config"):
             raise ValueError("sparse compressed-tensors checkpoints (sparsity_config) are not supported")
         if raw.get("kv_cache_scheme"):
-            raise ValueError("compressed-tensors kv_cache_scheme (stored KV scales) is not supported; drop it from "
-                             "the quantization_config and choose --kv-cache-dtype instead")
+            raise ValueError(
+                "compressed-tensors kv_cache_scheme (stored KV scales) is not supported; drop it from "
+                "the quantization_config and choose --kv-cache-dtype instead"
+            )
         groups = raw.get("config_groups")
         if not isinstance(groups, dict) or not groups:
             raise ValueError("a compressed-tensors quantization_config needs config_groups")
@@ -186,7 +200,9 @@ class CompressedTensorsConfig(QuantizationConfig):
             return FP4Format(fmt, weights, where)
         strategy = weights.get("strategy") or "tensor"
         if strategy not in ("tensor", "channel", "block"):
-            raise ValueError(f"{where}: fp8 weights with strategy {strategy!r} are not supported (tensor, channel, block)")
+            raise ValueError(
+                f"{where}: fp8 weights with strategy {strategy!r} are not supported (tensor, channel, block)"
+            )
         block = weights.get("block_structure") if strategy == "block" else None
         if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
             raise ValueError(f"{where}: block_structure must be two positive integers; got {block!r}")
@@ -207,8 +223,10 @@ class CompressedTensorsConfig(QuantizationConfig):
         bases = [n.removesuffix(".weight") for n in self.checkpoint_names(prefix)]
         found = {self._group_of(b) for b in bases}
         if len(found) > 1:
-            raise ValueError(f"{prefix}: its checkpoint modules {', '.join(bases)} fall in different compressed-tensors "
-                             "config_groups, which one fused layer cannot hold")
+            raise ValueError(
+                f"{prefix}: its checkpoint modules {', '.join(bases)} fall in different compressed-tensors "
+                "config_groups, which one fused layer cannot hold"
+            )
         index = found.pop()
         if index is None:
             return UnquantizedLinearMethod()

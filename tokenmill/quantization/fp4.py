@@ -41,8 +41,10 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2
 BLOCKS = {"mxfp4": 32, "nvfp4": 16}
 # the formats' nibbles in each one's block size (MXFP4's scales as E8M0 bytes)
-LAYOUTS = {"mxfp4": BlockLayout(E2M1_CODES, 32, False, 12, e8m0=True),
-           "nvfp4": BlockLayout(E2M1_CODES, 16, False, 12, e4m3=True)}
+LAYOUTS = {
+    "mxfp4": BlockLayout(E2M1_CODES, 32, False, 12, e8m0=True),
+    "nvfp4": BlockLayout(E2M1_CODES, 16, False, 12, e4m3=True),
+}
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
 
@@ -87,8 +89,15 @@ def fp4_codes(q: np.ndarray, block_scales: np.ndarray, method: str, tensor_scale
     layout = LAYOUTS[method]
     scales = block_scales.astype(np.float32)
     if layout.e4m3:
-        return Codes(q, scales, None, BLOCKS[method], layout.bits, layout.center,
-                     row_scales=np.full(q.shape[0], np.float32(tensor_scale) / 2, dtype=np.float32))
+        return Codes(
+            q,
+            scales,
+            None,
+            BLOCKS[method],
+            layout.bits,
+            layout.center,
+            row_scales=np.full(q.shape[0], np.float32(tensor_scale) / 2, dtype=np.float32),
+        )
     return Codes(q, scales * np.float32(tensor_scale / 2), None, BLOCKS[method], layout.bits, layout.center)
 
 
@@ -121,8 +130,10 @@ class FP4LinearMethod(BlockQuantLinearMethod):
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         if input_size % 32:
-            raise ValueError(f"{layer.prefix}: --quantization {self.method} needs input columns in whole blocks of 32 "
-                             f"(the block kernels' unit); this layer has {input_size}")
+            raise ValueError(
+                f"{layer.prefix}: --quantization {self.method} needs input columns in whole blocks of 32 "
+                f"(the block kernels' unit); this layer has {input_size}"
+            )
         super().create_weights(layer, input_size, output_sizes, params_dtype)
 
     def load(self, layer, weight, rows, src_rows, src_cols):

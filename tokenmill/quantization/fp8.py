@@ -41,11 +41,15 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
     """Raise a ValueError when fp8 weights cannot run on `device` in `dtype`."""
     if device.type == "cpu":
         if dtype != torch.float32:
-            raise ValueError(f"--quantization fp8 runs its CPU kernel on float32 activations; got {dtype} "
-                             "(use --dtype float32 or auto)")
+            raise ValueError(
+                f"--quantization fp8 runs its CPU kernel on float32 activations; got {dtype} "
+                "(use --dtype float32 or auto)"
+            )
         if fp8_matmul.load() is None:
-            raise ValueError("--quantization fp8 needs the C++ CPU kernel, which could not be built here "
-                             "(see the warning above); use --quantization none")
+            raise ValueError(
+                "--quantization fp8 needs the C++ CPU kernel, which could not be built here "
+                "(see the warning above); use --quantization none"
+            )
     elif device.type != "cuda":
         raise ValueError(f"--quantization fp8 runs on CPU or CUDA, not on {device.type}")
 
@@ -61,8 +65,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _scaled_mm_supported(device: torch.device) -> bool:
-    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    return device.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 class FP8LinearMethod(LinearMethod):
@@ -106,12 +109,16 @@ class FP8LinearMethod(LinearMethod):
         elif s.dim() == 2 and self.block is not None:  # per block of block[0] x block[1]
             s = s[:, self._block_cols(src_cols)]
             if s.shape[1] != groups:
-                raise ValueError(f"has {s.shape[1]} column blocks, expected {groups} ({layer.input_size_per_partition} "
-                                 f"columns in blocks of {self.block[1]})")
+                raise ValueError(
+                    f"has {s.shape[1]} column blocks, expected {groups} ({layer.input_size_per_partition} "
+                    f"columns in blocks of {self.block[1]})"
+                )
             per_row = s.repeat_interleave(self.block[0], dim=0)[src_rows]
         else:
-            raise ValueError(f"has shape {tuple(s.shape)}, which is no fp8 scale layout this reads (per tensor, "
-                             "per channel [out, 1] or per block with weight_block_size)")
+            raise ValueError(
+                f"has shape {tuple(s.shape)}, which is no fp8 scale layout this reads (per tensor, "
+                "per channel [out, 1] or per block with weight_block_size)"
+            )
         self._copy(layer.scales, rows, per_row)
 
     def _block_cols(self, src_cols: slice) -> slice:
@@ -119,8 +126,10 @@ class FP8LinearMethod(LinearMethod):
         if src_cols == _ALL:
             return _ALL
         if src_cols.start % self.block[1]:
-            raise ValueError(f"cannot be split by columns at {src_cols.start} (tensor parallelism): its scales cover "
-                             f"blocks of {self.block[1]} columns")
+            raise ValueError(
+                f"cannot be split by columns at {src_cols.start} (tensor parallelism): its scales cover "
+                f"blocks of {self.block[1]} columns"
+            )
         return slice(src_cols.start // self.block[1], -(-src_cols.stop // self.block[1]))
 
     @staticmethod
@@ -141,18 +150,25 @@ class FP8LinearMethod(LinearMethod):
             if flat.shape[0] <= FUSED_MAX_TOKENS:
                 out = fp8_matmul.matmul(flat, layer.weight, layer.scales, layer.fp8_group)
             else:
-                w = fp8_matmul.dequantize(layer.weight, layer.scales, layer.fp8_group,
-                                          out=block_quant.workspace(*layer.weight.shape))
+                w = fp8_matmul.dequantize(
+                    layer.weight, layer.scales, layer.fp8_group, out=block_quant.workspace(*layer.weight.shape)
+                )
                 out = flat @ w.t()
             if bias is not None:
                 out += bias
-        elif (x.dtype == torch.bfloat16 and layer.scales.shape[1] == 1 and _scaled_mm_supported(x.device)
-              and flat.shape[1] % 16 == 0 and layer.weight.shape[0] % 16 == 0):
+        elif (
+            x.dtype == torch.bfloat16
+            and layer.scales.shape[1] == 1
+            and _scaled_mm_supported(x.device)
+            and flat.shape[1] % 16 == 0
+            and layer.weight.shape[0] % 16 == 0
+        ):
             # both operands e4m3 on the tensor cores: the activations rounded per token (absmax / 448)
             sx = flat.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
             xq = (flat.float() / sx).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=sx, scale_b=layer.scales.view(1, -1),
-                                   bias=bias, out_dtype=x.dtype)
+            out = torch._scaled_mm(
+                xq, layer.weight.t(), scale_a=sx, scale_b=layer.scales.view(1, -1), bias=bias, out_dtype=x.dtype
+            )
         else:
             out = F.linear(flat, self.dequantized(layer, x.dtype), bias)
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -71,15 +71,24 @@ class BlockLayout:
     def widest(self, other: BlockLayout) -> BlockLayout:
         bits = max(self.bits, other.bits)
         same = self.center == other.center or bits == 8
-        return BlockLayout(bits, min(self.block, other.block), self.offsets or other.offsets or not same,
-                           self.center if same and bits < 8 else 0, self.supers or other.supers)
+        return BlockLayout(
+            bits,
+            min(self.block, other.block),
+            self.offsets or other.offsets or not same,
+            self.center if same and bits < 8 else 0,
+            self.supers or other.supers,
+        )
 
 
 # each packed GGUF type's own layout
 LAYOUTS = {
-    "Q4_0": BlockLayout(4, 32, False, 8), "Q4_1": BlockLayout(4, 32, True), "Q8_0": BlockLayout(8, 32, False),
-    "Q5_0": BlockLayout(5, 32, False, 16), "Q5_1": BlockLayout(5, 32, True),
-    "Q4_K": BlockLayout(4, 32, True, supers=True), "Q5_K": BlockLayout(5, 32, True, supers=True),
+    "Q4_0": BlockLayout(4, 32, False, 8),
+    "Q4_1": BlockLayout(4, 32, True),
+    "Q8_0": BlockLayout(8, 32, False),
+    "Q5_0": BlockLayout(5, 32, False, 16),
+    "Q5_1": BlockLayout(5, 32, True),
+    "Q4_K": BlockLayout(4, 32, True, supers=True),
+    "Q5_K": BlockLayout(5, 32, True, supers=True),
     "Q6_K": BlockLayout(6, 16, False, 32, supers=True),
 }
 
@@ -121,8 +130,9 @@ def _int8(a: np.ndarray) -> np.ndarray:
     return b
 
 
-def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool = False,
-         int_scales: bool = False) -> dict[str, np.ndarray | None]:
+def pack(
+    codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool = False, int_scales: bool = False
+) -> dict[str, np.ndarray | None]:
     """`codes` in `layout`: the arrays of `block_quant.Blocks` (codes, high, scales, offsets, supers);
     `half` False: float32 scales and offsets with the super-block factors taken, no supers;
     `round_half`: float16 scales and offsets may round (else they must be exact); `int_scales`: int8
@@ -160,8 +170,13 @@ def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool 
         to = _int8
     else:
         to = (lambda a: a.astype(np.float16 if half else np.float32)) if round_half or not half else _half  # noqa: E731
-    out = {"codes": None, "high": None, "scales": to(scales), "offsets": None if offsets is None else to(offsets),
-           "supers": None if supers is None else supers if layout.e4m3 else _half(supers)}
+    out = {
+        "codes": None,
+        "high": None,
+        "scales": to(scales),
+        "offsets": None if offsets is None else to(offsets),
+        "supers": None if supers is None else supers if layout.e4m3 else _half(supers),
+    }
     if layout.bits == 8:
         out["codes"] = q.astype(np.int8)
         return out
@@ -177,7 +192,9 @@ def pack(codes: Codes, layout: BlockLayout, half: bool = True, round_half: bool 
         top = np.zeros((rows, -(-u.shape[1] // 2) * 2, 32), dtype=np.uint8)
         top[:, : u.shape[1]] = u >> 4
         top = top.reshape(rows, -1, 2, 2, 16)
-        if layout.bits == 5:  # value 16h + j of group L: byte i = 16L + j of vector h, bit 8(i % 8) + i // 8 (+4 for h = 0)
+        if (
+            layout.bits == 5
+        ):  # value 16h + j of group L: byte i = 16L + j of vector h, bit 8(i % 8) + i // 8 (+4 for h = 0)
             vec = top.swapaxes(2, 3).reshape(rows, -1, 2, 32)
             i = np.arange(32)
             bits = np.zeros((rows, vec.shape[1], 64), dtype=np.uint8)
@@ -203,8 +220,9 @@ class BlockQuantLinearMethod(LinearMethod):
     multiply integers (`block_quant.matmul_q8`), larger ones run the float GEMM on the rounded values
     (so a token's result does not depend on the batch it is in). Otherwise float32 activations, exact."""
 
-    def __init__(self, layout: BlockLayout, int8_activations: bool = False, half: bool | None = None,
-                 int_scales: bool = False) -> None:
+    def __init__(
+        self, layout: BlockLayout, int8_activations: bool = False, half: bool | None = None, int_scales: bool = False
+    ) -> None:
         if not int8_activations and layout.bits in (5, 6):  # the float kernel decodes 8-bit codes faster
             layout = layout.widest(BlockLayout(8, layout.block, False))
         self.layout, self.int8_activations = layout, int8_activations
@@ -229,11 +247,16 @@ class BlockQuantLinearMethod(LinearMethod):
             # the super-block factors taken (exact: see `pack`), which split at any 32-value block
             self.half = False
         rows, nb, bits = sum(output_sizes), input_size // self.layout.block, self.bits
-        layer.register_buffer("codes", torch.empty(rows, input_size, dtype=torch.int8) if bits == 8 else
-                              torch.empty(rows, input_size // 2, dtype=torch.uint8))
+        layer.register_buffer(
+            "codes",
+            torch.empty(rows, input_size, dtype=torch.int8)
+            if bits == 8
+            else torch.empty(rows, input_size // 2, dtype=torch.uint8),
+        )
         pairs = -(-input_size // 64)  # the top bits of two 32-value groups share a record of 8 or 16 bytes
-        layer.register_buffer("high", torch.empty(rows, pairs * (8 if bits == 5 else 16), dtype=torch.uint8)
-                              if bits in (5, 6) else None)
+        layer.register_buffer(
+            "high", torch.empty(rows, pairs * (8 if bits == 5 else 16), dtype=torch.uint8) if bits in (5, 6) else None
+        )
         half = self.half
         dtype = (torch.int8 if self.int_scales else torch.float16) if half else torch.float32
         if self.layout.e8m0 or self.layout.e4m3:
@@ -243,8 +266,10 @@ class BlockQuantLinearMethod(LinearMethod):
         if self.layout.e4m3:  # the e4m3 scales' factor per row
             layer.register_buffer("supers", torch.empty(rows, 1, dtype=torch.float32))
         else:
-            layer.register_buffer("supers", torch.empty(rows, input_size // SUPER, 2, dtype=torch.float16)
-                                  if self.layout.supers and half else None)
+            layer.register_buffer(
+                "supers",
+                torch.empty(rows, input_size // SUPER, 2, dtype=torch.float16) if self.layout.supers and half else None,
+            )
 
     def load(self, layer, weight, rows, src_rows, src_cols):
         codes = weight.codes()
@@ -266,8 +291,9 @@ class BlockQuantLinearMethod(LinearMethod):
                 dest[rows].copy_(src)
 
     def blocks(self, layer) -> block_quant.Blocks:
-        return block_quant.Blocks(layer.codes, layer.high, layer.scales, layer.offsets, layer.supers, self.bits,
-                                  self.layout.center)
+        return block_quant.Blocks(
+            layer.codes, layer.high, layer.scales, layer.offsets, layer.supers, self.bits, self.layout.center
+        )
 
     def apply(self, layer, x, bias):
         flat = x.reshape(-1, x.shape[-1]).contiguous()
@@ -289,8 +315,13 @@ class BlockQuantLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def decode_operands(self, layer):
-        return (2 if self.int8_activations else 1, self.bits, self.layout.center,
-                [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers], self.fused_max_tokens)
+        return (
+            2 if self.int8_activations else 1,
+            self.bits,
+            self.layout.center,
+            [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers],
+            self.fused_max_tokens,
+        )
 
 
 class GGUFConfig(QuantizationConfig):

@@ -6,7 +6,6 @@ in the tests."""
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -37,16 +36,21 @@ class Codes:
         split cuts through are folded into the blocks' scales and offsets (`full_scales`)."""
         start, stop, _ = cols.indices(self.q.shape[1])
         if start % self.block or stop % self.block:
-            raise ValueError(f"columns {start}:{stop} are not whole blocks of {self.block} values (this split "
-                             f"of the {self.q.shape[1]} columns cuts through {self.bits}-bit blocks)")
+            raise ValueError(
+                f"columns {start}:{stop} are not whole blocks of {self.block} values (this split "
+                f"of the {self.q.shape[1]} columns cuts through {self.bits}-bit blocks)"
+            )
         codes = self
         if self.supers is not None and (start % SUPER or stop % SUPER):
             codes = replace(self, scales=self.full_scales(), offsets=self.full_offsets(), supers=None)
         blocks = slice(start // self.block, stop // self.block)
         return replace(
-            codes, q=codes.q[:, start:stop], scales=codes.scales[:, blocks],
+            codes,
+            q=codes.q[:, start:stop],
+            scales=codes.scales[:, blocks],
             offsets=None if codes.offsets is None else codes.offsets[:, blocks],
-            supers=None if codes.supers is None else codes.supers[:, start // SUPER : stop // SUPER])
+            supers=None if codes.supers is None else codes.supers[:, start // SUPER : stop // SUPER],
+        )
 
     def _per_block(self, which: int) -> np.ndarray:
         return np.repeat(self.supers[..., which], SUPER // self.block, axis=1)
@@ -106,8 +110,15 @@ def unpack(qtype: str, raw: np.ndarray, rows: int) -> Codes:
         if qtype == "Q5_K":
             qh = b[..., 16:48].reshape(rows, -1, 1, 32)
             q |= ((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1).astype(np.int16) << 4
-        return Codes(q.reshape(rows, -1), sc.reshape(rows, -1), -mn.reshape(rows, -1), 32,
-                     4 if qtype == "Q4_K" else 5, 0, np.stack([d, dmin], axis=-1))
+        return Codes(
+            q.reshape(rows, -1),
+            sc.reshape(rows, -1),
+            -mn.reshape(rows, -1),
+            32,
+            4 if qtype == "Q4_K" else 5,
+            0,
+            np.stack([d, dmin], axis=-1),
+        )
     if qtype == "Q6_K":
         b = raw.reshape(rows, -1, 210)
         ql, qh = b[..., 0:128].reshape(rows, -1, 2, 1, 64), b[..., 128:192].reshape(rows, -1, 2, 1, 32)

@@ -33,8 +33,8 @@ def quantize(weight: torch.Tensor, bits: int, group: int | None, symmetric: bool
     group = group or cols
     w = weight.detach().float().cpu().numpy().reshape(rows, cols // group, group)
     lo, hi = w.min(-1), w.max(-1)
-    levels = 2 ** bits - 1
-    tiny = np.float32(2.0 ** -24)  # the smallest float16 step: an all-zero group keeps a usable scale
+    levels = 2**bits - 1
+    tiny = np.float32(2.0**-24)  # the smallest float16 step: an all-zero group keeps a usable scale
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         scale = np.maximum(np.maximum(-lo, hi) / qmax, tiny).astype(np.float16).astype(np.float32)
@@ -57,8 +57,9 @@ class QuantizeOnLoadMethod(BlockQuantLinearMethod):
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         if self.group and input_size % self.group:
-            raise ValueError(f"{layer.prefix}: quantization_group_size {self.group} does not divide its "
-                             f"{input_size} input columns")
+            raise ValueError(
+                f"{layer.prefix}: quantization_group_size {self.group} does not divide its {input_size} input columns"
+            )
         super().create_weights(layer, input_size, output_sizes, params_dtype)
 
     def load(self, layer, weight, rows, src_rows, src_cols):
@@ -71,8 +72,9 @@ class IntQuantConfig(QuantizationConfig):
         if bits not in (4, 8):
             raise ValueError(f"integer weights have 4 or 8 bits, not {bits}")
         if group_size is not None and group_size not in GROUP_SIZES:
-            raise ValueError(f"quantization_group_size must be one of {', '.join(map(str, GROUP_SIZES))}; "
-                             f"got {group_size}")
+            raise ValueError(
+                f"quantization_group_size must be one of {', '.join(map(str, GROUP_SIZES))}; got {group_size}"
+            )
         self.name = f"int{bits}"
         self.bits, self.int8_activations = bits, int8_activations
         self.symmetric = bits == 8 if symmetric is None else symmetric

@@ -54,15 +54,19 @@ class PackedCheckpointMethod(BlockQuantLinearMethod):
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         group = self.fmt.group_size or layer.input_size
         if group % self.layout.block or layer.input_size % group:
-            raise ValueError(f"{layer.prefix}: group size {group} does not split its {layer.input_size} input columns "
-                             f"into whole blocks of {self.layout.block}")
+            raise ValueError(
+                f"{layer.prefix}: group size {group} does not split its {layer.input_size} input columns "
+                f"into whole blocks of {self.layout.block}"
+            )
         super().create_weights(layer, input_size, output_sizes, params_dtype)
         layer.register_buffer("input_perm", None)
         layer.pending_parts = {}
 
     def load(self, layer, weight, rows, src_rows, src_cols):
         if "weight" not in self.checkpoint_kinds:
-            raise ValueError(f"is a dense weight, but {self.fmt.name} layers are stored as {'/'.join(self.checkpoint_kinds)}")
+            raise ValueError(
+                f"is a dense weight, but {self.fmt.name} layers are stored as {'/'.join(self.checkpoint_kinds)}"
+            )
         self.load_part(layer, "weight", weight, rows, src_rows, src_cols)
 
     def load_part(self, layer, kind, weight, rows, src_rows, src_cols):
@@ -77,8 +81,10 @@ class PackedCheckpointMethod(BlockQuantLinearMethod):
                 g_idx = parts[self.fmt.g_idx_kind][0].numpy().astype(np.int64)
                 perm = np.argsort(g_idx, kind="stable")
                 if order is not None and not np.array_equal(order, perm):
-                    raise ValueError(f"{layer.prefix}: its fused shards order their input columns differently "
-                                     f"({self.fmt.g_idx_kind}), which one matmul cannot follow")
+                    raise ValueError(
+                        f"{layer.prefix}: its fused shards order their input columns differently "
+                        f"({self.fmt.g_idx_kind}), which one matmul cannot follow"
+                    )
                 order = perm
                 group = codes.q.shape[1] // codes.scales.shape[1]
                 if not np.array_equal(g_idx[perm], np.arange(codes.q.shape[1]) // group):
@@ -86,8 +92,10 @@ class PackedCheckpointMethod(BlockQuantLinearMethod):
                 codes = replace(codes, q=codes.q[:, perm])
             if src_cols != _ALL:
                 if order is not None and not np.array_equal(order, np.arange(order.size)):
-                    raise ValueError(f"{layer.prefix}: act-order {self.fmt.name} layers cannot be split by columns "
-                                     "(tensor parallelism)")
+                    raise ValueError(
+                        f"{layer.prefix}: act-order {self.fmt.name} layers cannot be split by columns "
+                        "(tensor parallelism)"
+                    )
                 codes = _per_block(codes, self.layout.block).columns(src_cols)
             self.write(layer, codes, slice(start, stop), src_rows, round_half=True)
         del layer.pending_parts
@@ -109,5 +117,9 @@ def _per_block(codes: Codes, block: int) -> Codes:
     if codes.block <= block or codes.block % block:
         return codes
     repeat = codes.block // block
-    return replace(codes, scales=np.repeat(codes.scales, repeat, axis=1), block=block,
-                   offsets=None if codes.offsets is None else np.repeat(codes.offsets, repeat, axis=1))
+    return replace(
+        codes,
+        scales=np.repeat(codes.scales, repeat, axis=1),
+        block=block,
+        offsets=None if codes.offsets is None else np.repeat(codes.offsets, repeat, axis=1),
+    )

@@ -20,8 +20,7 @@ def load_dense(param: torch.Tensor, weight, rows: slice, src_index: tuple[slice,
 
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
-        layer.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
-                                    requires_grad=False)
+        layer.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
 
     def load(self, layer, weight, rows, src_rows, src_cols):
         load_dense(layer.weight, weight, rows, (src_rows, src_cols))
@@ -31,7 +30,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def decode_operands(self, layer):
         w = layer.weight
-        return (0, 0, 0, [w, None, None, None, None], None) if w.dtype == torch.float32 and w.device.type == "cpu" else None
+        return (
+            (0, 0, 0, [w, None, None, None, None], None)
+            if w.dtype == torch.float32 and w.device.type == "cpu"
+            else None
+        )
 
 
 class UnquantizedConfig(QuantizationConfig):

@@ -20,12 +20,12 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tokenmill.asgi import ClientDisconnected, run_until_disconnect
 from tokenmill.http_front import install_error_handlers, parse_json_object, read_body
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import PrefixPolicy
 from tokenmill.router.prompt import routing_text
 from tokenmill.router.replicas import ReplicaSet, check_all, health_loop
-from tokenmill.asgi import ClientDisconnected, run_until_disconnect
 from tokenmill.router.upstream import CLIENT_CLOSED, add_generation_routes, error_body, relay, request_headers
 
 logger = logging.getLogger("tokenmill.router")
@@ -60,8 +60,10 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=settings.connect_timeout),
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=settings.connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
         holder["client"] = client
         await check_all(client, replicas, settings.health_timeout)
         checks = asyncio.create_task(health_loop(client, replicas, settings.health_interval, settings.health_timeout))
@@ -80,8 +82,11 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
 
     def unavailable(message: str) -> JSONResponse:
         metrics.unavailable.inc()
-        return JSONResponse(error_body(503, message, "service_unavailable", "no_healthy_replica"), status_code=503,
-                            headers={"retry-after": "1"})
+        return JSONResponse(
+            error_body(503, message, "service_unavailable", "no_healthy_replica"),
+            status_code=503,
+            headers={"retry-after": "1"},
+        )
 
     async def forward(request: Request, method: str, path: str, body: bytes, text: str | None) -> Response:
         client = holder["client"]
@@ -97,8 +102,9 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
             if isinstance(policy, PrefixPolicy) and text:
                 metrics.match.observe(decision.match)
             release = _InFlight(replica).release
-            upstream_request = client.build_request(method, replica.url + path, content=body,
-                                                    headers=request_headers(request))
+            upstream_request = client.build_request(
+                method, replica.url + path, content=body, headers=request_headers(request)
+            )
             try:
                 upstream = await run_until_disconnect(request, client.send(upstream_request, stream=True))
             except ClientDisconnected:
@@ -124,8 +130,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
                 metrics.retries.labels(replica.url).inc()
                 failure = f"replica {replica.index} answered 503"
                 continue
-            return await relay(request, upstream, replica.index, release,
-                               metrics.failures.labels(replica.url).inc)
+            return await relay(request, upstream, replica.index, release, metrics.failures.labels(replica.url).inc)
         why = failure or "no replica passed its last health check"
         return unavailable(f"no healthy replica to serve the request ({why})")
 
@@ -143,8 +148,9 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
     @app.get("/health")
     async def health() -> Response:
         healthy = replicas.healthy()
-        states = [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "error": r.last_error}
-                  for r in replicas]
+        states = [
+            {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "error": r.last_error} for r in replicas
+        ]
         if not healthy:
             body = error_body(503, "no healthy replica", "service_unavailable", "no_healthy_replica")
             return JSONResponse(body | {"replicas": states}, status_code=503, headers={"retry-after": "1"})

@@ -21,33 +21,59 @@ POLICY_DESTS = ("policy", "prefix_match_threshold", "balance_threshold", "health
 def add_policy_args(group) -> None:
     from tokenmill.router.policy import POLICIES
 
-    group.add_argument("--policy", choices=list(POLICIES), default="prefix",
-                       help="routing policy: prefix = to the replica that was sent the longest leading part of the "
-                            "prompt (its prefix cache likely holds it) when that covers --prefix-match-threshold of "
-                            "the prompt and loads are balanced, else least-load; least-load = fewest requests in "
-                            "flight; round-robin = in turn (default: %(default)s)")
-    group.add_argument("--prefix-match-threshold", type=float, default=0.5, metavar="F",
-                       help="prefix policy: least fraction of the prompt (in characters; chat: the rendered "
-                            "messages) a replica's record must match for the request to follow it "
-                            "(default: %(default)s)")
-    group.add_argument("--balance-threshold", type=int, default=8, metavar="N",
-                       help="prefix policy: when the most and fewest requests in flight on healthy replicas differ "
-                            "by more than this, route by least-load instead (default: %(default)s)")
-    group.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
-                       help="seconds between /health checks of every replica; a replica that fails one (or "
-                            "refuses a connection) gets no requests until it passes again (default: %(default)s)")
+    group.add_argument(
+        "--policy",
+        choices=list(POLICIES),
+        default="prefix",
+        help="routing policy: prefix = to the replica that was sent the longest leading part of the "
+        "prompt (its prefix cache likely holds it) when that covers --prefix-match-threshold of "
+        "the prompt and loads are balanced, else least-load; least-load = fewest requests in "
+        "flight; round-robin = in turn (default: %(default)s)",
+    )
+    group.add_argument(
+        "--prefix-match-threshold",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="prefix policy: least fraction of the prompt (in characters; chat: the rendered "
+        "messages) a replica's record must match for the request to follow it "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--balance-threshold",
+        type=int,
+        default=8,
+        metavar="N",
+        help="prefix policy: when the most and fewest requests in flight on healthy replicas differ "
+        "by more than this, route by least-load instead (default: %(default)s)",
+    )
+    group.add_argument(
+        "--health-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between /health checks of every replica; a replica that fails one (or "
+        "refuses a connection) gets no requests until it passes again (default: %(default)s)",
+    )
 
 
 def add_router_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "router", help="balance requests over running `tokenmill serve` replicas (data parallelism)",
+        "router",
+        help="balance requests over running `tokenmill serve` replicas (data parallelism)",
         description="An OpenAI-compatible front (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                    "/metrics) for several replicas, routing each request by prefix-cache affinity and load. "
-                    "A replica that fails its health check or refuses connections gets no requests; a request "
-                    "whose replica fails before answering is retried once on another; with none healthy the "
-                    "router answers 503.")
-    p.add_argument("--replica", action="append", required=True, metavar="URL",
-                   help="a replica's root URL (e.g. http://127.0.0.1:8001); repeat for each replica")
+        "/metrics) for several replicas, routing each request by prefix-cache affinity and load. "
+        "A replica that fails its health check or refuses connections gets no requests; a request "
+        "whose replica fails before answering is retried once on another; with none healthy the "
+        "router answers 503.",
+    )
+    p.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a replica's root URL (e.g. http://127.0.0.1:8001); repeat for each replica",
+    )
     r = p.add_argument_group("routing")
     add_policy_args(r)
     add_http_args(p.add_argument_group("HTTP"))
@@ -57,12 +83,16 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_http_args(group) -> None:
     """--host, --port, --uvicorn-log-level of a front (the router, the disaggregated-serving proxy)."""
-    group.add_argument("--host", default="127.0.0.1",
-                       help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)")
+    group.add_argument(
+        "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)"
+    )
     group.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
-    group.add_argument("--uvicorn-log-level", default="warning",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"],
-                       help="log level of the uvicorn HTTP server (default: %(default)s)")
+    group.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="log level of the uvicorn HTTP server (default: %(default)s)",
+    )
 
 
 def _policy(args: argparse.Namespace, num_replicas: int):
@@ -89,12 +119,20 @@ def _serve_router(args: argparse.Namespace, urls: list[str], sock, note: str = "
     _quiet_http_logs()
     policy, settings = _policy(args, len(urls))
     app = build_router_app(urls, policy, settings)
-    config = uvicorn.Config(app, log_level=getattr(args, "uvicorn_log_level", "warning"), access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(
+        app,
+        log_level=getattr(args, "uvicorn_log_level", "warning"),
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=10,
+    )
     server = uvicorn.Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"tokenmill router: {args.policy} policy over {len(urls)} replicas ({', '.join(urls)}){note}; "
-          f"listening at http://{host}:{args.port}/v1", flush=True)
+    print(
+        f"tokenmill router: {args.policy} policy over {len(urls)} replicas ({', '.join(urls)}){note}; "
+        f"listening at http://{host}:{args.port}/v1",
+        flush=True,
+    )
     server.run(sockets=[sock])
 
 
@@ -146,8 +184,9 @@ def serve_data_parallel(args: argparse.Namespace, data_parallel_dests: tuple[str
     SIGTERM/SIGINT; the replicas are stopped however the router ends (a second signal kills them)."""
     from tokenmill.router.launcher import LocalReplicas, serve_argv
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     _quiet_http_logs()
     n = args.data_parallel_size
     try:

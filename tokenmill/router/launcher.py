@@ -90,8 +90,14 @@ def _replica_main(argv: list[str]) -> int:
 class LocalReplicas:
     """`n` `tokenmill serve` processes, started with `argv` (no --host/--port), each on its own port."""
 
-    def __init__(self, argv: Sequence[str], n: int, pin_cpus: bool = True, log_dir: str | Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        n: int,
+        pin_cpus: bool = True,
+        log_dir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         if n < 1:
             raise ValueError(f"need at least one replica, got {n}")
         self.argv, self.n, self.log_dir = list(argv), n, Path(log_dir) if log_dir else None
@@ -109,13 +115,27 @@ class LocalReplicas:
         self.ports = free_ports(self.n)
         for i, (port, cpus) in enumerate(zip(self.ports, self.cpus)):
             pinned = ",".join(map(str, cpus)) if cpus else "-"
-            cmd = [sys.executable, "-m", "tokenmill.router.launcher", str(os.getpid()), pinned, "serve", *self.argv,
-                   "--host", "127.0.0.1", "--port", str(port)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tokenmill.router.launcher",
+                str(os.getpid()),
+                pinned,
+                "serve",
+                *self.argv,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ]
             env = dict(self.env, **({"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}))
             out = open(self.log_dir / f"replica-{i}.log", "wb") if self.log_dir else None  # noqa: SIM115
             try:
-                self.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                                   start_new_session=True))
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+                    )
+                )
             finally:
                 if out is not None:
                     out.close()

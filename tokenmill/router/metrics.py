@@ -19,21 +19,46 @@ class RouterMetrics:
     def __init__(self, replicas: ReplicaSet, policy: str) -> None:
         self.replicas = replicas
         self.registry = r = CollectorRegistry()
-        self.routed = Counter("tokenmill:router_requests", "Requests sent to each replica, by the policy's decision "
-                              "(affinity: its prefix record matched; balanced: fewest in flight; round_robin).",
-                              ["replica", "decision"], registry=r)
-        self.retries = Counter("tokenmill:router_retries", "Requests retried elsewhere after this replica failed "
-                               "before answering.", ["replica"], registry=r)
-        self.failures = Counter("tokenmill:router_replica_failures", "Requests this replica failed (no connection, "
-                                "or it dropped the connection).", ["replica"], registry=r)
-        self.unavailable = Counter("tokenmill:router_unavailable", "Requests answered 503 for want of a healthy "
-                                   "replica.", registry=r)
-        self.match = Histogram("tokenmill:router_prefix_match_ratio", "Prefix policy: fraction of the routing text "
-                               "found in the chosen replica's record.", registry=r, buckets=_MATCH_BUCKETS)
-        self.healthy = Gauge("tokenmill:router_replica_healthy", "1 if the replica passed its last health check.",
-                             ["replica"], registry=r)
-        self.in_flight = Gauge("tokenmill:router_requests_in_flight", "Requests the router has in flight on the "
-                               "replica.", ["replica"], registry=r)
+        self.routed = Counter(
+            "tokenmill:router_requests",
+            "Requests sent to each replica, by the policy's decision "
+            "(affinity: its prefix record matched; balanced: fewest in flight; round_robin).",
+            ["replica", "decision"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "tokenmill:router_retries",
+            "Requests retried elsewhere after this replica failed before answering.",
+            ["replica"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "tokenmill:router_replica_failures",
+            "Requests this replica failed (no connection, or it dropped the connection).",
+            ["replica"],
+            registry=r,
+        )
+        self.unavailable = Counter(
+            "tokenmill:router_unavailable", "Requests answered 503 for want of a healthy replica.", registry=r
+        )
+        self.match = Histogram(
+            "tokenmill:router_prefix_match_ratio",
+            "Prefix policy: fraction of the routing text found in the chosen replica's record.",
+            registry=r,
+            buckets=_MATCH_BUCKETS,
+        )
+        self.healthy = Gauge(
+            "tokenmill:router_replica_healthy",
+            "1 if the replica passed its last health check.",
+            ["replica"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "tokenmill:router_requests_in_flight",
+            "Requests the router has in flight on the replica.",
+            ["replica"],
+            registry=r,
+        )
         self.info = Gauge("tokenmill:router_info", "The router's policy.", ["policy"], registry=r)
         self.info.labels(policy).set(1)
         self.policy = policy

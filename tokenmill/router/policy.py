@@ -41,7 +41,7 @@ def chunk_keys(text: str, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> list[int]:
     trailing partial chunk has no key."""
     keys, key = [], 0
     for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
-        key = hash((key, text[start:start + chunk_chars]))
+        key = hash((key, text[start : start + chunk_chars]))
         keys.append(key)
     return keys
 
@@ -115,8 +115,14 @@ class LeastLoadPolicy(RoundRobinPolicy):
 class PrefixPolicy(LeastLoadPolicy):
     name = "prefix"
 
-    def __init__(self, num_replicas: int, match_threshold: float = 0.5, balance_threshold: int = 8,
-                 chunk_chars: int = DEFAULT_CHUNK_CHARS, table_chars: int = DEFAULT_TABLE_CHARS) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        match_threshold: float = 0.5,
+        balance_threshold: int = 8,
+        chunk_chars: int = DEFAULT_CHUNK_CHARS,
+        table_chars: int = DEFAULT_TABLE_CHARS,
+    ) -> None:
         super().__init__(num_replicas)
         if not 0 <= match_threshold <= 1:
             raise ValueError(f"the prefix match threshold must be in [0, 1], got {match_threshold}")
@@ -138,8 +144,9 @@ class PrefixPolicy(LeastLoadPolicy):
         self.tables[decision.replica].insert(keys)
         return decision
 
-    def _affinity(self, candidates: Sequence[int], loads: Sequence[int], keys: list[int],
-                  length: int) -> Decision | None:
+    def _affinity(
+        self, candidates: Sequence[int], loads: Sequence[int], keys: list[int], length: int
+    ) -> Decision | None:
         in_flight = [loads[i] for i in candidates]
         if max(in_flight) - min(in_flight) > self.balance_threshold:
             return None
@@ -154,8 +161,11 @@ class PrefixPolicy(LeastLoadPolicy):
 
     def match_fraction(self, replica: int, text: str) -> float:
         """The fraction of `text` the replica's record matches (for inspection and tests)."""
-        return self.tables[replica].match(chunk_keys(text, self.chunk_chars)) * self.chunk_chars / len(text) \
-            if text else 0.0
+        return (
+            self.tables[replica].match(chunk_keys(text, self.chunk_chars)) * self.chunk_chars / len(text)
+            if text
+            else 0.0
+        )
 
     def forget(self, replica: int) -> None:
         self.tables[replica].clear()
@@ -164,8 +174,9 @@ class PrefixPolicy(LeastLoadPolicy):
 POLICIES = {p.name: p for p in (PrefixPolicy, RoundRobinPolicy, LeastLoadPolicy)}
 
 
-def make_policy(name: str, num_replicas: int, match_threshold: float = 0.5, balance_threshold: int = 8,
-                **prefix_options):
+def make_policy(
+    name: str, num_replicas: int, match_threshold: float = 0.5, balance_threshold: int = 8, **prefix_options
+):
     """A policy by its CLI name; the thresholds (and `chunk_chars`, `table_chars`) apply to `prefix`."""
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; expected one of {', '.join(POLICIES)}")

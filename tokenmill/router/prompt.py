@@ -64,6 +64,8 @@ def _content_text(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p["text"] if isinstance(p, dict) and isinstance(p.get("text"), str)
-                       else json.dumps(p, sort_keys=True) for p in content)
+        return "".join(
+            p["text"] if isinstance(p, dict) and isinstance(p.get("text"), str) else json.dumps(p, sort_keys=True)
+            for p in content
+        )
     return json.dumps(content, sort_keys=True)

@@ -17,10 +17,32 @@ from tokenmill.http_front import APIError
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; it never reaches anyone
 
 # hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves
-_REQUEST_SKIP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                 "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
-_RESPONSE_SKIP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                  "transfer-encoding", "upgrade", "content-length", "date", "server"}
+_REQUEST_SKIP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "accept-encoding",
+}
+_RESPONSE_SKIP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "date",
+    "server",
+}
 REPLICA_HEADER = "x-tokenmill-replica"
 
 
@@ -33,8 +55,11 @@ def response_headers(upstream: httpx.Response, replica: int, decoded: bool) -> l
     """The replica's response headers for the client, plus which replica answered. `decoded`: the body
     is sent decoded (httpx undid any content-encoding), so that header is dropped too."""
     skip = _RESPONSE_SKIP | ({"content-encoding"} if decoded else set())
-    headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-               for k, v in upstream.headers.multi_items() if k.lower() not in skip]
+    headers = [
+        (k.lower().encode("latin-1"), v.encode("latin-1"))
+        for k, v in upstream.headers.multi_items()
+        if k.lower() not in skip
+    ]
     return headers + [(REPLICA_HEADER.encode(), str(replica).encode())]
 
 
@@ -43,9 +68,11 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 def add_generation_routes(app, generation: Callable[[Request, str], Awaitable[Response]]) -> None:
     """POST /v1/completions and /v1/chat/completions, each answered by `generation(request, path)`."""
+
     def route_for(path: str):
         async def route(request: Request) -> Response:
             return await generation(request, path)
+
         return route
 
     for path in GENERATION_PATHS:
@@ -80,13 +107,19 @@ class StreamedResponse(Response):
         except httpx.HTTPError as e:
             message = f"replica {self.replica} failed during the response: {type(e).__name__}"
             event = error_body(502, message, "server_error", "replica_failed")
-            await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
-                        "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(), "more_body": True}
+            )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def relay(request: Request, upstream: httpx.Response, replica: int, release: Callable[[], None],
-                on_failure: Callable[[], None] = lambda: None) -> Response:
+async def relay(
+    request: Request,
+    upstream: httpx.Response,
+    replica: int,
+    release: Callable[[], None],
+    on_failure: Callable[[], None] = lambda: None,
+) -> Response:
     """The replica's answer for the client: an SSE stream passed on chunk by chunk, anything else read
     whole (502 if the replica fails meanwhile: `on_failure` runs). `release` runs once it is done."""
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
@@ -97,13 +130,15 @@ async def relay(request: Request, upstream: httpx.Response, replica: int, releas
         return Response(status_code=CLIENT_CLOSED)
     except httpx.HTTPError as e:
         on_failure()
-        body = error_body(502, f"replica {replica} failed during the response: {type(e).__name__}", "server_error",
-                          "replica_failed")
+        body = error_body(
+            502, f"replica {replica} failed during the response: {type(e).__name__}", "server_error", "replica_failed"
+        )
         return JSONResponse(body, status_code=502)
     finally:
         await upstream.aclose()
         release()
     response = Response(content=content, status_code=upstream.status_code)
-    response.raw_headers = response_headers(upstream, replica, decoded=True) + \
-        [(b"content-length", str(len(content)).encode())]
+    response.raw_headers = response_headers(upstream, replica, decoded=True) + [
+        (b"content-length", str(len(content)).encode())
+    ]
     return response

@@ -34,8 +34,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
-def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None,
-           draft_probs: torch.Tensor | None = None) -> list[int]:
+def verify(
+    logits: torch.Tensor,
+    drafts: list[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
+) -> list[int]:
     """logits [k + 1, V] (float) at the positions after the last accepted token and each draft ->
     the tokens the request advances by: the accepted drafts, then one token of the target's own.
     `draft_probs` [k, V]: the distribution each draft was drawn from (None: point masses)."""

@@ -6,6 +6,7 @@ min_tokens (block EOS/stop ids) -> structured-output mask -> logit bias -> penal
 or temperature / top-k / top-p / min-p / exponential-race sampling. Logprobs are taken
 from the raw logits (before any of that), like vLLM v1's default.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class SamplingMetadata:
         *,
         vocab_size: int,
         device: torch.device | str,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Gather the batch's parameters into tensors (one host->device copy each)."""
         device = torch.device(device)
         B, V = len(params), vocab_size
@@ -102,12 +103,10 @@ class SamplingMetadata:
             if any(p.min_p > 0.0 for p in rand):
                 min_p = floats([p.min_p for p in params])
 
-        gens = {i: g for i, (g, gr) in enumerate(zip(generators, greedy))
-                if g is not None and not gr}
+        gens = {i: g for i, (g, gr) in enumerate(zip(generators, greedy)) if g is not None and not gr}
 
         no_penalties = all(
-            p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
-            for p in params
+            p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params
         )
         prompt_t = output_t = presence = frequency = repetition = None
         if not no_penalties:
@@ -141,16 +140,32 @@ class SamplingMetadata:
                     biases.append(bias)
         logit_bias = None
         if bias_rows:
-            logit_bias = ((torch.tensor(bias_rows, dtype=torch.long, device=device),
-                           torch.tensor(bias_cols, dtype=torch.long, device=device)), floats(biases))
+            logit_bias = (
+                (
+                    torch.tensor(bias_rows, dtype=torch.long, device=device),
+                    torch.tensor(bias_cols, dtype=torch.long, device=device),
+                ),
+                floats(biases),
+            )
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            all_greedy=all_greedy, all_random=all_random, greedy_mask=greedy_mask,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
-            no_penalties=no_penalties, prompt_token_ids=prompt_t, output_token_ids=output_t,
-            presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-            min_tokens_index=min_tokens_index, logit_bias=logit_bias,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=greedy_mask,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=gens,
+            no_penalties=no_penalties,
+            prompt_token_ids=prompt_t,
+            output_token_ids=output_t,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            min_tokens_index=min_tokens_index,
+            logit_bias=logit_bias,
             max_num_logprobs=max(wanted) if wanted else None,
         )
 
@@ -188,8 +203,7 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return logits - meta.presence_penalty.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask tokens outside each row's top-k and nucleus (top-p) to -inf, via one sort."""
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     V = logits.shape[-1]
@@ -234,8 +248,13 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Turns ``[B, V]`` logits into next-token ids (plus optional logprobs)."""
 
-    def process(self, logits: torch.Tensor, meta: SamplingMetadata, allowed_token_mask: torch.Tensor | None = None,
-                allowed_token_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def process(
+        self,
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        allowed_token_mask: torch.Tensor | None = None,
+        allowed_token_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """float32 logits after everything but temperature and truncation: min_tokens (end tokens
         masked), the allowed-token mask, logit bias, penalties. Does not modify ``logits``."""
         logits = logits.float()  # no copy if already float32, so never modify in place
@@ -247,8 +266,7 @@ class Sampler:
                 logits = logits.masked_fill(~allowed_token_mask, float("-inf"))
             else:
                 logits = logits.clone()
-                logits[allowed_token_rows] = logits[allowed_token_rows].masked_fill(
-                    ~allowed_token_mask, float("-inf"))
+                logits[allowed_token_rows] = logits[allowed_token_rows].masked_fill(~allowed_token_mask, float("-inf"))
         if meta.logit_bias is not None:
             logits = logits.index_put(meta.logit_bias[0], meta.logit_bias[1], accumulate=True)
         if not meta.no_penalties:
@@ -287,12 +305,14 @@ class Sampler:
         out = SamplerOutput(sampled_token_ids=sampled)
         if meta.max_num_logprobs is not None:
             out.logprobs_token_ids, out.logprobs, out.sampled_rank = compute_logprobs(
-                raw, sampled, meta.max_num_logprobs)
+                raw, sampled, meta.max_num_logprobs
+            )
         return out
 
 
-def compute_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor,
-                     num: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compute_logprobs(
+    raw_logits: torch.Tensor, sampled: torch.Tensor, num: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw-logit logprobs of the sampled token and the top-``num`` tokens, and its rank."""
     lp = torch.log_softmax(raw_logits.float(), dim=-1)
     sampled = sampled.unsqueeze(1)

@@ -22,7 +22,6 @@ from starlette.responses import JSONResponse, Response
 import tokenmill
 from tokenmill.http_front import install_error_handlers, read_body
 from tokenmill.server.engine_client import EngineClient
-from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tokenmill.server.protocol import (
@@ -34,6 +33,7 @@ from tokenmill.server.protocol import (
     bad_request,
     parse_body,
 )
+from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.serving import ServingContext, engine_error
 from tokenmill.server.serving_chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.serving_completions import create_completion
@@ -50,11 +50,20 @@ class ServerSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
 
 
-def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[str],
-              settings: ServerSettings) -> FastAPI:
+def build_app(
+    client: EngineClient, metrics: ServerMetrics, model_names: list[str], settings: ServerSettings
+) -> FastAPI:
     info = client.info
-    ctx = ServingContext(client, client.tokenizer, list(model_names), info["max_model_len"],
-                         info["capacity_tokens"], info["vocab_size"], settings.reasoning_parser, settings.limits)
+    ctx = ServingContext(
+        client,
+        client.tokenizer,
+        list(model_names),
+        info["max_model_len"],
+        info["capacity_tokens"],
+        info["vocab_size"],
+        settings.reasoning_parser,
+        settings.limits,
+    )
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -68,10 +77,16 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
             client.begin_shutdown()
             await asyncio.to_thread(client.stop_process)
 
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan, docs_url="/docs",
-                  redoc_url=None, openapi_url="/openapi.json",
-                  description="An OpenAI-compatible server. Request bodies are parsed strictly (a string is not a "
-                              "number); every invalid field is a 400 naming it.")
+    app = FastAPI(
+        title="tokenmill",
+        version=tokenmill.__version__,
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        description="An OpenAI-compatible server. Request bodies are parsed strictly (a string is not a "
+        "number); every invalid field is a 400 naming it.",
+    )
     app.state.ctx = ctx
     app.openapi = lambda: _openapi(app)
 
@@ -90,16 +105,22 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
         scheme, _, token = header.partition(" ")
         ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.api_key.encode())
         if not ok:
-            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                           "authentication_error", None, "invalid_api_key")
+            raise APIError(
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                "authentication_error",
+                None,
+                "invalid_api_key",
+            )
 
     # ---- routes ----------------------------------------------------------------------------------
 
     @app.get("/health")
     async def health() -> Response:
         if client.shutting_down or client.draining:
-            raise APIError(503, "the server is shutting down", "service_unavailable", None, "shutting_down",
-                           {"retry-after": "5"})
+            raise APIError(
+                503, "the server is shutting down", "service_unavailable", None, "shutting_down", {"retry-after": "5"}
+            )
         if not client.healthy:
             why = client.dead_reason or "the engine core process is not running"
             if client.restarting:
@@ -118,9 +139,18 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_api_key(request)
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
-                 "root": name, "parent": None, "max_model_len": ctx.context_limit}
-                for name in ctx.model_names]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "tokenmill",
+                "root": name,
+                "parent": None,
+                "max_model_len": ctx.context_limit,
+            }
+            for name in ctx.model_names
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def generate(request: Request, body_type, create) -> Response:
@@ -156,13 +186,20 @@ def build_app(client: EngineClient, metrics: ServerMetrics, model_names: list[st
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
+            messages = [
+                {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+            ]
             ids = await chat_prompt_ids(ctx, messages, req.add_generation_prompt)
         else:
             ids = await ctx.off_loop("prompt", ctx.tokenizer.encode, req.prompt, req.add_special_tokens)
-        return JSONResponse({"count": len(ids), "max_model_len": ctx.context_limit, "tokens": ids,
-                             "token_strs": [ctx.token_text(t) for t in ids]})
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": ctx.context_limit,
+                "tokens": ids,
+                "token_strs": [ctx.token_text(t) for t in ids],
+            }
+        )
 
     @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
@@ -180,8 +217,12 @@ _BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, Detokenize
 
 def _body(model) -> dict:
     """The OpenAPI requestBody of a route whose handler parses `model` itself (strict JSON)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
 
 
 def _openapi(app: FastAPI) -> dict:

@@ -29,75 +29,139 @@ _DEFAULT_MAX_BODY = 8 * 2**20
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "serve", help="run the OpenAI-compatible HTTP server",
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). The engine core runs in "
-                    "its own process; the HTTP front end tokenizes, detokenizes and streams.",
+        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). The engine core runs in "
+        "its own process; the HTTP front end tokenizes, detokenizes and streams.",
     )
     add_engine_args(p)
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="name(s) clients pass as 'model'; the first is used in responses (default: the model's name)")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="most requests waiting for a batch slot; further requests get HTTP 429 (default: no limit)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients pass as 'model'; the first is used in responses (default: the model's name)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="most requests waiting for a batch slot; further requests get HTTP 429 (default: no limit)",
+    )
     r = p.add_argument_group("deadlines and recovery")
-    r.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
-                   help="abort a request this long after it arrived (HTTP 504, or an error event in a stream) "
-                        "(default: no deadline)")
-    r.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM/SIGINT, stop accepting requests (HTTP 503 with Retry-After) and let the ones in "
-                        "flight finish for up to this long, then abort the rest and exit 0; a second signal "
-                        "stops at once (default: %(default)s)")
-    r.add_argument("--watchdog-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="restart the engine core when it makes no progress for this long while requests are in "
-                        "flight (/health reports it meanwhile); a core that dies is always restarted "
-                        "(default: %(default)s)")
-    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                   help="the operator's chat template (a Jinja file, or the template text) instead of the model's; "
-                        "clients can never send their own")
+    r.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="abort a request this long after it arrived (HTTP 504, or an error event in a stream) "
+        "(default: no deadline)",
+    )
+    r.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, stop accepting requests (HTTP 503 with Retry-After) and let the ones in "
+        "flight finish for up to this long, then abort the rest and exit 0; a second signal "
+        "stops at once (default: %(default)s)",
+    )
+    r.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="restart the engine core when it makes no progress for this long while requests are in "
+        "flight (/health reports it meanwhile); a core that dies is always restarted "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the operator's chat template (a Jinja file, or the template text) instead of the model's; "
+        "clients can never send their own",
+    )
     add_limit_args(p)
     o = p.add_argument_group("output parsing")
-    o.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
-                   help="the model thinks in <think>...</think>: chat responses carry the thinking in "
-                        "'reasoning_content' (streams in delta.reasoning_content), output constraints start "
-                        "after </think>, and requests may set 'max_reasoning_tokens'")
+    o.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,
+        help="the model thinks in <think>...</think>: chat responses carry the thinking in "
+        "'reasoning_content' (streams in delta.reasoning_content), output constraints start "
+        "after </think>, and requests may set 'max_reasoning_tokens'",
+    )
     s = p.add_argument_group("HTTP")
-    s.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)")
+    s.add_argument(
+        "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)"
+    )
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
-    s.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $TOKENMILL_API_KEY; "
-                        "unset means no authentication)")
-    s.add_argument("--max-body-bytes", type=int, default=_DEFAULT_MAX_BODY,
-                   help="largest accepted request body in bytes; larger ones get HTTP 413 (default: %(default)s)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENMILL_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every /v1 route (default: $TOKENMILL_API_KEY; "
+        "unset means no authentication)",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_DEFAULT_MAX_BODY,
+        help="largest accepted request body in bytes; larger ones get HTTP 413 (default: %(default)s)",
+    )
     lg = p.add_argument_group("logging")
-    lg.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                    help="level of tokenmill's own log lines (default: %(default)s)")
-    lg.add_argument("--log-interval", type=float, default=10.0,
-                    help="seconds between throughput / KV-usage log lines, 0 disables them (default: %(default)s)")
-    lg.add_argument("--disable-log-requests", action="store_true",
-                    help="do not log a line per finished request")
-    lg.add_argument("--uvicorn-log-level", default="warning",
-                    choices=["critical", "error", "warning", "info", "debug", "trace"],
-                    help="log level of the uvicorn HTTP server; info also logs every HTTP access (default: %(default)s)")
+    lg.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="level of tokenmill's own log lines (default: %(default)s)",
+    )
+    lg.add_argument(
+        "--log-interval",
+        type=float,
+        default=10.0,
+        help="seconds between throughput / KV-usage log lines, 0 disables them (default: %(default)s)",
+    )
+    lg.add_argument("--disable-log-requests", action="store_true", help="do not log a line per finished request")
+    lg.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="log level of the uvicorn HTTP server; info also logs every HTTP access (default: %(default)s)",
+    )
     dp = p.add_argument_group("data parallelism (see also `tokenmill router`)")
-    dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                    help="run N replicas of the server, each with its own engine and the flags above, on free "
-                         "127.0.0.1 ports (on CPU each pinned to 1/N of the cores), behind a router on "
-                         "--host/--port that balances requests by prefix-cache affinity and load; the replicas "
-                         "stop with the router. 1 = one server, no router (default: %(default)s)")
+    dp.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N replicas of the server, each with its own engine and the flags above, on free "
+        "127.0.0.1 ports (on CPU each pinned to 1/N of the cores), behind a router on "
+        "--host/--port that balances requests by prefix-cache affinity and load; the replicas "
+        "stop with the router. 1 = one server, no router (default: %(default)s)",
+    )
     add_policy_args(dp)  # the router's flags, used with N > 1
     pd = p.add_argument_group("disaggregated prefill/decode (see also `tokenmill disagg-proxy`)")
-    pd.add_argument("--kv-role", choices=["producer", "consumer"], default=None,
-                    help="producer: a prefill server (a request with kv_transfer_params runs its prompt, samples "
-                         "one token and sends the prompt's KV blocks to the consumer); consumer: a decode server "
-                         "(such a request receives its prompt's KV from the producer, then decodes). Both need the "
-                         "same model and KV cache flags (default: neither, a plain server)")
-    pd.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                    help='the transfer as a JSON object: {"kv_connector": "TorchDistributedConnector" (send/recv '
-                         'over torch.distributed: gloo on CPU, NCCL on CUDA) or "SharedMemoryConnector" (one host), '
-                         '"kv_rank": 0 producer / 1 consumer (default: from --kv-role), "kv_parallel_size": 2, '
-                         '"kv_ip": the producer\'s address (default 127.0.0.1), "kv_port": its rendezvous TCPStore '
-                         'port (default 14579), "kv_timeout": seconds a transfer may take (default 30)}')
+    pd.add_argument(
+        "--kv-role",
+        choices=["producer", "consumer"],
+        default=None,
+        help="producer: a prefill server (a request with kv_transfer_params runs its prompt, samples "
+        "one token and sends the prompt's KV blocks to the consumer); consumer: a decode server "
+        "(such a request receives its prompt's KV from the producer, then decodes). Both need the "
+        "same model and KV cache flags (default: neither, a plain server)",
+    )
+    pd.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='the transfer as a JSON object: {"kv_connector": "TorchDistributedConnector" (send/recv '
+        'over torch.distributed: gloo on CPU, NCCL on CUDA) or "SharedMemoryConnector" (one host), '
+        '"kv_rank": 0 producer / 1 consumer (default: from --kv-role), "kv_parallel_size": 2, '
+        '"kv_ip": the producer\'s address (default 127.0.0.1), "kv_port": its rendezvous TCPStore '
+        'port (default 14579), "kv_timeout": seconds a transfer may take (default 30)}',
+    )
     p.set_defaults(func=run_server)
     return p
 
@@ -152,8 +216,9 @@ def run_server(args: argparse.Namespace) -> int:
     """Start the engine core, then serve until SIGTERM/SIGINT. Returns 0 after a clean shutdown;
     raises SystemExit with a non-zero status (after printing why) if the server cannot start."""
     if args.data_parallel_size < 1:
-        print(f"tokenmill serve: error: --data-parallel-size must be >= 1, got {args.data_parallel_size}",
-              file=sys.stderr)
+        print(
+            f"tokenmill serve: error: --data-parallel-size must be >= 1, got {args.data_parallel_size}", file=sys.stderr
+        )
         raise SystemExit(2)
     try:
         kv_transfer_from_args(args)
@@ -173,8 +238,9 @@ def run_server(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     start = time.monotonic()
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("tokenmill").setLevel(getattr(logging, args.log_level.upper()))
 
     # imported here, not at the top: they pull in torch, and `tokenmill --help` should stay fast
@@ -206,8 +272,13 @@ def _run(args: argparse.Namespace) -> int:
         return 1
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm_during_startup)
-    client = EngineClient(config, max_queue=args.max_queue, chat_template=chat_template,
-                          request_timeout=args.request_timeout, watchdog_timeout=args.watchdog_timeout)
+    client = EngineClient(
+        config,
+        max_queue=args.max_queue,
+        chat_template=chat_template,
+        request_timeout=args.request_timeout,
+        watchdog_timeout=args.watchdog_timeout,
+    )
     try:
         print(f"tokenmill: loading {args.model} ...", flush=True)
         try:
@@ -218,14 +289,20 @@ def _run(args: argparse.Namespace) -> int:
         names = args.served_model_name or [info["model_name"]]
         metrics = ServerMetrics(names[0], log_requests=not args.disable_log_requests)
         client.metrics = metrics
-        settings = ServerSettings(api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
-                                  log_interval=args.log_interval, reasoning_parser=args.reasoning_parser,
-                                  limits=limits)
+        settings = ServerSettings(
+            api_key=args.api_key or None,
+            max_body_bytes=args.max_body_bytes,
+            log_interval=args.log_interval,
+            reasoning_parser=args.reasoning_parser,
+            limits=limits,
+        )
         app = build_app(client, metrics, names, settings)
-        uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on",
-                                   timeout_graceful_shutdown=5)
-        server = _Server(uv_config, client, lambda: _print_ready(args, info, names, start, client),
-                         args.shutdown_timeout)
+        uv_config = uvicorn.Config(
+            app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5
+        )
+        server = _Server(
+            uv_config, client, lambda: _print_ready(args, info, names, start, client), args.shutdown_timeout
+        )
         signal.signal(signal.SIGTERM, previous)
         server.run(sockets=[sock])
     finally:
@@ -242,16 +319,24 @@ def _print_ready(args, info: dict, names: list[str], start: float, client) -> No
     gib = info["kv_cache_bytes"] / 2**30
     limit = min(info["max_model_len"], info["capacity_tokens"])
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"tokenmill: model {info['model_name']} ({info['architecture']}, {info['dtype']} on {info['device']}), "
-          f"served as {', '.join(names)}; loaded in {info['load_seconds']:.1f} s", flush=True)
-    print(f"tokenmill: KV cache {info['num_blocks']} blocks x {info['block_size']} tokens = "
-          f"{info['capacity_tokens']} tokens ({gib:.3f} GiB), prefix caching "
-          f"{'on' if args.enable_prefix_caching else 'off'}; max model len {info['max_model_len']}"
-          + (f" (requests limited to {limit} tokens by the KV cache)" if limit < info["max_model_len"] else ""),
-          flush=True)
+    print(
+        f"tokenmill: model {info['model_name']} ({info['architecture']}, {info['dtype']} on {info['device']}), "
+        f"served as {', '.join(names)}; loaded in {info['load_seconds']:.1f} s",
+        flush=True,
+    )
+    print(
+        f"tokenmill: KV cache {info['num_blocks']} blocks x {info['block_size']} tokens = "
+        f"{info['capacity_tokens']} tokens ({gib:.3f} GiB), prefix caching "
+        f"{'on' if args.enable_prefix_caching else 'off'}; max model len {info['max_model_len']}"
+        + (f" (requests limited to {limit} tokens by the KV cache)" if limit < info["max_model_len"] else ""),
+        flush=True,
+    )
     auth = " (API key required on /v1)" if args.api_key else ""
-    print(f"tokenmill: ready in {time.monotonic() - start:.1f} s at http://{host}:{args.port}/v1{auth}; "
-          f"engine core pid {client.core_pid}", flush=True)
+    print(
+        f"tokenmill: ready in {time.monotonic() - start:.1f} s at http://{host}:{args.port}/v1{auth}; "
+        f"engine core pid {client.core_pid}",
+        flush=True,
+    )
 
 
 class _Server(uvicorn.Server):
@@ -285,8 +370,12 @@ class _Server(uvicorn.Server):
 
     async def _drain(self, sig, frame) -> None:
         name = signal.Signals(sig).name
-        logger.info("received %s: draining %d in-flight requests (up to %.0f s); refusing new ones", name,
-                    self.client.num_in_flight, self.shutdown_timeout)
+        logger.info(
+            "received %s: draining %d in-flight requests (up to %.0f s); refusing new ones",
+            name,
+            self.client.num_in_flight,
+            self.shutdown_timeout,
+        )
         self.client.begin_drain()
         deadline = time.monotonic() + self.shutdown_timeout
         while self.client.num_in_flight and time.monotonic() < deadline and not self.should_exit:

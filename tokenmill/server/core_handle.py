@@ -31,8 +31,11 @@ class CoreHandle:
         ctx = multiprocessing.get_context("spawn")
         self.inputs, self.outputs = ctx.Queue(), ctx.Queue()
         self.progress = ctx.Value("Q", 0, lock=False)  # bumped by the core inside its steps (worker/heartbeat.py)
-        self.proc = ctx.Process(target=run_engine_core, args=(config, self.inputs, self.outputs, self.progress),
-                                name="tokenmill-engine-core")  # not daemonic: it starts grammar workers
+        self.proc = ctx.Process(
+            target=run_engine_core,
+            args=(config, self.inputs, self.outputs, self.progress),
+            name="tokenmill-engine-core",
+        )  # not daemonic: it starts grammar workers
         self.proc.start()
         self._stopping = threading.Event()
         self._reader: threading.Thread | None = None
@@ -78,6 +81,7 @@ class CoreHandle:
 
     def start_reader(self, deliver: Callable[[object], None], on_dead: Callable[[str], None]) -> None:
         """Hand each core message to `deliver`; call `on_dead(reason)` once if the process goes away."""
+
         def read() -> None:
             while not self._stopping.is_set():
                 try:

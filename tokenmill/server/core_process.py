@@ -15,9 +15,20 @@ import time
 import traceback
 
 from tokenmill.config import EngineConfig
-from tokenmill.server.messages import (AbortRequests, AddRejected, AddRequest, CoreFailed, CoreReady, InitCore,
-                                       LoadFailed, PrefixCacheReset, ResetPrefixCache, Shutdown, StatsChanged,
-                                       StepDone)
+from tokenmill.server.messages import (
+    AbortRequests,
+    AddRejected,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    InitCore,
+    LoadFailed,
+    PrefixCacheReset,
+    ResetPrefixCache,
+    Shutdown,
+    StatsChanged,
+    StepDone,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +145,13 @@ def _loop(core, inputs, outputs) -> None:
                     except Exception:  # noqa: BLE001 - one bad request must not take the engine down
                         logger.exception("request %s could not be added", request.request_id)
                         core.abort_requests([request.request_id])
-                        outputs.put(AddRejected(request.request_id, "the engine could not accept this request "
-                                                "(see the server log)", None))
+                        outputs.put(
+                            AddRejected(
+                                request.request_id,
+                                "the engine could not accept this request (see the server log)",
+                                None,
+                            )
+                        )
                 case AbortRequests(request_ids):
                     core.abort_requests(request_ids)
                     changed = True

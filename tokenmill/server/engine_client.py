@@ -24,10 +24,24 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.loader.source import resolve_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.core_handle import CoreHandle
-from tokenmill.server.messages import (AbortRequests, AddRejected, AddRequest, CoreFailed, PrefixCacheReset,
-                                       ResetPrefixCache, StatsChanged, StepDone)
-from tokenmill.server.request_stream import (EngineDeadError, QueueFullError, RequestRejected, RequestStream, copy_step,
-                                             failure_of)
+from tokenmill.server.messages import (
+    AbortRequests,
+    AddRejected,
+    AddRequest,
+    CoreFailed,
+    PrefixCacheReset,
+    ResetPrefixCache,
+    StatsChanged,
+    StepDone,
+)
+from tokenmill.server.request_stream import (
+    EngineDeadError,
+    QueueFullError,
+    RequestRejected,
+    RequestStream,
+    copy_step,
+    failure_of,
+)
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -45,9 +59,15 @@ def _tokenizer_data(tokenizer: Tokenizer):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, max_queue: int | None = None, metrics=None,
-                 chat_template: str | None = None, request_timeout: float | None = None,
-                 watchdog_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_queue: int | None = None,
+        metrics=None,
+        chat_template: str | None = None,
+        request_timeout: float | None = None,
+        watchdog_timeout: float = 60.0,
+    ) -> None:
         self.config = config
         self.max_queue = max_queue
         self.request_timeout = request_timeout  # seconds from arrival, then the request is aborted
@@ -99,8 +119,10 @@ class EngineClient:
         self._watchdog = loop.create_task(self._watch())
 
     def _start_reader(self, core: CoreHandle) -> None:
-        core.start_reader(lambda msg: self._call_soon(self._on_message, core, msg),
-                          lambda reason: self._call_soon(self._on_dead, core, reason))
+        core.start_reader(
+            lambda msg: self._call_soon(self._on_message, core, msg),
+            lambda reason: self._call_soon(self._on_dead, core, reason),
+        )
 
     @property
     def core_pid(self) -> int | None:
@@ -150,8 +172,9 @@ class EngineClient:
                 seen, self._last_progress = now, time.monotonic()
             silent = time.monotonic() - self._last_progress
             if self._children and self.healthy and silent > self.watchdog_timeout:
-                self._hang_reason = (f"the engine core made no progress for {silent:.0f} s with "
-                                     f"{len(self._children)} requests in flight")
+                self._hang_reason = (
+                    f"the engine core made no progress for {silent:.0f} s with {len(self._children)} requests in flight"
+                )
                 logger.error("%s; restarting it", self._hang_reason)
                 self.dead_reason = self._hang_reason
                 self._core.kill()  # the reader reports it dead, which restarts it
@@ -205,9 +228,16 @@ class EngineClient:
         """Core requests waiting for a slot: the last reported count plus adds it has not seen yet."""
         return self.stats.get("num_waiting", 0) + self._num_sent - self.stats.get("num_received", 0)
 
-    def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_time: float | None = None, priority: int = 0,
-                 cache_salt: str | None = None) -> RequestStream:
+    def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         """Submit a request; iterate the returned stream for its outputs."""
         if self.shutting_down or self.draining:
             raise EngineDeadError("the server is shutting down")
@@ -223,8 +253,9 @@ class EngineClient:
         if not self._children:
             self._last_progress = time.monotonic()  # the watchdog's clock starts with the work
         self._streams[request_id] = stream
-        children = self._processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority,
-                                               cache_salt)
+        children = self._processor.add_request(
+            request_id, prompt, prompt_token_ids, params, arrival, priority, cache_salt
+        )
         self._children[request_id] = [c.request_id for c in children]
         for child in children:
             self._parent[child.request_id] = request_id
@@ -333,4 +364,3 @@ class EngineClient:
             self._reset_waiters.pop().set_exception(EngineDeadError(reason))
         if self._processor is not None:
             self._processor = OutputProcessor(self.tokenizer)
-

@@ -33,22 +33,26 @@ _HELP = {
     "max_n": "most samples per prompt (n)",
     "max_prompts": "most prompts in one /v1/completions request",
     "max_choices": "most sequences one request may start (n x prompts); with --max-queue they also count "
-                   "against the queue",
+    "against the queue",
     "max_stop": "most stop strings per request",
     "max_stop_length": "longest stop string, in characters",
     "max_stop_token_ids": "most stop_token_ids per request",
     "max_logit_bias": "most logit_bias entries per request",
     "max_tools": "most tools per chat request",
     "template_timeout": "seconds a request's chat template rendering and tokenization may take (off the event "
-                        "loop); longer is a 400",
+    "loop); longer is a 400",
 }
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("request limits (a request over one gets HTTP 400 naming the field)")
     for f in fields(RequestLimits):
-        g.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                       help=f"{_HELP[f.name]} (default: %(default)s)")
+        g.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=type(f.default),
+            default=f.default,
+            help=f"{_HELP[f.name]} (default: %(default)s)",
+        )
 
 
 def limits_from_args(args: argparse.Namespace) -> RequestLimits:

@@ -11,19 +11,63 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the /metrics route)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from tokenmill.engine.output_processor import RequestOutput
 
 logger = logging.getLogger("tokenmill.server")
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
-_TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-                      0.75, 1.0, 2.5, 5.0)
-_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
-                    600.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TOKEN_GAP_BUCKETS = (
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class ServerMetrics:
@@ -42,14 +86,15 @@ class ServerMetrics:
             return Counter(f"tokenmill:{metric}", doc, labels, registry=r).labels(name)
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", _LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
-                        _TOKEN_GAP_BUCKETS)
-        self.tpot = hist("time_per_output_token_seconds", "Mean decode time per output token of a request.",
-                         _TOKEN_GAP_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Gap between consecutive tokens of a request.", _TOKEN_GAP_BUCKETS
+        )
+        self.tpot = hist(
+            "time_per_output_token_seconds", "Mean decode time per output token of a request.", _TOKEN_GAP_BUCKETS
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
-        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.",
-                                 _REQUEST_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.", _REQUEST_BUCKETS)
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.", _REQUEST_BUCKETS)
         self.running = gauge("num_requests_running", "Requests in the engine's running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -61,39 +106,75 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (of those looked up).")
-        self.grammar_compiles = counter("structured_output_compiles",
-                                        "Structured-output grammars compiled (grammar cache misses).")
-        self.grammar_compile_seconds = counter("structured_output_compile_seconds",
-                                               "Total time spent compiling structured-output grammars.")
+        self.grammar_compiles = counter(
+            "structured_output_compiles", "Structured-output grammars compiled (grammar cache misses)."
+        )
+        self.grammar_compile_seconds = counter(
+            "structured_output_compile_seconds", "Total time spent compiling structured-output grammars."
+        )
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verify steps of a request.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: drafted tokens verified.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens accepted.")
-        self.spec_draft_seconds = counter("spec_decode_draft_seconds",
-                                          "Speculative decoding: time spent drafting (the model runner's drafter).")
-        self.spec_verify_seconds = counter("spec_decode_verify_seconds",
-                                           "Speculative decoding: time of the engine steps that verified drafts.")
-        self.spec_per_position = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
-                                         "Speculative decoding: drafted tokens accepted, by draft position (0 first).",
-                                         ["model_name", "position"], registry=r)
-        self.kv_transfers = counter("kv_transfers", "Disaggregated prefill/decode: prompts whose KV was sent "
-                                    "(producer) or received (consumer).")
-        self.kv_transfer_bytes = counter("kv_transfer_bytes", "Disaggregated prefill/decode: KV bytes of those prompts.")
-        self.kv_transfer_seconds = counter("kv_transfer_seconds", "Disaggregated prefill/decode: producer, time "
-                                           "copying KV out; consumer, from asking for it until it is in.")
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: drafted tokens verified."
+        )
+        self.spec_accepted = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens accepted."
+        )
+        self.spec_draft_seconds = counter(
+            "spec_decode_draft_seconds", "Speculative decoding: time spent drafting (the model runner's drafter)."
+        )
+        self.spec_verify_seconds = counter(
+            "spec_decode_verify_seconds", "Speculative decoding: time of the engine steps that verified drafts."
+        )
+        self.spec_per_position = Counter(
+            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: drafted tokens accepted, by draft position (0 first).",
+            ["model_name", "position"],
+            registry=r,
+        )
+        self.kv_transfers = counter(
+            "kv_transfers", "Disaggregated prefill/decode: prompts whose KV was sent (producer) or received (consumer)."
+        )
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes", "Disaggregated prefill/decode: KV bytes of those prompts."
+        )
+        self.kv_transfer_seconds = counter(
+            "kv_transfer_seconds",
+            "Disaggregated prefill/decode: producer, time copying KV out; consumer, from asking for it until it is in.",
+        )
         self.engine_restarts = counter("engine_restarts", "Times the engine core was restarted after it died or hung.")
-        self.success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
-                               ["model_name", "finished_reason"], registry=r)
-        self.expert_tokens = Counter("tokenmill:moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
-                                     ["model_name", "layer", "expert"], registry=r)
-        self.expert_imbalance = Gauge("tokenmill:moe_load_imbalance",
-                                      "Per MoE layer: tokens of its busiest expert / the mean over its experts "
-                                      "(since the engine started; 1 is even).", ["model_name", "layer"], registry=r)
-        self.rank_tokens = Counter("tokenmill:moe_rank_tokens", "Expert parallelism: tokens routed to the experts "
-                                   "each rank holds (a token counts once per chosen expert), over all MoE layers.",
-                                   ["model_name", "rank"], registry=r)
-        self.rank_imbalance = Gauge("tokenmill:moe_rank_imbalance", "Expert parallelism: tokens of the busiest "
-                                    "rank's experts / the mean over ranks (since the engine started; 1 is even).",
-                                    ["model_name"], registry=r)
+        self.success = Counter(
+            "tokenmill:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.expert_tokens = Counter(
+            "tokenmill:moe_expert_tokens",
+            "Tokens routed to each expert of each MoE layer.",
+            ["model_name", "layer", "expert"],
+            registry=r,
+        )
+        self.expert_imbalance = Gauge(
+            "tokenmill:moe_load_imbalance",
+            "Per MoE layer: tokens of its busiest expert / the mean over its experts "
+            "(since the engine started; 1 is even).",
+            ["model_name", "layer"],
+            registry=r,
+        )
+        self.rank_tokens = Counter(
+            "tokenmill:moe_rank_tokens",
+            "Expert parallelism: tokens routed to the experts "
+            "each rank holds (a token counts once per chosen expert), over all MoE layers.",
+            ["model_name", "rank"],
+            registry=r,
+        )
+        self.rank_imbalance = Gauge(
+            "tokenmill:moe_rank_imbalance",
+            "Expert parallelism: tokens of the busiest "
+            "rank's experts / the mean over ranks (since the engine started; 1 is even).",
+            ["model_name"],
+            registry=r,
+        )
         self._model_name = model_name
         self._started: set[str] = set()  # requests whose prompt tokens were counted
         self._last_stats: dict = {}
@@ -121,8 +202,9 @@ class ServerMetrics:
         self._started.discard(r.request_id)
         self.success.labels(self._model_name, "abort").inc()
         if self.log_requests:
-            logger.info("request %s aborted after %d output tokens", r.request_id,
-                        sum(len(o.token_ids) for o in r.outputs))
+            logger.info(
+                "request %s aborted after %d output tokens", r.request_id, sum(len(o.token_ids) for o in r.outputs)
+            )
 
     def on_restart(self) -> None:
         """A new engine core: its cumulative counters start again from zero."""
@@ -168,7 +250,8 @@ class ServerMetrics:
                     child.inc(now - then)
             if sum(layer_counts):
                 self.expert_imbalance.labels(self._model_name, str(layer)).set(
-                    max(layer_counts) * len(layer_counts) / sum(layer_counts))
+                    max(layer_counts) * len(layer_counts) / sum(layer_counts)
+                )
 
     def _on_rank_tokens(self, counts: list[int], before: list[int]) -> None:
         for rank, now in enumerate(counts):
@@ -206,8 +289,15 @@ class ServerMetrics:
         if self.log_requests:
             n_out = sum(len(o.token_ids) for o in r.outputs)
             tpot_text = f"{tpot * 1000:.1f} ms" if tpot is not None else "-"
-            logger.info("request %s finished: %d prompt + %d output tokens, TTFT %.3f s, TPOT %s, reason %s",
-                        r.request_id, len(r.prompt_token_ids), n_out, ttft, tpot_text, ",".join(reasons))
+            logger.info(
+                "request %s finished: %d prompt + %d output tokens, TTFT %.3f s, TPOT %s, reason %s",
+                r.request_id,
+                len(r.prompt_token_ids),
+                n_out,
+                ttft,
+                tpot_text,
+                ",".join(reasons),
+            )
 
     # ---- output ---------------------------------------------------------------------------------
 
@@ -223,9 +313,17 @@ class ServerMetrics:
         if active or force:
             queries = s.get("prefix_cache_queries", 0)
             hit_rate = 100 * s.get("prefix_cache_hits", 0) / queries if queries else 0.0
-            logger.info("throughput: prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d | "
-                        "KV cache %.1f%% used (%d/%d blocks free) | prefix cache hit rate %.1f%% | preemptions %d",
-                        self._window_prompt / elapsed, self._window_gen / elapsed, s.get("num_running", 0),
-                        s.get("num_waiting", 0), 100 * s.get("kv_cache_usage", 0.0), s.get("num_free_blocks", 0),
-                        s.get("num_blocks", 0), hit_rate, s.get("num_preemptions", 0))
+            logger.info(
+                "throughput: prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d | "
+                "KV cache %.1f%% used (%d/%d blocks free) | prefix cache hit rate %.1f%% | preemptions %d",
+                self._window_prompt / elapsed,
+                self._window_gen / elapsed,
+                s.get("num_running", 0),
+                s.get("num_waiting", 0),
+                100 * s.get("kv_cache_usage", 0.0),
+                s.get("num_free_blocks", 0),
+                s.get("num_blocks", 0),
+                hit_rate,
+                s.get("num_preemptions", 0),
+            )
         self._window_start, self._window_prompt, self._window_gen = now, 0, 0

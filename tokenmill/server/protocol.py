@@ -27,8 +27,8 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.limits import CHAT_TEMPLATE_KWARGS
 from tokenmill.structured.spec import StructuredOutputSpec
 
-
 # ---- request bodies -------------------------------------------------------------------------------
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -41,8 +41,11 @@ class _Body(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if v is not None or k not in fields or type(None) in get_args(fields[k].annotation)}
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or type(None) in get_args(fields[k].annotation)
+        }
 
 
 class StreamOptions(_Body):
@@ -117,14 +120,19 @@ class _SamplingRequest(_Body):
                 found.append(spec)
         if self.structured_outputs is not None:
             found.append(_structured_outputs_spec(self.structured_outputs))
-        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                           ("guided_grammar", "grammar")):
+        for name, kind in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
             value = getattr(self, name)
             if value is not None:
                 found.append((_make_spec(kind, value, name), name))
         if len(found) > 1:
-            raise bad_request(f"only one output constraint may be given, got {', '.join(p for _, p in found)}",
-                              found[1][1])
+            raise bad_request(
+                f"only one output constraint may be given, got {', '.join(p for _, p in found)}", found[1][1]
+            )
         return found[0] if found else None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
@@ -139,29 +147,52 @@ class _SamplingRequest(_Body):
             except ValueError:
                 token = -1
             if token < 0:
-                raise bad_request(f"logit_bias keys must be token ids (decimal integers >= 0), got {key[:40]!r}",
-                                  "logit_bias")
+                raise bad_request(
+                    f"logit_bias keys must be token ids (decimal integers >= 0), got {key[:40]!r}", "logit_bias"
+                )
             bias[token] = value
         return bias
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, renames: dict[str, str],
-                         structured_output: StructuredOutputSpec | None = None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        renames: dict[str, str],
+        structured_output: StructuredOutputSpec | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         self._check_unsupported()
-        kwargs = {"n": self.n, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-                  "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,
-                  "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
-                  "include_stop_str_in_output": self.include_stop_str_in_output,
-                  "structured_output": structured_output, "logit_bias": self.logit_bias_ids(),
-                  "prompt_logprobs": prompt_logprobs, "speculative": self.speculative}
+        kwargs = {
+            "n": self.n,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "max_tokens": max_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "logprobs": logprobs,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_output": structured_output,
+            "logit_bias": self.logit_bias_ids(),
+            "prompt_logprobs": prompt_logprobs,
+            "speculative": self.speculative,
+        }
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         if self.kv_transfer_params is not None:
             kwargs["kv_transfer_id"] = self._kv_transfer_id()
         if not -(2**63) <= self.priority < 2**63:
             raise bad_request(f"priority must fit in 64 bits, got {self.priority}", "priority")
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if value is not None:  # null means "the default"
                 kwargs[name] = value
@@ -172,7 +203,7 @@ class _SamplingRequest(_Body):
             field = message.split(" ", 1)[0]
             param = renames.get(field, field)
             if param != field:
-                message = param + message[len(field):]
+                message = param + message[len(field) :]
             raise bad_request(message, param) from None
 
 
@@ -197,8 +228,9 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         spec = self.structured_spec()
-        return self._sampling_params(self.max_tokens, self.logprobs, {}, spec[0] if spec else None,
-                                     self.engine_prompt_logprobs)
+        return self._sampling_params(
+            self.max_tokens, self.logprobs, {}, spec[0] if spec else None, self.engine_prompt_logprobs
+        )
 
 
 class TextPart(_Body):
@@ -277,16 +309,20 @@ class ChatCompletionRequest(_SamplingRequest):
         names = [t.function.name for t in tools]
         for i, name in enumerate(names):
             if not _FUNCTION_NAME.match(name):
-                raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', "
-                                  f"got {name!r}", f"tools[{i}].function.name")
+                raise bad_request(
+                    f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
+                    f"tools[{i}].function.name",
+                )
             if name in names[:i]:
-                raise bad_request(f"tools[{i}].function.name {name!r} is used by more than one tool",
-                                  f"tools[{i}].function.name")
+                raise bad_request(
+                    f"tools[{i}].function.name {name!r} is used by more than one tool", f"tools[{i}].function.name"
+                )
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in names:
-                raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools",
-                                  "tool_choice")
+                raise bad_request(
+                    f"tool_choice names function {choice.function.name!r}, which is not in tools", "tool_choice"
+                )
             return "named", choice.function.name
         if choice is None:
             return ("auto" if tools else "none"), None
@@ -300,8 +336,11 @@ class ChatCompletionRequest(_SamplingRequest):
         for key, value in kwargs.items():
             param = f"chat_template_kwargs.{key}"
             if key not in CHAT_TEMPLATE_KWARGS:
-                raise bad_request(f"{param} is not allowed; chat_template_kwargs may set "
-                                  f"{', '.join(CHAT_TEMPLATE_KWARGS)}", param, "unsupported")
+                raise bad_request(
+                    f"{param} is not allowed; chat_template_kwargs may set {', '.join(CHAT_TEMPLATE_KWARGS)}",
+                    param,
+                    "unsupported",
+                )
             if not isinstance(value, (bool, int, float, str)) or (isinstance(value, str) and len(value) > 64):
                 raise bad_request(f"{param} must be a boolean, a number or a short string", param)
         return kwargs
@@ -316,8 +355,9 @@ class ChatCompletionRequest(_SamplingRequest):
         renames["logprobs"] = "top_logprobs"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.max_reasoning_tokens is not None and self.max_reasoning_tokens < 0:
-            raise bad_request(f"max_reasoning_tokens must be an int >= 0, got {self.max_reasoning_tokens}",
-                              "max_reasoning_tokens")
+            raise bad_request(
+                f"max_reasoning_tokens must be an int >= 0, got {self.max_reasoning_tokens}", "max_reasoning_tokens"
+            )
         spec = self.structured_spec()
         return self._sampling_params(max_tokens, logprobs, renames, spec[0] if spec else None, self.prompt_logprobs)
 
@@ -351,11 +391,21 @@ class DetokenizeRequest(_Body):
 
 # ---- structured output fields ------------------------------------------------------------------------
 
-_STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                    "json_object": "json_object"}
+_STRUCTURED_KEYS = {
+    "json": "json",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
 # vLLM options without an effect here (xgrammar is the only backend; JSON output is always compact)
-_IGNORED_STRUCTURED_KEYS = {"backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                            "whitespace_pattern"}
+_IGNORED_STRUCTURED_KEYS = {
+    "backend",
+    "disable_fallback",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "whitespace_pattern",
+}
 
 
 def _make_spec(kind: str, value, param: str) -> StructuredOutputSpec:
@@ -377,8 +427,9 @@ def _make_spec(kind: str, value, param: str) -> StructuredOutputSpec:
         return StructuredOutputSpec(kind, value)
     except ValueError as e:
         message = str(e)
-        raise bad_request(f"{param} {message}" if message.startswith("must") else f"{param}: {message}",
-                          param) from None
+        raise bad_request(
+            f"{param} {message}" if message.startswith("must") else f"{param}: {message}", param
+        ) from None
 
 
 def _response_format_spec(rf: dict) -> tuple[StructuredOutputSpec, str] | None:
@@ -390,26 +441,34 @@ def _response_format_spec(rf: dict) -> tuple[StructuredOutputSpec, str] | None:
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
-            raise bad_request("response_format.json_schema must be an object with a 'schema'",
-                              "response_format.json_schema")
+            raise bad_request(
+                "response_format.json_schema must be an object with a 'schema'", "response_format.json_schema"
+            )
         if "schema" not in js:
-            raise bad_request("response_format.json_schema.schema is required", "response_format.json_schema.schema",
-                              "missing_field")
+            raise bad_request(
+                "response_format.json_schema.schema is required", "response_format.json_schema.schema", "missing_field"
+            )
         param = "response_format.json_schema.schema"
         return _make_spec("json", js["schema"], param), param
-    raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                      "response_format.type")
+    raise bad_request(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "response_format.type"
+    )
 
 
 def _structured_outputs_spec(so: dict) -> tuple[StructuredOutputSpec, str]:
     unknown = sorted(set(so) - set(_STRUCTURED_KEYS) - _IGNORED_STRUCTURED_KEYS)
     if unknown:
-        raise bad_request(f"structured_outputs has unknown field(s) {', '.join(unknown)}; use one of "
-                          f"{', '.join(_STRUCTURED_KEYS)}", f"structured_outputs.{unknown[0]}")
+        raise bad_request(
+            f"structured_outputs has unknown field(s) {', '.join(unknown)}; use one of {', '.join(_STRUCTURED_KEYS)}",
+            f"structured_outputs.{unknown[0]}",
+        )
     given = [k for k in _STRUCTURED_KEYS if so.get(k) not in (None, False)]
     if len(given) != 1:
-        raise bad_request(f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_KEYS)}"
-                          + (f", got {', '.join(given)}" if given else ""), "structured_outputs")
+        raise bad_request(
+            f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_KEYS)}"
+            + (f", got {', '.join(given)}" if given else ""),
+            "structured_outputs",
+        )
     param = f"structured_outputs.{given[0]}"
     return _make_spec(_STRUCTURED_KEYS[given[0]], so[given[0]], param), param
 

@@ -8,7 +8,6 @@ import collections
 import dataclasses
 import time
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.core import RequestRejected
@@ -72,13 +71,27 @@ def copy_step(result: RequestOutput, reported: set[int]) -> StreamOutput:
     for o in result.outputs:
         newly_finished = o.finish_reason is not None and o.index not in reported
         if o.delta_token_ids or o.delta_text or newly_finished:
-            deltas.append(SampleDelta(o.index, o.delta_text, list(o.delta_token_ids),
-                                      list(o.delta_logprobs) if o.delta_logprobs is not None else None,
-                                      o.finish_reason, o.stop_reason))
+            deltas.append(
+                SampleDelta(
+                    o.index,
+                    o.delta_text,
+                    list(o.delta_token_ids),
+                    list(o.delta_logprobs) if o.delta_logprobs is not None else None,
+                    o.finish_reason,
+                    o.stop_reason,
+                )
+            )
             if newly_finished:
                 reported.add(o.index)
-    return StreamOutput(result.request_id, result.prompt_token_ids, result.num_cached_tokens, deltas,
-                        result.finished, result.outputs, result.prompt_logprobs)
+    return StreamOutput(
+        result.request_id,
+        result.prompt_token_ids,
+        result.num_cached_tokens,
+        deltas,
+        result.finished,
+        result.outputs,
+        result.prompt_logprobs,
+    )
 
 
 def _merge_steps(older: StreamOutput, newer: StreamOutput) -> StreamOutput:
@@ -90,10 +103,14 @@ def _merge_steps(older: StreamOutput, newer: StreamOutput) -> StreamOutput:
             by_index[d.index] = d
             continue
         logprobs = None if old.logprobs is None and d.logprobs is None else (old.logprobs or []) + (d.logprobs or [])
-        by_index[d.index] = SampleDelta(d.index, old.text + d.text, old.token_ids + d.token_ids, logprobs,
-                                        d.finish_reason, d.stop_reason)
-    return dataclasses.replace(newer, deltas=sorted(by_index.values(), key=lambda d: d.index),
-                               prompt_logprobs=newer.prompt_logprobs or older.prompt_logprobs)
+        by_index[d.index] = SampleDelta(
+            d.index, old.text + d.text, old.token_ids + d.token_ids, logprobs, d.finish_reason, d.stop_reason
+        )
+    return dataclasses.replace(
+        newer,
+        deltas=sorted(by_index.values(), key=lambda d: d.index),
+        prompt_logprobs=newer.prompt_logprobs or older.prompt_logprobs,
+    )
 
 
 class RequestStream:
@@ -167,5 +184,13 @@ class RequestStream:
         self.client._streams.pop(self.request_id, None)
 
 
-__all__ = ["EngineDeadError", "QueueFullError", "RequestFailed", "RequestRejected", "RequestStream",
-           "RequestTimeout", "SampleDelta", "StreamOutput"]
+__all__ = [
+    "EngineDeadError",
+    "QueueFullError",
+    "RequestFailed",
+    "RequestRejected",
+    "RequestStream",
+    "RequestTimeout",
+    "SampleDelta",
+    "StreamOutput",
+]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from tokenmill.engine.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import EngineClient
+from tokenmill.server.limits import RequestLimits
+from tokenmill.server.protocol import APIError, bad_request
 from tokenmill.server.request_stream import (
     EngineDeadError,
     QueueFullError,
@@ -21,8 +23,6 @@ from tokenmill.server.request_stream import (
     RequestStream,
     RequestTimeout,
 )
-from tokenmill.server.limits import RequestLimits
-from tokenmill.server.protocol import APIError, bad_request
 from tokenmill.structured.spec import StructuredOutputSpec, check_spec
 from tokenmill.tokenizer import Tokenizer
 
@@ -77,7 +77,8 @@ class ServingContext:
     _token_text: dict[int, str] = field(default_factory=dict)
     # chat templates and tokenization run here, off the event loop, under limits.template_timeout
     _prompt_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenmill-prompt"))
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenmill-prompt")
+    )
 
     async def off_loop(self, param: str, fn, *args):
         """Run `fn(*args)` (template rendering, tokenization) in the prompt pool; a 400 naming `param`
@@ -86,8 +87,9 @@ class ServingContext:
         try:
             return await asyncio.wait_for(future, self.limits.template_timeout)
         except TimeoutError:
-            raise bad_request(f"{param}: preparing the prompt took longer than {self.limits.template_timeout:g} s",
-                              param, "timeout") from None
+            raise bad_request(
+                f"{param}: preparing the prompt took longer than {self.limits.template_timeout:g} s", param, "timeout"
+            ) from None
 
     def check_limits(self, req, num_prompts: int = 1) -> None:
         """The request's fan-out and list sizes against --max-n, --max-stop, ... (before any work)."""
@@ -99,8 +101,9 @@ class ServingContext:
         if num_prompts > 1 and getattr(req, "kv_transfer_params", None) is not None:
             raise bad_request("kv_transfer_params needs a single prompt (one sequence per transfer)", "prompt")
         if req.n * num_prompts > lim.max_choices:
-            raise bad_request(f"n x prompts = {req.n * num_prompts} sequences; at most {lim.max_choices} per "
-                              "request", "n")
+            raise bad_request(
+                f"n x prompts = {req.n * num_prompts} sequences; at most {lim.max_choices} per request", "n"
+            )
         stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
         if len(stops) > lim.max_stop:
             raise bad_request(f"stop has {len(stops)} strings; at most {lim.max_stop} are allowed", "stop")
@@ -108,21 +111,25 @@ class ServingContext:
             raise bad_request(f"stop strings must be at most {lim.max_stop_length} characters", "stop")
         stop_ids = req.stop_token_ids or []
         if len(stop_ids) > lim.max_stop_token_ids:
-            raise bad_request(f"stop_token_ids has {len(stop_ids)} ids; at most {lim.max_stop_token_ids} are "
-                              "allowed", "stop_token_ids")
+            raise bad_request(
+                f"stop_token_ids has {len(stop_ids)} ids; at most {lim.max_stop_token_ids} are allowed",
+                "stop_token_ids",
+            )
         self.check_token_ids(stop_ids, "stop_token_ids")
         bias = req.logit_bias or {}
         if len(bias) > lim.max_logit_bias:
-            raise bad_request(f"logit_bias has {len(bias)} entries; at most {lim.max_logit_bias} are allowed",
-                              "logit_bias")
+            raise bad_request(
+                f"logit_bias has {len(bias)} entries; at most {lim.max_logit_bias} are allowed", "logit_bias"
+            )
         self.check_token_ids(list(req.logit_bias_ids() or ()), "logit_bias")
         tools = getattr(req, "tools", None) or []
         if len(tools) > lim.max_tools:
             raise bad_request(f"tools has {len(tools)} entries; at most {lim.max_tools} are allowed", "tools")
         queue = self.client.max_queue
         if queue is not None and req.n * num_prompts > queue:
-            raise bad_request(f"n x prompts = {req.n * num_prompts} sequences can never fit the server's queue "
-                              f"of {queue}", "n")
+            raise bad_request(
+                f"n x prompts = {req.n * num_prompts} sequences can never fit the server's queue of {queue}", "n"
+            )
 
     @property
     def context_limit(self) -> int:
@@ -134,8 +141,13 @@ class ServingContext:
         if name is None or name == "":
             return self.model_names[0]
         if name not in self.model_names:
-            raise APIError(404, f"The model `{name}` does not exist. This server serves: "
-                                f"{', '.join(self.model_names)}.", "invalid_request_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist. This server serves: {', '.join(self.model_names)}.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         return name
 
     async def check_structured(self, spec: StructuredOutputSpec, param: str) -> None:
@@ -155,8 +167,9 @@ class ServingContext:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise bad_request(f"{param} contains token ids outside the vocabulary [0, {self.vocab_size})", param)
 
-    def fit_to_context(self, num_prompt: int, params: SamplingParams, prompt_param: str,
-                       max_tokens_param: str = "max_tokens") -> SamplingParams:
+    def fit_to_context(
+        self, num_prompt: int, params: SamplingParams, prompt_param: str, max_tokens_param: str = "max_tokens"
+    ) -> SamplingParams:
         """Check the prompt (and max_tokens) fit; default max_tokens to the room left.
         Returns a copy of params with max_tokens set."""
         limit = self.context_limit
@@ -164,31 +177,54 @@ class ServingContext:
         if num_prompt == 0:
             raise bad_request(f"{prompt_param} must contain at least one token", prompt_param)
         if num_prompt >= limit:
-            raise bad_request(f"This model's {why} is {limit} tokens, but the {prompt_param} has {num_prompt} "
-                              f"tokens (at least one more is needed for the completion). Shorten the "
-                              f"{prompt_param}.", prompt_param, "context_length_exceeded")
+            raise bad_request(
+                f"This model's {why} is {limit} tokens, but the {prompt_param} has {num_prompt} "
+                f"tokens (at least one more is needed for the completion). Shorten the "
+                f"{prompt_param}.",
+                prompt_param,
+                "context_length_exceeded",
+            )
         if params.max_tokens is None:
             room = limit - num_prompt
             if params.min_tokens > room:
-                raise bad_request(f"min_tokens ({params.min_tokens}) is more than the {room} tokens left in the "
-                                  f"context after the {prompt_param} ({num_prompt} tokens)", "min_tokens")
+                raise bad_request(
+                    f"min_tokens ({params.min_tokens}) is more than the {room} tokens left in the "
+                    f"context after the {prompt_param} ({num_prompt} tokens)",
+                    "min_tokens",
+                )
             return dataclasses.replace(params, max_tokens=room)
         if num_prompt + params.max_tokens > limit:
-            raise bad_request(f"This model's {why} is {limit} tokens, but {num_prompt + params.max_tokens} "
-                              f"were requested ({num_prompt} in the {prompt_param}, {params.max_tokens} for the "
-                              f"completion). Lower {max_tokens_param} or shorten the {prompt_param}.",
-                              max_tokens_param, "context_length_exceeded")
+            raise bad_request(
+                f"This model's {why} is {limit} tokens, but {num_prompt + params.max_tokens} "
+                f"were requested ({num_prompt} in the {prompt_param}, {params.max_tokens} for the "
+                f"completion). Lower {max_tokens_param} or shorten the {prompt_param}.",
+                max_tokens_param,
+                "context_length_exceeded",
+            )
         return dataclasses.replace(params)
 
-    def submit(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-               arrival: float, priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         try:
             return self.client.generate(request_id, prompt, prompt_ids, params, arrival, priority, cache_salt)
         except (EngineDeadError, QueueFullError) as e:
             raise engine_error(e) from None
 
-    def submit_all(self, prompts: list[tuple[str, str | None, list[int], SamplingParams]], arrival: float,
-                   priority: int = 0, cache_salt: str | None = None) -> list[RequestStream]:
+    def submit_all(
+        self,
+        prompts: list[tuple[str, str | None, list[int], SamplingParams]],
+        arrival: float,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[RequestStream]:
         """Submit several prompts; if one cannot be submitted, abort the ones already in."""
         queue, total = self.client.max_queue, sum(p.n for *_, p in prompts)
         if queue is not None and self.client.waiting_estimate() + total > queue:
@@ -213,8 +249,9 @@ class ServingContext:
                 self._token_text[token_id] = text
         return text
 
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                            offset: int) -> tuple[dict, int]:
+    def completion_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, Logprob]], offset: int
+    ) -> tuple[dict, int]:
         """Legacy completions format; returns it and the text offset after these tokens."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, entry in zip(token_ids, logprobs):
@@ -237,9 +274,15 @@ class ServingContext:
 
     def vllm_prompt_logprobs(self, entries: list) -> list:
         """vLLM's `prompt_logprobs` field: per prompt token, {token id: {logprob, rank, decoded_token}}."""
-        return [None if e is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
-                                                 "decoded_token": self.token_text(t)} for t, lp in e.items()}
-                for e in entries]
+        return [
+            None
+            if e is None
+            else {
+                str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": self.token_text(t)}
+                for t, lp in e.items()
+            }
+            for e in entries
+        ]
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> list[dict]:
         content = []
@@ -272,9 +315,12 @@ def merge_logprobs(a: dict | None, b: dict) -> dict:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None) -> dict:
     """OpenAI's usage object; `reasoning_tokens` (with a reasoning parser) fills completion_tokens_details."""
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens,
-           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out

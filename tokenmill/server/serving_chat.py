@@ -18,10 +18,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.request_stream import RequestStream
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, bad_request
-from tokenmill.server.serving import (ENGINE_ERRORS, ServingContext, count_reasoning_tokens, engine_error, usage,
-                                      wait_started)
+from tokenmill.server.request_stream import RequestStream
+from tokenmill.server.serving import (
+    ENGINE_ERRORS,
+    ServingContext,
+    count_reasoning_tokens,
+    engine_error,
+    usage,
+    wait_started,
+)
 from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
@@ -40,12 +46,19 @@ async def chat_prompt_ids(ctx: ServingContext, messages: list[dict], add_generat
     return (await chat_prompt(ctx, messages, add_generation_prompt))[1]
 
 
-async def chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool = True, tools=None,
-                      template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+async def chat_prompt(
+    ctx: ServingContext,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools=None,
+    template_kwargs: dict | None = None,
+) -> tuple[str, list[int]]:
     """The rendered prompt text and its token ids (rendered off the event loop, under a time limit)."""
+
     def render() -> tuple[str, list[int]]:
-        text = ctx.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                         **(template_kwargs or {}))
+        text = ctx.tokenizer.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
+        )
         return text, ctx.tokenizer.encode(text, add_special_tokens=False)
 
     try:
@@ -53,8 +66,9 @@ async def chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_
     except APIError:
         raise
     except Exception as e:  # a template that refuses the conversation (roles, missing template, ...)
-        raise bad_request(f"messages cannot be formatted with the model's chat template: {template_error(e)}",
-                          "messages") from None
+        raise bad_request(
+            f"messages cannot be formatted with the model's chat template: {template_error(e)}", "messages"
+        ) from None
 
 
 def template_error(e: Exception) -> str:
@@ -88,9 +102,15 @@ class ChatOutputParser:
         if ctx.reasoning_parser is not None:
             self.reasoning = REASONING_PARSERS[ctx.reasoning_parser](plan.in_reasoning)
         mode = plan.tool_mode
-        self.tools = (tool_fmt.HermesToolParser(parallel_tool_calls) if mode == "auto" else
-                      tool_fmt.NamedToolParser(plan.tool_name) if mode == "named" else
-                      tool_fmt.ArrayToolParser() if mode == "required" else None)
+        self.tools = (
+            tool_fmt.HermesToolParser(parallel_tool_calls)
+            if mode == "auto"
+            else tool_fmt.NamedToolParser(plan.tool_name)
+            if mode == "named"
+            else tool_fmt.ArrayToolParser()
+            if mode == "required"
+            else None
+        )
         self.num_calls = 0
 
     def feed(self, text: str, finished: bool = False) -> list[dict]:
@@ -113,9 +133,18 @@ class ChatOutputParser:
                 deltas.append({"content": event[1]})
             elif event[0] == "call":
                 self.num_calls += 1
-                deltas.append({"tool_calls": [{"index": event[1], "id": f"call_{uuid.uuid4().hex[:24]}",
-                                               "type": "function",
-                                               "function": {"name": event[2], "arguments": ""}}]})
+                deltas.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": event[1],
+                                "id": f"call_{uuid.uuid4().hex[:24]}",
+                                "type": "function",
+                                "function": {"name": event[2], "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             elif event[2]:
                 deltas.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
         return _merge(deltas)
@@ -144,12 +173,12 @@ def _message(deltas: list[dict], with_reasoning: bool, with_tools: bool) -> dict
     for d in deltas:
         for c in d.get("tool_calls", []):
             if "id" in c:
-                calls.append({"id": c["id"], "type": "function",
-                              "function": {"name": c["function"]["name"], "arguments": ""}})
+                calls.append(
+                    {"id": c["id"], "type": "function", "function": {"name": c["function"]["name"], "arguments": ""}}
+                )
             else:
                 calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
-    message = {"role": "assistant", "content": content or (None if calls or with_reasoning else ""),
-               "refusal": None}
+    message = {"role": "assistant", "content": content or (None if calls or with_reasoning else ""), "refusal": None}
     if with_reasoning:
         message["reasoning_content"] = reasoning or None
     if with_tools:
@@ -161,8 +190,9 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Sam
     """Prompt ids, sampling parameters (with constraints) and the parsing plan of a chat request."""
     ctx.check_limits(req)
     if req.stream and req.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs is supported on non-streamed chat completions only", "prompt_logprobs",
-                          "unsupported")
+        raise bad_request(
+            "prompt_logprobs is supported on non-streamed chat completions only", "prompt_logprobs", "unsupported"
+        )
     params = req.sampling_params()
     template_kwargs = req.template_kwargs()
     mode, name = req.tool_mode()
@@ -170,15 +200,22 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Sam
     spec = req.structured_spec()
     for i, tool in enumerate(tools):
         if "parameters" in tool["function"]:
-            await ctx.check_structured(StructuredOutputSpec.json(tool["function"]["parameters"]),
-                                       f"tools[{i}].function.parameters")
+            await ctx.check_structured(
+                StructuredOutputSpec.json(tool["function"]["parameters"]), f"tools[{i}].function.parameters"
+            )
     if mode in ("required", "named"):
         if spec is not None:
-            raise bad_request(f"{spec[1]} cannot be combined with tool_choice {mode if mode != 'named' else name!r}: "
-                              "the output is constrained to the tool call", spec[1])
+            raise bad_request(
+                f"{spec[1]} cannot be combined with tool_choice {mode if mode != 'named' else name!r}: "
+                "the output is constrained to the tool call",
+                spec[1],
+            )
         chosen = [t for t in tools if t["function"]["name"] == name]
-        schema = (tool_fmt.parameters_schema(chosen[0]) if mode == "named"
-                  else tool_fmt.required_schema(tools, req.parallel_tool_calls))
+        schema = (
+            tool_fmt.parameters_schema(chosen[0])
+            if mode == "named"
+            else tool_fmt.required_schema(tools, req.parallel_tool_calls)
+        )
         spec = (StructuredOutputSpec.json(schema), "tools")
         await ctx.check_structured(*spec)
         params = dataclasses.replace(params, structured_output=spec[0])
@@ -188,8 +225,9 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Sam
     native = tool_fmt.template_supports_tools(ctx.tokenizer.hf.chat_template)
     prompt_tools = tools if mode != "none" else None
     messages = tool_fmt.render_messages(req.chat_messages(), prompt_tools, native)
-    text, ids = await chat_prompt(ctx, messages, req.add_generation_prompt, prompt_tools if native else None,
-                                  template_kwargs)
+    text, ids = await chat_prompt(
+        ctx, messages, req.add_generation_prompt, prompt_tools if native else None, template_kwargs
+    )
 
     in_reasoning, end_ids = False, ()
     if ctx.reasoning_parser is not None:
@@ -197,16 +235,20 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Sam
         in_reasoning = not prompt_closes_reasoning(text, parser.start, parser.end)
         end_ids = tuple(ctx.tokenizer.encode(parser.end, add_special_tokens=False))
         if in_reasoning and (params.structured_output is not None or req.max_reasoning_tokens is not None):
-            params = dataclasses.replace(params, reasoning=ReasoningSpec(parser.end, end_ids, True,
-                                                                         req.max_reasoning_tokens))
+            params = dataclasses.replace(
+                params, reasoning=ReasoningSpec(parser.end, end_ids, True, req.max_reasoning_tokens)
+            )
     elif req.max_reasoning_tokens is not None:
-        raise bad_request("max_reasoning_tokens needs a reasoning model: start the server with --reasoning-parser",
-                          "max_reasoning_tokens")
+        raise bad_request(
+            "max_reasoning_tokens needs a reasoning model: start the server with --reasoning-parser",
+            "max_reasoning_tokens",
+        )
     return params, ids, _ChatPlan(mode, name, tools, in_reasoning, spec[1] if spec else None, end_ids)
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request,
-                                 arrival: float) -> Response:
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, request: Request, arrival: float
+) -> Response:
     model = ctx.check_model(req.model)
     params, ids, plan = await _prepare(ctx, req)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -217,8 +259,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     top_n = req.top_logprobs or 0
     await wait_started([stream], plan.structured_param)
     if req.stream:
-        return SSEResponse(_stream(ctx, req, plan, request_id, model, created, len(ids), stream, top_n),
-                           on_close=stream.close)
+        return SSEResponse(
+            _stream(ctx, req, plan, request_id, model, created, len(ids), stream, top_n), on_close=stream.close
+        )
     try:
         final = await run_until_disconnect(request, _last(stream))
     except ClientDisconnected:
@@ -233,17 +276,38 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         if req.logprobs:
             logprobs = {"content": ctx.chat_logprobs(o.token_ids, o.logprobs or [], top_n), "refusal": None}
         parser = ChatOutputParser(ctx, plan, req.parallel_tool_calls)
-        message = _message(parser.feed(o.text, finished=True), ctx.reasoning_parser is not None,
-                           plan.tool_mode != "none")
-        choices.append({"index": o.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": parser.finish_reason(o.finish_reason)})
+        message = _message(
+            parser.feed(o.text, finished=True), ctx.reasoning_parser is not None, plan.tool_mode != "none"
+        )
+        choices.append(
+            {
+                "index": o.index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": parser.finish_reason(o.finish_reason),
+            }
+        )
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-    extra = {"prompt_logprobs": ctx.vllm_prompt_logprobs(final.prompt_logprobs)} if req.prompt_logprobs is not None \
-        else {}
-    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                         "system_fingerprint": None, "choices": choices, **extra,
-                         "usage": usage(len(ids), completion_tokens, final.num_cached_tokens,
-                                        _reasoning_tokens(ctx, plan, [o.token_ids for o in final.outputs]))})
+    extra = (
+        {"prompt_logprobs": ctx.vllm_prompt_logprobs(final.prompt_logprobs)} if req.prompt_logprobs is not None else {}
+    )
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+            "usage": usage(
+                len(ids),
+                completion_tokens,
+                final.num_cached_tokens,
+                _reasoning_tokens(ctx, plan, [o.token_ids for o in final.outputs]),
+            ),
+        }
+    )
 
 
 def _reasoning_tokens(ctx: ServingContext, plan: _ChatPlan, outputs: list[list[int]]) -> int | None:
@@ -260,10 +324,24 @@ async def _last(stream: RequestStream):
     return last
 
 
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, plan: _ChatPlan, request_id: str, model: str,
-                  created: int, num_prompt: int, stream: RequestStream, top_n: int):
-    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": None}
+async def _stream(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    plan: _ChatPlan,
+    request_id: str,
+    model: str,
+    created: int,
+    num_prompt: int,
+    stream: RequestStream,
+    top_n: int,
+):
+    base = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+    }
     include_usage = req.include_usage
 
     chunk = choice_chunk_builder(base, include_usage, "delta")
@@ -289,11 +367,15 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, plan: _ChatPl
                 if not deltas and (logprobs is not None or finished):
                     deltas = [{}]
                 for k, delta in enumerate(deltas):
-                    yield chunk(d.index, delta, logprobs if k == 0 else None,
-                                finish if k == len(deltas) - 1 else None)
+                    yield chunk(d.index, delta, logprobs if k == 0 else None, finish if k == len(deltas) - 1 else None)
         if include_usage:
-            yield sse(dict(base, choices=[], usage=usage(num_prompt, completion_tokens, cached,
-                                                         _reasoning_tokens(ctx, plan, tokens))))
+            yield sse(
+                dict(
+                    base,
+                    choices=[],
+                    usage=usage(num_prompt, completion_tokens, cached, _reasoning_tokens(ctx, plan, tokens)),
+                )
+            )
     except ENGINE_ERRORS as e:  # the same error as a non-streamed request gets (a dead-end grammar: a 400)
         yield sse(engine_error(e, plan.structured_param).to_dict())
     finally:

@@ -8,10 +8,9 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.server.request_stream import RequestStream, StreamOutput
 from tokenmill.server.protocol import CompletionRequest, bad_request
-from tokenmill.server.serving import (ENGINE_ERRORS, ServingContext, engine_error, merge_logprobs, usage,
-                                      wait_started)
+from tokenmill.server.request_stream import RequestStream, StreamOutput
+from tokenmill.server.serving import ENGINE_ERRORS, ServingContext, engine_error, merge_logprobs, usage, wait_started
 from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
@@ -44,8 +43,7 @@ def prompt_inputs(ctx: ServingContext, prompts: list) -> list[tuple[str, list[in
     return out
 
 
-async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request,
-                            arrival: float) -> Response:
+async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request, arrival: float) -> Response:
     model = ctx.check_model(req.model)
     raw_prompts = split_prompts(req.prompt)
     ctx.check_limits(req, len(raw_prompts))
@@ -85,25 +83,43 @@ async def _last(stream: RequestStream) -> StreamOutput:
     return last
 
 
-def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str, created: int,
-              prompts: list[tuple[str, list[int]]], finals: list[StreamOutput]) -> dict:
+def _response(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    request_id: str,
+    model: str,
+    created: int,
+    prompts: list[tuple[str, list[int]]],
+    finals: list[StreamOutput],
+) -> dict:
     choices = []
     completion_tokens = cached = 0
     for p, (final, (text, ids)) in enumerate(zip(finals, prompts)):
         cached += final.num_cached_tokens
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
-            choices.append(dict(_prompt_fields(ctx, req, ids, final.prompt_logprobs),
-                                index=p * req.n + o.index, text=(text if req.echo else "") + o.text,
-                                finish_reason=o.finish_reason))
+            choices.append(
+                dict(
+                    _prompt_fields(ctx, req, ids, final.prompt_logprobs),
+                    index=p * req.n + o.index,
+                    text=(text if req.echo else "") + o.text,
+                    finish_reason=o.finish_reason,
+                )
+            )
             if req.logprobs is not None:
                 offset = choices[-1].pop("echo_offset")
                 generated, _ = ctx.completion_logprobs(o.token_ids, o.logprobs or [], offset)
                 choices[-1]["logprobs"] = merge_logprobs(choices[-1]["logprobs"], generated)
     prompt_tokens = sum(len(ids) for _, ids in prompts)
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens, cached)}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
+    }
 
 
 def _prompt_fields(ctx: ServingContext, req: CompletionRequest, ids: list[int], entries: list | None) -> dict:
@@ -117,10 +133,23 @@ def _prompt_fields(ctx: ServingContext, req: CompletionRequest, ids: list[int], 
     return fields
 
 
-async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str, created: int,
-                  prompts: list[tuple[str, list[int]]], streams: list[RequestStream], structured_param: str | None):
-    base = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None}
+async def _stream(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    request_id: str,
+    model: str,
+    created: int,
+    prompts: list[tuple[str, list[int]]],
+    streams: list[RequestStream],
+    structured_param: str | None,
+):
+    base = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+    }
     include_usage = req.include_usage
 
     chunk = choice_chunk_builder(base, include_usage, "text")
@@ -129,8 +158,11 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
     completion_tokens = 0
     cached = [0] * len(prompts)
     # prompts whose first chunks (echo, prompt logprobs) wait for the engine's prompt logprobs
-    waiting = {p for p in range(len(prompts)) if req.engine_prompt_logprobs is not None
-               and (req.logprobs is not None or req.prompt_logprobs is not None)}
+    waiting = {
+        p
+        for p in range(len(prompts))
+        if req.engine_prompt_logprobs is not None and (req.logprobs is not None or req.prompt_logprobs is not None)
+    }
     held: dict[int, list[StreamOutput]] = {p: [] for p in waiting}
     try:
         if req.echo:
@@ -156,8 +188,9 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                     completion_tokens += len(d.token_ids)
                     logprobs = None
                     if req.logprobs is not None and d.logprobs:
-                        logprobs, offsets[index] = ctx.completion_logprobs(d.token_ids, d.logprobs,
-                                                                           offsets.get(index, 0))
+                        logprobs, offsets[index] = ctx.completion_logprobs(
+                            d.token_ids, d.logprobs, offsets.get(index, 0)
+                        )
                     if d.text or logprobs is not None or d.finish_reason is not None:
                         yield chunk(index, d.text, logprobs, d.finish_reason)
         if include_usage:

@@ -20,8 +20,15 @@ from tokenmill.asgi import ClientDisconnected, run_until_disconnect, stream_resp
 if TYPE_CHECKING:
     from tokenmill.server.request_stream import RequestStream, StreamOutput
 
-__all__ = ["ClientDisconnected", "SSEResponse", "choice_chunk_builder", "gather_or_cancel", "merge_streams",
-           "run_until_disconnect", "sse"]
+__all__ = [
+    "ClientDisconnected",
+    "SSEResponse",
+    "choice_chunk_builder",
+    "gather_or_cancel",
+    "merge_streams",
+    "run_until_disconnect",
+    "sse",
+]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -36,9 +43,14 @@ def choice_chunk_builder(base: dict, include_usage: bool, content_key: str):
     """`chunk(index, content, logprobs, finish_reason, **extra) -> str`: one streamed choice as an SSE
     event, `content_key` being "text" (completions) or "delta" (chat), `extra` more choice fields;
     `usage: null` until the last chunk when the client asked for usage."""
+
     def chunk(index: int, content, logprobs, finish_reason, **extra) -> str:
-        body = dict(base, choices=[{"index": index, content_key: content, "logprobs": logprobs,
-                                    "finish_reason": finish_reason, **extra}])
+        body = dict(
+            base,
+            choices=[
+                {"index": index, content_key: content, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
+            ],
+        )
         if include_usage:
             body["usage"] = None
         return sse(body)
@@ -53,16 +65,20 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], object] | None = None) -> None:
-        super().__init__(status_code=200, media_type=self.media_type,
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        super().__init__(
+            status_code=200,
+            media_type=self.media_type,
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.events = events
         self.on_close = on_close  # runs however the response ends (even if never started)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            error = await stream_response(send, receive, self.status_code, self.raw_headers, self._pump,
-                                          self.events.aclose)
+            error = await stream_response(
+                send, receive, self.status_code, self.raw_headers, self._pump, self.events.aclose
+            )
             if error is not None:
                 logger.error("streaming response failed", exc_info=error)
         finally:

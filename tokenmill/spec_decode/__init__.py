@@ -29,8 +29,9 @@ def eligible(request: Request) -> bool:
     the sampler would after the first i drafts: the grammar mask, min_tokens, logit bias, penalties
     over the output so far plus those drafts (`ModelRunner._process_for_verify`)."""
     structured = request.structured
-    return request.params.speculative and (structured is None or (structured.grammar_active and
-                                                                  not structured.terminated))
+    return request.params.speculative and (
+        structured is None or (structured.grammar_active and not structured.terminated)
+    )
 
 
 def draft_length(acceptance: float, min_acceptance: float, most: int) -> int:

@@ -52,17 +52,26 @@ class DraftRequest:
 class DraftModelDrafter(Drafter):
     def __init__(self, config: EngineConfig, target_vocab_size: int) -> None:
         c = draft_config = draft_engine_config(config, config.speculative.model)
-        loaded = load_model(c.model, c.dtype, c.device, max_positions=c.scheduler.max_model_len,
-                            quantization=c.quantization, group_size=c.quantization_group_size,
-                            symmetric=c.quantization_symmetric)
+        loaded = load_model(
+            c.model,
+            c.dtype,
+            c.device,
+            max_positions=c.scheduler.max_model_len,
+            quantization=c.quantization,
+            group_size=c.quantization_group_size,
+            symmetric=c.quantization_symmetric,
+        )
         if loaded.config.vocab_size > target_vocab_size:
-            raise ValueError(f"speculative_config.model: the draft's vocabulary ({loaded.config.vocab_size}) is "
-                             f"larger than the target's ({target_vocab_size}); it must share the target's tokenizer")
+            raise ValueError(
+                f"speculative_config.model: the draft's vocabulary ({loaded.config.vocab_size}) is "
+                f"larger than the target's ({target_vocab_size}); it must share the target's tokenizer"
+            )
         self.pool = DraftKVPool(loaded, draft_config)
         self.pool.warm_up()
         self.target_vocab_size = target_vocab_size
-        logger.info("draft model %s: %d KV blocks of %d tokens", draft_config.model, self.pool.num_blocks,
-                    self.pool.block_size)
+        logger.info(
+            "draft model %s: %d KV blocks of %d tokens", draft_config.model, self.pool.num_blocks, self.pool.block_size
+        )
 
     def finish(self, request_id: str) -> None:
         self.pool.finish(request_id)
@@ -78,8 +87,9 @@ class DraftModelDrafter(Drafter):
             s.draft = None
             left = (s.params.max_tokens or 1 << 30) - len(s.output_token_ids)
             constrained = s.params.structured_output is not None
-            asks[rid] = DraftRequest(s.prompt_token_ids + s.output_token_ids, k, left,
-                                     None if constrained else s.params, s.generator)
+            asks[rid] = DraftRequest(
+                s.prompt_token_ids + s.output_token_ids, k, left, None if constrained else s.params, s.generator
+            )
         drafts, probs = self.draft(asks)
         for rid, q in probs.items():
             step.requests[rid].draft = (drafts[rid], q)

@@ -14,8 +14,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from tokenmill.attention.selector import get_attention_backend
 from tokenmill.attention.kv_spec import make_kv_cache_config
+from tokenmill.attention.selector import get_attention_backend
 from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, resolve_cache_dtype
 from tokenmill.layers.paged_forward import PagedForward
 from tokenmill.loader import LoadedModel
@@ -60,9 +60,17 @@ def draft_engine_config(config: EngineConfig, model: str | None) -> EngineConfig
     context = min(config.scheduler.max_model_len or DRAFT_CONTEXT_TOKENS, DRAFT_CONTEXT_TOKENS)
     blocks = spec.disable_by_batch_size * -(-context // config.cache.block_size) + spec.disable_by_batch_size
     return dataclasses.replace(
-        config, model=model, speculative=None, parallel=ParallelConfig(),
-        cache=CacheConfig(block_size=config.cache.block_size, num_blocks=blocks, enable_prefix_caching=False,
-                          cache_dtype=config.cache.cache_dtype))
+        config,
+        model=model,
+        speculative=None,
+        parallel=ParallelConfig(),
+        cache=CacheConfig(
+            block_size=config.cache.block_size,
+            num_blocks=blocks,
+            enable_prefix_caching=False,
+            cache_dtype=config.cache.cache_dtype,
+        ),
+    )
 
 
 class DraftKVPool:
@@ -70,11 +78,13 @@ class DraftKVPool:
         """`config`: the drafter's (`draft_engine_config`)."""
         self.model = loaded.model
         cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, loaded.dtype, loaded.quantization)
-        self.paged = PagedForward(loaded.model, loaded.device, cache_dtype,
-                                  get_attention_backend(loaded.device, loaded.dtype, cache_dtype))
+        self.paged = PagedForward(
+            loaded.model, loaded.device, cache_dtype, get_attention_backend(loaded.device, loaded.dtype, cache_dtype)
+        )
         sched = config.scheduler
-        kv = make_kv_cache_config(self.paged.kv_cache_specs(), config.cache, sched.max_num_seqs,
-                                  sched.max_num_batched_tokens)
+        kv = make_kv_cache_config(
+            self.paged.kv_cache_specs(), config.cache, sched.max_num_seqs, sched.max_num_batched_tokens
+        )
         self.paged.initialize_kv_cache(kv)
         self.block_size, self.num_pools, self.num_blocks = kv.block_size, len(kv.pool_blocks), kv.num_blocks
         self.free = list(range(kv.num_blocks))
@@ -86,8 +96,12 @@ class DraftKVPool:
         it is read), so that kernels are compiled before the first request's clock starts."""
         tables = [[[0]] * self.num_pools]
         for ids, computed in (([0, 0], 0), ([0], 2)):
-            hidden, _ = self.paged.forward(np.asarray(ids, dtype=np.int64), np.asarray([len(ids)], dtype=np.int64),
-                                           np.asarray([computed], dtype=np.int64), tables)
+            hidden, _ = self.paged.forward(
+                np.asarray(ids, dtype=np.int64),
+                np.asarray([len(ids)], dtype=np.int64),
+                np.asarray([computed], dtype=np.int64),
+                tables,
+            )
             self.model.compute_logits(hidden[-1:])
 
     def state(self, request_id: str) -> DraftState:
@@ -116,8 +130,9 @@ class DraftKVPool:
             del self.free[-need:]
         return True
 
-    def forward(self, rids: list[str], inputs: list[list[int]], num_computed: list[int],
-                extra: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self, rids: list[str], inputs: list[list[int]], num_computed: list[int], extra: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """One drafter forward of each request's `inputs` after its `num_computed` cached positions (and
         `extra[i]`, one row per input, passed to the module as `hidden_states`) -> the module's output
         after each one's last input, [requests, ...] in `rids` order."""
@@ -126,9 +141,12 @@ class DraftKVPool:
         ids = [t for i in order for t in inputs[i]]
         model_inputs = {} if extra is None else {"hidden_states": torch.cat([extra[i] for i in order])}
         hidden, common = self.paged.forward(
-            np.asarray(ids, dtype=np.int64), np.asarray([num_new[i] for i in order], dtype=np.int64),
+            np.asarray(ids, dtype=np.int64),
+            np.asarray([num_new[i] for i in order], dtype=np.int64),
             np.asarray([num_computed[i] for i in order], dtype=np.int64),
-            [[self.states[rids[i]].blocks] * self.num_pools for i in order], **model_inputs)
+            [[self.states[rids[i]].blocks] * self.num_pools for i in order],
+            **model_inputs,
+        )
         last = torch.from_numpy(common.query_start_loc[1:] - 1).to(hidden.device)
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))

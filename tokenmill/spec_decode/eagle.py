@@ -45,17 +45,24 @@ class Eagle3Layer(nn.Module):
     """A Llama decoder layer whose attention reads [norm(embedding), hidden_norm(hidden)]; the residual
     stream starts at the hidden state."""
 
-    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, quant: UnquantizedConfig,
-                 norm_before_residual: bool) -> None:
+    def __init__(
+        self, config: LlamaConfig, rotary: RotaryEmbedding, quant: UnquantizedConfig, norm_before_residual: bool
+    ) -> None:
         super().__init__()
         c, prefix = config, "midlayer"
         self.norm_before_residual = norm_before_residual  # the residual stream starts at hidden_norm(hidden)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = LlamaAttention(c, rotary, quant, f"{prefix}.self_attn")
-        self.self_attn.qkv_proj = QKVParallelLinear(2 * c.hidden_size, c.head_dim, c.num_attention_heads,
-                                                    c.num_key_value_heads, c.qkv_bias, quant,
-                                                    f"{prefix}.self_attn.qkv_proj")
+        self.self_attn.qkv_proj = QKVParallelLinear(
+            2 * c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.qkv_bias,
+            quant,
+            f"{prefix}.self_attn.qkv_proj",
+        )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = LlamaMLP(c, quant, f"{prefix}.mlp")
 
@@ -71,8 +78,15 @@ class Eagle3Drafter(nn.Module):
     packed_modules = LlamaForCausalLM.packed_modules
     aux = True  # reads the target's auxiliary hidden states
 
-    def __init__(self, config: LlamaConfig, draft_vocab_size: int, target_hidden_size: int, own_embedding: bool,
-                 max_positions: int, norm_before_residual: bool = False) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        draft_vocab_size: int,
+        target_hidden_size: int,
+        own_embedding: bool,
+        max_positions: int,
+        norm_before_residual: bool = False,
+    ) -> None:
         super().__init__()
         quant = dense_weights(self.packed_modules)
         c = config
@@ -118,7 +132,9 @@ def load_eagle3(path: str, target: LoadedModel) -> Eagle3Drafter:
     raw = json.loads(config_file.read_text())
     decoder = target.model.model
     if not isinstance(decoder, LlamaModel) or type(decoder).forward is not LlamaModel.forward:
-        raise ValueError(f"speculative_config.method eagle3 needs a Llama-family target, not {target.config.architecture}")
+        raise ValueError(
+            f"speculative_config.method eagle3 needs a Llama-family target, not {target.config.architecture}"
+        )
     tc = target.config
     for name in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
         _field(raw, name, root)
@@ -126,33 +142,52 @@ def load_eagle3(path: str, target: LoadedModel) -> Eagle3Drafter:
     _field({"draft_vocab_size": draft_vocab}, "draft_vocab_size", root)
     target_hidden = raw.get("target_hidden_size", raw["hidden_size"])
     if target_hidden != tc.hidden_size:
-        raise ValueError(f"{FIELD}: {config_file} field target_hidden_size (or hidden_size) is {target_hidden}, the "
-                         f"target's hidden size is {tc.hidden_size}")
+        raise ValueError(
+            f"{FIELD}: {config_file} field target_hidden_size (or hidden_size) is {target_hidden}, the "
+            f"target's hidden size is {tc.hidden_size}"
+        )
     if draft_vocab > tc.vocab_size or raw["vocab_size"] != tc.vocab_size:
-        raise ValueError(f"{FIELD}: {config_file} fields vocab_size / draft_vocab_size ({raw['vocab_size']} / "
-                         f"{draft_vocab}) do not fit the target's vocabulary ({tc.vocab_size})")
+        raise ValueError(
+            f"{FIELD}: {config_file} fields vocab_size / draft_vocab_size ({raw['vocab_size']} / "
+            f"{draft_vocab}) do not fit the target's vocabulary ({tc.vocab_size})"
+        )
     aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(
-        tc.num_hidden_layers)
+        tc.num_hidden_layers
+    )
     if len(set(aux)) != 3 or not all(isinstance(i, int) and 0 <= i < tc.num_hidden_layers for i in aux):
-        raise ValueError(f"{FIELD}: {config_file} field eagle_config.eagle_aux_hidden_state_layer_ids must name 3 "
-                         f"different layers of the target's {tc.num_hidden_layers}, got {list(aux)}")
+        raise ValueError(
+            f"{FIELD}: {config_file} field eagle_config.eagle_aux_hidden_state_layer_ids must name 3 "
+            f"different layers of the target's {tc.num_hidden_layers}, got {list(aux)}"
+        )
     config = LlamaConfig.from_hf_dict({**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
     tensors = read_tensors(root, WEIGHT_FILES, "EAGLE-3")
     d2t, _ = tensors.pop("d2t", None), tensors.pop("t2d", None)
     if d2t is None and draft_vocab != tc.vocab_size:
-        raise ValueError(f"{FIELD}: {root} has no d2t tensor, needed with a draft vocabulary "
-                         f"({draft_vocab}) smaller than the target's ({tc.vocab_size})")
+        raise ValueError(
+            f"{FIELD}: {root} has no d2t tensor, needed with a draft vocabulary "
+            f"({draft_vocab}) smaller than the target's ({tc.vocab_size})"
+        )
     head = tensors.get("lm_head.weight")
     if head is not None and tuple(head.shape) != (draft_vocab, config.hidden_size):
-        raise ValueError(f"{FIELD}: {root}: lm_head.weight has shape {tuple(head.shape)}, config.json fields "
-                         f"draft_vocab_size and hidden_size say {(draft_vocab, config.hidden_size)}")
+        raise ValueError(
+            f"{FIELD}: {root}: lm_head.weight has shape {tuple(head.shape)}, config.json fields "
+            f"draft_vocab_size and hidden_size say {(draft_vocab, config.hidden_size)}"
+        )
     own_embedding = "embed_tokens.weight" in tensors
     if not own_embedding and config.hidden_size != tc.hidden_size:
-        raise ValueError(f"{FIELD}: {root} has no embed_tokens.weight and its hidden_size ({config.hidden_size}) "
-                         f"differs from the target's ({tc.hidden_size}): it cannot share the target's embedding")
+        raise ValueError(
+            f"{FIELD}: {root} has no embed_tokens.weight and its hidden_size ({config.hidden_size}) "
+            f"differs from the target's ({tc.hidden_size}): it cannot share the target's embedding"
+        )
     with torch.device(target.device), default_dtype(target.dtype):
-        drafter = Eagle3Drafter(config, draft_vocab, target_hidden, own_embedding, tc.max_position_embeddings,
-                                bool(raw.get("norm_before_residual", False)))
+        drafter = Eagle3Drafter(
+            config,
+            draft_vocab,
+            target_hidden,
+            own_embedding,
+            tc.max_position_embeddings,
+            bool(raw.get("norm_before_residual", False)),
+        )
     load_drafter_weights(drafter, tensors, f"{FIELD}: {root}")
     with torch.no_grad():
         if d2t is not None:

@@ -46,8 +46,9 @@ class HiddenStateDrafter(Drafter):
         self.disable_by_batch_size = config.speculative.disable_by_batch_size
         loaded = dataclasses.replace(target, model=module, quantization="none")
         self.pool = DraftKVPool(loaded, draft_engine_config(config, None))
-        logger.info("%s drafter: %d KV blocks of %d tokens", type(module).__name__, self.pool.num_blocks,
-                    self.pool.block_size)
+        logger.info(
+            "%s drafter: %d KV blocks of %d tokens", type(module).__name__, self.pool.num_blocks, self.pool.block_size
+        )
 
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
         """Feed the drafter this step's hidden states of every request that may speculate (its KV must
@@ -98,15 +99,21 @@ class HiddenStateDrafter(Drafter):
         for rid, fed in zip(rids, inputs):
             self.pool.states[rid].tokens.extend(fed)
         drafts: dict[str, list[int]] = {}
-        live = [i for i, rid in enumerate(rids) if wanted.get(rid, 0) and
-                feeds[rid].num_computed + len(inputs[i]) == len(feeds[rid].tokens) - 1]
+        live = [
+            i
+            for i, rid in enumerate(rids)
+            if wanted.get(rid, 0) and feeds[rid].num_computed + len(inputs[i]) == len(feeds[rid].tokens) - 1
+        ]
         hidden = hidden[live] if live else hidden[:0]
         draft_rids = [rids[i] for i in live]
         for j in range(max((wanted[r] for r in draft_rids), default=0)):
             if j:
-                hidden = self.pool.forward(draft_rids, [[drafts[r][-1]] for r in draft_rids],
-                                           [len(self.pool.states[r].tokens) + j - 1 for r in draft_rids],
-                                           list(hidden.unsqueeze(1)))
+                hidden = self.pool.forward(
+                    draft_rids,
+                    [[drafts[r][-1]] for r in draft_rids],
+                    [len(self.pool.states[r].tokens) + j - 1 for r in draft_rids],
+                    list(hidden.unsqueeze(1)),
+                )
             tokens = self.module.to_target(self.module.compute_logits(hidden).argmax(dim=-1)).tolist()
             for rid, token in zip(draft_rids, tokens):
                 drafts.setdefault(rid, []).append(token)

@@ -38,11 +38,20 @@ _VLLM = re.compile(r"^(?:blocks\.(\d+)\.layers\.(\d+)|lm_heads\.(\d+))\.(weight|
 class MedusaHeads(nn.Module):
     def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int, own_lm_heads: bool) -> None:
         super().__init__()
-        self.num_heads, self.num_layers, self.hidden_size, self.vocab_size = num_heads, num_layers, hidden_size, vocab_size
-        self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
-                                    for _ in range(num_heads))
-        self.lm_heads = (nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
-                         if own_lm_heads else None)
+        self.num_heads, self.num_layers, self.hidden_size, self.vocab_size = (
+            num_heads,
+            num_layers,
+            hidden_size,
+            vocab_size,
+        )
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers)) for _ in range(num_heads)
+        )
+        self.lm_heads = (
+            nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+            if own_lm_heads
+            else None
+        )
 
     def head_states(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """hidden [R, H] -> the first k heads' states before their LM heads, [k, R, H]."""
@@ -74,16 +83,22 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, path: str, target: LoadedModel) -> None:
         self.heads = load_medusa_heads(path, target.config.hidden_size, target.config.vocab_size).to(target.device)
-        logger.info("Medusa: %d heads of %d residual blocks from %s (%s LM heads)", self.heads.num_heads,
-                    self.heads.num_layers, path, "own" if self.heads.lm_heads is not None else "the target's")
+        logger.info(
+            "Medusa: %d heads of %d residual blocks from %s (%s LM heads)",
+            self.heads.num_heads,
+            self.heads.num_layers,
+            path,
+            "own" if self.heads.lm_heads is not None else "the target's",
+        )
 
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
         if not step.wanted:
             return {}
         rids, hidden = list(step.wanted), step.hidden
         rows = hidden[torch.tensor([step.last_rows[r] for r in rids], device=hidden.device)].float()
-        drafted = self.heads.propose(rows, lambda x: step.model.compute_logits(x.to(hidden.dtype)),
-                                     max(step.wanted.values()))
+        drafted = self.heads.propose(
+            rows, lambda x: step.model.compute_logits(x.to(hidden.dtype)), max(step.wanted.values())
+        )
         return {r: d[: step.wanted[r]] for r, d in zip(rids, drafted)}
 
 
@@ -138,8 +153,10 @@ def load_medusa_heads(path: str, hidden_size: int, vocab_size: int) -> MedusaHea
         raise ValueError(f"speculative_config.model: {root} lacks {', '.join(missing[:4])}")
     for name, tensor in state.items():
         if name not in want or tuple(tensor.shape) != tuple(want[name]):
-            raise ValueError(f"speculative_config.model: {name} in {root} has shape {tuple(tensor.shape)}, the "
-                             f"target (hidden {hidden_size}, vocab {vocab_size}) needs {tuple(want.get(name, ()))}")
+            raise ValueError(
+                f"speculative_config.model: {name} in {root} has shape {tuple(tensor.shape)}, the "
+                f"target (hidden {hidden_size}, vocab {vocab_size}) needs {tuple(want.get(name, ()))}"
+            )
     heads.load_state_dict({n: t.float() for n, t in state.items()})
     return heads.eval()
 
@@ -158,7 +175,13 @@ def save_medusa_heads(heads: MedusaHeads, path: str, base_model: str, extra: dic
         if heads.lm_heads is not None:
             tensors[f"{i}.{heads.num_layers}.weight"] = heads.lm_heads[i].weight.detach().contiguous()
     save_file(tensors, str(root / "medusa_lm_head.safetensors"))
-    config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
-              "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size, "base_model_name_or_path": base_model,
-              "tied_lm_head": heads.lm_heads is None, **(extra or {})}
+    config = {
+        "medusa_num_heads": heads.num_heads,
+        "medusa_num_layers": heads.num_layers,
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+        "base_model_name_or_path": base_model,
+        "tied_lm_head": heads.lm_heads is None,
+        **(extra or {}),
+    }
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")

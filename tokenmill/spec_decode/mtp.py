@@ -40,8 +40,9 @@ class DeepseekMTP(nn.Module):
     checkpoint_renames = DeepseekForCausalLM.checkpoint_renames
     aux = False  # reads the target's final hidden state
 
-    def __init__(self, config: DeepseekConfig, layer: int, own_embedding: bool, own_head: bool,
-                 max_positions: int) -> None:
+    def __init__(
+        self, config: DeepseekConfig, layer: int, own_embedding: bool, own_head: bool, max_positions: int
+    ) -> None:
         super().__init__()
         quant = dense_weights(self.packed_modules)
         h = config.hidden_size
@@ -76,8 +77,10 @@ def load_mtp(target: LoadedModel) -> DeepseekMTP:
     """The target's first MTP layer, from its own checkpoint."""
     c = target.config
     if not isinstance(c, DeepseekConfig) or not c.num_nextn_predict_layers:
-        raise ValueError("speculative_config.method mtp needs a target whose config.json has num_nextn_predict_layers "
-                         f"> 0 (DeepSeek-V3 style), and {target.source.name} ({c.architecture}) has none")
+        raise ValueError(
+            "speculative_config.method mtp needs a target whose config.json has num_nextn_predict_layers "
+            f"> 0 (DeepSeek-V3 style), and {target.source.name} ({c.architecture}) has none"
+        )
     if target.source.kind == "gguf":
         raise ValueError("speculative_config.method mtp reads the MTP layer from an HF checkpoint, not a GGUF file")
     layer = c.num_hidden_layers
@@ -88,8 +91,10 @@ def load_mtp(target: LoadedModel) -> DeepseekMTP:
             rest = m.group(1)
             tensors[f"block.{rest}" if rest.startswith(_BLOCK_PARTS) else rest] = tensor
     if not tensors:
-        raise ValueError(f"speculative_config.method mtp: {target.source.name} has no model.layers.{layer}.* tensors "
-                         "(the MTP layer num_nextn_predict_layers announces)")
+        raise ValueError(
+            f"speculative_config.method mtp: {target.source.name} has no model.layers.{layer}.* tensors "
+            "(the MTP layer num_nextn_predict_layers announces)"
+        )
     own_embedding, own_head = "embed_tokens.weight" in tensors, "shared_head.head.weight" in tensors
     with torch.device(target.device), default_dtype(target.dtype):
         mtp = DeepseekMTP(c, layer, own_embedding, own_head, c.max_position_embeddings)

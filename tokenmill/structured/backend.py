@@ -36,8 +36,13 @@ class TokenizerData:
     out on first use: in each compile worker as it starts, and in the engine core when the first grammar
     comes back. Thread-safe; pickles with the bytes once they are known."""
 
-    def __init__(self, tokenizer_json: str | None, vocab_size: int, stop_token_ids: list[int],
-                 decoded_vocab: list[bytes] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str | None,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        decoded_vocab: list[bytes] | None = None,
+    ) -> None:
         self.tokenizer_json = tokenizer_json  # a fast tokenizer's `backend_tokenizer.to_str()`
         self.vocab_size = vocab_size  # len(decoded_vocab): the highest token id + 1
         self.stop_token_ids = stop_token_ids
@@ -64,16 +69,22 @@ class TokenizerData:
                 hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self.tokenizer_json))
                 self._decoded_vocab = _decode_vocab(hf, self.stop_token_ids)
                 if len(self._decoded_vocab) != self.vocab_size:
-                    raise RuntimeError(f"the tokenizer has {len(self._decoded_vocab)} tokens, expected "
-                                       f"{self.vocab_size}")
+                    raise RuntimeError(
+                        f"the tokenizer has {len(self._decoded_vocab)} tokens, expected {self.vocab_size}"
+                    )
             return self._decoded_vocab
 
     def xgrammar_info(self, vocab_size: int):
         """xgrammar's TokenizerInfo for logits `vocab_size` wide (ids past the tokenizer's are never allowed)."""
         import xgrammar as xgr
 
-        return xgr.TokenizerInfo(self.decoded_vocab, xgr.VocabType.RAW, vocab_size=max(vocab_size, self.vocab_size),
-                                 stop_token_ids=self.stop_token_ids, add_prefix_space=False)
+        return xgr.TokenizerInfo(
+            self.decoded_vocab,
+            xgr.VocabType.RAW,
+            vocab_size=max(vocab_size, self.vocab_size),
+            stop_token_ids=self.stop_token_ids,
+            add_prefix_space=False,
+        )
 
     def __getstate__(self) -> dict:
         with self._lock:
@@ -107,8 +118,14 @@ class GrammarCompiler:
     """Compiles specs to xgrammar `CompiledGrammar`s off the caller's thread, with an LRU cache. Making one
     costs nothing on the caller's thread: xgrammar and the worker processes start on the dispatcher threads."""
 
-    def __init__(self, tokenizer_data: TokenizerData, vocab_size: int, cache_size: int = 256,
-                 max_workers: int = 2, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        tokenizer_data: TokenizerData,
+        vocab_size: int,
+        cache_size: int = 256,
+        max_workers: int = 2,
+        timeout: float = 30.0,
+    ) -> None:
         self.vocab_size = vocab_size
         self._tokenizer_data = tokenizer_data
         self._info = None

@@ -61,8 +61,9 @@ def _worker_main(conn, tokenizer_data, vocab_size: int) -> None:
 
 
 class CompileWorkers:
-    def __init__(self, tokenizer_data, vocab_size: int, info: Callable[[], object], num_workers: int = 2,
-                 timeout: float = 30.0) -> None:
+    def __init__(
+        self, tokenizer_data, vocab_size: int, info: Callable[[], object], num_workers: int = 2, timeout: float = 30.0
+    ) -> None:
         self.timeout = timeout
         self._args = (tokenizer_data, vocab_size)
         # the core's xgrammar TokenizerInfo, to rebuild compiled grammars: built at the first result, not when the
@@ -72,8 +73,10 @@ class CompileWorkers:
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
         self.processes: list = [None] * num_workers  # each dispatcher's current worker process
-        self._threads = [threading.Thread(target=self._dispatch, args=(i,), name=f"tokenmill-grammar-{i}",
-                                          daemon=True) for i in range(num_workers)]
+        self._threads = [
+            threading.Thread(target=self._dispatch, args=(i,), name=f"tokenmill-grammar-{i}", daemon=True)
+            for i in range(num_workers)
+        ]
         for t in self._threads:
             t.start()
 
@@ -85,8 +88,7 @@ class CompileWorkers:
     def _start(self, index: int):
         ctx = multiprocessing.get_context("spawn")
         here, there = ctx.Pipe()
-        proc = ctx.Process(target=_worker_main, args=(there, *self._args), name="tokenmill-grammar-worker",
-                           daemon=True)
+        proc = ctx.Process(target=_worker_main, args=(there, *self._args), name="tokenmill-grammar-worker", daemon=True)
         proc.start()
         there.close()
         if not here.poll(_START_TIMEOUT) or here.recv() != "ready":
@@ -134,8 +136,7 @@ class CompileWorkers:
         try:
             conn.send(spec)
             if not conn.poll(self.timeout):
-                logger.warning("a %s grammar did not compile within %g s; killing its worker", spec.kind,
-                               self.timeout)
+                logger.warning("a %s grammar did not compile within %g s; killing its worker", spec.kind, self.timeout)
                 raise _WorkerLost(CompileTimeout(f"compiling it took longer than {self.timeout:g} s"))
             ok, payload, seconds = conn.recv()
         except (EOFError, OSError):  # the worker died (e.g. out of memory)

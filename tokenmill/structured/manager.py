@@ -76,14 +76,20 @@ class _ReasoningTracker:
         tail = self._tail + token_bytes
         if self._marker in tail:
             self.active = False
-        self._tail = tail[-(len(self._marker) - 1):] if len(self._marker) > 1 else b""
+        self._tail = tail[-(len(self._marker) - 1) :] if len(self._marker) > 1 else b""
 
 
 class StructuredState:
     """One request's constraint: grammar (future, then matcher) and reasoning tracker."""
 
-    def __init__(self, spec: StructuredOutputSpec | None, reasoning: ReasoningSpec | None, future: Future | None,
-                 stop_token_ids: list[int], tokenizer_data: TokenizerData) -> None:
+    def __init__(
+        self,
+        spec: StructuredOutputSpec | None,
+        reasoning: ReasoningSpec | None,
+        future: Future | None,
+        stop_token_ids: list[int],
+        tokenizer_data: TokenizerData,
+    ) -> None:
         self.spec = spec
         self.future = future
         self.matcher: GrammarMatcher | None = None
@@ -156,8 +162,9 @@ class StructuredOutputManager:
         self.default_stop_ids = list(tokenizer_data.stop_token_ids)
         self._bitmask: torch.Tensor | None = None  # grown as needed, reused each step
 
-    def new_state(self, spec: StructuredOutputSpec | None, reasoning: ReasoningSpec | None,
-                  stop_token_ids: set[int]) -> StructuredState | None:
+    def new_state(
+        self, spec: StructuredOutputSpec | None, reasoning: ReasoningSpec | None, stop_token_ids: set[int]
+    ) -> StructuredState | None:
         """Start compiling `spec` (cached). `stop_token_ids`: the tokens that end this request
         (the grammar allows them only where the output is complete)."""
         if spec is None and (reasoning is None or reasoning.budget is None):
@@ -174,8 +181,10 @@ class StructuredOutputManager:
         for row, state in enumerate(states):
             state.fill(self._bitmask, row)
             if not self._bitmask[row].any():
-                raise ConstraintDeadEnd(f"the {state.spec.kind} constraint cannot be continued: no token can "
-                                        f"follow the {state.matcher.num_accepted} tokens generated so far")
+                raise ConstraintDeadEnd(
+                    f"the {state.spec.kind} constraint cannot be continued: no token can "
+                    f"follow the {state.matcher.num_accepted} tokens generated so far"
+                )
         return self._bitmask[: len(states)].clone()
 
     def bitmask_for_draft(self, state: StructuredState, drafts: list[int]) -> torch.Tensor:

@@ -55,7 +55,7 @@ class ThinkReasoningParser:
         if self._state == "start":
             stripped = self._pending.lstrip()
             if stripped.startswith(self.start):
-                self._pending = stripped[len(self.start):]
+                self._pending = stripped[len(self.start) :]
                 self._state = "reasoning"
             elif self.start.startswith(stripped):
                 return "", ""  # may still become the opening tag
@@ -63,7 +63,7 @@ class ThinkReasoningParser:
                 self._state = "reasoning"
         i = self._pending.find(self.end)
         if i >= 0:
-            reasoning, content = self._pending[:i], self._pending[i + len(self.end):]
+            reasoning, content = self._pending[:i], self._pending[i + len(self.end) :]
             self._pending, self._state = "", "content"
             return reasoning, content
         hold = _partial_suffix(self._pending, self.end)
@@ -79,7 +79,7 @@ class ThinkReasoningParser:
         if self._state == "start":
             rest = rest.lstrip()
             if rest.startswith(self.start):
-                rest = rest[len(self.start):]
+                rest = rest[len(self.start) :]
         return rest, ""
 
     @classmethod

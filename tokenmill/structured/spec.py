@@ -190,8 +190,13 @@ def build_grammar(spec: StructuredOutputSpec):
         raise ValueError(f"{_WHAT[spec.kind]}: {clean_error(e)}") from None
 
 
-_WHAT = {"json": "invalid JSON schema", "json_object": "invalid JSON object grammar", "regex": "invalid regex",
-         "choice": "invalid choice", "grammar": "invalid grammar"}
+_WHAT = {
+    "json": "invalid JSON schema",
+    "json_object": "invalid JSON object grammar",
+    "regex": "invalid regex",
+    "choice": "invalid choice",
+    "grammar": "invalid grammar",
+}
 
 
 @functools.lru_cache(maxsize=512)

@@ -52,13 +52,15 @@ def template_supports_tools(template: str | None) -> bool:
 
 # ---- prompt -------------------------------------------------------------------------------------
 
+
 def default_tools_prompt(tools: list[dict]) -> str:
-    lines = "\n".join(json.dumps({"type": "function", "function": tool_function(t)}, ensure_ascii=False)
-                      for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to help with the user's request. The functions, "
-            f"described as JSON:\n<tools>\n{lines}\n</tools>\n\nTo call functions, reply with one block per call, "
-            f'each in this form:\n{CALL_START}\n{{"name": "<function name>", "arguments": <arguments as a JSON '
-            f"object>}}\n{CALL_END}")
+    lines = "\n".join(json.dumps({"type": "function", "function": tool_function(t)}, ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\nYou may call one or more functions to help with the user's request. The functions, "
+        f"described as JSON:\n<tools>\n{lines}\n</tools>\n\nTo call functions, reply with one block per call, "
+        f'each in this form:\n{CALL_START}\n{{"name": "<function name>", "arguments": <arguments as a JSON '
+        f"object>}}\n{CALL_END}"
+    )
 
 
 def _call_block(name: str, arguments) -> str:
@@ -84,18 +86,24 @@ def render_messages(messages: list[dict], tools: list[dict] | None, native: bool
         if native:
             msg = {"role": role, "content": content}
             if calls:
-                msg["tool_calls"] = [{"id": c.get("id"), "type": "function",
-                                      "function": {"name": c["function"]["name"],
-                                                   "arguments": _arguments_value(c["function"]["arguments"])}}
-                                     for c in calls]
+                msg["tool_calls"] = [
+                    {
+                        "id": c.get("id"),
+                        "type": "function",
+                        "function": {
+                            "name": c["function"]["name"],
+                            "arguments": _arguments_value(c["function"]["arguments"]),
+                        },
+                    }
+                    for c in calls
+                ]
             if role == "tool":
                 msg["tool_call_id"] = m.get("tool_call_id")
             out.append(msg)
         elif role == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         elif calls:
-            blocks = [_call_block(c["function"]["name"], _arguments_value(c["function"]["arguments"]))
-                      for c in calls]
+            blocks = [_call_block(c["function"]["name"], _arguments_value(c["function"]["arguments"])) for c in calls]
             out.append({"role": role, "content": "\n".join(([content] if content else []) + blocks)})
         else:
             out.append({"role": role, "content": content})
@@ -110,12 +118,20 @@ def render_messages(messages: list[dict], tools: list[dict] | None, native: bool
 
 # ---- constraints --------------------------------------------------------------------------------
 
+
 def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     """JSON schema of `tool_choice: "required"` output: a non-empty array of calls."""
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [tool_function(t)["name"]]},
-                             "arguments": parameters_schema(t)},
-              "required": ["name", "arguments"]} for t in tools]
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool_function(t)["name"]]},
+                "arguments": parameters_schema(t),
+            },
+            "required": ["name", "arguments"],
+        }
+        for t in tools
+    ]
     schema = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
@@ -123,6 +139,7 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
 
 
 # ---- parsers ------------------------------------------------------------------------------------
+
 
 def _partial_suffix(text: str, tag: str) -> int:
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -150,7 +167,7 @@ class HermesToolParser:
                 if i < 0:
                     keep = _partial_suffix(self._buf, CALL_START)
                     self._content(events, self._buf[: len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self._buf = self._buf[len(self._buf) - keep :]
                     return events
                 self._content(events, self._buf[:i])
                 self._buf = self._buf[i:]
@@ -159,15 +176,15 @@ class HermesToolParser:
             if j < 0:
                 return events
             block = self._buf[: j + len(CALL_END)]
-            self._buf = self._buf[j + len(CALL_END):]
+            self._buf = self._buf[j + len(CALL_END) :]
             self._in_call = False
-            self._block(events, block, block[len(CALL_START): j])
+            self._block(events, block, block[len(CALL_START) : j])
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
         rest, self._buf = self._buf, ""
         if self._in_call:  # an unclosed block: a call if its JSON is complete
-            self._block(events, rest, rest[len(CALL_START):])
+            self._block(events, rest, rest[len(CALL_START) :])
         else:
             self._content(events, rest)
         return events
@@ -286,7 +303,7 @@ class ArrayToolParser:
             start = self._pos
             done = self._scan_value()
             if self._pos > start:
-                events.append(("args", self.num_calls, b[start:self._pos]))
+                events.append(("args", self.num_calls, b[start : self._pos]))
             if done:
                 self.num_calls += 1
                 self._state = "item_end"

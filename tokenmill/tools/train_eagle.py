@@ -24,8 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.spec_decode.eagle import default_aux_layers, save_eagle3
-from tokenmill.tools.train_head import (TrainOptions, TrainReport, hidden_states, target_sequences,
-                                        training_summary)
+from tokenmill.tools.train_head import TrainOptions, TrainReport, hidden_states, target_sequences, training_summary
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +32,18 @@ logger = logging.getLogger(__name__)
 class Eagle3Trainable(nn.Module):
     """The EAGLE-3 drafter for training, its parameters named as in the published checkpoints."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, draft_vocab: int,
-                 target_vocab: int, eps: float, rope_theta: float) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        draft_vocab: int,
+        target_vocab: int,
+        eps: float,
+        rope_theta: float,
+    ) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.rope_theta = heads, kv_heads, head_dim, rope_theta
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
@@ -79,8 +88,9 @@ class Eagle3Trainable(nn.Module):
         k = self._rotate(attn.k_proj(x).view(t, self.kv_heads, self.head_dim).transpose(0, 1))
         v = attn.v_proj(x).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
         groups = self.heads // self.kv_heads
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0),
-                                             is_causal=True)
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0), is_causal=True
+        )
         h = attn.o_proj(out.transpose(0, 1).reshape(t, -1)) + hidden
         n = layer.post_attention_layernorm(h)
         h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(n)) * layer.mlp.up_proj(n))
@@ -91,8 +101,17 @@ def new_drafter(target_config, draft_vocab: torch.Tensor, seed: int) -> Eagle3Tr
     """A drafter of the target's layer shape over the draft vocabulary `draft_vocab` (target ids)."""
     c = target_config
     torch.manual_seed(seed)
-    drafter = Eagle3Trainable(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                              c.intermediate_size, len(draft_vocab), c.vocab_size, c.rms_norm_eps, c.rope_theta)
+    drafter = Eagle3Trainable(
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+        len(draft_vocab),
+        c.vocab_size,
+        c.rms_norm_eps,
+        c.rope_theta,
+    )
     drafter.set_vocab(draft_vocab)
     return drafter
 
@@ -100,17 +119,31 @@ def new_drafter(target_config, draft_vocab: torch.Tensor, seed: int) -> Eagle3Tr
 def drafter_config(target_config, drafter: Eagle3Trainable, aux_layers: tuple[int, ...], extra: dict) -> dict:
     """config.json of the published layout for `drafter`."""
     c = target_config
-    return {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-            "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu", "tie_word_embeddings": False,
-            "vocab_size": c.vocab_size, "draft_vocab_size": drafter.lm_head.out_features,
-            "target_hidden_size": c.hidden_size, "torch_dtype": "float32",
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}, **extra}
+    return {
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": drafter.lm_head.out_features,
+        "target_hidden_size": c.hidden_size,
+        "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)},
+        **extra,
+    }
 
 
-def save_drafter(drafter: Eagle3Trainable, target_config, aux_layers: tuple[int, ...], path: str,
-                 extra: dict | None = None) -> None:
+def save_drafter(
+    drafter: Eagle3Trainable, target_config, aux_layers: tuple[int, ...], path: str, extra: dict | None = None
+) -> None:
     save_eagle3(drafter.state_dict(), drafter_config(target_config, drafter, aux_layers, extra or {}), path)
 
 
@@ -120,8 +153,9 @@ def frequent_tokens(sequences: list[list[int]], starts: list[int], size: int) ->
     return torch.tensor(sorted(t for t, _ in counts.most_common(size)))
 
 
-def examples(aux: list[torch.Tensor], sequences: list[list[int]], embedding: torch.Tensor,
-             drafter: Eagle3Trainable) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def examples(
+    aux: list[torch.Tensor], sequences: list[list[int]], embedding: torch.Tensor, drafter: Eagle3Trainable
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per sequence: (aux [T, 3H], embeddings of tokens 1..T, draft-vocab targets of tokens 2..T+1,
     -100 where out of the draft vocabulary) for positions 0..len - 3."""
     to_draft = torch.full((drafter.t2d.shape[0],), -100, dtype=torch.long)
@@ -166,9 +200,9 @@ def top1_accuracy(drafter: Eagle3Trainable, data) -> float:
     return hits / total if total else math.nan
 
 
-
-def train_eagle3(model: str, output: str, opts: TrainOptions, dtype: str = "auto",
-                 quantization: str = "auto") -> TrainReport:
+def train_eagle3(
+    model: str, output: str, opts: TrainOptions, dtype: str = "auto", quantization: str = "auto"
+) -> TrainReport:
     """Generate, collect the target's auxiliary hidden states, train, measure and write an EAGLE-3
     drafter for `model` into `output`."""
     report = TrainReport()
@@ -176,8 +210,10 @@ def train_eagle3(model: str, output: str, opts: TrainOptions, dtype: str = "auto
     config = llm.engine.model_config
     aux_layers = default_aux_layers(config.num_hidden_layers)
     if config.num_hidden_layers < 6:
-        raise ValueError(f"train-draft-head --kind eagle3: the target has {config.num_hidden_layers} layers; the "
-                         "drafter reads layers 2, L // 2 and L - 3, so it needs at least 6")
+        raise ValueError(
+            f"train-draft-head --kind eagle3: the target has {config.num_hidden_layers} layers; the "
+            "drafter reads layers 2, L // 2 and L - 3, so it needs at least 6"
+        )
     clock = time.perf_counter()
     aux = hidden_states(llm, sequences, opts.progress, aux_layers=aux_layers)
     embedding = llm.engine.core.executor.runner.model.model.embed_tokens.weight.detach().float().cpu()
@@ -199,8 +235,14 @@ def train_eagle3(model: str, output: str, opts: TrainOptions, dtype: str = "auto
     report.seconds["train"] = time.perf_counter() - clock
     report.loss_first, report.loss_last = losses[:1], losses[-1:]
     report.accuracy = [top1_accuracy(drafter, data[:held])]
-    save_drafter(drafter, config, aux_layers, output,
-                 {"base_model_name_or_path": model, "training": training_summary(report, held, opts)})
-    logger.info("wrote an EAGLE-3 drafter to %s: held-out first-draft top-1 accuracy %.1f%%", output,
-                100 * report.accuracy[0])
+    save_drafter(
+        drafter,
+        config,
+        aux_layers,
+        output,
+        {"base_model_name_or_path": model, "training": training_summary(report, held, opts)},
+    )
+    logger.info(
+        "wrote an EAGLE-3 drafter to %s: held-out first-draft top-1 accuracy %.1f%%", output, 100 * report.accuracy[0]
+    )
     return report

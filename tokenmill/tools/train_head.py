@@ -56,8 +56,16 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
             raise ValueError(f"kind must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
-        for name in ("num_heads", "num_layers", "num_prompts", "prompt_tokens", "max_tokens", "epochs", "batch_size",
-                     "draft_vocab_size"):
+        for name in (
+            "num_heads",
+            "num_layers",
+            "num_prompts",
+            "prompt_tokens",
+            "max_tokens",
+            "epochs",
+            "batch_size",
+            "draft_vocab_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -98,15 +106,17 @@ def corpus_passages(tokenizer, opts: TrainOptions) -> list[list[int]]:
         passage = ids[start : start + opts.prompt_tokens]
         if chat and i % 2:
             content = f"{CHAT_ASKS[i // 2 % len(CHAT_ASKS)]}\n\n{tokenizer.decode(passage)}"
-            prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                         add_generation_prompt=True))
+            prompts.append(
+                tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+            )
         else:
             prompts.append(passage)
     return prompts
 
 
-def hidden_states(llm, sequences: list[list[int]], progress: bool, batch: int = 16,
-                  aux_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
+def hidden_states(
+    llm, sequences: list[list[int]], progress: bool, batch: int = 16, aux_layers: tuple[int, ...] = ()
+) -> list[torch.Tensor]:
     """The target's final hidden state at every position of each sequence (with `aux_layers`: the
     residual stream entering those layers, concatenated, as an EAGLE-3 drafter reads it), from
     prefills of `batch` sequences at a time (prefix caching is off in the trainer's engine, so every
@@ -138,8 +148,11 @@ def hidden_states(llm, sequences: list[list[int]], progress: bool, batch: int = 
                 offset = 0
                 for n, start in zip(num_new.tolist(), num_computed.tolist()):
                     run = ids[offset : offset + n].tolist()
-                    i = next(i for i, seq in enumerate(group)
-                             if len(seq) >= start + n and not filled[i][start] and seq[start : start + n] == run)
+                    i = next(
+                        i
+                        for i, seq in enumerate(group)
+                        if len(seq) >= start + n and not filled[i][start] and seq[start : start + n] == run
+                    )
                     states[i][start : start + n] = hidden[offset : offset + n]
                     filled[i][start : start + n] = True
                     offset += n
@@ -152,8 +165,9 @@ def hidden_states(llm, sequences: list[list[int]], progress: bool, batch: int = 
     return result
 
 
-def training_pairs(states: list[torch.Tensor], sequences: list[list[int]], starts: list[int],
-                   num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def training_pairs(
+    states: list[torch.Tensor], sequences: list[list[int]], starts: list[int], num_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(h_t [N, H], targets [N, heads]) for the generated positions t >= start - 1 of each sequence with
     all heads' targets t + 2 .. t + 1 + heads inside it."""
     xs, ys = [], []
@@ -184,8 +198,9 @@ def head_losses(heads: MedusaHeads, weight: torch.Tensor, x: torch.Tensor, y: to
     return torch.stack([nn.functional.cross_entropy(s @ weight.T, y[:, i]) for i, s in enumerate(states)])
 
 
-def train(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, opts: TrainOptions,
-          report: TrainReport) -> MedusaHeads:
+def train(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, opts: TrainOptions, report: TrainReport
+) -> MedusaHeads:
     vocab, hidden = weight.shape
     heads = MedusaHeads(opts.num_heads, opts.num_layers, hidden, vocab, own_lm_heads=False)
     for layers in heads.blocks:
@@ -233,30 +248,45 @@ def target_sequences(model: str, opts: TrainOptions, dtype: str, quantization: s
     from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 
     clock = time.perf_counter()
-    config = EngineConfig(model=model, dtype=dtype, quantization=quantization, seed=opts.seed,
-                          cache=CacheConfig(enable_prefix_caching=False),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=2048))
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        quantization=quantization,
+        seed=opts.seed,
+        cache=CacheConfig(enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048),
+    )
     llm = LLM(engine_config=config)
     prompts = corpus_passages(llm.get_tokenizer(), opts)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=opts.max_tokens), use_tqdm=opts.progress)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=opts.max_tokens),
+        use_tqdm=opts.progress,
+    )
     report.seconds["generate"] = time.perf_counter() - clock
     return llm, prompts, [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
 
 
 def training_summary(report: TrainReport, held: int, opts: TrainOptions) -> dict:
     """What config.json records of the training."""
-    return {"sequences": report.sequences, "positions": report.positions, "held_out_sequences": held,
-            "held_out_top1_accuracy": [round(a, 4) for a in report.accuracy],
-            "loss_first_epoch": [round(v, 4) for v in report.loss_first],
-            "loss_last_epoch": [round(v, 4) for v in report.loss_last],
-            "seconds": {k: round(v, 1) for k, v in report.seconds.items()},
-            "options": {k: getattr(opts, k) for k in ("num_prompts", "prompt_tokens", "max_tokens", "epochs",
-                                                      "lr", "batch_size", "seed", "corpus")}}
+    return {
+        "sequences": report.sequences,
+        "positions": report.positions,
+        "held_out_sequences": held,
+        "held_out_top1_accuracy": [round(a, 4) for a in report.accuracy],
+        "loss_first_epoch": [round(v, 4) for v in report.loss_first],
+        "loss_last_epoch": [round(v, 4) for v in report.loss_last],
+        "seconds": {k: round(v, 1) for k, v in report.seconds.items()},
+        "options": {
+            k: getattr(opts, k)
+            for k in ("num_prompts", "prompt_tokens", "max_tokens", "epochs", "lr", "batch_size", "seed", "corpus")
+        },
+    }
 
 
-def train_draft_head(model: str, output: str, opts: TrainOptions, dtype: str = "auto",
-                     quantization: str = "auto") -> TrainReport:
+def train_draft_head(
+    model: str, output: str, opts: TrainOptions, dtype: str = "auto", quantization: str = "auto"
+) -> TrainReport:
     """Generate, collect hidden states, train, measure and write heads (or an EAGLE-3 drafter:
     `opts.kind`) for `model` into `output`."""
     if opts.kind == "eagle3":
@@ -279,61 +309,126 @@ def train_draft_head(model: str, output: str, opts: TrainOptions, dtype: str = "
     report.seconds["train"] = time.perf_counter() - clock
     report.accuracy = accuracy(heads, weight, x_val, y_val)
     save_medusa_heads(heads, output, model, {"training": training_summary(report, held, opts)})
-    logger.info("wrote %d Medusa heads to %s: held-out top-1 accuracy %s", opts.num_heads, output,
-                ", ".join(f"{a:.1%}" for a in report.accuracy))
+    logger.info(
+        "wrote %d Medusa heads to %s: held-out top-1 accuracy %s",
+        opts.num_heads,
+        output,
+        ", ".join(f"{a:.1%}" for a in report.accuracy),
+    )
     return report
 
 
 def add_train_head_parser(sub) -> None:
     from tokenmill.entrypoints.cli import DEFAULT_MODEL
 
-    p = sub.add_parser("train-draft-head", help="train Medusa heads or an EAGLE-3 drafter for a model on its own "
-                                                "outputs (CPU)",
-                       description="Train Medusa heads (residual blocks tied to the target's LM head), or an EAGLE-3 "
-                                   "drafter (--kind eagle3: one decoder layer over three of the target's layers' hidden "
-                                   "states, in the published checkpoint layout), on the target's own greedy "
-                                   "continuations of corpus passages, and write them where --speculative-config "
-                                   "'{\"method\": \"medusa\" (or \"eagle3\"), \"model\": DIR}' loads them.")
+    p = sub.add_parser(
+        "train-draft-head",
+        help="train Medusa heads or an EAGLE-3 drafter for a model on its own outputs (CPU)",
+        description="Train Medusa heads (residual blocks tied to the target's LM head), or an EAGLE-3 "
+        "drafter (--kind eagle3: one decoder layer over three of the target's layers' hidden "
+        "states, in the published checkpoint layout), on the target's own greedy "
+        "continuations of corpus passages, and write them where --speculative-config "
+        '\'{"method": "medusa" (or "eagle3"), "model": DIR}\' loads them.',
+    )
     d = TrainOptions()
-    p.add_argument("--model", default=DEFAULT_MODEL, help="the target: an alias, a .gguf file or an HF checkpoint "
-                                                          "directory (default: %(default)s)")
-    p.add_argument("--output", required=True, help="directory to write config.json and the weights "
-                                                   "(medusa_lm_head.safetensors / model.safetensors) to")
-    p.add_argument("--kind", choices=DRAFT_KINDS, default=d.kind,
-                   help="medusa: heads on the last hidden state; eagle3: an EAGLE-3 drafter (default: %(default)s)")
-    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
-                   help="eagle3: the drafter's vocabulary, the target's most frequent output tokens (d2t maps them "
-                        "back) (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="the target: an alias, a .gguf file or an HF checkpoint directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--output",
+        required=True,
+        help="directory to write config.json and the weights (medusa_lm_head.safetensors / model.safetensors) to",
+    )
+    p.add_argument(
+        "--kind",
+        choices=DRAFT_KINDS,
+        default=d.kind,
+        help="medusa: heads on the last hidden state; eagle3: an EAGLE-3 drafter (default: %(default)s)",
+    )
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=d.draft_vocab_size,
+        help="eagle3: the drafter's vocabulary, the target's most frequent output tokens (d2t maps them "
+        "back) (default: %(default)s)",
+    )
     p.add_argument("--dtype", default="auto", help="the target's compute dtype while generating (default: %(default)s)")
-    p.add_argument("--num-heads", type=int, default=d.num_heads,
-                   help="medusa: heads, i.e. most drafts per step (default: %(default)s)")
-    p.add_argument("--num-layers", type=int, default=d.num_layers,
-                   help="medusa: residual blocks per head (default: %(default)s)")
-    p.add_argument("--corpus", default=None, help="a UTF-8 text file to cut prompts from (default: the benchmark "
-                                                  "corpus, Python's own docstrings)")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
-                   help="passages to continue, half of them as chat turns if the model has a chat template "
-                        "(default: %(default)s)")
-    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="tokens per passage (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="greedy tokens the target writes after each passage: the training targets (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=None,
-                   help=f"passes over the positions (default: {d.epochs} for medusa, {EAGLE_EPOCHS} for eagle3)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate, one-cycle schedule (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="medusa: positions per step (eagle3 trains one sequence per step) (default: %(default)s)")
-    p.add_argument("--held-out", type=float, default=d.held_out,
-                   help="fraction of sequences kept out to measure each head's accuracy (default: %(default)s)")
+    p.add_argument(
+        "--num-heads",
+        type=int,
+        default=d.num_heads,
+        help="medusa: heads, i.e. most drafts per step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-layers", type=int, default=d.num_layers, help="medusa: residual blocks per head (default: %(default)s)"
+    )
+    p.add_argument(
+        "--corpus",
+        default=None,
+        help="a UTF-8 text file to cut prompts from (default: the benchmark corpus, Python's own docstrings)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=d.num_prompts,
+        help="passages to continue, half of them as chat turns if the model has a chat template (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-tokens", type=int, default=d.prompt_tokens, help="tokens per passage (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=d.max_tokens,
+        help="greedy tokens the target writes after each passage: the training targets (default: %(default)s)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help=f"passes over the positions (default: {d.epochs} for medusa, {EAGLE_EPOCHS} for eagle3)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=d.lr, help="peak learning rate, one-cycle schedule (default: %(default)s)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help="medusa: positions per step (eagle3 trains one sequence per step) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--held-out",
+        type=float,
+        default=d.held_out,
+        help="fraction of sequences kept out to measure each head's accuracy (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="passage choice and training order (default: %(default)s)")
     p.set_defaults(func=cmd_train_draft_head)
 
 
 def cmd_train_draft_head(args) -> None:
     epochs = args.epochs or (EAGLE_EPOCHS if args.kind == "eagle3" else TrainOptions.epochs)
-    opts = TrainOptions(num_heads=args.num_heads, num_layers=args.num_layers, num_prompts=args.num_prompts,
-                        prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, epochs=epochs, lr=args.lr,
-                        batch_size=args.batch_size, held_out=args.held_out, seed=args.seed, corpus=args.corpus,
-                        kind=args.kind, draft_vocab_size=args.draft_vocab_size)
+    opts = TrainOptions(
+        num_heads=args.num_heads,
+        num_layers=args.num_layers,
+        num_prompts=args.num_prompts,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        epochs=epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        held_out=args.held_out,
+        seed=args.seed,
+        corpus=args.corpus,
+        kind=args.kind,
+        draft_vocab_size=args.draft_vocab_size,
+    )
     report = train_draft_head(args.model, args.output, opts, dtype=args.dtype)
-    print(f"{report.sequences} sequences, {report.positions} positions; held-out top-1 accuracy by head: "
-          + ", ".join(f"{a:.1%}" for a in report.accuracy) + f"; seconds {report.seconds}; written to {args.output}")
+    print(
+        f"{report.sequences} sequences, {report.positions} positions; held-out top-1 accuracy by head: "
+        + ", ".join(f"{a:.1%}" for a in report.accuracy)
+        + f"; seconds {report.seconds}; written to {args.output}"
+    )

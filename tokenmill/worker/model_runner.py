@@ -17,9 +17,9 @@ import time
 import numpy as np
 import torch
 
-from tokenmill.attention.selector import get_attention_backend
 from tokenmill.attention.kv_spec import KVCacheConfig
 from tokenmill.attention.metadata import CommonAttentionMetadata
+from tokenmill.attention.selector import get_attention_backend
 from tokenmill.config import EngineConfig, resolve_cache_dtype
 from tokenmill.distributed.pipeline import IntermediateTensors
 from tokenmill.engine.outputs import Logprob, ModelRunnerOutput, TokenLogprobs
@@ -42,8 +42,9 @@ WARM_UP_ID = "__warmup__"  # the throwaway request of `warm_up`
 class ModelRunner(PagedForward):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, loaded.dtype, loaded.quantization)
-        super().__init__(loaded.model, loaded.device, cache_dtype,
-                         get_attention_backend(loaded.device, loaded.dtype, cache_dtype))
+        super().__init__(
+            loaded.model, loaded.device, cache_dtype, get_attention_backend(loaded.device, loaded.dtype, cache_dtype)
+        )
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         if self.device.type == "cpu":
@@ -64,10 +65,17 @@ class ModelRunner(PagedForward):
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         super().initialize_kv_cache(config)
-        logger.info("KV cache: %s blocks of %d tokens = %d tokens (%.2f GiB, %s: %d bytes and %d tokens per GiB, "
-                    "attention %s)", " + ".join(map(str, config.pool_blocks)), config.block_size,
-                    config.capacity_tokens, config.total_bytes / 2**30, self.cache_dtype, config.bytes_per_token,
-                    config.tokens_per_gib, self.backend.name)
+        logger.info(
+            "KV cache: %s blocks of %d tokens = %d tokens (%.2f GiB, %s: %d bytes and %d tokens per GiB, attention %s)",
+            " + ".join(map(str, config.pool_blocks)),
+            config.block_size,
+            config.capacity_tokens,
+            config.total_bytes / 2**30,
+            self.cache_dtype,
+            config.bytes_per_token,
+            config.tokens_per_gib,
+            self.backend.name,
+        )
 
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, by decoder layer index (empty for a dense model). The
@@ -89,16 +97,20 @@ class ModelRunner(PagedForward):
         rid, prompt = WARM_UP_ID, [0, 0]
         pools = len(self.kv_cache_config.pool_blocks)
         new = NewRequestData(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0), set(), [[0]] * pools, 0)
-        return [SchedulerOutput(new_requests=[new], num_scheduled_tokens={rid: len(prompt)}),
-                SchedulerOutput(cached_requests=[CachedRequestData(rid, [[]] * pools, len(prompt))],
-                                num_scheduled_tokens={rid: 1}),
-                SchedulerOutput(finished_request_ids={rid})]
+        return [
+            SchedulerOutput(new_requests=[new], num_scheduled_tokens={rid: len(prompt)}),
+            SchedulerOutput(
+                cached_requests=[CachedRequestData(rid, [[]] * pools, len(prompt))], num_scheduled_tokens={rid: 1}
+            ),
+            SchedulerOutput(finished_request_ids={rid}),
+        ]
 
     # ---- one step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput,
-                intermediate: IntermediateTensors | None = None) -> ModelRunnerOutput | IntermediateTensors:
+    def execute(
+        self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None
+    ) -> ModelRunnerOutput | IntermediateTensors:
         """One step; a pipeline stage after the first starts from the previous stage's `intermediate`
         and one before the last returns its own instead of sampling."""
         heartbeat.beat()
@@ -111,16 +123,26 @@ class ModelRunner(PagedForward):
         num_new = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
         drafts = sched.spec_token_ids
-        input_ids = np.fromiter((t for r, s, c, n in zip(req_ids, states, num_computed, num_new)
-                                 for t in (s.token_slice(c, c + 1) + drafts[r] if r in drafts else s.token_slice(c, c + n))),
-                                dtype=np.int64, count=int(num_new.sum()))
+        input_ids = np.fromiter(
+            (
+                t
+                for r, s, c, n in zip(req_ids, states, num_computed, num_new)
+                for t in (s.token_slice(c, c + 1) + drafts[r] if r in drafts else s.token_slice(c, c + n))
+            ),
+            dtype=np.int64,
+            count=int(num_new.sum()),
+        )
         stage_input = {} if intermediate is None else {"intermediate": intermediate}  # a later pipeline stage
         hidden, common = self.forward(input_ids, num_new, num_computed, [s.block_ids for s in states], **stage_input)
         if isinstance(hidden, IntermediateTensors):
             return hidden
         result = ModelRunnerOutput()
         self._prompt_logprobs(result, hidden, common, states)
-        rows = [i for i, (r, s, n) in enumerate(zip(req_ids, states, num_new)) if s.samples_after(int(n)) and r not in drafts]
+        rows = [
+            i
+            for i, (r, s, n) in enumerate(zip(req_ids, states, num_new))
+            if s.samples_after(int(n)) and r not in drafts
+        ]
         if rows:
             last = torch.from_numpy(common.query_start_loc[1:][rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last]).float()
@@ -133,20 +155,35 @@ class ModelRunner(PagedForward):
                 masked = sched.grammar is not None and r in sched.grammar.verify_rows
                 if masked:  # each position's grammar mask
                     self._apply_verify_grammar(logits, sched.grammar, r)
-                tokens = verify(self._process_for_verify(logits, states[i], drafts[r], masked), drafts[r],
-                                states[i].params, states[i].generator, states[i].take_draft_probs(drafts[r]))
+                tokens = verify(
+                    self._process_for_verify(logits, states[i], drafts[r], masked),
+                    drafts[r],
+                    states[i].params,
+                    states[i].generator,
+                    states[i].take_draft_probs(drafts[r]),
+                )
                 states[i].output_token_ids.extend(tokens)
                 result.sampled_token_ids[r] = tokens
                 if (num := states[i].params.logprobs) is not None:  # each emitted token's, from its own row
                     ids, values, ranks = compute_logprobs(logits[: len(tokens)], torch.tensor(tokens), max(num, 1))
-                    result.logprobs[r] = logprob_dicts(ids.tolist(), values.tolist(), ranks.tolist(),
-                                                       [num] * len(tokens))
+                    result.logprobs[r] = logprob_dicts(
+                        ids.tolist(), values.tolist(), ranks.tolist(), [num] * len(tokens)
+                    )
                 last_rows[r] = end - len(drafts[r]) - 2 + len(tokens)  # the row its last token came from
         if self.drafter is not None:
             start = time.perf_counter()
-            result.draft_token_ids = self.drafter.propose(DraftStep(
-                {r: k for r, k in sched.draft_lengths.items() if r in last_rows}, req_ids, self.requests,
-                num_computed, common.query_start_loc, hidden, last_rows, self.model))
+            result.draft_token_ids = self.drafter.propose(
+                DraftStep(
+                    {r: k for r, k in sched.draft_lengths.items() if r in last_rows},
+                    req_ids,
+                    self.requests,
+                    num_computed,
+                    common.query_start_loc,
+                    hidden,
+                    last_rows,
+                    self.model,
+                )
+            )
             result.draft_seconds = time.perf_counter() - start
         return result
 
@@ -169,8 +206,13 @@ class ModelRunner(PagedForward):
                     table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prompt_logprobs(self, result: ModelRunnerOutput, hidden: torch.Tensor, common: CommonAttentionMetadata,
-                         states: list[CachedRequestState]) -> None:
+    def _prompt_logprobs(
+        self,
+        result: ModelRunnerOutput,
+        hidden: torch.Tensor,
+        common: CommonAttentionMetadata,
+        states: list[CachedRequestState],
+    ) -> None:
         """For requests that asked: the logprob of each prompt token this step's chunk predicts (the
         token after each position, up to the last prompt token), with the top-N, from raw logits."""
         rows, targets, spans = [], [], []
@@ -191,15 +233,24 @@ class ModelRunner(PagedForward):
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         num = max(s.params.prompt_logprobs for s, _, _ in spans)
         ids, values, ranks = compute_logprobs(logits, torch.tensor(targets, device=self.device), max(num, 1))
-        entries = logprob_dicts(ids.tolist(), values.tolist(), ranks.tolist(),
-                                [s.params.prompt_logprobs for s, a, b in spans for _ in range(b - a)])
+        entries = logprob_dicts(
+            ids.tolist(),
+            values.tolist(),
+            ranks.tolist(),
+            [s.params.prompt_logprobs for s, a, b in spans for _ in range(b - a)],
+        )
         k = 0
         for s, start, end in spans:
             result.prompt_logprobs[s.request_id] = (start + 1, entries[k : k + end - start])
             k += end - start
 
-    def _sample(self, result: ModelRunnerOutput, logits: torch.Tensor, states: list[CachedRequestState],
-                grammar: GrammarBitmask | None) -> None:
+    def _sample(
+        self,
+        result: ModelRunnerOutput,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        grammar: GrammarBitmask | None,
+    ) -> None:
         params = [s.params for s in states]
         if grammar is not None and grammar.request_ids:
             self._apply_grammar(logits, states, grammar)
@@ -208,16 +259,24 @@ class ModelRunner(PagedForward):
                 if s.request_id in masked and s.params.min_tokens:
                     params[i] = dataclasses.replace(s.params, min_tokens=0)
         meta = SamplingMetadata.build(
-            params, [s.prompt_token_ids for s in states], [s.output_token_ids for s in states],
-            [s.generator for s in states], [s.eos_token_ids for s in states], vocab_size=logits.shape[1],
+            params,
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            [s.eos_token_ids for s in states],
+            vocab_size=logits.shape[1],
             device=logits.device,
         )
         out = self.sampler(logits, meta)
         token_ids = out.sampled_token_ids.tolist()
         logprobs = None
         if out.logprobs is not None:
-            logprobs = logprob_dicts(out.logprobs_token_ids.tolist(), out.logprobs.tolist(), out.sampled_rank.tolist(),
-                                     [p.logprobs for p in params])
+            logprobs = logprob_dicts(
+                out.logprobs_token_ids.tolist(),
+                out.logprobs.tolist(),
+                out.sampled_rank.tolist(),
+                [p.logprobs for p in params],
+            )
         for i, (state, token) in enumerate(zip(states, token_ids)):
             state.output_token_ids.append(token)
             result.sampled_token_ids[state.request_id] = [token]
@@ -235,8 +294,9 @@ class ModelRunner(PagedForward):
         bitmask[rows] = grammar.bitmask[: len(rows)]
         apply_bitmask(logits, bitmask, rows)
 
-    def _process_for_verify(self, logits: torch.Tensor, state: CachedRequestState, drafts: list[int],
-                            masked: bool) -> torch.Tensor:
+    def _process_for_verify(
+        self, logits: torch.Tensor, state: CachedRequestState, drafts: list[int], masked: bool
+    ) -> torch.Tensor:
         """A speculating request's k + 1 rows as the sampler would process each (min_tokens, logit bias,
         penalties) with the first i drafts appended to its output; unchanged if it asks for none."""
         p = state.params
@@ -245,9 +305,15 @@ class ModelRunner(PagedForward):
         if not (p.min_tokens or p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1):
             return logits
         n = len(drafts) + 1
-        meta = SamplingMetadata.build([p] * n, [state.prompt_token_ids] * n,
-                                      [state.output_token_ids + drafts[:i] for i in range(n)], [None] * n,
-                                      [state.eos_token_ids] * n, vocab_size=logits.shape[1], device=logits.device)
+        meta = SamplingMetadata.build(
+            [p] * n,
+            [state.prompt_token_ids] * n,
+            [state.output_token_ids + drafts[:i] for i in range(n)],
+            [None] * n,
+            [state.eos_token_ids] * n,
+            vocab_size=logits.shape[1],
+            device=logits.device,
+        )
         return self.sampler.process(logits, meta)
 
     @staticmethod
@@ -259,8 +325,9 @@ class ModelRunner(PagedForward):
         apply_bitmask(logits, grammar.bitmask[first : first + n], list(range(n)))
 
 
-def logprob_dicts(ids: list[list[int]], values: list[list[float]], ranks: list[int],
-                  nums: list[int | None]) -> list[TokenLogprobs | None]:
+def logprob_dicts(
+    ids: list[list[int]], values: list[list[float]], ranks: list[int], nums: list[int | None]
+) -> list[TokenLogprobs | None]:
     """Per row: {token id: Logprob} of the row's own token (column 0, with its rank) and its top-`nums[row]`
     (None for rows that did not ask)."""
     result = []
