@@ -52,7 +52,10 @@ def server(tmp_path_factory):
 ints = st.one_of(
     st.integers(-3, 40), st.sampled_from([2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, 10**30, -(10**30)])
 )
-floats = st.one_of(st.floats(-3, 3), st.sampled_from([0.0, 1e-300, 1e300, -1e300, float("inf"), float("nan")]))
+# no subnormals: an in-process engine earlier in the session flushes them to zero (torch.set_flush_denormal)
+floats = st.one_of(
+    st.floats(-3, 3, allow_subnormal=False), st.sampled_from([0.0, 1e-300, 1e300, -1e300, float("inf"), float("nan")])
+)
 junk = st.one_of(
     st.none(),
     st.booleans(),

@@ -307,12 +307,13 @@ class EngineCore:
                 outputs += self._attach_grammar(sched)
                 if self.config.speculative is not None:
                     sched.draft_lengths = self._wanted_drafts(sched)
+                start = time.perf_counter()  # before submit: without a pipeline, submit runs the whole step
                 try:
                     self.executor.submit(sched)
                 except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
                     return outputs + self._fail_step(sched)
                 self.scheduler.in_flight.update(sched.num_scheduled_tokens)
-                queue.append((sched, time.perf_counter()))
+                queue.append((sched, start))
                 if len(queue) < self.executor.max_concurrent_batches:
                     return outputs  # room for another step before waiting on the oldest
         if not queue:
