@@ -79,8 +79,10 @@ while core.has_unfinished():
         executor.close()
         sys.exit(0)
 assert core.kv.num_free_blocks == core.kv.num_blocks, "KV blocks leaked"
+experts = core.stats().expert_tokens  # MoE models: every stage's layers
 executor.close()
-print("RESULT " + json.dumps({"tokens": out, "in_flight": depth[1], "preemptions": core.scheduler.num_preemptions}))
+print("RESULT " + json.dumps({"tokens": out, "in_flight": depth[1], "preemptions": core.scheduler.num_preemptions,
+                              "experts": {str(k): v for k, v in experts.items()}}))
 """
 
 
@@ -147,6 +149,20 @@ def test_two_by_two_ray_actors_give_the_greedy_tokens_of_one_process(tiny, singl
     result = layout_result(tiny, distributed_executor_backend="ray", tensor_parallel_size=2, pipeline_parallel_size=2)
     assert _tokens(result) == single
     assert result["in_flight"] == 2
+
+
+def test_moe_expert_counts_cover_every_stage_and_leave_out_the_warm_up(tmp_path):
+    """The MoE counters of both stages reach the driver, and count each prompt and output token once per
+    layer (as one process does), the warm-up request not at all."""
+    directory = tmp_path / "tiny-mixtral"
+    make_tiny_model("mixtral", directory, num_hidden_layers=4)
+    one, two = layout_result(str(directory)), layout_result(str(directory), pipeline_parallel_size=2)
+    assert _tokens(two) == _tokens(one)
+    tokens = sum(len(p) + n - 1 for p, n in zip(PROMPTS, TOKENS))  # each fed once: the last output never is
+    top_k = 2  # the tiny Mixtral's experts per token
+    assert sorted(two["experts"]) == ["0", "1", "2", "3"]
+    assert {layer: sum(c) for layer, c in two["experts"].items()} == {str(i): tokens * top_k for i in range(4)}
+    assert {layer: sum(c) for layer, c in one["experts"].items()} == {str(i): tokens * top_k for i in range(4)}
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,8 @@ def serve_pipeline_stage(runner: ModelRunner) -> None:
         out = None
         if kind == "kv":
             runner.initialize_kv_cache(payload)
+        elif kind == "experts":  # every stage adds its MoE layers' counts on the way to the driver
+            payload = {**payload, **runner.expert_load()}
         elif kind == "step":
             sched, tokens = payload
             if not last:
@@ -88,6 +90,8 @@ def serve_pipeline_stage(runner: ModelRunner) -> None:
             send((kind, payload), out)
         elif kind == "step" and index == 0:
             send(("output", out))
+        elif kind == "experts" and index == 0:
+            send(("experts", payload))
         if kind == "stop":
             send.flush()  # the next stage gets its "stop" before this rank leaves the group
             break
@@ -107,6 +111,8 @@ class PipelineExecutor(MultiprocExecutor):
         self._send = _Sender(parallel_state.global_rank(1))
         self._specs = _gather_kv_specs(self.runner)
         self._sampled: dict[str, list[int]] = {}  # collected since the last step was sent: for the other stages
+        self._in_flight = 0  # steps submitted and not collected yet
+        self._expert_tokens: dict[int, list[int]] = {}  # every stage's MoE counts, as last gathered
 
     def initialize_kv_cache(self) -> KVCacheConfig:
         """Sized over every stage's layers (the same block count in each); each stage allocates its own."""
@@ -125,15 +131,26 @@ class PipelineExecutor(MultiprocExecutor):
         """Run stage 0 of a step here and hand it to the next stage (the result comes with `collect`)."""
         self._share("step", (sched, self._sampled))
         self._sampled = {}
+        self._in_flight += 1
 
     def collect(self) -> ModelRunnerOutput:
         """The output of the oldest step in flight (waits for the last stage)."""
         self.check_health()
         (_, out), _ = parallel_state.recv(self._last)
+        self._in_flight -= 1
         _append_tokens(self.runner, out.sampled_token_ids)
         for rid, ids in out.sampled_token_ids.items():
             self._sampled.setdefault(rid, []).extend(ids)
         return out
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Every stage's MoE counts, by layer: gathered along the pipeline (each stage adds its layers'
+        on the way to the last, which answers) when no step is in flight; while steps are, the last
+        gathering (the engine reads them fresh when it goes idle)."""
+        if self._in_flight == 0:
+            self._share("experts", self.runner.expert_load())
+            (_, self._expert_tokens), _ = parallel_state.recv(self._last)
+        return self._expert_tokens
 
     def _share(self, kind: str, payload: object = None) -> None:
         """Broadcast to this stage's other ranks, run it here, send it on to stage 1."""
