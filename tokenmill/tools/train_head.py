@@ -245,18 +245,16 @@ def accuracy(heads: MedusaHeads, weight: torch.Tensor, x: torch.Tensor, y: torch
 def target_sequences(model: str, opts: TrainOptions, dtype: str, quantization: str, report: TrainReport):
     """The target (an `LLM`), the prompts and each prompt + its greedy continuation."""
     from tokenmill import LLM
-    from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 
     clock = time.perf_counter()
-    config = EngineConfig(
-        model=model,
+    llm = LLM(  # the engine arguments every entry point takes (tokenmill.engine_args.EngineArgs)
+        model,
         dtype=dtype,
         quantization=quantization,
         seed=opts.seed,
-        cache=CacheConfig(enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_batched_tokens=2048),
+        enable_prefix_caching=False,
+        max_num_batched_tokens=2048,
     )
-    llm = LLM(engine_config=config)
     prompts = corpus_passages(llm.get_tokenizer(), opts)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
@@ -319,7 +317,7 @@ def train_draft_head(
 
 
 def add_train_head_parser(sub) -> None:
-    from tokenmill.entrypoints.cli import DEFAULT_MODEL
+    from tokenmill.engine_args import DEFAULT_MODEL
 
     p = sub.add_parser(
         "train-draft-head",
