@@ -16,8 +16,8 @@ from tokenmill.http_front import APIError
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; it never reaches anyone
 
-# hop-by-hop headers (RFC 9110 7.6.1) and those the two HTTP stacks set themselves
-_REQUEST_SKIP = {
+# hop-by-hop headers (RFC 9110 7.6.1), not passed on either way
+_HOP_BY_HOP = {
     "connection",
     "keep-alive",
     "proxy-authenticate",
@@ -26,23 +26,11 @@ _REQUEST_SKIP = {
     "trailer",
     "transfer-encoding",
     "upgrade",
-    "host",
-    "content-length",
-    "accept-encoding",
 }
-_RESPONSE_SKIP = {
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "content-length",
-    "date",
-    "server",
-}
+# and those the two HTTP stacks set themselves
+_REQUEST_SKIP = _HOP_BY_HOP | {"host", "content-length", "accept-encoding"}
+_RESPONSE_SKIP = _HOP_BY_HOP | {"content-length", "date", "server"}
+
 REPLICA_HEADER = "x-tokenmill-replica"
 
 
