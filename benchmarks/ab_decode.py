@@ -32,7 +32,6 @@ def main() -> None:
         if i:  # the first run is a warm-up
             rates.append((len(times) - 1) / (times[-1] - times[0]))
     print(f"DECODE {args.label} {statistics.median(rates):.1f} tok/s  runs {[round(r, 1) for r in rates]}")
-    llm.shutdown()
 
 
 if __name__ == "__main__":
