@@ -15,7 +15,7 @@ from tokenmill.executor import UniProcExecutor
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
-_BASE = dict(
+TINY_BASE = dict(  # what every tiny model shares (TINY_MODELS adds its own fields)
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
@@ -223,7 +223,7 @@ def make_tiny_model(name: str, directory, **overrides) -> transformers.PreTraine
     to `directory`, return it."""
     cls, extra = TINY_MODELS[name]
     torch.manual_seed(0)
-    config = cls(**{**_BASE, **extra, **overrides})
+    config = cls(**{**TINY_BASE, **extra, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     for module in model.modules():  # DeepSeek-V3's router bias starts at zero: make it choose
         if hasattr(module, "e_score_correction_bias"):

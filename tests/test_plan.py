@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-import transformers
+from helpers import TINY_BASE, TINY_MODELS
 
 from tokenmill.config import CacheConfig
 from tokenmill.entrypoints.cli import main
@@ -18,59 +18,13 @@ from tokenmill.plan.hardware import Hardware, cache_path
 from tokenmill.plan.model_facts import facts_from_config
 from tokenmill.quantization.unquantized import UnquantizedConfig
 
-_BASE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=1024,
-)
+# plan's name -> the tiny model of tests/helpers.py it reads, and that model's architecture
 CONFIGS = {
-    "llama-gqa": (transformers.LlamaConfig, "LlamaForCausalLM", dict(num_key_value_heads=2)),
-    "mistral-window": (
-        transformers.MistralConfig,
-        "MistralForCausalLM",
-        dict(num_key_value_heads=2, sliding_window=24),
-    ),
-    "gemma3": (
-        transformers.Gemma3TextConfig,
-        "Gemma3ForCausalLM",
-        dict(
-            num_key_value_heads=2,
-            head_dim=16,
-            query_pre_attn_scalar=16,
-            sliding_window=8,
-            num_hidden_layers=3,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        ),
-    ),
-    "deepseek-v3": (
-        transformers.DeepseekV3Config,
-        "DeepseekV3ForCausalLM",
-        dict(
-            num_key_value_heads=4,
-            kv_lora_rank=32,
-            q_lora_rank=48,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=4,
-            topk_group=2,
-        ),
-    ),
-    "qwen3-moe": (
-        transformers.Qwen3MoeConfig,
-        "Qwen3MoeForCausalLM",
-        dict(
-            num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True
-        ),
-    ),
+    "llama-gqa": ("llama-gqa-untied", "LlamaForCausalLM"),
+    "mistral-window": ("mistral-window", "MistralForCausalLM"),
+    "gemma3": ("gemma3", "Gemma3ForCausalLM"),
+    "deepseek-v3": ("deepseek-v3", "DeepseekV3ForCausalLM"),
+    "qwen3-moe": ("qwen3-moe", "Qwen3MoeForCausalLM"),
 }
 # a 16-bit row per layer, by hand: K and V x kv heads x head dim x 2 bytes (MLA: one latent row of
 # kv_lora_rank + rope dims); int8 / fp8 add a 2-byte scale per row
@@ -86,8 +40,9 @@ TORCH_KV = {"float32": torch.float32, "float16": torch.float16, "int8": torch.in
 
 
 def model_config(name):
-    cls, arch, extra = CONFIGS[name]
-    return config_from_hf_dict({**cls(**{**_BASE, **extra}).to_dict(), "architectures": [arch]})
+    tiny, arch = CONFIGS[name]
+    cls, extra = TINY_MODELS[tiny]
+    return config_from_hf_dict({**cls(**{**TINY_BASE, **extra}).to_dict(), "architectures": [arch]})
 
 
 def engine_specs(config):
