@@ -5,7 +5,9 @@ One rule, as in vLLM v1: every request has `num_computed_tokens` and its tokens 
 hands out a token budget, first to running requests (a decoding one needs one token, a request in
 the middle of its prompt gets the next chunk), then to waiting requests in policy order. There is
 no prefill or decode phase: prompt chunks and decode tokens share the step. A waiting request's
-prompt tokens found in the prefix cache are not computed again, so they cost no budget.
+prompt tokens found in the prefix cache are not computed again, so they cost no budget; and one whose
+next prompt block another running request is filling now waits for it (requests that arrive together
+with one long shared prefix compute it once).
 
 The step contract: `schedule() -> SchedulerOutput` -> executor -> `ModelRunnerOutput` ->
 `update_from_output(...)`, which advances each request, appends its sampled tokens (stopping at the
@@ -141,7 +143,9 @@ class Scheduler:
         for request in self.running:
             request.spec_token_ids = []  # verified this step, or stale: new drafts follow the step
 
-        # admit waiting requests only when nobody had to give way this step
+        # admit waiting requests only when nobody had to give way this step; one whose prefix another
+        # request is computing now waits for those blocks (held back, keeping its place in the queue)
+        held_back: list[Request] = []
         while (
             len(self.waiting)
             and budget > 0
@@ -150,6 +154,9 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             computed_blocks, num_hits = self.kv.get_computed_blocks(request)
+            if self.kv.waits_for_prefix(request, num_hits):
+                held_back.append(self.waiting.pop())
+                continue
             num_external = self.connector.get_num_new_matched_tokens(request, num_hits) if self.connector else 0
             num_computed = request.num_computed_tokens = num_hits + num_external
             num_new = min(request.num_tokens - num_computed, budget)
@@ -161,6 +168,7 @@ class Scheduler:
                     request, self.kv.block_ids(request.request_id), num_hits, num_external
                 )
             self.waiting.pop()
+            self.kv.mark_computing(request, num_hits)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
                 self.kv.record_lookup(request, num_computed)
@@ -171,6 +179,7 @@ class Scheduler:
             self._send(out, request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+        self.waiting.put_back(held_back)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out, self.requests)
         return out
