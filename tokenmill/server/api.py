@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +37,7 @@ from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.serving import ServingContext, engine_error
 from tokenmill.server.serving_chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.serving_completions import create_completion
-from tokenmill.server.ui.stats import MAX_WINDOW, UIStats
+from tokenmill.server.ui.stats import UIStats, window_param
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -147,7 +146,7 @@ def build_app(
         async def dashboard_stats(request: Request) -> Response:
             """The web page's dashboard: windowed latency percentiles, rates and gauges as one JSON object."""
             check_api_key(request)
-            return JSONResponse(ui_stats.stats(ui_window(request)))
+            return JSONResponse(ui_stats.stats(window_param(request.query_params.get("window"))))
 
         add_ui_page(app)
 
@@ -253,18 +252,6 @@ def _openapi(app: FastAPI) -> dict:
             components[model.__name__] = js
         app.openapi_schema = schema
     return app.openapi_schema
-
-
-def ui_window(request: Request) -> float:
-    """/ui/stats?window=SECONDS (default 10), or a 400 naming it."""
-    raw = request.query_params.get("window", "10")
-    try:
-        window = float(raw)
-    except ValueError:
-        window = math.nan
-    if not 0 < window <= MAX_WINDOW:
-        raise bad_request(f"window must be a number of seconds in (0, {MAX_WINDOW:g}], got {raw!r}", "window")
-    return window
 
 
 async def _log_periodically(metrics: ServerMetrics, interval: float) -> None:

@@ -32,7 +32,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). The engine core runs in "
+        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics) and a web page at / (a chat "
+        "playground and a live dashboard). The engine core runs in "
         "its own process; the HTTP front end tokenizes, detokenizes and streams.",
     )
     add_engine_args(p)

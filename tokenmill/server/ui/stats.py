@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import psutil
 from prometheus_client import CollectorRegistry
 
+from tokenmill.http_front import bad_request
+
 MAX_WINDOW = 300.0  # seconds of snapshots kept: the longest window a page may ask for
 _MIN_GAP = 0.25  # a request within this many seconds of the last snapshot reuses it
 _PREFIX = "tokenmill:"
@@ -33,6 +35,17 @@ _LATENCIES = {
 }
 
 Key = tuple[str, tuple[tuple[str, str], ...]]  # sample name without the prefix, its labels but model_name
+
+
+def window_param(raw: str | None) -> float:
+    """`/ui/stats?window=SECONDS` (default 10), or a 400 naming it."""
+    try:
+        window = 10.0 if raw is None else float(raw)
+    except ValueError:
+        window = math.nan
+    if not 0 < window <= MAX_WINDOW:
+        raise bad_request(f"window must be a number of seconds in (0, {MAX_WINDOW:g}], got {raw!r}", "window")
+    return window
 
 
 @dataclass
@@ -111,7 +124,7 @@ class UIStats:
 
     def stats(self, window: float = 10.0) -> dict:
         now = self._now()
-        then = self._base(now, min(max(window, 0.0), MAX_WINDOW))
+        then = self._base(now, window)
         d = _Delta(now, then)
         span = now.time - then.time
         rate = (lambda x: x / span) if span > 0 else (lambda x: None)
