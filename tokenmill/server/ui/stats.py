@@ -6,7 +6,8 @@ the definitions (percentiles from histogram buckets, rates, cost) live in tested
 
 Every windowed figure compares the registry now with a snapshot taken about `window` seconds earlier:
 the answers' snapshots are kept (at most one every `_MIN_GAP` s, for `MAX_WINDOW` s), plus one taken
-when the server starts, so the first answer covers everything since the start. Several
+when the server starts, so the first answer covers everything since the start and the window then
+grows to its length. Several
 open pages share the same snapshots; none of them changes what another sees.
 """
 
@@ -24,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from tokenmill.http_front import bad_request
 
 MAX_WINDOW = 300.0  # seconds of snapshots kept: the longest window a page may ask for
-_MIN_GAP = 0.25  # a request within this many seconds of the last snapshot reuses it
+_MIN_GAP = 1.0  # seconds between kept snapshots: at most MAX_WINDOW / _MIN_GAP of them
 _PREFIX = "tokenmill:"
 _LATENCIES = {
     "ttft": "time_to_first_token_seconds",
@@ -59,7 +60,7 @@ def take_snapshot(registry: CollectorRegistry, process: psutil.Process) -> Snaps
     samples: dict[Key, float] = {}
     for family in registry.collect():
         for s in family.samples:
-            if s.name.endswith("_created"):
+            if s.name.endswith("_created") or "expert" in s.labels:  # per-expert counts: the page shows imbalance
                 continue
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             samples[(s.name.removeprefix(_PREFIX), labels)] = s.value
@@ -114,13 +115,10 @@ class UIStats:
         return now
 
     def _base(self, now: Snapshot, window: float) -> Snapshot:
-        """The newest snapshot at least `window` s before `now`, or the oldest there is."""
-        base = self.snapshots[0]
-        for s in self.snapshots:
-            if s.time > now.time - window:
-                break
-            base = s
-        return base
+        """The kept snapshot before `now` nearest to `window` s before it (a page opened long after the
+        start gets short windows that grow to `window`, not one average since the start)."""
+        earlier = [s for s in self.snapshots if s.time < now.time] or [self.snapshots[0]]
+        return min(earlier, key=lambda s: abs(now.time - window - s.time))
 
     def stats(self, window: float = 10.0) -> dict:
         now = self._now()
