@@ -110,7 +110,8 @@ def browser():
     if CHROMIUM is None:
         pytest.skip("no chromium on PATH (`make browser` installs it)")
     with playwright.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])  # CI runs as root
+        # --no-sandbox: CI runs as root; a container's /dev/shm is often too small for chromium
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
         yield b
         b.close()
 
