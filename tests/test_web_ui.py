@@ -242,6 +242,21 @@ def test_a_chat_streams_and_the_dashboard_charts_it(server, browser):
     assert page.evaluate(drawn)  # every chart drawn from every answer
     assert tiles(page)["Speculative acceptance"][0].endswith("%")  # the n-gram drafter found repeats
     screenshot(page, "ui-dashboard.png")
+
+    # KV-cache tiers, as /ui/stats gives any series with a tier label (see the unit test above): a table and a line
+    tiers = {"disk": {"metrics": {"kv_tier_hits_total": {"value": 3, "rate": 0.5}}, "hit_rate": 0.75}}
+    legend = page.evaluate(
+        """(tiers) => {
+            const s = structuredClone(samples.at(-1));
+            s.prefix_cache.tiers = tiers;
+            samples.push(s);
+            updateTiers(s);
+            return CHARTS.find((c) => c.extra).extra(s).map(([name, get]) => [name, get(s)]);
+        }""",
+        tiers,
+    )
+    assert legend == [["disk tier hits", 75]]
+    assert "disk\t75.0%\tkv_tier_hits_total 3 (0.5/s)" in page.inner_text("#tiers")
     assert errors == []
     page.close()
 

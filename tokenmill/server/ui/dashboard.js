@@ -36,10 +36,13 @@ const TILES = [
   ["$ per M output tokens", (s) => (s.cost ? [money(s.cost.per_million_output), `at $${s.cost.price_per_hour}/hour`] : ["–", "serve --price-per-hour"])],
 ];
 
-const tierSeries = (s) =>
-  Object.entries(s.prefix_cache.tiers)
+const share = (x) => (x === null || x === undefined ? null : 100 * x);
+
+// a hit-rate line for each tier the latest answer has one for
+const tierSeries = (latest) =>
+  Object.entries(latest.prefix_cache.tiers)
     .filter(([, tier]) => tier.hit_rate !== null)
-    .map(([name, tier]) => [`${name} tier hits`, () => (tier.hit_rate === null ? null : 100 * tier.hit_rate)]);
+    .map(([name]) => [`${name} tier hits`, (s) => share(s.prefix_cache.tiers[name]?.hit_rate)]);
 
 // {title, series: [[name, stats -> number | null]], max?: fixed top of the scale, extra?: stats -> more series}
 const CHARTS = [
@@ -51,10 +54,10 @@ const CHARTS = [
   {
     title: "KV cache (%)",
     max: 100,
-    series: [["used", (s) => 100 * s.kv_cache.usage], ["prefix hits", (s) => (s.prefix_cache.hit_rate === null ? null : 100 * s.prefix_cache.hit_rate)]],
+    series: [["used", (s) => share(s.kv_cache.usage)], ["prefix hits", (s) => share(s.prefix_cache.hit_rate)]],
     extra: tierSeries,
   },
-  { title: "CPU utilization (%)", max: 100, series: [["server + engine", (s) => (s.cpu.utilization === null ? null : 100 * s.cpu.utilization)]] },
+  { title: "CPU utilization (%)", max: 100, series: [["server + engine", (s) => share(s.cpu.utilization)]] },
 ];
 
 let samples = []; // the last HISTORY answers of /ui/stats

@@ -101,7 +101,7 @@ class UIStats:
     def __init__(self, registry: CollectorRegistry, model_name: str, price_per_hour: float | None = None) -> None:
         self.registry, self.model_name, self.price_per_hour = registry, model_name, price_per_hour
         self.process = psutil.Process(os.getpid())
-        self.cores = psutil.cpu_count() or 1
+        self.cores = len(self.process.cpu_affinity()) if hasattr(self.process, "cpu_affinity") else os.cpu_count() or 1
         self.started = time.monotonic()
         self.snapshots: deque[Snapshot] = deque([take_snapshot(registry, self.process)])
 
@@ -140,7 +140,7 @@ class UIStats:
             "throughput": {
                 "input_tok_s": rate(prompt),
                 "output_tok_s": rate(generated),
-                "requests_s": rate(sum(d.deltas("request_success_total").values())),
+                "requests_s": rate(d.delta_sum("request_success_total")),
             },
             "requests": {"running": d.value("num_requests_running"), "waiting": d.value("num_requests_waiting")},
             "kv_cache": {
@@ -211,8 +211,9 @@ class _Delta:
     def delta(self, name: str, labels: tuple = ()) -> float:
         return max(self.value(name, labels) - self.then.get((name, labels), 0.0), 0.0)
 
-    def deltas(self, name: str) -> dict[tuple, float]:
-        return {labels: self.delta(name, labels) for n, labels in self.now if n == name}
+    def delta_sum(self, name: str) -> float:
+        """The change of `name` summed over its label values."""
+        return sum(self.delta(name, labels) for n, labels in self.now if n == name)
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         """{value of `label`: the sample's value} over the samples of `name` carrying that label."""
