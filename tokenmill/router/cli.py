@@ -76,7 +76,14 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     )
     r = p.add_argument_group("routing")
     add_policy_args(r)
-    add_http_args(p.add_argument_group("HTTP"))
+    http = p.add_argument_group("HTTP")
+    add_http_args(http)
+    http.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="do not serve the web page at / (chat playground, and the dashboard of a replica picked on the page)",
+    )
     p.set_defaults(func=run_router)
     return p
 
@@ -102,7 +109,7 @@ def _policy(args: argparse.Namespace, num_replicas: int):
     if not args.health_interval > 0:
         raise ValueError(f"--health-interval must be positive, got {args.health_interval}")
     policy = make_policy(args.policy, num_replicas, args.prefix_match_threshold, args.balance_threshold)
-    return policy, RouterSettings(health_interval=args.health_interval)
+    return policy, RouterSettings(health_interval=args.health_interval, ui=getattr(args, "ui", True))
 
 
 def _quiet_http_logs() -> None:
@@ -195,6 +202,8 @@ def serve_data_parallel(args: argparse.Namespace, data_parallel_dests: tuple[str
         print(f"tokenmill serve: error: {e}", file=sys.stderr)
         return 2
     sock = _bind(args)
+    if args.price_per_hour:  # the machine's price, shared by its replicas
+        args = argparse.Namespace(**{**vars(args), "price_per_hour": args.price_per_hour / n})
     argv = serve_argv(args, skip={"host", "port", "api_key", *data_parallel_dests})
     env = dict(os.environ)
     env.pop("TOKENMILL_API_KEY", None)

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import tokenmill
-from tokenmill.http_front import install_error_handlers, read_body
+from tokenmill.http_front import add_ui_page, install_error_handlers, read_body
 from tokenmill.server.engine_client import EngineClient
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -37,6 +37,7 @@ from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.serving import ServingContext, engine_error
 from tokenmill.server.serving_chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.ui.stats import UIStats, window_param
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -48,6 +49,8 @@ class ServerSettings:
     log_interval: float = 10.0  # seconds between throughput lines; 0 disables
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think> output into reasoning_content
     limits: RequestLimits = field(default_factory=RequestLimits)
+    ui: bool = True  # the web page at / and its numbers at /ui/stats
+    price_per_hour: float | None = None  # the machine's price: the page's cost per million tokens
 
 
 def build_app(
@@ -135,6 +138,17 @@ def build_app(
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if settings.ui:
+        ui_stats = UIStats(metrics.registry, model_names[0], settings.price_per_hour)
+
+        @app.get("/ui/stats", include_in_schema=False)
+        async def dashboard_stats(request: Request) -> Response:
+            """The web page's dashboard: windowed latency percentiles, rates and gauges as one JSON object."""
+            check_api_key(request)
+            return JSONResponse(ui_stats.stats(window_param(request.query_params.get("window"))))
+
+        add_ui_page(app)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
