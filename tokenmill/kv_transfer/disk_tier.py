@@ -211,10 +211,6 @@ class DiskTierScheduler(KVConnectorScheduler):
             self.disk_stats.bad_files += 1
             remove(path)
             return None
-        try:
-            os.utime(path)  # recently used, for every engine's eviction
-        except OSError:
-            pass
         return blocks
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
@@ -236,6 +232,11 @@ class DiskTierScheduler(KVConnectorScheduler):
             if block is None:
                 break
             blocks.append(block)
+        for i in reversed(range(first, first + len(blocks))):  # the head most recently used: evicted last
+            try:
+                os.utime(block_path(self.directory, keys[i]))
+            except OSError:
+                pass
         s = self.disk_stats
         s.queries += request.num_prompt_tokens - num_computed_tokens
         if len(blocks) * self.bs < self.min_load_tokens:
@@ -331,7 +332,7 @@ class DiskTierWorker(KVConnectorWorker):
                             for t, pool in self.tensors
                         ],
                     )
-                    for i, key, parent, tokens in todo
+                    for i, key, parent, tokens in reversed(todo)  # the tail first: the head is the newest file
                 ]
             )
         self._copy_out = time.perf_counter() - start if meta.save else 0.0
