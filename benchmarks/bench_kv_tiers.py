@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_kv_tiers.py restart [--model qwen2.5-coder-0.5b] [--tokens 6000]
     .venv/bin/python benchmarks/bench_kv_tiers.py agent [--model smollm2-135m-instruct] [--sessions 4] [--turns 4]
+    .venv/bin/python benchmarks/bench_kv_tiers.py minload [--model smollm2-135m-instruct] [--hits 16 64 512]
 
 `restart`: a server with the tier answers a long prompt (token ids, `max_tokens` 1: the time is the
 time to first token) cold, is stopped, and a new server on the same directory answers the same prompt
@@ -12,6 +13,9 @@ and saving (the step loop's copy out of the pool; the writer thread's time apart
 history (its earlier turns' prompts and answers) with a KV pool too small to keep every session's
 prefix, once with the tier and once without (each on a fresh server); TTFT p50 / p90 of the turns
 after the first and the total time.
+
+`minload`: in one process, TTFT with H prompt tokens on disk, loaded vs recomputed, for several H (what
+`--kv-disk-min-load-tokens` is set from), and a block's load against a copy in RAM (a host-RAM tier).
 """
 
 from __future__ import annotations
@@ -126,6 +130,62 @@ def agent(args) -> None:
         print(f"{mode}: TTFT p50 {p50:.2f} s, p90 {p90:.2f} s (turns 2..), total {total:.1f} s{extra}")
 
 
+def minload(args) -> None:
+    """In one process: TTFT of a prompt whose first H tokens are on disk, loaded vs recomputed (the
+    pool's prefix cache reset before each), for several H; and what a host-RAM tier would cost per block
+    (a copy in memory) against the disk tier's load (read + verify from the page cache + copy in)."""
+    import torch
+
+    from tokenmill.config import CacheConfig, EngineConfig
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.request import EngineCoreRequest
+    from tokenmill.executor import UniProcExecutor
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = EngineConfig(model=args.model, cache=CacheConfig(kv_cache_dir=tmp, kv_disk_min_load_tokens=16))
+        core = EngineCore(config, UniProcExecutor(config), set())
+        tier = core.kv_connector
+        rng, n = random.Random(2), 0
+
+        def first_token(prompt: list[int]) -> float:
+            nonlocal n
+            n += 1
+            core.reset_prefix_cache()
+            began = time.perf_counter()
+            core.add_request(EngineCoreRequest(str(n), prompt, params))
+            while core.has_unfinished():
+                core.step()
+            return time.perf_counter() - began
+
+        print(f"model {args.model}: TTFT (median of {args.repeats}) of H tokens on disk + 16 new ones")
+        for hit in args.hits:
+            shared = rng.choices(range(200, 20000), k=hit)
+            first_token(shared + [1] * 17)  # writes the H tokens' blocks
+            core.executor.kv_connector.writer.flush()
+            times = {}
+            for mode, min_load in (("load", 16), ("recompute", 1 << 30)):
+                tier.min_load_tokens = min_load
+                times[mode] = statistics.median(
+                    first_token(shared + rng.choices(range(200, 20000), k=16)) for _ in range(args.repeats)
+                )
+            print(
+                f"H={hit:5d}: loaded {times['load'] * 1e3:7.1f} ms, recomputed {times['recompute'] * 1e3:7.1f} ms "
+                f"({times['recompute'] / times['load']:.2f}x)"
+            )
+        s = tier.disk_stats
+        per_block = s.load_seconds / max(s.hits // config.cache.block_size, 1)
+        block = [torch.empty(shape, dtype=dtype) for shape, dtype in tier.layout]
+        began = time.perf_counter()
+        for _ in range(1000):
+            [b.clone() for b in block]
+        ram = (time.perf_counter() - began) / 1000
+        print(
+            f"per block: disk tier load {per_block * 1e6:.0f} us (read, verify, copy in); a RAM copy {ram * 1e6:.0f} us"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -142,8 +202,12 @@ def main() -> None:
     a.add_argument("--turn-tokens", type=int, default=100)
     a.add_argument("--answer-tokens", type=int, default=32)
     a.add_argument("--kv-blocks", type=int, default=160)
+    m = sub.add_parser("minload")
+    m.add_argument("--model", default="smollm2-135m-instruct")
+    m.add_argument("--hits", type=int, nargs="+", default=[16, 32, 64, 128, 512])
+    m.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    restart(args) if args.cmd == "restart" else agent(args)
+    {"restart": restart, "agent": agent, "minload": minload}[args.cmd](args)
 
 
 if __name__ == "__main__":
