@@ -182,7 +182,7 @@ class BlockWriter:
         """Wait (at most `timeout` seconds) until the queued blocks are written."""
         deadline = time.monotonic() + timeout
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.002)
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued (within `timeout`), then stop the thread."""

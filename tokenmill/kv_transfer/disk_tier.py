@@ -178,6 +178,11 @@ class DiskTierScheduler(KVConnectorScheduler):
         self._saving: set[bytes] = set()  # keys handed to the writer, not reported written yet
         self._load: list[tuple[BlockTable, int, list[list[torch.Tensor]]]] = []
 
+    def has_held(self) -> bool:
+        """Blocks are being written: the engine keeps stepping (idle steps wait on the writer a little)
+        until the worker half has reported them, so /metrics counts every write."""
+        return bool(self._saving)
+
     def tier_stats(self) -> dict[str, dict]:
         return {TIER: dataclasses.asdict(self.disk_stats)}
 
@@ -206,7 +211,7 @@ class DiskTierScheduler(KVConnectorScheduler):
             )
         except FileNotFoundError:
             return None
-        except (BadBlockFile, OSError, ValueError) as e:
+        except (BadBlockFile, OSError, ValueError, KeyError, TypeError) as e:  # any unreadable file: a miss
             logger.warning("KV disk tier: %s is not a usable block (%s): removed, a miss", path.name, e)
             self.disk_stats.bad_files += 1
             remove(path)
@@ -338,6 +343,8 @@ class DiskTierWorker(KVConnectorWorker):
         self._copy_out = time.perf_counter() - start if meta.save else 0.0
 
     def get_finished(self, idle: bool) -> DiskTierOutput:
+        if idle:  # the step ran nothing: the engine waits for writes to report, so wait for them here
+            self.writer.flush(timeout=0.05)
         return DiskTierOutput(self.writer.report(), self._copy_in, self._copy_out)
 
     def close(self) -> None:
