@@ -146,3 +146,15 @@ def test_a_size_limit_evicts_the_least_recently_used_blocks_tails_first(models, 
         got == cold[0, "auto"] and disk["errors"] == 1 and disk["dropped_blocks"] == 5 + 5 - 1
     )  # SHARING's blocks are PROMPT's
     assert "writing is off" in caplog.text and not files(tmp_path / "tiny")
+
+
+def test_info_shows_bytes_per_token_by_tier_and_where_the_weights_live(models, capsys):
+    from tokenmill.entrypoints.cli import main
+
+    main(["info", "--model", str(models[0]), "--load"])
+    rows = {k.strip(): v.strip() for k, v in (line.split("  ", 1) for line in capsys.readouterr().out.splitlines())}
+    per_token = rows["KV bytes per token"].split()[0]
+    assert rows["KV bytes per token by tier"].startswith(f"pool {per_token}, disk {per_token} + ")
+    mapped, copied = (float(x) for x in rows["weights mapped / copied"].split(" MiB")[0].split(" / "))
+    assert mapped == 0 and copied > 0  # every tensor is copied or repacked today
+    assert rows["resident memory after load"].endswith("MiB")
