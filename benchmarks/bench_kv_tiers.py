@@ -1,7 +1,7 @@
 """The KV cache's disk tier (`serve --kv-cache-dir`), measured on real servers.
 
     .venv/bin/python benchmarks/bench_kv_tiers.py restart [--model qwen2.5-coder-0.5b] [--tokens 6000]
-    .venv/bin/python benchmarks/bench_kv_tiers.py agent [--model smollm2-135m-instruct] [--sessions 4] [--turns 4]
+    .venv/bin/python benchmarks/bench_kv_tiers.py agent [--model smollm2-135m-instruct] [--sessions 3] [--turns 4]
     .venv/bin/python benchmarks/bench_kv_tiers.py minload [--model smollm2-135m-instruct] [--hits 16 64 512]
 
 `restart`: a server with the tier answers a long prompt (token ids, `max_tokens` 1: the time is the
@@ -102,7 +102,7 @@ def agent(args) -> None:
             if mode == "tier on":
                 flags += ["--kv-cache-dir", str(Path(tmp) / "kv")]
             srv, _ = start(Path(tmp), args.model, *flags)
-            histories = [list(system) for _ in range(args.sessions)]
+            histories = [system + rng.choices(range(200, 20000), k=args.own_tokens) for _ in range(args.sessions)]
             times: list[float] = []
 
             def turn(s: int, t: int) -> None:
@@ -123,7 +123,8 @@ def agent(args) -> None:
         results[mode] = (statistics.median(times), q[8], total, stats.get("hits", 0), stats.get("queries", 0))
     print(
         f"model {args.model}: {args.sessions} sessions x {args.turns} turns, system prompt {args.system_tokens} "
-        f"tokens, +{args.turn_tokens} / +{args.answer_tokens} per turn, pool {args.kv_blocks} blocks"
+        f"tokens + {args.own_tokens} of its own per session, +{args.turn_tokens} / +{args.answer_tokens} per turn, "
+        f"pool {args.kv_blocks} blocks"
     )
     for mode, (p50, p90, total, hits, queries) in results.items():
         extra = f", disk hits {hits:.0f} of {queries:.0f} looked-up tokens" if queries else ""
@@ -199,12 +200,13 @@ def main() -> None:
     r.add_argument("--tokens", type=int, default=6000)
     a = sub.add_parser("agent")
     a.add_argument("--model", default="smollm2-135m-instruct")
-    a.add_argument("--sessions", type=int, default=4)
+    a.add_argument("--sessions", type=int, default=3)
     a.add_argument("--turns", type=int, default=4)
-    a.add_argument("--system-tokens", type=int, default=1500)
-    a.add_argument("--turn-tokens", type=int, default=100)
-    a.add_argument("--answer-tokens", type=int, default=32)
-    a.add_argument("--kv-blocks", type=int, default=160)
+    a.add_argument("--system-tokens", type=int, default=500)
+    a.add_argument("--own-tokens", type=int, default=800, help="each session's own context (files) in its first turn")
+    a.add_argument("--turn-tokens", type=int, default=32)
+    a.add_argument("--answer-tokens", type=int, default=16)
+    a.add_argument("--kv-blocks", type=int, default=112)
     m = sub.add_parser("minload")
     m.add_argument("--model", default="smollm2-135m-instruct")
     m.add_argument("--hits", type=int, nargs="+", default=[16, 32, 64, 128, 512])
