@@ -158,7 +158,7 @@ class CacheConfig:
     # the disk tier (tokenmill.kv_transfer.disk_tier): full prompt blocks kept in this directory
     kv_cache_dir: str | None = None
     kv_disk_size_gib: float = 10.0  # the most the tier's files take (LRU eviction beyond)
-    kv_disk_min_load_tokens: int = 64  # shorter disk hits are recomputed (a load of them does not pay)
+    kv_disk_min_load_tokens: int = 16  # shorter disk hits are recomputed (on CPU a load wins from one block)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:

@@ -74,7 +74,7 @@ class EngineArgs:
     prefix_cache_hash: str = "blake2b"
     kv_cache_dir: str | None = None
     kv_disk_size: float = 10.0  # GiB
-    kv_disk_min_load_tokens: int = 64
+    kv_disk_min_load_tokens: int = 16
     grammar_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1
