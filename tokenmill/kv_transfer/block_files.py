@@ -216,7 +216,10 @@ class BlockWriter:
         start = time.perf_counter()
         path = block_path(self.directory, block.key)
         if path.exists():  # written by another engine on this directory (or before a restart)
-            os.utime(path)
+            try:
+                os.utime(path)
+            except FileNotFoundError:  # and evicted by one just now: nothing to do either way
+                pass
             return
         parts = encode_block(block)
         size = sum(len(memoryview(p).cast("B")) for p in parts)
