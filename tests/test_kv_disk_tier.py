@@ -158,3 +158,17 @@ def test_info_shows_bytes_per_token_by_tier_and_where_the_weights_live(models, c
     mapped, copied = (float(x) for x in rows["weights mapped / copied"].split(" MiB")[0].split(" / "))
     assert mapped == 0 and copied > 0  # every tensor is copied or repacked today
     assert rows["resident memory after load"].endswith("MiB")
+
+
+def test_layouts_the_tier_does_not_run_with_are_refused_naming_the_flags(tmp_path):
+    from tokenmill.config import ParallelConfig
+    from tokenmill.kv_transfer.base import check_supported
+    from tokenmill.kv_transfer.config import KVTransferConfig
+
+    cache = CacheConfig(kv_cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="--kv-cache-dir needs --tensor-parallel-size 1"):
+        check_supported(EngineConfig(cache=cache, parallel=ParallelConfig(tensor_parallel_size=2)))
+    with pytest.raises(ValueError, match="--kv-cache-dir does not run with --kv-role"):
+        check_supported(EngineConfig(cache=cache, kv_transfer=KVTransferConfig("consumer", "SharedMemoryConnector")))
+    with pytest.raises(ValueError, match="kv_disk_size must be >= 0"):
+        CacheConfig(kv_disk_size_gib=-1)
