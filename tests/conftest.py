@@ -17,6 +17,7 @@ UNIT_MODULES = {
     "test_import_layers",
     "test_kernels",
     "test_kv_connector",
+    "test_kv_disk_tier",
     "test_layers",
     "test_llm_api",
     "test_plan",

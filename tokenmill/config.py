@@ -155,6 +155,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"  # keyed per process; or "sha256" (same in every process), "builtin"
     cache_dtype: str = "auto"  # dtype of stored K/V (int8 / fp8: quantized); "auto": see resolve_cache_dtype
+    # the disk tier (tokenmill.kv_transfer.disk_tier): full prompt blocks kept in this directory
+    kv_cache_dir: str | None = None
+    kv_disk_size_gib: float = 10.0  # the most the tier's files take (LRU eviction beyond)
+    kv_disk_min_load_tokens: int = 16  # shorter disk hits are recomputed (on CPU a load wins from one block)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -168,6 +172,10 @@ class CacheConfig:
                 f"prefix_cache_hash must be one of {', '.join(PREFIX_CACHE_HASHES)}, got {self.prefix_cache_hash!r}"
             )
         resolve_cache_dtype(self.cache_dtype, torch.float32)  # raises for an unknown name
+        if not self.kv_disk_size_gib >= 0:
+            raise ValueError(f"kv_disk_size must be >= 0 (GiB), got {self.kv_disk_size_gib}")
+        if not isinstance(self.kv_disk_min_load_tokens, int) or self.kv_disk_min_load_tokens < 0:
+            raise ValueError(f"kv_disk_min_load_tokens must be an integer >= 0, got {self.kv_disk_min_load_tokens!r}")
 
 
 @dataclass

@@ -72,6 +72,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"
+    kv_cache_dir: str | None = None
+    kv_disk_size: float = 10.0  # GiB
+    kv_disk_min_load_tokens: int = 16
     grammar_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1
@@ -127,6 +130,9 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_cache_hash=self.prefix_cache_hash,
                 cache_dtype=self.kv_cache_dtype,
+                kv_cache_dir=self.kv_cache_dir,
+                kv_disk_size_gib=self.kv_disk_size,
+                kv_disk_min_load_tokens=self.kv_disk_min_load_tokens,
             ),
             speculative=_speculative(self.speculative_config),
             parallel=ParallelConfig(
@@ -265,6 +271,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(collision-resistant, unpredictable), sha256 = the same keys in every process, builtin = "
         "Python's hash (fastest, 64-bit); a hit always checks the block's tokens and parent too "
         "(default: %(default)s)",
+    )
+    c.add_argument(
+        "--kv-cache-dir",
+        default=None,
+        metavar="PATH",
+        help="the KV cache's disk tier: full prompt blocks are written here in the background and "
+        "loaded back for a later prompt with the same prefix, also after a restart and by other "
+        "servers on the same directory (keyed by model, weights, quantization, KV dtype, block size "
+        "and cache_salt) (default: off)",
+    )
+    c.add_argument(
+        "--kv-disk-size",
+        type=float,
+        default=d.kv_disk_size,
+        metavar="GIB",
+        help="the most the disk tier's files take in GiB; the least recently used blocks are "
+        "removed beyond it (default: %(default)s)",
+    )
+    c.add_argument(
+        "--kv-disk-min-load-tokens",
+        type=int,
+        default=d.kv_disk_min_load_tokens,
+        metavar="N",
+        help="a disk-tier hit shorter than N tokens is recomputed instead of loaded (default: %(default)s)",
     )
     c.add_argument(
         "--grammar-timeout",

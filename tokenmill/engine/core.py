@@ -58,6 +58,7 @@ class EngineStats:
     kv_transfers: int = 0  # disaggregated prefill/decode: prompts whose KV was sent (producer) or received
     kv_transfer_bytes: int = 0  # their KV payloads
     kv_transfer_seconds: float = 0.0  # producer: copying out; consumer: asking until the payload is in
+    kv_tiers: dict[str, dict] = field(default_factory=dict)  # KV-cache tier name -> its counters (disk_tier.TierStats)
 
 
 class RequestRejected(ValueError):
@@ -96,8 +97,8 @@ class EngineCore:
                 for blocks, window in zip(kv_config.pool_blocks, kv_config.pool_windows)
             ]
         )
-        # disaggregated prefill/decode (later: KV-cache tiers): the scheduler half of the KV connector
-        self.kv_connector = scheduler_connector(config, self.kv)
+        # disaggregated prefill/decode or the disk tier: the scheduler half of the KV connector
+        self.kv_connector = scheduler_connector(config, self.kv, executor)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.kv_connector)
         # steps submitted and not collected yet, oldest first, with when each was submitted
         self.batch_queue: deque[tuple[SchedulerOutput, float]] = deque()
@@ -281,6 +282,7 @@ class EngineCore:
                 t.num_bytes,
                 t.seconds,
             )
+            stats.kv_tiers = self.kv_connector.tier_stats()
         if self._structured is not None:
             c = self._structured.compiler.stats
             stats.grammar_compiles, stats.grammar_compile_seconds = c.num_compiles, c.compile_seconds

@@ -76,6 +76,12 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     )
     r = p.add_argument_group("routing")
     add_policy_args(r)
+    r.add_argument(
+        "--shared-kv-tier",
+        action="store_true",
+        help="prefix policy: the replicas share one KV disk tier (the same --kv-cache-dir), so a "
+        "prefix one of them computed can be loaded by any: such prefixes are routed by load",
+    )
     http = p.add_argument_group("HTTP")
     add_http_args(http)
     http.add_argument(
@@ -108,7 +114,10 @@ def _policy(args: argparse.Namespace, num_replicas: int):
 
     if not args.health_interval > 0:
         raise ValueError(f"--health-interval must be positive, got {args.health_interval}")
-    policy = make_policy(args.policy, num_replicas, args.prefix_match_threshold, args.balance_threshold)
+    # replicas on one --kv-cache-dir (`serve --data-parallel-size N --kv-cache-dir PATH`) share its prefixes
+    shared = bool(getattr(args, "shared_kv_tier", False) or getattr(args, "kv_cache_dir", None))
+    options = {"shared_tier": True} if shared and args.policy == "prefix" else {}
+    policy = make_policy(args.policy, num_replicas, args.prefix_match_threshold, args.balance_threshold, **options)
     return policy, RouterSettings(health_interval=args.health_interval, ui=getattr(args, "ui", True))
 
 
