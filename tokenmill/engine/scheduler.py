@@ -168,7 +168,7 @@ class Scheduler:
                     request, self.kv.block_ids(request.request_id), num_hits, num_external
                 )
             self.waiting.pop()
-            self.kv.mark_computing(request, num_hits)
+            self.kv.mark_computing(request, num_computed)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
                 self.kv.record_lookup(request, num_computed)
