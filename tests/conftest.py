@@ -19,6 +19,7 @@ UNIT_MODULES = {
     "test_kv_connector",
     "test_layers",
     "test_llm_api",
+    "test_lora",
     "test_plan",
     "test_prefix_cache",
     "test_prompt_logprobs",
