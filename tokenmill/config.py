@@ -63,6 +63,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     torch_dtype: str | None = None  # the checkpoint's own dtype, if it says
+    headless: bool = False  # an embedding checkpoint without an LM head: embeddings only, no generation
     supported_activations: ClassVar[tuple[str, ...]] = ("silu",)  # what the model file's MLP computes
 
     def __post_init__(self) -> None:

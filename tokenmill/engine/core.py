@@ -200,6 +200,10 @@ class EngineCore:
             if self.kv_connector is None:
                 raise RequestRejected("kv_transfer_params needs a server started with --kv-role", "kv_transfer_params")
             params = self.kv_connector.prepare(params)
+        if self.model_config.headless and params.pooling is None:
+            raise RequestRejected(
+                "this is an embedding model (its checkpoint has no LM head): it serves /v1/embeddings only", "model"
+            )
         request = Request(core_request, params, self.eos_token_ids)
         if params.lora_name is not None:
             if not self.loras or params.lora_name not in self.loras:

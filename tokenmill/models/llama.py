@@ -393,4 +393,6 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
-        load_checkpoint(self, weights)
+        """The checkpoint's tensors; an embedding checkpoint saved from the bare decoder (Qwen3-Embedding)
+        names them without the decoder's `model.` prefix."""
+        load_checkpoint(self, ((n if n.startswith(("model.", "lm_head.")) else f"model.{n}", w) for n, w in weights))

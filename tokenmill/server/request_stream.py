@@ -166,6 +166,13 @@ class RequestStream:
             self.finished = True
         return item
 
+    async def last(self) -> StreamOutput:
+        """The request's final output (for an answer that is not streamed)."""
+        last = None
+        async for out in self:
+            last = out
+        return last
+
     async def started(self) -> None:
         """Wait for the request's first output; raise at once if it failed before producing one (so a
         constrained request whose grammar is refused gets a 400, not an error inside a 200 stream)."""
