@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 import transformers
+from helpers import TINY_BASE, TINY_MODELS, assert_same_greedy, greedy_reference, make_core, make_tiny_model
 
-from tests.helpers import TINY_BASE, TINY_MODELS, assert_same_greedy, greedy_reference, make_core, make_tiny_model
 from tokenmill.engine.core import RequestRejected
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams

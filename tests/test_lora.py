@@ -10,8 +10,8 @@ import numpy as np
 import peft
 import pytest
 import torch
+from helpers import assert_same_greedy, greedy_reference, make_lora_adapter, make_tiny_model, run_core
 
-from tests.helpers import assert_same_greedy, greedy_reference, make_tiny_model, run_core
 from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig
 from tokenmill.engine.core import EngineCore, RequestRejected
 from tokenmill.engine.request import EngineCoreRequest
@@ -27,25 +27,14 @@ NEW_TOKENS = 8
 GREEDY = dict(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def make_adapter(base, directory, seed: int, **lora_args) -> None:
-    """A PEFT LoRA adapter of `base` with random A and B (PEFT starts B at zero), saved to `directory`."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(base, peft.LoraConfig(**lora_args))
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.data.normal_(std=0.2)
-    model.save_pretrained(directory)
-    model.unload()  # leaves `base` as it was
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The base model's directory, two adapters' directories and each one's greedy reference per prompt."""
     root = tmp_path_factory.mktemp("lora")
     base = make_tiny_model("llama-gqa-untied", root / "base")
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    make_adapter(base, root / "a", 1, r=8, lora_alpha=16, target_modules=every)
-    make_adapter(
+    make_lora_adapter(base, root / "a", 1, r=8, lora_alpha=16, target_modules=every)
+    make_lora_adapter(
         base, root / "b", 2, r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]
     )
     refs = {None: greedy_reference(base, PROMPTS[None], NEW_TOKENS)}
