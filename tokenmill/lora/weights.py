@@ -50,7 +50,7 @@ class LoRAWeights:
             return out
         for slot, rows in batch.groups:
             xs = x if rows is None else x.index_select(0, rows)
-            delta = (xs @ self.a[slot].T) @ self.b[slot].T * self.scaling[slot]
+            delta = ((xs @ self.a[slot].T) @ self.b[slot].T * self.scaling[slot]).to(out.dtype)
             if rows is None:
                 out = out + delta
             else:
