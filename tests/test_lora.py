@@ -60,11 +60,14 @@ def test_mixed_batch_matches_peft_and_each_alone(tiny):
     core = lora_core(root, a=root / "a", b=root / "b")
     names = [None, "a", "b", "a"]
     params = [SamplingParams(**GREEDY, lora_name=n) for n in names]
-    mixed = run_core(core, [PROMPTS[n] for n in names], params)
+    # the last request: adapter a's prompt on the base model, which must continue it differently
+    mixed = run_core(core, [PROMPTS[n] for n in names] + [PROMPTS["a"]], params + [SamplingParams(**GREEDY)])
+    assert mixed["4"] != mixed["1"]
     for i, name in enumerate(names):
         assert_same_greedy(mixed[str(i)], *refs[name])
+    for name in (None, "a", "b"):
         alone = run_core(core, [PROMPTS[name]], SamplingParams(**GREEDY, lora_name=name))
-        assert alone["0"] == mixed[str(i)]
+        assert alone["0"] == mixed[str(names.index(name))]
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
