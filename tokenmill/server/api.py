@@ -41,6 +41,7 @@ from tokenmill.server.serving import ServingContext, engine_error
 from tokenmill.server.serving_chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.serving_completions import create_completion
 from tokenmill.server.serving_embeddings import create_embedding
+from tokenmill.server.serving_lora import update_lora
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -162,7 +163,7 @@ def build_app(
         return JSONResponse({"object": "list", "data": data})
 
     async def generate(request: Request, body_type, create) -> Response:
-        """The OpenAI generation endpoints: stamp arrival, check the key, parse the body, serve."""
+        """The OpenAI endpoints that take a body: stamp arrival, check the key, parse the body, serve."""
         arrival = time.monotonic()
         check_api_key(request)
         body = await read_body(request, settings.max_body_bytes)
@@ -180,44 +181,13 @@ def build_app(
     async def embeddings(request: Request) -> Response:
         return await generate(request, EmbeddingRequest, create_embedding)
 
-    async def update_lora(request: Request, body_type) -> Response:
-        """Load (a body with lora_path) or unload a LoRA adapter in the engine, then serve it or not."""
-        check_api_key(request)
-        req = parse_body(body_type, await read_body(request, settings.max_body_bytes))
-        path = getattr(req, "lora_path", None)
-        if ctx.loras is None:
-            raise bad_request("LoRA adapters are off: start the server with --enable-lora", "lora_name")
-        if path is None and req.lora_name not in ctx.loras:
-            raise APIError(
-                404,
-                f"no LoRA adapter named {req.lora_name!r} is loaded",
-                "invalid_request_error",
-                "lora_name",
-                "not_found",
-            )
-        if req.lora_name in ctx.model_names:
-            raise bad_request(f"{req.lora_name!r} is the base model's name", "lora_name")
-        try:
-            answer = await client.update_lora(req.lora_name, path)
-        except EngineDeadError as e:
-            raise engine_error(e) from None
-        if answer.error is not None:
-            if answer.param is None:
-                raise APIError(500, answer.error, "internal_server_error", None, "lora_update_failed")
-            raise bad_request(answer.error, answer.param)
-        if path is None:
-            ctx.loras.pop(req.lora_name)
-        else:
-            ctx.loras[req.lora_name] = path
-        return JSONResponse({"status": "ok", "lora_name": req.lora_name, "loaded": path is not None})
-
     @app.post("/v1/load_lora_adapter", openapi_extra=_body(LoadLoRAAdapterRequest))
     async def load_lora_adapter(request: Request) -> Response:
-        return await update_lora(request, LoadLoRAAdapterRequest)
+        return await generate(request, LoadLoRAAdapterRequest, update_lora)
 
     @app.post("/v1/unload_lora_adapter", openapi_extra=_body(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(request: Request) -> Response:
-        return await update_lora(request, UnloadLoRAAdapterRequest)
+        return await generate(request, UnloadLoRAAdapterRequest, update_lora)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
