@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # runs both); a new module is one until it is listed here.
 UNIT_MODULES = {
     "test_engine",
+    "test_embeddings",
     "test_eval_tasks",
     "test_import_layers",
     "test_kernels",
@@ -20,6 +21,7 @@ UNIT_MODULES = {
     "test_kv_disk_tier",
     "test_layers",
     "test_llm_api",
+    "test_lora",
     "test_plan",
     "test_prefix_cache",
     "test_prompt_logprobs",

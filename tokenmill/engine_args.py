@@ -84,6 +84,10 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     scheduling_policy: str = "fcfs"
     kv_transfer_config: KVTransferConfig | dict | str | None = None  # disaggregated prefill/decode; None: off
+    enable_lora: bool = False  # LoRA adapters on (implied by lora_modules): loaded at run time too
+    lora_modules: dict[str, str] | list[str] | None = None  # name -> PEFT directory, or "name=path" strings
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -112,7 +116,11 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The validated configuration tree (ValueError naming the setting at fault)."""
-        from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+        from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig
+
+        lora = None
+        if self.enable_lora or self.lora_modules:
+            lora = LoRAConfig(_lora_modules(self.lora_modules), self.max_loras, self.max_lora_rank)
 
         return EngineConfig(
             model=self.model,
@@ -149,6 +157,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             kv_transfer=_kv_transfer(self.kv_transfer_config),
+            lora=lora,
         )
 
 
@@ -376,6 +385,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
         "first (default: %(default)s)",
     )
+    lo = parser.add_argument_group("LoRA adapters")
+    lo.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (implied by --lora-modules); more are loaded at run time with "
+        "POST /v1/load_lora_adapter",
+    )
+    lo.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="LoRA adapters to load at start, each a PEFT directory (adapter_config.json + "
+        "adapter_model.safetensors); a request names one as its model",
+    )
+    lo.add_argument(
+        "--max-loras",
+        type=int,
+        default=d.max_loras,
+        help="adapters loaded at once (each takes a slot in every adapted layer) (default: %(default)s)",
+    )
+    lo.add_argument(
+        "--max-lora-rank", type=int, default=d.max_lora_rank, help="the highest adapter rank (default: %(default)s)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -396,6 +428,21 @@ def _kv_transfer(value: KVTransferConfig | dict | str | None) -> KVTransferConfi
     if value is None or isinstance(value, KVTransferConfig):
         return value
     return KVTransferConfig.from_args(None, value if isinstance(value, str) else json.dumps(value))
+
+
+def _lora_modules(value: dict[str, str] | list[str] | None) -> dict[str, str]:
+    """{name: path} from a dict or `--lora-modules`' NAME=PATH strings."""
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    modules = {}
+    for item in value:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH items, got {item!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names the adapter {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def _layer_partition(value: tuple[int, ...] | str) -> tuple[int, ...]:

@@ -186,16 +186,19 @@ class KVCacheManager:
             keys.append(self.hash_fn(self._parent(keys, i, request), request.token_slice(i * bs, (i + 1) * bs)))
         return keys
 
-    @staticmethod
-    def _parent(keys: list[BlockKey], i: int, request: Request) -> object:
-        """What block i's key chains to: the key of block i - 1, or the salt for the first block."""
-        return keys[i - 1] if i else request.cache_salt
+    def _parent(self, keys: list[BlockKey], i: int, request: Request) -> object:
+        """What block i's key chains to: the key of block i - 1, or for the first block the salt; under
+        a LoRA adapter (whose K/V differ from the base model's) a key of the salt and the adapter's load
+        id as a negative token, which no block of real tokens has."""
+        if i:
+            return keys[i - 1]
+        return self.hash_fn(request.cache_salt, (-request.lora_id,)) if request.lora_id else request.cache_salt
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached blocks holding a prefix of the request's tokens, and how many
         tokens they cover. The last token is always recomputed, to produce logits. A request that asked
         for prompt logprobs computes its whole prompt (cached blocks hold K/V, not logprobs)."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.params.needs_every_prompt_position:
             return [], 0
         bs = self.block_size
         hits: list[KVBlock] = []
@@ -241,7 +244,7 @@ class KVCacheManager:
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count a new request's prefix-cache lookup (once, when it is admitted)."""
-        if self.enable_prefix_caching and request.params.prompt_logprobs is None:
+        if self.enable_prefix_caching and not request.params.needs_every_prompt_position:
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += num_hit_tokens
 

@@ -44,6 +44,7 @@ class RequestUpdate:
     status: RequestStatus | None
     error: str | None = None  # the request failed (e.g. its grammar raised); status is FINISHED_ABORTED
     prompt_logprobs: list | None = None  # with its first update, if it asked
+    pooled: list[float] | None = None  # an embedding request's pooled hidden state, when it finishes
 
 
 @dataclass
@@ -229,7 +230,11 @@ class Scheduler:
             if not tokens:
                 if request.params.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
                     status = RequestStatus.FINISHED_LENGTH  # scored its prompt: nothing to generate
-                    updates.append(RequestUpdate(request, [], None, status, None, self._take_prompt_logprobs(request)))
+                    updates.append(
+                        RequestUpdate(
+                            request, [], None, status, None, self._take_prompt_logprobs(request), output.pooled.get(rid)
+                        )
+                    )
                     self.finish(request, status)
                 continue
             accepted, status, error = [], None, None

@@ -29,7 +29,10 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     bad_request,
     parse_body,
 )
@@ -37,6 +40,8 @@ from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.serving import ServingContext, engine_error
 from tokenmill.server.serving_chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.serving_embeddings import create_embedding
+from tokenmill.server.serving_lora import update_lora
 from tokenmill.server.ui.stats import UIStats, window_param
 
 logger = logging.getLogger("tokenmill.server")
@@ -66,6 +71,7 @@ def build_app(
         info["vocab_size"],
         settings.reasoning_parser,
         settings.limits,
+        info.get("lora_modules"),
     )
     created = int(time.time())
 
@@ -165,10 +171,13 @@ def build_app(
             }
             for name in ctx.model_names
         ]
+        data += [  # LoRA adapters: a request names one as its model
+            dict(data[0], id=name, root=path, parent=ctx.model_names[0]) for name, path in (ctx.loras or {}).items()
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def generate(request: Request, body_type, create) -> Response:
-        """The OpenAI generation endpoints: stamp arrival, check the key, parse the body, serve."""
+        """The OpenAI endpoints that take a body: stamp arrival, check the key, parse the body, serve."""
         arrival = time.monotonic()
         check_api_key(request)
         body = await read_body(request, settings.max_body_bytes)
@@ -181,6 +190,18 @@ def build_app(
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest), summary="Chat completions (OpenAI)")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, create_chat_completion)
+
+    @app.post("/v1/embeddings", openapi_extra=_body(EmbeddingRequest), summary="Embeddings (OpenAI)")
+    async def embeddings(request: Request) -> Response:
+        return await generate(request, EmbeddingRequest, create_embedding)
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request) -> Response:
+        return await generate(request, LoadLoRAAdapterRequest, update_lora)
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await generate(request, UnloadLoRAAdapterRequest, update_lora)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
@@ -226,7 +247,15 @@ def build_app(
     return app
 
 
-_BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+_BODIES = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 
 
 def _body(model) -> dict:
