@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 UNIT_MODULES = {
     "test_engine",
     "test_eval_tasks",
+    "test_gpu_hygiene",
     "test_import_layers",
     "test_kernels",
     "test_kv_connector",

@@ -81,7 +81,8 @@ class CompiledDecode:
     @classmethod
     def build(cls, parts: list[LayerParts | None]) -> CompiledDecode | None:
         """The compiled step for these layers, or None when some layer has a part it does not run."""
-        if not parts or any(p is None for p in parts) or load() is None:
+        # CPU tensors only: the device is checked first, so a GPU model never builds (compiles) the extension
+        if not parts or any(p is None for p in parts) or parts[0].attn.kv_cache.device.type != "cpu" or load() is None:
             return None
         first = parts[0].attn
         tensors, ints, limits = [], [], []

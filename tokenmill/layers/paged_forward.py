@@ -40,6 +40,7 @@ class PagedForward:
         """Allocate each group's cache in the backend's shape (and a quantized one's scales) and bind every
         attention layer to its part."""
         self.kv_cache_config = config
+        self.kv_caches, self.kv_scales = [], []
         self.group_keys = [(group.pool, group.spec.sliding_window) for group in config.groups]
         for g, group in enumerate(config.groups):
             names = [n for n in group.layer_names if n in self.attention_layers]  # a pipeline stage's own
@@ -55,6 +56,12 @@ class PagedForward:
             for i, name in enumerate(names):
                 layer_scales = None if scales is None else scales[i]
                 self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g, layer_scales)
+
+    def release_kv_cache(self) -> None:
+        """Drop the cache (a throwaway one, e.g. the memory profile's): the layers keep no reference."""
+        for layer in self.attention_layers.values():
+            layer.bind_kv_cache(None, self.backend, 0, None)
+        self.kv_cache_config, self.kv_caches, self.kv_scales = None, [], []
 
     def forward(
         self,

@@ -165,7 +165,9 @@ class ModelRunner(PagedForward):
                 states[i].output_token_ids.extend(tokens)
                 result.sampled_token_ids[r] = tokens
                 if (num := states[i].params.logprobs) is not None:  # each emitted token's, from its own row
-                    ids, values, ranks = compute_logprobs(logits[: len(tokens)], torch.tensor(tokens), max(num, 1))
+                    ids, values, ranks = compute_logprobs(
+                        logits[: len(tokens)], torch.tensor(tokens, device=logits.device), max(num, 1)
+                    )
                     result.logprobs[r] = logprob_dicts(
                         ids.tolist(), values.tolist(), ranks.tolist(), [num] * len(tokens)
                     )
@@ -290,7 +292,9 @@ class ModelRunner(PagedForward):
 
         row_of = {s.request_id: i for i, s in enumerate(states)}
         rows = [row_of[rid] for rid in grammar.request_ids]
-        bitmask = torch.full((len(states), grammar.bitmask.shape[1]), -1, dtype=grammar.bitmask.dtype)
+        bitmask = torch.full(
+            (len(states), grammar.bitmask.shape[1]), -1, dtype=grammar.bitmask.dtype
+        )  # host: as xgrammar's
         bitmask[rows] = grammar.bitmask[: len(rows)]
         apply_bitmask(logits, bitmask, rows)
 
