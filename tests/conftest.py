@@ -34,6 +34,7 @@ UNIT_MODULES = {
     "test_structured_units",
     "test_tokenizer",
     "test_tools_units",
+    "test_triton_attention",
     "test_triton_block",
 }
 
