@@ -16,6 +16,7 @@ from tokenmill.engine_args import CPU_DEFAULTS, CUDA_DEFAULTS, EngineArgs, devic
 from tokenmill.sample.rejection_sampler import target_probs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import memory_profile
+from tokenmill.worker.cuda_graphs import capture_sizes, padded_size
 
 ROOT = Path(__file__).resolve().parents[1] / "tokenmill"
 # the code a step runs on the device's tensors
@@ -24,8 +25,8 @@ FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", 
 
 
 def _undeviced_factories(path: Path) -> list[str]:
-    """`torch.<factory>(...)` calls without `device=`, unless the line says `# host` (a tensor meant for
-    the host, e.g. xgrammar's bitmask)."""
+    """`torch.<factory>(...)` calls without `device=`, unless a line of the call says `# host` (a tensor
+    meant for the host, e.g. xgrammar's bitmask)."""
     source = path.read_text()
     lines = source.splitlines()
     found = []
@@ -34,7 +35,8 @@ def _undeviced_factories(path: Path) -> list[str]:
             continue
         f = node.func
         if isinstance(f.value, ast.Name) and f.value.id == "torch" and f.attr in FACTORIES:
-            if not any(k.arg == "device" for k in node.keywords) and "# host" not in lines[node.lineno - 1]:
+            marked = any("# host" in line for line in lines[node.lineno - 1 : node.end_lineno])
+            if not any(k.arg == "device" for k in node.keywords) and not marked:
                 found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: torch.{f.attr}")
     return found
 
@@ -146,3 +148,12 @@ def test_device_defaults():
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
         EngineArgs(model=None, gpu_memory_utilization=1.5).create_engine_config()
     assert np.isclose(EngineArgs(model=None, kv_cache_memory=2.5).create_engine_config().cache.kv_cache_memory_gib, 2.5)
+
+
+def test_decode_graph_sizes_and_padding():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 3 + 32
+    assert [padded_size(n, sizes) for n in (1, 3, 5, 9, 250, 256)] == [1, 4, 8, 16, 256, 256]
+    assert padded_size(257, sizes) is None  # eager beyond the largest graph

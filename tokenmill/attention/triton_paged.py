@@ -81,6 +81,14 @@ class TritonPagedBackend(TorchSDPABackend):
             sliding_window,
         )
 
+    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None):
+        """A float cache by the Triton kernel (a negative slot, a CUDA graph's padding row, is skipped);
+        a quantized one by the torch quantizer."""
+        if kv_scales is not None or k.stride(-1) != 1 or (v is not None and v.stride(-1) != 1):
+            super()._write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+        else:
+            kernel.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
     def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
         latent = kv_cache.shape[0] == 1
         k_cache = kv_cache[0]

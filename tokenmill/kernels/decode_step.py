@@ -127,8 +127,8 @@ class CompiledDecode:
             kv_cache is self.kv_cache
             and hidden.dtype == torch.float32
             and hidden.device.type == "cpu"
+            and getattr(meta, "num_decodes", None) == hidden.shape[0]  # the CPU backends' metadata
             and not meta.prefills
-            and meta.num_decodes == hidden.shape[0]
             and (self.max_tokens is None or hidden.shape[0] <= self.max_tokens)
         )
 

@@ -241,3 +241,39 @@ def paged_attention(
             H=h, DV=dv, BLOCK_DV=max(16, _p2(dv)), BLOCK_S=triton.next_power_of_2(num_splits),
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_kc, stride_vc, stride_kch, stride_vch,
+    HAS_V: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    t, h = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # a negative slot: a padding row (a CUDA graph's batch), written nowhere
+        d = tl.arange(0, BLOCK_D)
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=d < D)
+        tl.store(k_cache_ptr + slot * stride_kc + h * stride_kch + d, k.to(k_cache_ptr.dtype.element_ty), mask=d < D)
+        if HAS_V:
+            dv = tl.arange(0, BLOCK_DV)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=dv < DV)
+            tl.store(
+                v_cache_ptr + slot * stride_vc + h * stride_vch + dv, v.to(v_cache_ptr.dtype.element_ty), mask=dv < DV
+            )
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k [T, KVH, D] (and v [T, KVH, DV]; None for a latent cache: keys only) into the float caches
+    [blocks, block_size, KVH, D] at `slot_mapping` [T]; rows with a negative slot are skipped."""
+    t, kvh, d = k.shape
+    dv = d if v is None else v.shape[-1]
+    v_arg = k if v is None else v
+    write_kv_kernel[(t, kvh)](
+        k, v_arg, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), k_cache.stride(1), v_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(2),
+        HAS_V=v is not None, D=d, DV=dv, BLOCK_D=_p2(d), BLOCK_DV=_p2(dv),
+    )  # fmt: skip

@@ -32,6 +32,7 @@ class PagedForward:
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: list[torch.Tensor] = []  # one tensor per KV-cache group: [layers, *backend shape]
         self.kv_scales: list[torch.Tensor | None] = []  # per group, quantized caches: [layers, *shape[:-1]]
+        self.decode_graphs = None  # captured decode steps (`worker/cuda_graphs.py`), over these caches
 
     def kv_cache_specs(self) -> dict[str, AttentionSpec]:
         return {name: layer.kv_spec(self.cache_dtype) for name, layer in self.attention_layers.items()}
@@ -40,7 +41,7 @@ class PagedForward:
         """Allocate each group's cache in the backend's shape (and a quantized one's scales) and bind every
         attention layer to its part."""
         self.kv_cache_config = config
-        self.kv_caches, self.kv_scales = [], []
+        self.kv_caches, self.kv_scales, self.decode_graphs = [], [], None
         self.group_keys = [(group.pool, group.spec.sliding_window) for group in config.groups]
         for g, group in enumerate(config.groups):
             names = [n for n in group.layer_names if n in self.attention_layers]  # a pipeline stage's own
@@ -61,7 +62,7 @@ class PagedForward:
         """Drop the cache (a throwaway one, e.g. the memory profile's): the layers keep no reference."""
         for layer in self.attention_layers.values():
             layer.bind_kv_cache(None, self.backend, 0, None)
-        self.kv_cache_config, self.kv_caches, self.kv_scales = None, [], []
+        self.kv_cache_config, self.kv_caches, self.kv_scales, self.decode_graphs = None, [], [], None
 
     def forward(
         self,
@@ -75,7 +76,13 @@ class PagedForward:
         decodes first; `block_ids[request][pool]` its block tables; `model_inputs`: more inputs of the
         model's, e.g. a drafter's hidden states or a pipeline stage's intermediate tensors). Returns the
         model's output (the final hidden state of every new token) and the step's description (of pool 0:
-        positions and lengths are the same in all)."""
+        positions and lengths are the same in all). A step of decodes replays a captured graph if there is one."""
+        graphs = self.decode_graphs
+        if graphs is not None and not model_inputs and len(num_new) <= graphs.max_size and (num_new == 1).all():
+            common, _ = build_common_metadata(  # host-side only: the graph's inputs travel in one copy
+                num_new, num_computed, [t[0] for t in block_ids], self.kv_cache_config.block_size, torch.device("cpu")
+            )
+            return graphs.run(input_ids, num_computed, block_ids), common
         commons = [
             build_common_metadata(
                 num_new,
