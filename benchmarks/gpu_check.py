@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -300,13 +301,26 @@ def speed_engine(loaded, device: torch.device, eager: bool, dry: bool):
     return EngineCore(config, executor, set()), kv
 
 
-def timed_steps(core, device) -> list[float]:
-    times = []
+def timed_steps(core, device, count_syncs: int = 0) -> list[float]:
+    """Each step's seconds; on CUDA, the host-device synchronizations of the `count_syncs` steps after the
+    first are counted (torch's sync debug mode warns at each) and reported."""
+    times, syncs = [], []
     while core.has_unfinished():
-        start = time.perf_counter()
-        core.step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+        counting = device.type == "cuda" and 0 < len(times) <= count_syncs
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if counting:
+                torch.cuda.set_sync_debug_mode("warn")
+            start = time.perf_counter()
+            core.step()
+            if counting:
+                torch.cuda.set_sync_debug_mode("default")
+            sync(device)
+            times.append(time.perf_counter() - start)
+        if counting:
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    if syncs:
+        report("host-device synchronizations per decode step", "INFO", f"{syncs} (the sampled ids' copy is one)")
     return times
 
 
@@ -346,7 +360,7 @@ def speed(args) -> None:
         core.add_request(
             EngineCoreRequest("b1", prompt, SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True))
         )
-        steps = timed_steps(core, device)
+        steps = timed_steps(core, device, count_syncs=3)
         ms = statistics.median(steps[1:]) * 1e3
         report(
             f"batch-1 decode ({mode})",

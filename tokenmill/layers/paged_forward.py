@@ -78,7 +78,7 @@ class PagedForward:
         model's output (the final hidden state of every new token) and the step's description (of pool 0:
         positions and lengths are the same in all). A step of decodes replays a captured graph if there is one."""
         graphs = self.decode_graphs
-        if graphs is not None and not model_inputs and len(num_new) <= graphs.max_size and (num_new == 1).all():
+        if graphs is not None and not model_inputs and graphs.fits(num_new, block_ids):
             common, _ = build_common_metadata(  # host-side only: the graph's inputs travel in one copy
                 num_new, num_computed, [t[0] for t in block_ids], self.kv_cache_config.block_size, torch.device("cpu")
             )

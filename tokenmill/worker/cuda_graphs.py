@@ -96,6 +96,14 @@ class DecodeGraphs:
     def max_size(self) -> int:
         return self.sizes[-1]
 
+    def fits(self, num_new, block_ids: list[list[list[int]]]) -> bool:
+        """Whether a step is one these graphs run: decodes only, few enough, block tables no wider."""
+        return (
+            len(num_new) <= self.max_size
+            and (num_new == 1).all()
+            and all(len(table) <= self.width for tables in block_ids for table in tables)
+        )
+
     def _context(self, size: int) -> ForwardContext:
         from tokenmill.attention.triton_paged import TritonAttentionMetadata, num_splits_for  # imports Triton
 
@@ -138,6 +146,7 @@ class DecodeGraphs:
         host[3 * m : 3 * m + n] = num_computed + 1
         self.static.copy_(self.staging, non_blocking=True)
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the pool's memory is sized by the first)."""
         model = self.runner.model
