@@ -175,7 +175,8 @@ class DecodeGraphs:
 def capture_decode_graphs(runner, config) -> DecodeGraphs | None:
     """The runner's decode graphs, when they apply: CUDA, not --enforce-eager, one process, the Triton
     backend over float caches, a model whose decode forward has no side inputs or outputs (no drafter
-    that reads hidden states)."""
+    that reads hidden states) and never waits for the device (MoE layers read their experts' token
+    counts on the host). A capture that fails anyway leaves the runner eager, saying why."""
     if (
         runner.device.type != "cuda"
         or config.enforce_eager
@@ -183,6 +184,7 @@ def capture_decode_graphs(runner, config) -> DecodeGraphs | None:
         or runner.backend.name != "triton-paged"
         or any(is_quantized(g.spec.dtype) for g in runner.kv_cache_config.groups)
         or (runner.drafter is not None and config.speculative.method != "ngram")
+        or runner.moe_layers
     ):
         return None
     graphs = DecodeGraphs(
@@ -190,6 +192,10 @@ def capture_decode_graphs(runner, config) -> DecodeGraphs | None:
         config.scheduler.max_num_seqs,
         config.scheduler.max_model_len or runner.model_config.max_position_embeddings,
     )
-    graphs.capture()
+    try:
+        graphs.capture()
+    except RuntimeError as e:
+        logger.warning("CUDA graphs: capture failed, decode steps run eagerly (%s)", e)
+        return None
     logger.info("CUDA graphs: decode steps of %s sequences captured", ", ".join(map(str, graphs.sizes)))
     return graphs
