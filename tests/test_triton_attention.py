@@ -207,6 +207,32 @@ for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-3)):  # (the interp
 print("OK")
 """
 
+_MOE = r"""
+import torch
+from tokenmill.kernels import triton_moe
+from tokenmill.layers.activation import silu_and_mul
+
+torch.manual_seed(0)
+counts = torch.tensor([5, 0, 17, 1, 0, 40])  # an idle expert, one spanning tiles, a last partial tile
+E, K, I = len(counts), 48, 40
+rows = torch.randn(int(counts.sum()), K)
+w13, w2 = torch.randn(E, 2 * I, K) * 0.1, torch.randn(E, K, I) * 0.1
+b13, b2 = torch.randn(E, 2 * I), torch.randn(E, K)
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+    r, a, b, c, d = (t.to(dtype) for t in (rows, w13, w2, b13, b2))
+    want, start = [], 0
+    for e, n in enumerate(counts.tolist()):  # the per-expert loop of FusedMoE.run_experts
+        x = r[start : start + n]
+        want.append(silu_and_mul(x @ a[e].t() + c[e]) @ b[e].t() + d[e])
+        start += n
+    want = torch.cat(want).float()
+    got = triton_moe.run_experts(r, counts, a, b, silu_and_mul, c, d).float()
+    assert (got - want).abs().max() <= tol * want.abs().max(), (dtype, (got - want).abs().max())
+    plain = triton_moe.run_experts(r, counts, a, b, silu_and_mul).float()
+    assert plain.shape == want.shape and not plain.isnan().any()
+print("OK")
+"""
+
 
 def _run(script: str, *args: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
@@ -220,8 +246,9 @@ def test_kernels_match_torch():
     """The attention kernel against attention written out: ragged decodes and prompt chunks over random
     block tables, GQA / MQA, key-length splits, window, soft-cap, sinks, int8 / fp8 caches, float16, the
     MLA latent layout, a NaN-poisoned output buffer. The fused residual add + RMSNorm and SiLU * up
-    against the torch layers (float32, float16; rows with a masked tail). One process: one start-up."""
-    _run(_KERNEL + _FUSED)
+    against the torch layers (float32, float16; rows with a masked tail). The grouped MoE GEMM against the
+    per-expert loop (idle experts, partial tiles, biases). One process: one start-up."""
+    _run(_KERNEL + _FUSED + _MOE)
 
 
 def test_backend_matches_torch_in_models(tmp_path):

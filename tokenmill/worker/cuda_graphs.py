@@ -175,8 +175,8 @@ class DecodeGraphs:
 def capture_decode_graphs(runner, config) -> DecodeGraphs | None:
     """The runner's decode graphs, when they apply: CUDA, not --enforce-eager, one process, the Triton
     backend over float caches, a model whose decode forward has no side inputs or outputs (no drafter
-    that reads hidden states) and never waits for the device (MoE layers read their experts' token
-    counts on the host). A capture that fails anyway leaves the runner eager, saying why."""
+    that reads hidden states) and never waits for the device (quantized MoE experts run one by one, their
+    token counts read on the host; dense ones run in the Triton grouped GEMM). A capture that fails anyway leaves the runner eager, saying why."""
     if (
         runner.device.type != "cuda"
         or config.enforce_eager
@@ -184,7 +184,7 @@ def capture_decode_graphs(runner, config) -> DecodeGraphs | None:
         or runner.backend.name != "triton-paged"
         or any(is_quantized(g.spec.dtype) for g in runner.kv_cache_config.groups)
         or (runner.drafter is not None and config.speculative.method != "ngram")
-        or runner.moe_layers
+        or any(isinstance(m.w13, torch.nn.ModuleList) for m in runner.moe_layers)
     ):
         return None
     graphs = DecodeGraphs(
