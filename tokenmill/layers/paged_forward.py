@@ -83,22 +83,31 @@ class PagedForward:
                 num_new, num_computed, [t[0] for t in block_ids], self.kv_cache_config.block_size, torch.device("cpu")
             )
             return graphs.run(input_ids, num_computed, block_ids), common
+        host = torch.device("cpu")
         commons = [
             build_common_metadata(
-                num_new,
-                num_computed,
-                [tables[pool] for tables in block_ids],
-                self.kv_cache_config.block_size,
-                self.device,
+                num_new, num_computed, [tables[pool] for tables in block_ids], self.kv_cache_config.block_size, host
             )
             for pool in range(len(self.kv_cache_config.pool_blocks))
         ]
-        (common, positions) = commons[0]
+        (common, positions), commons = commons[0], [c for c, _ in commons]
+        ids, positions, *slots = to_device(
+            [input_ids, positions, *(c.slot_mapping.numpy() for c in commons)], self.device
+        )
+        for c, slot_mapping in zip(commons, slots):
+            c.slot_mapping, c.device = slot_mapping, self.device
         # one backend metadata per (pool, sliding window): each group's layers read theirs
-        metas = {key: self.backend.build_metadata(commons[key[0]][0], key[1]) for key in set(self.group_keys)}
+        metas = {key: self.backend.build_metadata(commons[key[0]], key[1]) for key in set(self.group_keys)}
         context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)})
         with set_forward_context(context):
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), **model_inputs
-            )
+            hidden = self.model(ids, positions, **model_inputs)
         return hidden, common
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays as tensors on `device`: on CPU the arrays themselves; else one copy of them packed in a
+    pinned buffer, without blocking (the host goes on while it travels), sliced on the device."""
+    if device.type == "cpu":
+        return [torch.from_numpy(a) for a in arrays]
+    packed = torch.from_numpy(np.concatenate(arrays)).pin_memory().to(device, non_blocking=True)
+    return list(packed.split([len(a) for a in arrays]))
