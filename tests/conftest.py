@@ -15,6 +15,7 @@ UNIT_MODULES = {
     "test_engine",
     "test_embeddings",
     "test_eval_tasks",
+    "test_gpu_hygiene",
     "test_import_layers",
     "test_kernels",
     "test_kv_connector",
@@ -36,6 +37,7 @@ UNIT_MODULES = {
     "test_structured_units",
     "test_tokenizer",
     "test_tools_units",
+    "test_triton_attention",
     "test_triton_block",
 }
 

@@ -153,6 +153,9 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gib: float = 1.0
     num_blocks: int | None = None  # overrides kv_cache_memory_gib when set
+    # CUDA: the fraction of the device's memory this engine may use; the KV pool gets what a profiling
+    # step at the largest batch leaves of it (overrides kv_cache_memory_gib; num_blocks overrides it)
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"  # keyed per process; or "sha256" (same in every process), "builtin"
     cache_dtype: str = "auto"  # dtype of stored K/V (int8 / fp8: quantized); "auto": see resolve_cache_dtype
@@ -168,6 +171,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory_gib}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.prefix_cache_hash not in PREFIX_CACHE_HASHES:
             raise ValueError(
                 f"prefix_cache_hash must be one of {', '.join(PREFIX_CACHE_HASHES)}, got {self.prefix_cache_hash!r}"
@@ -366,6 +371,7 @@ class EngineConfig:
     quantization_group_size: int | None = None  # int8 / int4 on load: columns per scale (None: the method's default)
     quantization_symmetric: bool | None = None  # int8 / int4 on load: no per-group minimum (None: int8 yes, int4 no)
     grammar_timeout: float = 30.0  # seconds a structured-output grammar may take to compile
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -374,7 +380,14 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora / --lora-modules); None: off
 
     def __post_init__(self) -> None:
-        resolve_device(self.device)
+        device = resolve_device(self.device)
+        if self.cache.gpu_memory_utilization is not None and device.type != "cuda":
+            raise ValueError(f"gpu_memory_utilization sizes the KV cache on CUDA; the device is {self.device}")
+        if self.cache.gpu_memory_utilization is not None and self.parallel.world_size > 1:
+            raise ValueError(
+                "gpu_memory_utilization profiles one process's step; with tensor or pipeline parallelism "
+                "size the KV cache with --kv-cache-memory or --num-kv-blocks"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, got {self.dtype!r}")
         if not self.grammar_timeout > 0:

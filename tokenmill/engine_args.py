@@ -64,12 +64,14 @@ class EngineArgs:
     quantization_group_size: int | None = None
     quantization_symmetric: bool | None = None
     max_model_len: int | None = None
-    kv_cache_memory: float = 1.0  # GiB
+    kv_cache_memory: float | None = None  # GiB (None: the device's default, `device_defaults`)
+    gpu_memory_utilization: float | None = None
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None  # None: the device's default
+    max_num_batched_tokens: int | None = None  # None: the device's default
+    enforce_eager: bool = False
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"
     kv_cache_dir: str | None = None
@@ -122,6 +124,11 @@ class EngineArgs:
         if self.enable_lora or self.lora_modules:
             lora = LoRAConfig(_lora_modules(self.lora_modules), self.max_loras, self.max_lora_rank)
 
+        defaults = device_defaults(
+            self.device,
+            self.tensor_parallel_size * self.pipeline_parallel_size,
+            sized=self.kv_cache_memory is not None or self.num_kv_blocks is not None,
+        )
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
@@ -131,9 +138,11 @@ class EngineArgs:
             quantization_group_size=self.quantization_group_size,
             quantization_symmetric=self.quantization_symmetric,
             grammar_timeout=self.grammar_timeout,
+            enforce_eager=self.enforce_eager,
             cache=CacheConfig(
                 block_size=self.block_size,
-                kv_cache_memory_gib=self.kv_cache_memory,
+                kv_cache_memory_gib=_or(self.kv_cache_memory, defaults["kv_cache_memory"]),
+                gpu_memory_utilization=_or(self.gpu_memory_utilization, defaults["gpu_memory_utilization"]),
                 num_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_cache_hash=self.prefix_cache_hash,
@@ -151,14 +160,42 @@ class EngineArgs:
                 enable_expert_parallel=self.enable_expert_parallel,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=_or(self.max_num_seqs, defaults["max_num_seqs"]),
+                max_num_batched_tokens=_or(self.max_num_batched_tokens, defaults["max_num_batched_tokens"]),
                 max_model_len=self.max_model_len,
                 policy=self.scheduling_policy,
             ),
             kv_transfer=_kv_transfer(self.kv_transfer_config),
             lora=lora,
         )
+
+
+CPU_DEFAULTS = {
+    "kv_cache_memory": 1.0,
+    "gpu_memory_utilization": None,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 512,
+}
+# a GPU runs a step of thousands of tokens in about the time of a few: larger steps, more sequences, and the
+# KV pool sized from the device's memory (as vLLM's defaults)
+CUDA_DEFAULTS = {
+    "kv_cache_memory": 1.0,
+    "gpu_memory_utilization": 0.9,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+}
+
+
+def device_defaults(device: str, world_size: int = 1, sized: bool = False) -> dict[str, Any]:
+    """The defaults of the settings that depend on the device (`sized`: the KV cache's size was given,
+    so the device's memory does not size it; with several processes it never does: one profiles alone)."""
+    if not device.startswith("cuda"):
+        return CPU_DEFAULTS
+    return dict(CUDA_DEFAULTS, gpu_memory_utilization=None if sized or world_size > 1 else 0.9)
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -232,9 +269,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--kv-cache-memory",
         type=float,
-        default=d.kv_cache_memory,
+        default=None,
         metavar="GIB",
-        help="memory for the paged KV cache in GiB; sets the number of blocks (default: %(default)s)",
+        help="memory for the paged KV cache in GiB; sets the number of blocks (default: 1, or on CUDA "
+        "sized by --gpu-memory-utilization)",
+    )
+    c.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="CUDA: the fraction of the GPU's memory this engine may use (0-1]; the KV cache gets what "
+        "the weights and a profiling step at the largest batch (--max-num-batched-tokens) leave of it "
+        "(default on CUDA with one process and neither --kv-cache-memory nor --num-kv-blocks: 0.9)",
     )
     c.add_argument(
         "--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks (overrides --kv-cache-memory)"
@@ -256,14 +303,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--max-num-seqs",
         type=int,
-        default=d.max_num_seqs,
-        help="most sequences running in one step (default: %(default)s)",
+        default=None,
+        help=f"most sequences running in one step (default: {CPU_DEFAULTS['max_num_seqs']} on CPU, "
+        f"{CUDA_DEFAULTS['max_num_seqs']} on CUDA)",
     )
     c.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=d.max_num_batched_tokens,
-        help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)",
+        default=None,
+        help="token budget of one step; longer prompts are prefilled in chunks (default: "
+        f"{CPU_DEFAULTS['max_num_batched_tokens']} on CPU, {CUDA_DEFAULTS['max_num_batched_tokens']} on CUDA)",
+    )
+    c.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every step eagerly; by default decode steps replay CUDA graphs captured at start for "
+        "padded batch sizes (default: off)",
     )
     c.add_argument(
         "--enable-prefix-caching",

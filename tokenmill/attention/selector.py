@@ -1,7 +1,14 @@
 """Which attention backend a model runner uses, kept apart from the interface (`backend.py`) so the
-interface does not import every implementation and its kernels."""
+interface does not import every implementation and its kernels.
+
+`$TOKENMILL_ATTENTION_BACKEND` names one (`torch-sdpa`, `cpu-paged`, `triton-paged`) instead of the
+choice below: for A/B runs on a GPU, and for the tests, which run the Triton backend on CPU in Triton's
+interpreter."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 
@@ -10,15 +17,31 @@ from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.kernels import paged_attention
 
+BACKEND_ENV = "TOKENMILL_ATTENTION_BACKEND"
+
 
 def get_attention_backend(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> AttentionBackend:
-    """The compiled paged kernel on CPU when compute is float32 (the cache float32, float16, bfloat16,
-    int8 or fp8) and it builds, else torch ops."""
-    if (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and cache_dtype in paged_attention.CACHE_DTYPES
-        and paged_attention.load() is not None
-    ):
+    """On CUDA the Triton paged kernel when Triton is installed; on CPU the compiled paged kernel when
+    compute is float32 (the cache float32, float16, bfloat16, int8 or fp8) and it builds; else torch ops."""
+    name = os.environ.get(BACKEND_ENV)
+    if name is None:
+        if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+            name = "triton-paged"
+        elif (
+            device.type == "cpu"
+            and dtype == torch.float32
+            and cache_dtype in paged_attention.CACHE_DTYPES
+            and paged_attention.load() is not None
+        ):
+            name = "cpu-paged"
+        else:
+            name = "torch-sdpa"
+    if name == "triton-paged":
+        from tokenmill.attention.triton_paged import TritonPagedBackend  # imports Triton
+
+        return TritonPagedBackend()
+    if name == "cpu-paged":
         return CpuPagedBackend()
-    return TorchSDPABackend()
+    if name == "torch-sdpa":
+        return TorchSDPABackend()
+    raise ValueError(f"${BACKEND_ENV} must be torch-sdpa, cpu-paged or triton-paged, got {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 
 import torch
@@ -89,7 +90,12 @@ def load_configured_model(config: EngineConfig) -> LoadedModel:
     return loaded
 
 
-def size_kv_cache(config: EngineConfig, specs: dict[str, AttentionSpec]) -> KVCacheConfig:
-    """The paged KV cache for layers with these specs, as the cache and scheduler configs ask."""
-    sched = config.scheduler
-    return make_kv_cache_config(specs, config.cache, sched.max_num_seqs, sched.max_num_batched_tokens)
+def size_kv_cache(
+    config: EngineConfig, specs: dict[str, AttentionSpec], budget_bytes: int | None = None
+) -> KVCacheConfig:
+    """The paged KV cache for layers with these specs, as the cache and scheduler configs ask (or in
+    `budget_bytes`, measured from the device: `--gpu-memory-utilization`)."""
+    sched, cache = config.scheduler, config.cache
+    if budget_bytes is not None and cache.num_blocks is None:
+        cache = dataclasses.replace(cache, kv_cache_memory_gib=budget_bytes / 2**30)
+    return make_kv_cache_config(specs, cache, sched.max_num_seqs, sched.max_num_batched_tokens)

@@ -9,6 +9,7 @@ from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.executor.abstract import Executor, load_configured_model, size_kv_cache
 from tokenmill.kv_transfer.base import KVConnectorWorker, worker_connector
 from tokenmill.loader import LoadedModel
+from tokenmill.worker import memory_profile
 from tokenmill.worker.model_runner import ModelRunner
 
 
@@ -27,12 +28,30 @@ class UniProcExecutor(Executor):
         self.runner = ModelRunner(loaded, config)
 
     def initialize_kv_cache(self) -> KVCacheConfig:
-        kv_config = size_kv_cache(self.config, self.runner.kv_cache_specs())
+        kv_config = size_kv_cache(self.config, self.runner.kv_cache_specs(), self._measured_kv_budget())
         self._share("kv", kv_config)
         self.runner.initialize_kv_cache(kv_config)
         self.runner.warm_up()
         self.kv_connector = worker_connector(self.config, self.runner)
         return kv_config
+
+    def _measured_kv_budget(self) -> int | None:
+        """`--gpu-memory-utilization`: the KV pool's bytes from the device's memory after a profiling
+        step at the largest batch (`worker/memory_profile.py`); None when the cache is sized otherwise."""
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.gpu_memory_utilization is None or cache.num_blocks is not None:
+            return None
+        profile = memory_profile.measure(
+            memory_profile.DeviceMemory(self.device),
+            lambda: memory_profile.run_profile_step(
+                self.runner,
+                cache.block_size,
+                sched.max_num_batched_tokens,
+                sched.max_num_seqs,
+                sched.max_model_len or self.model_config.max_position_embeddings,
+            ),
+        )
+        return memory_profile.kv_cache_budget(cache.gpu_memory_utilization, profile)
 
     def expert_load(self) -> dict[int, list[int]]:
         return self.runner.expert_load()

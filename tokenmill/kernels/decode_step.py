@@ -81,7 +81,8 @@ class CompiledDecode:
     @classmethod
     def build(cls, parts: list[LayerParts | None]) -> CompiledDecode | None:
         """The compiled step for these layers, or None when some layer has a part it does not run."""
-        if not parts or any(p is None for p in parts) or load() is None:
+        # CPU tensors only: the device is checked first, so a GPU model never builds (compiles) the extension
+        if not parts or any(p is None for p in parts) or parts[0].attn.kv_cache.device.type != "cpu" or load() is None:
             return None
         first = parts[0].attn
         tensors, ints, limits = [], [], []
@@ -126,8 +127,8 @@ class CompiledDecode:
             kv_cache is self.kv_cache
             and hidden.dtype == torch.float32
             and hidden.device.type == "cpu"
+            and getattr(meta, "num_decodes", None) == hidden.shape[0]  # the CPU backends' metadata
             and not meta.prefills
-            and meta.num_decodes == hidden.shape[0]
             and (self.max_tokens is None or hidden.shape[0] <= self.max_tokens)
         )
 

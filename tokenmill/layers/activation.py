@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import fused_ops
+from tokenmill.kernels import fused_ops, triton_fused
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2 I] -> silu(gate) * up, [..., I] (one C++ call on CPU float32)."""
+    """[..., 2 I] -> silu(gate) * up, [..., I] (one C++ call on CPU float32, one Triton kernel on CUDA)."""
     if fused_ops.applies(gate_up) and gate_up.dim() == 2:
         return fused_ops.silu_and_mul(gate_up)
+    if triton_fused.applies(gate_up):
+        return triton_fused.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import expert_parallel, parallel_state
+from tokenmill.kernels import triton_fused, triton_moe
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.quantization.base import LinearMethod, dense
 
@@ -209,8 +210,12 @@ class FusedMoE(nn.Module):
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` grouped by local expert (counts[e] rows for expert e, in expert order) through their expert."""
-        out = torch.empty_like(rows)
         down_bias = self.w2_bias is not None and (self.expert_parallel or parallel_state.tp_rank() == 0)
+        if rows.is_cuda and not isinstance(self.w13, nn.ModuleList) and triton_fused.available():
+            # dense experts on CUDA: all of them in one Triton launch per projection, no wait for the counts
+            w2_bias = self.w2_bias if down_bias else None
+            return triton_moe.run_experts(rows, counts, self.w13, self.w2, self.activation, self.w13_bias, w2_bias)
+        out = torch.empty_like(rows)
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:

@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels import fused_ops
+from tokenmill.kernels import fused_ops, triton_fused
 
 
 class RMSNorm(nn.Module):
     """With `residual`, adds it first and also returns the sum, so each decoder layer does one fused
-    add+norm instead of two passes (on CPU float32 one kernel call, which leaves the sum in `x`)."""
+    add+norm instead of two passes (on CPU float32 one kernel call, which leaves the sum in `x`; on CUDA one
+    Triton kernel)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -27,6 +28,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if fused_ops.applies(x) and x.dim() == 2 and x.is_contiguous():
             return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if triton_fused.applies(x):  # CUDA: one Triton pass
+            return triton_fused.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x), x
         x = x + residual

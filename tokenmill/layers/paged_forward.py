@@ -32,6 +32,7 @@ class PagedForward:
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: list[torch.Tensor] = []  # one tensor per KV-cache group: [layers, *backend shape]
         self.kv_scales: list[torch.Tensor | None] = []  # per group, quantized caches: [layers, *shape[:-1]]
+        self.decode_graphs = None  # captured decode steps (`worker/cuda_graphs.py`), over these caches
 
     def kv_cache_specs(self) -> dict[str, AttentionSpec]:
         return {name: layer.kv_spec(self.cache_dtype) for name, layer in self.attention_layers.items()}
@@ -40,6 +41,7 @@ class PagedForward:
         """Allocate each group's cache in the backend's shape (and a quantized one's scales) and bind every
         attention layer to its part."""
         self.kv_cache_config = config
+        self.kv_caches, self.kv_scales, self.decode_graphs = [], [], None
         self.group_keys = [(group.pool, group.spec.sliding_window) for group in config.groups]
         for g, group in enumerate(config.groups):
             names = [n for n in group.layer_names if n in self.attention_layers]  # a pipeline stage's own
@@ -56,6 +58,12 @@ class PagedForward:
                 layer_scales = None if scales is None else scales[i]
                 self.attention_layers[name].bind_kv_cache(cache[i], self.backend, g, layer_scales)
 
+    def release_kv_cache(self) -> None:
+        """Drop the cache (a throwaway one, e.g. the memory profile's): the layers keep no reference."""
+        for layer in self.attention_layers.values():
+            layer.bind_kv_cache(None, self.backend, 0, None)
+        self.kv_cache_config, self.kv_caches, self.kv_scales, self.decode_graphs = None, [], [], None
+
     def forward(
         self,
         input_ids: np.ndarray,
@@ -70,23 +78,38 @@ class PagedForward:
         model's, e.g. a drafter's hidden states or a pipeline stage's intermediate tensors; `lora`: which
         rows run which LoRA adapter, `lora.manager.LoRABatch`). Returns the
         model's output (the final hidden state of every new token) and the step's description (of pool 0:
-        positions and lengths are the same in all)."""
+        positions and lengths are the same in all). A step of decodes replays a captured graph if there is one."""
+        graphs = self.decode_graphs
+        if graphs is not None and not model_inputs and lora is None and graphs.fits(num_new, block_ids):
+            common, _ = build_common_metadata(  # host-side only: the graph's inputs travel in one copy
+                num_new, num_computed, [t[0] for t in block_ids], self.kv_cache_config.block_size, torch.device("cpu")
+            )
+            return graphs.run(input_ids, num_computed, block_ids), common
+        host = torch.device("cpu")
         commons = [
             build_common_metadata(
-                num_new,
-                num_computed,
-                [tables[pool] for tables in block_ids],
-                self.kv_cache_config.block_size,
-                self.device,
+                num_new, num_computed, [tables[pool] for tables in block_ids], self.kv_cache_config.block_size, host
             )
             for pool in range(len(self.kv_cache_config.pool_blocks))
         ]
-        (common, positions) = commons[0]
+        (common, positions), commons = commons[0], [c for c, _ in commons]
+        ids, positions, *slots = to_device(
+            [input_ids, positions, *(c.slot_mapping.numpy() for c in commons)], self.device
+        )
+        for c, slot_mapping in zip(commons, slots):
+            c.slot_mapping, c.device = slot_mapping, self.device
         # one backend metadata per (pool, sliding window): each group's layers read theirs
-        metas = {key: self.backend.build_metadata(commons[key[0]][0], key[1]) for key in set(self.group_keys)}
+        metas = {key: self.backend.build_metadata(commons[key[0]], key[1]) for key in set(self.group_keys)}
         context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)}, lora)
         with set_forward_context(context):
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), **model_inputs
-            )
+            hidden = self.model(ids, positions, **model_inputs)
         return hidden, common
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays as tensors on `device`: on CPU the arrays themselves; else one copy of them packed in a
+    pinned buffer, without blocking (the host goes on while it travels), sliced on the device."""
+    if device.type == "cpu":
+        return [torch.from_numpy(a) for a in arrays]
+    packed = torch.from_numpy(np.concatenate(arrays)).pin_memory().to(device, non_blocking=True)
+    return list(packed.split([len(a) for a in arrays]))

@@ -24,13 +24,13 @@ from tokenmill.sampling_params import SamplingParams
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[R, V] float logits -> the distribution the sampler draws from for this request's settings."""
     logits = logits / params.temperature
-    rows = logits.shape[0]
+    rows, device = logits.shape[0], logits.device
     if params.top_k or params.top_p < 1:
-        top_k = torch.full((rows,), params.top_k, dtype=torch.long) if params.top_k else None
-        top_p = torch.full((rows,), params.top_p) if params.top_p < 1 else None
+        top_k = torch.full((rows,), params.top_k, dtype=torch.long, device=device) if params.top_k else None
+        top_p = torch.full((rows,), params.top_p, device=device) if params.top_p < 1 else None
         logits = apply_top_k_top_p(logits, top_k, top_p)
     if params.min_p > 0:
-        logits = apply_min_p(logits, torch.full((rows,), params.min_p))
+        logits = apply_min_p(logits, torch.full((rows,), params.min_p, device=device))
     return logits.softmax(dim=-1)
 
 

@@ -35,6 +35,7 @@ from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.drafter import DraftStep, make_drafter
 from tokenmill.worker import heartbeat
+from tokenmill.worker.cuda_graphs import capture_decode_graphs
 from tokenmill.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class ModelRunner(PagedForward):
             loaded.model, loaded.device, cache_dtype, get_attention_backend(loaded.device, loaded.dtype, cache_dtype)
         )
         self.model_config = loaded.config
+        self.config = config
         self.dtype = loaded.dtype
         if self.device.type == "cpu":
             torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core we may use, for intra-op work
@@ -95,6 +97,7 @@ class ModelRunner(PagedForward):
         contents are garbage afterwards, which is harmless: every block is written before it is read."""
         for sched in self.warm_up_steps():
             self.execute(sched)
+        self.decode_graphs = capture_decode_graphs(self, self.config)  # CUDA: after the kernels are built
 
     def warm_up_steps(self) -> list[SchedulerOutput]:
         """The steps of `warm_up` (a pipeline runs them through all its stages)."""
@@ -173,7 +176,9 @@ class ModelRunner(PagedForward):
                 states[i].output_token_ids.extend(tokens)
                 result.sampled_token_ids[r] = tokens
                 if (num := states[i].params.logprobs) is not None:  # each emitted token's, from its own row
-                    ids, values, ranks = compute_logprobs(logits[: len(tokens)], torch.tensor(tokens), max(num, 1))
+                    ids, values, ranks = compute_logprobs(
+                        logits[: len(tokens)], torch.tensor(tokens, device=logits.device), max(num, 1)
+                    )
                     result.logprobs[r] = logprob_dicts(
                         ids.tolist(), values.tolist(), ranks.tolist(), [num] * len(tokens)
                     )
@@ -329,7 +334,8 @@ class ModelRunner(PagedForward):
 
         row_of = {s.request_id: i for i, s in enumerate(states)}
         rows = [row_of[rid] for rid in grammar.request_ids]
-        bitmask = torch.full((len(states), grammar.bitmask.shape[1]), -1, dtype=grammar.bitmask.dtype)
+        width = grammar.bitmask.shape[1]
+        bitmask = torch.full((len(states), width), -1, dtype=grammar.bitmask.dtype)  # host, as the grammar's
         bitmask[rows] = grammar.bitmask[: len(rows)]
         apply_bitmask(logits, bitmask, rows)
 

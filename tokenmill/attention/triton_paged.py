@@ -1,0 +1,115 @@
+"""The GPU backend: paged attention in Triton (`kernels/triton_paged_attention.py`) for every token of a
+step, decodes and prompt chunks (with prefix hits) alike, straight from the blocks: no gather copy, no
+mask tensor, no padding to the longest context; sliding windows, soft-caps, sinks, latent (MLA) caches and
+int8 / fp8 caches in the kernel. New K/V are written with torch ops as the torch backend does.
+
+The step's integer metadata (query offsets, lengths, block table, the kernel's tile map) travels to the
+device in one copy: packed into one host buffer (pinned on CUDA) and copied without blocking, then
+sliced on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.attention.metadata import CommonAttentionMetadata
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.kernels import triton_paged_attention as kernel
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long
+    block_table: torch.Tensor  # [B, blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    tile_req: torch.Tensor  # [tiles] int32: the kernel's tiles of query tokens
+    tile_start: torch.Tensor  # [tiles] int32
+    block_m: int  # query tokens per tile
+    num_splits: int  # slices of the key length per tile
+    sliding_window: int | None = None
+
+
+def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Int arrays -> int32 tensors on `device` in one copy (one packed host buffer, pinned on CUDA, copied
+    without blocking: the host goes on building the step while it travels)."""
+    packed = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    tensors, offset = [], 0
+    for a in arrays:
+        tensors.append(packed[offset : offset + a.size].view(a.shape))
+        offset += a.size
+    return tensors
+
+
+def num_splits_for(num_tiles: int, max_seq_len: int, target_programs: int = 128, keys_per_split: int = 256) -> int:
+    """Slices of the key length per tile: enough programs to fill the device when few tiles attend long
+    contexts (a batch-1 decode), never slices shorter than `keys_per_split` keys."""
+    return max(1, min(-(-max_seq_len // keys_per_split), target_programs // max(num_tiles, 1)))
+
+
+class TritonPagedBackend(TorchSDPABackend):
+    name = "triton-paged"
+    supported_features = ("sliding_window", "logits_soft_cap", "sinks")
+
+    def build_metadata(
+        self, common: CommonAttentionMetadata, sliding_window: int | None = None
+    ) -> TritonAttentionMetadata:
+        qsl = common.query_start_loc
+        new = np.diff(qsl)
+        block_m = kernel.block_m_for(int(new.max()))
+        tile_req, tile_start = kernel.query_tiles(qsl.tolist(), block_m)
+        context = (
+            int(common.seq_lens.max()) if sliding_window is None else min(int(common.seq_lens.max()), sliding_window)
+        )
+        table, qsl_d, lens, req, start = upload(
+            [common.block_table, qsl, common.seq_lens, np.array(tile_req), np.array(tile_start)], common.device
+        )
+        return TritonAttentionMetadata(
+            common.slot_mapping,
+            table,
+            qsl_d,
+            lens,
+            req,
+            start,
+            block_m,
+            num_splits_for(len(tile_req), context),
+            sliding_window,
+        )
+
+    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None):
+        """A float cache by the Triton kernel (a negative slot, a CUDA graph's padding row, is skipped);
+        a quantized one by the torch quantizer."""
+        if kv_scales is not None or k.stride(-1) != 1 or (v is not None and v.stride(-1) != 1):
+            super()._write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+        else:
+            kernel.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
+        latent = kv_cache.shape[0] == 1
+        k_cache = kv_cache[0]
+        v_cache = k_cache[..., : v.shape[-1]] if latent else kv_cache[1]
+        if latent and kv_scales is not None:  # the values are the key rows' leading features: same scales
+            kv_scales = kv_scales.expand(2, *kv_scales.shape[1:])
+        self._write_kv(k, None if latent else v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        return kernel.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.tile_req,
+            meta.tile_start,
+            meta.block_m,
+            scale,
+            num_splits=meta.num_splits,
+            sliding_window=meta.sliding_window,
+            soft_cap=soft_cap,
+            kv_scales=kv_scales,
+            sinks=sinks,
+        )
