@@ -89,6 +89,9 @@ def run_engine_core(config: EngineConfig, inputs, outputs, progress=None) -> Non
         # loop nothing (xgrammar and the compile worker processes start on the compiler's own threads), so
         # neither the start nor the first plain requests share the CPU with them
         core = EngineCore(config, executor, set(eos_token_ids), tokenizer_data)
+        unfit = core.max_model_len_error()
+        if unfit:
+            raise ValueError(unfit)
         outputs.put(CoreReady(_ready_info(core, time.monotonic() - start)))
     except BaseException as e:  # noqa: BLE001 - report every load failure, then exit
         outputs.put(LoadFailed(f"{type(e).__name__}: {e}"))
