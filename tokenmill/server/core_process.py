@@ -64,7 +64,14 @@ def _ready_info(core, load_seconds: float) -> dict:
         "kv_cache_bytes": core.kv_cache_config.total_bytes,
         "load_seconds": load_seconds,
         "pid": os.getpid(),
+        "num_threads": _torch_threads(),
     }
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def run_engine_core(config: EngineConfig, inputs, outputs, progress=None) -> None:
