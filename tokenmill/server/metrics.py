@@ -9,9 +9,8 @@ tests) in one process never collide.
 from __future__ import annotations
 
 import logging
-import time
-
 import os
+import time
 
 import psutil
 from prometheus_client import (
