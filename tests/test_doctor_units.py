@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from tokenmill.bench.prometheus import Sample, parse_prometheus
+from tokenmill.bench.prometheus import Sample, engine_info, parse_prometheus
 from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.doctor.figures import ngram_acceptance
 from tokenmill.doctor.rules import Evidence, diagnose
-from tokenmill.doctor.window import engine_info, histogram_delta, histogram_quantile
+from tokenmill.doctor.window import histogram_delta, histogram_quantile
 from tokenmill.plan.hardware import Hardware
 from tokenmill.plan.measured import compute_share, decode_share
 from tokenmill.plan.model_facts import LayerKV, ModelFacts

@@ -10,10 +10,7 @@ import argparse
 import json
 import logging
 import os
-import socket
-import sys
 import time
-from urllib.parse import urlparse
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
@@ -125,8 +122,8 @@ def cmd_doctor(args: argparse.Namespace) -> dict:
 def _run_probe(args: argparse.Namespace, window):
     from tokenmill.bench.cli import _served_model
     from tokenmill.bench.client import EndpointConfig
+    from tokenmill.bench.prometheus import engine_info
     from tokenmill.doctor.probe import ProbeSettings, context_limit, run_probe
-    from tokenmill.doctor.window import engine_info
 
     model = args.model or _served_model(args.base_url, args.api_key)
     tokenmill = bool(window.first and engine_info(window.first))
@@ -148,32 +145,20 @@ def _run_probe(args: argparse.Namespace, window):
     return run_probe(endpoint, settings, context_limit(args.base_url, model, headers))
 
 
-def _is_local(base_url: str) -> bool:
-    host = urlparse(base_url if "://" in base_url else f"http://{base_url}").hostname or ""
-    return host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname())
-
-
 def _roofline(args: argparse.Namespace, ev) -> dict:
-    """Shares of this machine's bandwidth (decode alone) and compute (the long prompt's prefill), when
-    the server runs here (or --hardware names a machine), its model file is known (tokenmill) and the
-    probe measured them."""
-    p, e = ev.probe, ev.engine
-    if args.hardware == "none" or not e.get("model_path") or not p.get("decode_step"):
-        return {}
-    if args.hardware in ("cached", "auto") and not _is_local(args.base_url):
-        return {}
-    from tokenmill.plan.hardware import cache_path, resolve_hardware
-    from tokenmill.plan.measured import compute_share, decode_share, weight_format
-    from tokenmill.plan.model_facts import model_facts
+    """Shares of this machine's bandwidth (the lone request's decode) and compute (the long prompt's
+    prefill), when the server runs here (or --hardware names a machine) and its model file is known
+    (tokenmill), and the probe measured them."""
+    from tokenmill.bench.monitor import is_local
+    from tokenmill.plan.measured import compute_share, decode_share, machine_and_model, weight_format
 
-    if args.hardware == "cached" and not cache_path().is_file():
+    p, e = ev.probe, ev.engine
+    if not p.get("decode_step"):
         return {}
-    try:
-        hw = resolve_hardware("auto" if args.hardware == "cached" else args.hardware)
-        facts = model_facts(e["model_path"])
-    except (ValueError, FileNotFoundError, OSError) as err:
-        print(f"doctor: no roofline ({err})", file=sys.stderr)
-        return {}
+    found = machine_and_model(args.hardware, is_local(args.base_url), e.get("model_path"))
+    if isinstance(found, str):
+        return {"none": found}
+    hw, facts = found
     fmt = weight_format(facts, e.get("quantization"), e.get("dtype"))
     out = {"hardware": hw.name, "weight_format": fmt}
     out["decode"] = decode_share(facts, hw, fmt, p["decode_step"], 1, p.get("single_context") or 0) | {

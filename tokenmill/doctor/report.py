@@ -59,6 +59,8 @@ def summary_lines(ev: Evidence) -> list[str]:
         )
     else:
         lines.append("no /metrics: judged from the probe's own timings only")
+    if ev.roofline.get("none"):
+        lines.append(f"no roofline: {ev.roofline['none']}")
     if e:
         lines.append(
             "engine: "

@@ -32,13 +32,7 @@ HISTOGRAMS = {
     "itl": ("tokenmill:inter_token_latency_seconds", "vllm:inter_token_latency_seconds"),
     "queue": ("tokenmill:request_queue_time_seconds", "vllm:request_queue_time_seconds"),
 }
-ENGINE_INFO = "tokenmill:engine_config_info"
 FULL = 0.9  # KV use at or above this is a full pool (blocks are handed out whole)
-
-
-def engine_info(samples: list[Sample]) -> dict[str, str]:
-    """tokenmill's `engine_config_info` labels (its settings), {} for other servers."""
-    return next((dict(s.labels) for s in samples if s.name == ENGINE_INFO), {})
 
 
 def histogram_delta(before: list[Sample], after: list[Sample], names: tuple[str, ...]) -> dict[float, float] | None:
@@ -149,5 +143,5 @@ class MetricsWindow:
             out[f"{key}_count"] = buckets[max(buckets)] if buckets else None
             for q in (50, 90, 99):
                 out[f"{key}_p{q}"] = histogram_quantile(buckets, q / 100)
-        out["engine"] = engine_info(last)
+        out["engine"] = prometheus.engine_info(last)
         return out

@@ -6,12 +6,31 @@ results and `tokenmill doctor` reads them to tell a bandwidth-bound deployment f
 
 from __future__ import annotations
 
-from tokenmill.plan.hardware import Hardware
-from tokenmill.plan.model_facts import WEIGHT_BITS, ModelFacts
+from tokenmill.plan.hardware import Hardware, cache_path, resolve_hardware
+from tokenmill.plan.model_facts import WEIGHT_BITS, ModelFacts, model_facts
 
 # the engine's --quantization to the weight format whose bytes a decode step reads ("file": the
 # checkpoint's own blocks or tensors, as a GGUF file runs by default)
 _FORMATS = {"int8": "int8", "int4": "int4", "fp8": "fp8", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+
+
+def machine_and_model(hardware: str, local: bool, model: str | None) -> tuple[Hardware, ModelFacts] | str:
+    """The hardware to set figures against and the served model's facts, or why there are none.
+    `hardware`: "cached" (this machine's record from `tokenmill plan`, if it measured one), "auto" (that
+    record, measured now if missing), "none", or a named machine; this machine's only when the server
+    runs here (`local`)."""
+    if hardware == "none":
+        return "--hardware none"
+    if hardware in ("cached", "auto") and not local:
+        return "the server is not on this machine (name its hardware with --hardware)"
+    if hardware == "cached" and not cache_path().is_file():
+        return f"this machine is not measured yet ({cache_path()}): run `tokenmill plan` once, or pass --hardware auto"
+    if not model:
+        return "the served model's file is unknown (pass --tokenizer with its path or alias)"
+    try:
+        return resolve_hardware("auto" if hardware == "cached" else hardware), model_facts(model)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        return f"{model}: {e}"
 
 
 def weight_format(facts: ModelFacts, quantization: str | None, dtype: str | None = None) -> str:
