@@ -94,7 +94,7 @@ def cmd_doctor(args: argparse.Namespace) -> dict:
     from tokenmill.doctor.rules import Evidence, diagnose
     from tokenmill.doctor.window import MetricsWindow
 
-    for flag in ("concurrency", "probe_seconds", "probe_output_tokens", "probe_long_prompt", "window"):
+    for flag in ("concurrency", "probe_seconds", "probe_output_tokens", "probe_long_prompt", "window", "slo_ttft"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
@@ -112,11 +112,9 @@ def cmd_doctor(args: argparse.Namespace) -> dict:
     ev.engine = ev.window.pop("engine", {}) if ev.window else {}
     ev.roofline = _roofline(args, ev)
     findings = diagnose(ev)
-    if args.json:
-        print(json.dumps(report.as_dict(args.base_url, ev, findings), indent=1, default=str))
-    else:
-        print(report.render(args.base_url, ev, findings))
-    return report.as_dict(args.base_url, ev, findings)
+    result = report.as_dict(args.base_url, ev, findings)
+    print(json.dumps(result, indent=1, default=str) if args.json else report.render(args.base_url, ev, findings))
+    return result
 
 
 def _run_probe(args: argparse.Namespace, window):
