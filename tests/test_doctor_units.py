@@ -84,6 +84,8 @@ def test_each_rule_fires_on_its_evidence_and_only_there():
     # waiting at the sequence cap with room in the pool; at a full pool it is the pool's finding instead
     seqs = {"peak_running": 1, "peak_waiting": 7, "peak_kv_usage": 0.01}
     assert ids(window=seqs, engine={"max_num_seqs": "1"}) == {"max_num_seqs_too_low"}
+    (finding,) = diagnose(Evidence(PROBE, {**WINDOW, **seqs}, {**ENGINE, "max_num_seqs": "1"}))
+    assert finding.advice[0].startswith("raise --max-num-seqs to at least 8")  # the 8 the probe sent together
     assert "max_num_seqs_too_low" not in ids(window={**seqs, "peak_kv_usage": 1.0}, engine={"max_num_seqs": "1"})
     shared = {"shared_prefix_tokens": 256, "shared_requests": 3, "shared_cached_tokens": 0}
     assert ids(probe=shared, engine={"enable_prefix_caching": "False"}) == {"prefix_cache_missed"}

@@ -112,7 +112,7 @@ def max_num_seqs_too_low(ev: Evidence) -> Finding | None:
             f"{p['concurrency']} requests at once reached their first token in {_ms(p['concurrent_ttft_p50'])} "
             f"(median; the slowest {_ms(p['concurrent_ttft_max'])}) against {_ms(p['single_ttft'])} alone"
         )
-    want = max(int(running + waiting), 2 * limit)
+    want = max(int(running + waiting), 2 * limit, p.get("concurrency") or 0)  # what arrived together
     return Finding(
         "max_num_seqs_too_low",
         "Requests queue behind --max-num-seqs while the KV cache has room",
