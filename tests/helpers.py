@@ -592,3 +592,16 @@ def check_eval_result(result: dict, items: list[dict], hf_model, tokenizer) -> N
         assert got["pick"] == want.index(max(want))
         correct += got["pick"] == item["gold"]
     assert result["acc"] == correct / len(items)
+
+
+def make_lora_adapter(base, directory, seed: int, **lora_args) -> None:
+    """A PEFT LoRA adapter of `base` with random A and B (PEFT starts B at zero), saved to `directory`."""
+    import peft
+
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, peft.LoraConfig(**lora_args))
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data.normal_(std=0.2)
+    model.save_pretrained(directory)
+    model.unload()  # leaves `base` as it was

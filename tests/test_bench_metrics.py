@@ -357,6 +357,7 @@ def test_parse_prometheus_text():
         "rank_tokens": {},
         "spec": dict.fromkeys(stats["spec"]),
         "spec_per_position": {},
+        "kv_tiers": {},
     }
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",)) == 30
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",), model="b") == 20
@@ -705,3 +706,17 @@ def test_run_serve_and_sweep_against_canned_server(canned_server, tok, tmp_path)
     assert len(prompts) == 2 + 6 + 6 and not set(prompts[2:8]) & set(prompts[8:])  # each point has its own prompts
     report.write_json(sweep, tmp_path / "sweep.json")
     assert report.load_json(tmp_path / "sweep.json")["knee"]["load"] == 3
+
+
+def test_kv_tier_hit_rates_over_a_run():
+    def exposition(queries: float, hits: float) -> list:
+        return prometheus.parse_prometheus(
+            f'tokenmill:kv_tier_queries_total{{model_name="m",tier="disk"}} {queries}\n'
+            f'tokenmill:kv_tier_hits_total{{model_name="m",tier="disk"}} {hits}\n'
+        )
+
+    before, after = prometheus.cache_stats(exposition(100, 40)), prometheus.cache_stats(exposition(300, 190))
+    assert after["kv_tiers"] == {"disk": {"queries": 300.0, "hits": 190.0}}
+    assert prometheus.cache_delta(before, after)["kv_tiers"] == {
+        "disk": {"queries": 200.0, "hits": 150.0, "hit_rate": 0.75}
+    }

@@ -177,3 +177,55 @@ def test_priority_policy_orders_admission_and_preemption(tiny):
         preempted += core.last_schedule.preempted_request_ids
     assert preempted and set(preempted) == {"low"}
     assert pool_whole(core)
+
+
+def run_together(core, prompts: list[list[int]], params=GREEDY) -> tuple[list[list[int]], int, list[int]]:
+    """Submit every prompt at once and run to the end: (outputs, prompt tokens scheduled, cached tokens)."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"s{i}", prompt, params))
+    outs, cached, scheduled = {i: [] for i in range(len(prompts))}, {}, 0
+    while core.has_unfinished():
+        for o in core.step():
+            i = int(o.request_id[1:])
+            outs[i] += o.new_token_ids
+            cached[i] = o.num_cached_tokens
+        scheduled += sum(core.last_schedule.num_scheduled_tokens.values())
+    return [outs[i] for i in range(len(prompts))], scheduled, [cached[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("budget", [64, 512])
+def test_requests_arriving_together_compute_their_shared_prefix_once(tiny, budget):
+    """Sessions that start at once with one long system prompt: the later ones wait for the blocks the first
+    is filling (over several chunks when the budget is small) and take them from the cache, instead of each
+    prefilling the prefix; outputs stay those of each request alone."""
+    directory, loaded = tiny
+    shared = tokens(200, seed=40)  # 12 full blocks + 8 tokens
+    prompts = [shared + tokens(10, seed=41 + i) for i in range(4)]
+    core = make_core(directory, loaded=loaded, max_num_batched_tokens=budget)
+    outs, scheduled, cached = run_together(core, prompts)
+    generated = 4 * (GREEDY.max_tokens - 1)  # decode steps: one token each, the first comes from the prefill
+    assert scheduled - generated == 210 + 3 * (210 - 192)  # the prefix once, then each one's last 18 tokens
+    assert cached == [0, 192, 192, 192]
+    alone = [one(make_core(directory, loaded=loaded, prefix_caching=False), "r", p)[0] for p in prompts]
+    assert outs == alone
+    assert pool_whole(core) and not any(m.computing for m in core.kv.managers)
+
+
+def test_a_request_waiting_on_a_prefix_is_not_stuck_when_its_filler_is_aborted(tiny):
+    directory, loaded = tiny
+    shared = tokens(200, seed=50)
+    core = make_core(directory, loaded=loaded, max_num_batched_tokens=64)
+    core.add_request(EngineCoreRequest("filler", shared + [1], GREEDY))
+    core.add_request(EngineCoreRequest("waiter", shared + [2], GREEDY))
+    core.step()  # the filler's first chunk: the rest of its prompt blocks are marked as being filled
+    assert core.kv.managers[0].computing
+    core.abort_requests(["filler"])
+    assert not core.kv.managers[0].computing  # else the waiter would wait for blocks nobody fills
+    out = []
+    for _ in range(100):
+        if not core.has_unfinished():
+            break
+        for o in core.step():
+            out += o.new_token_ids
+    assert out == one(make_core(directory, loaded=loaded, prefix_caching=False), "r", shared + [2])[0]
+    assert pool_whole(core) and not any(m.computing for m in core.kv.managers)

@@ -112,6 +112,18 @@ def test_prefix_policy_falls_back_to_least_load_when_imbalanced():
     assert policy.match_fraction(1, "D" * 64) == 1.0  # recorded where it went
 
 
+def test_prefix_policy_with_a_shared_tier_routes_what_every_replica_can_load_by_load():
+    for shared, expected in ((False, (0, AFFINITY)), (True, (1, BALANCED))):
+        policy = PrefixPolicy(2, match_threshold=0.5, chunk_chars=8, shared_tier=shared)
+        assert policy.choose([0, 1], [0, 0], "E" * 64).replica == 0
+        d = policy.choose([0, 1], [3, 0], "E" * 64 + "next turn")  # on disk for both: the idle one
+        assert (d.replica, d.kind) == expected
+    first = policy.choose([0, 1], [0, 0], "F" * 64).replica  # no record anywhere: in turn
+    for _ in range(2):  # loadable by both; a tie of load: the one whose pool has it
+        d = policy.choose([0, 1], [0, 0], "F" * 64)
+        assert (d.replica, d.kind) == (first, BALANCED)
+
+
 def test_prefix_policy_sends_equal_prefixes_together_and_spreads_the_rest():
     policy = PrefixPolicy(2, chunk_chars=16)
     prefixes = [f"system prompt number {i}: " * 8 for i in range(4)]

@@ -63,6 +63,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     torch_dtype: str | None = None  # the checkpoint's own dtype, if it says
+    headless: bool = False  # an embedding checkpoint without an LM head: embeddings only, no generation
     supported_activations: ClassVar[tuple[str, ...]] = ("silu",)  # what the model file's MLP computes
 
     def __post_init__(self) -> None:
@@ -155,6 +156,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"  # keyed per process; or "sha256" (same in every process), "builtin"
     cache_dtype: str = "auto"  # dtype of stored K/V (int8 / fp8: quantized); "auto": see resolve_cache_dtype
+    # the disk tier (tokenmill.kv_transfer.disk_tier): full prompt blocks kept in this directory
+    kv_cache_dir: str | None = None
+    kv_disk_size_gib: float = 10.0  # the most the tier's files take (LRU eviction beyond)
+    kv_disk_min_load_tokens: int = 16  # shorter disk hits are recomputed (on CPU a load wins from one block)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -168,6 +173,10 @@ class CacheConfig:
                 f"prefix_cache_hash must be one of {', '.join(PREFIX_CACHE_HASHES)}, got {self.prefix_cache_hash!r}"
             )
         resolve_cache_dtype(self.cache_dtype, torch.float32)  # raises for an unknown name
+        if not self.kv_disk_size_gib >= 0:
+            raise ValueError(f"kv_disk_size must be >= 0 (GiB), got {self.kv_disk_size_gib}")
+        if not isinstance(self.kv_disk_min_load_tokens, int) or self.kv_disk_min_load_tokens < 0:
+            raise ValueError(f"kv_disk_min_load_tokens must be an integer >= 0, got {self.kv_disk_min_load_tokens!r}")
 
 
 @dataclass
@@ -329,6 +338,30 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters (`--lora-modules`, `--max-loras`, `--max-lora-rank`): `max_loras` adapters are
+    loaded at once (each in a slot of every adapted layer's stacked weights), of rank up to
+    `max_lora_rank`; `modules` (name -> PEFT directory) are loaded at start, more at run time."""
+
+    modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ValueError(f"max_loras must be an int >= 1, got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be an int >= 1, got {self.max_lora_rank!r}")
+        if len(self.modules) > self.max_loras:
+            raise ValueError(f"--lora-modules names {len(self.modules)} adapters; --max-loras is {self.max_loras}")
+        for name in self.modules:
+            if not name or "=" in name:
+                raise ValueError(
+                    f"--lora-modules: a LoRA adapter's name must be non-empty and free of '=', got {name!r}"
+                )
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs. `model` is an alias, a .gguf file or an HF directory."""
 
@@ -345,6 +378,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (--kv-role); None: off
+    lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora / --lora-modules); None: off
 
     def __post_init__(self) -> None:
         resolve_device(self.device)
@@ -376,6 +410,16 @@ class EngineConfig:
             )
         if self.speculative is not None and self.parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with --pipeline-parallel-size > 1 yet")
+        if self.lora is not None and (
+            self.parallel.tensor_parallel_size > 1
+            or self.parallel.pipeline_parallel_size > 1
+            or self.speculative is not None
+            or self.kv_transfer is not None
+        ):
+            raise ValueError(
+                "LoRA adapters run on one process without speculative decoding or a KV transfer yet "
+                "(no --tensor-parallel-size / --pipeline-parallel-size > 1, --speculative-config, --kv-role)"
+            )
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -72,6 +72,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"
+    kv_cache_dir: str | None = None
+    kv_disk_size: float = 10.0  # GiB
+    kv_disk_min_load_tokens: int = 16
     grammar_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1
@@ -81,6 +84,10 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     scheduling_policy: str = "fcfs"
     kv_transfer_config: KVTransferConfig | dict | str | None = None  # disaggregated prefill/decode; None: off
+    enable_lora: bool = False  # LoRA adapters on (implied by lora_modules): loaded at run time too
+    lora_modules: dict[str, str] | list[str] | None = None  # name -> PEFT directory, or "name=path" strings
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -109,7 +116,11 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The validated configuration tree (ValueError naming the setting at fault)."""
-        from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+        from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig
+
+        lora = None
+        if self.enable_lora or self.lora_modules:
+            lora = LoRAConfig(_lora_modules(self.lora_modules), self.max_loras, self.max_lora_rank)
 
         return EngineConfig(
             model=self.model,
@@ -127,6 +138,9 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_cache_hash=self.prefix_cache_hash,
                 cache_dtype=self.kv_cache_dtype,
+                kv_cache_dir=self.kv_cache_dir,
+                kv_disk_size_gib=self.kv_disk_size,
+                kv_disk_min_load_tokens=self.kv_disk_min_load_tokens,
             ),
             speculative=_speculative(self.speculative_config),
             parallel=ParallelConfig(
@@ -143,6 +157,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             kv_transfer=_kv_transfer(self.kv_transfer_config),
+            lora=lora,
         )
 
 
@@ -271,6 +286,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     c.add_argument(
+        "--kv-cache-dir",
+        default=None,
+        metavar="PATH",
+        help="the KV cache's disk tier: full prompt blocks are written here in the background and "
+        "loaded back for a later prompt with the same prefix, also after a restart and by other "
+        "servers on the same directory (keyed by model, weights, quantization, KV dtype, block size "
+        "and cache_salt) (default: off)",
+    )
+    c.add_argument(
+        "--kv-disk-size",
+        type=float,
+        default=d.kv_disk_size,
+        metavar="GIB",
+        help="the most the disk tier's files take in GiB; the least recently used blocks are "
+        "removed beyond it (default: %(default)s)",
+    )
+    c.add_argument(
+        "--kv-disk-min-load-tokens",
+        type=int,
+        default=d.kv_disk_min_load_tokens,
+        metavar="N",
+        help="a disk-tier hit shorter than N tokens is recomputed instead of loaded (default: %(default)s)",
+    )
+    c.add_argument(
         "--grammar-timeout",
         type=float,
         default=d.grammar_timeout,
@@ -350,6 +389,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
         "first (default: %(default)s)",
     )
+    lo = parser.add_argument_group("LoRA adapters")
+    lo.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (implied by --lora-modules); more are loaded at run time with "
+        "POST /v1/load_lora_adapter",
+    )
+    lo.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="LoRA adapters to load at start, each a PEFT directory (adapter_config.json + "
+        "adapter_model.safetensors); a request names one as its model",
+    )
+    lo.add_argument(
+        "--max-loras",
+        type=int,
+        default=d.max_loras,
+        help="adapters loaded at once (each takes a slot in every adapted layer) (default: %(default)s)",
+    )
+    lo.add_argument(
+        "--max-lora-rank", type=int, default=d.max_lora_rank, help="the highest adapter rank (default: %(default)s)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -379,6 +441,21 @@ def _max_model_len(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
+
+
+def _lora_modules(value: dict[str, str] | list[str] | None) -> dict[str, str]:
+    """{name: path} from a dict or `--lora-modules`' NAME=PATH strings."""
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    modules = {}
+    for item in value:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH items, got {item!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names the adapter {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def _layer_partition(value: tuple[int, ...] | str) -> tuple[int, ...]:

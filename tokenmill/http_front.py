@@ -1,6 +1,7 @@
 """What every HTTP front (`serve`, `router`, `disagg-proxy`) does the same way with a request: read the
 body under a size limit, parse JSON under a depth limit, and answer every failure as an OpenAI-style
-JSON error (`{"error": {"message", "type", "param", "code"}}`), never a plain-text 500.
+JSON error (`{"error": {"message", "type", "param", "code"}}`), never a plain-text 500; and serve the
+web page (`add_ui_page`).
 
 Kept free of torch, pydantic and the engine: the router and the proxy import it.
 """
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 # How deeply a body's arrays and objects may nest: pydantic's JSON parser (the server's) stops at this
 # depth, so every front refuses the same bodies.
@@ -125,3 +127,34 @@ def install_error_handlers(app, logger: logging.Logger) -> None:
         logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
         body = APIError(500, "internal server error (see the server log)", "internal_server_error").to_dict()
         return JSONResponse(body, status_code=500)
+
+
+# The web page's files: they live with the server (tokenmill/server/ui/) and the router serves the same
+# ones, found by path so that the router imports nothing of the server.
+UI_DIR = Path(__file__).parent / "server" / "ui"
+_UI_MEDIA_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+# The page runs only its own files and talks only to this origin; no other site may frame it.
+_UI_HEADERS = {
+    "cache-control": "no-cache",
+    "content-security-policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+}
+
+
+def add_ui_page(app) -> None:
+    """`/` (the web page: chat playground and dashboard) and its scripts and style at /ui/. Public even
+    with an API key: they hold no data. The page asks for the key when a data route answers 401 and
+    sends it as a Bearer header, as any client does; it is never a cookie, so another site's page
+    cannot make the browser send it."""
+
+    def serve(body: bytes, media_type: str):
+        async def endpoint(request: Request) -> Response:
+            return Response(body, media_type=media_type, headers=_UI_HEADERS)
+
+        return endpoint
+
+    for path in sorted(UI_DIR.iterdir()):
+        if media_type := _UI_MEDIA_TYPES.get(path.suffix):
+            route = "/" if path.name == "index.html" else f"/ui/{path.name}"
+            app.add_route(route, serve(path.read_bytes(), media_type), methods=["GET"], include_in_schema=False)

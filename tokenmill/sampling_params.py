@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20
 # request is seeded with seed + i, so seed + n - 1 must fit too: checked here, when the request is admitted,
 # not when the model runner builds the generator in the middle of a step of other requests.
 SEED_MIN, SEED_END = -(2**63), 2**64
+POOLING_KINDS = ("last", "mean")  # an embedding is the final hidden state of the last prompt token, or their mean
 
 
 def _is_int(x) -> bool:
@@ -62,6 +63,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to the logits of these token ids, in [-100, 100]
     speculative: bool = True  # False: never draft tokens for this request (when the engine speculates)
     kv_transfer_id: str | None = None  # disaggregated prefill/decode: the KV transfer this request's prompt belongs to
+    # embeddings: pool the prompt's final hidden states ("last" token or "mean") instead of generating
+    # (with max_tokens 0); the engine returns the raw pooled vector, the server normalizes it
+    pooling: str | None = None
+    lora_name: str | None = None  # the LoRA adapter to run the request with (None: the base model)
 
     def __post_init__(self) -> None:
         # Normalise.
@@ -107,8 +112,12 @@ class SamplingParams:
             )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             bad("max_tokens", "must be an int >= 0 or None")
-        if self.max_tokens == 0 and self.prompt_logprobs is None:
+        if self.max_tokens == 0 and self.prompt_logprobs is None and self.pooling is None:
             bad("max_tokens", "can be 0 only to score the prompt (with prompt_logprobs, or echo and logprobs)")
+        if self.pooling is not None and (self.pooling not in POOLING_KINDS or self.max_tokens != 0):
+            bad("pooling", f"must be one of {POOLING_KINDS}, with max_tokens 0")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            bad("lora_name", "must be a non-empty string or None")
         if self.max_tokens == 0 and self.n != 1:
             bad("n", "must be 1 when max_tokens is 0 (the prompt is scored once)")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -135,6 +144,12 @@ class SamplingParams:
             or not all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())
         ):
             bad("logit_bias", "must map token ids (ints >= 0) to biases in [-100, 100]")
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Whether the runner must compute every prompt position's output (prompt logprobs, mean
+        pooling): such a request takes no prefix-cache hits, as cached blocks hold K/V only."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def greedy(self) -> bool:

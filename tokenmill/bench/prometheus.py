@@ -21,6 +21,7 @@ PREFIX_QUERIES = (
 )
 PREFIX_HITS = ("tokenmill:prefix_cache_hits_total", "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+KV_TIER_COUNTERS = ("queries", "hits")  # tokenmill:kv_tier_<name>_total{tier=...}: prompt tokens per KV-cache tier
 EXPERT_TOKENS = "tokenmill:moe_expert_tokens_total"
 RANK_TOKENS = "tokenmill:moe_rank_tokens_total"  # expert parallelism
 # speculative decoding: (tokenmill, vLLM) names of the counters the run's deltas are taken of
@@ -105,6 +106,7 @@ def cache_stats(samples: list[Sample], model: str | None = None) -> dict:
         "kv_cache_usage": metric_value(samples, KV_USAGE, model),
         "expert_tokens": expert_tokens(samples, model),
         "rank_tokens": rank_tokens(samples, model),
+        "kv_tiers": kv_tiers(samples, model),
         "spec": {key: metric_value(samples, names, model) for key, names in SPEC_COUNTERS.items()},
         "spec_per_position": accepted_per_position(samples, model),
     }
@@ -141,6 +143,18 @@ def rank_tokens(samples: list[Sample], model: str | None = None) -> dict[str, fl
         for s in samples
         if s.name == RANK_TOKENS and (model is None or s.labels.get("model_name") in (None, model))
     }
+
+
+def kv_tiers(samples: list[Sample], model: str | None = None) -> dict[str, dict[str, float]]:
+    """{tier: {"queries": prompt tokens looked up, "hits": found}} from tokenmill's KV-cache tier counters."""
+    counts: dict[str, dict[str, float]] = {}
+    for key in KV_TIER_COUNTERS:
+        for s in samples:
+            if s.name == f"tokenmill:kv_tier_{key}_total" and (
+                model is None or s.labels.get("model_name") in (None, model)
+            ):
+                counts.setdefault(s.labels["tier"], {})[key] = s.value
+    return counts
 
 
 def metrics_url(base_url: str) -> str:
@@ -191,7 +205,17 @@ def cache_delta(before: dict | None, after: dict | None, kv_samples: list[float]
         "kv_cache_usage_max": max(peak) if peak else None,
         "moe": expert_load_summary(routed, per_rank),
         "spec": spec_summary(before, after),
+        "kv_tiers": tier_summary(before.get("kv_tiers") or {}, after.get("kv_tiers") or {}),
     }
+
+
+def tier_summary(before: dict, after: dict) -> dict[str, dict]:
+    """Per KV-cache tier during the run: prompt tokens looked up, found, and the hit rate."""
+    out = {}
+    for tier, counts in after.items():
+        queries, hits = (counts.get(k, 0.0) - before.get(tier, {}).get(k, 0.0) for k in KV_TIER_COUNTERS)
+        out[tier] = {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None}
+    return out
 
 
 def spec_summary(before: dict, after: dict) -> dict | None:

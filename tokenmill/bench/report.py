@@ -108,6 +108,10 @@ def run_table(result: dict) -> Table:
         section("server cache")
     if server.get("exposed"):
         table.add_row("prefix cache hit rate (/metrics)", pct(server.get("prefix_cache_hit_rate")))
+        for tier, t in (server.get("kv_tiers") or {}).items():
+            table.add_row(
+                f"KV {tier} tier hit rate (/metrics)", f"{pct(t['hit_rate'])} of {fmt(int(t['queries']))} tokens"
+            )
         table.add_row(
             "KV cache usage before / after / peak",
             " / ".join(

@@ -58,6 +58,7 @@ class EngineStats:
     kv_transfers: int = 0  # disaggregated prefill/decode: prompts whose KV was sent (producer) or received
     kv_transfer_bytes: int = 0  # their KV payloads
     kv_transfer_seconds: float = 0.0  # producer: copying out; consumer: asking until the payload is in
+    kv_tiers: dict[str, dict] = field(default_factory=dict)  # KV-cache tier name -> its counters (disk_tier.TierStats)
 
 
 class RequestRejected(ValueError):
@@ -102,8 +103,8 @@ class EngineCore:
                 for blocks, window in zip(kv_config.pool_blocks, kv_config.pool_windows)
             ]
         )
-        # disaggregated prefill/decode (later: KV-cache tiers): the scheduler half of the KV connector
-        self.kv_connector = scheduler_connector(config, self.kv)
+        # disaggregated prefill/decode or the disk tier: the scheduler half of the KV connector
+        self.kv_connector = scheduler_connector(config, self.kv, executor)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.kv_connector)
         # steps submitted and not collected yet, oldest first, with when each was submitted
         self.batch_queue: deque[tuple[SchedulerOutput, float]] = deque()
@@ -114,6 +115,35 @@ class EngineCore:
         self.compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
         self._expert_tokens: dict[int, list[int]] = {}  # the latest reading of the MoE expert counters
         self._experts_read_at = float("-inf")
+        # LoRA adapters by name -> load id (in prefix-cache keys: a reloaded name caches apart); None: off
+        self.loras: dict[str, int] | None = None if config.lora is None else {}
+        self._lora_loads = 0
+        for name, path in (config.lora.modules if config.lora is not None else {}).items():
+            self.load_lora(name, path)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter that requests then name as their model (`lora.peft.LoRAError` naming the
+        field at fault if it cannot be)."""
+        from tokenmill.lora.peft import LoRAError
+
+        if self.loras is None:
+            raise LoRAError("LoRA adapters are off: start with --enable-lora or --lora-modules", "lora_name")
+        if name in self.loras:
+            raise LoRAError(f"a LoRA adapter named {name!r} is loaded already", "lora_name")
+        self.executor.load_lora(name, path)
+        self._lora_loads += 1
+        self.loras[name] = self._lora_loads
+
+    def unload_lora(self, name: str) -> None:
+        """Unload an adapter no unfinished request runs (LoRAError otherwise, or if it is not loaded)."""
+        from tokenmill.lora.peft import LoRAError
+
+        if not self.loras or name not in self.loras:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+        if any(r.params.lora_name == name for r in self.requests.values()):
+            raise LoRAError(f"the LoRA adapter {name!r} is in use by unfinished requests; retry later", "lora_name")
+        self.executor.unload_lora(name)
+        del self.loras[name]
 
     @property
     def structured(self):
@@ -196,7 +226,15 @@ class EngineCore:
             if self.kv_connector is None:
                 raise RequestRejected("kv_transfer_params needs a server started with --kv-role", "kv_transfer_params")
             params = self.kv_connector.prepare(params)
+        if self.model_config.headless and params.pooling is None:
+            raise RequestRejected(
+                "this is an embedding model (its checkpoint has no LM head): it serves /v1/embeddings only", "model"
+            )
         request = Request(core_request, params, self.eos_token_ids)
+        if params.lora_name is not None:
+            if not self.loras or params.lora_name not in self.loras:
+                raise RequestRejected(f"no LoRA adapter named {params.lora_name!r} is loaded", "model")
+            request.lora_id = self.loras[params.lora_name]
         budget = params.reasoning.budget if params.reasoning is not None else None
         if params.structured_output is not None or budget is not None:
             if self.structured is None:
@@ -306,6 +344,7 @@ class EngineCore:
                 t.num_bytes,
                 t.seconds,
             )
+            stats.kv_tiers = self.kv_connector.tier_stats()
         if self._structured is not None:
             c = self._structured.compiler.stats
             stats.grammar_compiles, stats.grammar_compile_seconds = c.num_compiles, c.compile_seconds
@@ -493,4 +532,5 @@ class EngineCore:
             first_scheduled_time=request.times.first_scheduled,
             error=update.error,
             prompt_logprobs=update.prompt_logprobs,
+            pooled=update.pooled,
         )

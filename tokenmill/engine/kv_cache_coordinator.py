@@ -58,6 +58,13 @@ class KVCacheCoordinator:
         num_tokens = min(n for _, n in found)
         return [blocks[: num_tokens // self.block_size] for blocks, _ in found], num_tokens
 
+    def waits_for_prefix(self, request: Request, num_hit_tokens: int) -> bool:
+        """Pool 0 (full attention: every block kept) tells whether another request is filling its prefix."""
+        return self.managers[0].waits_for_prefix(request, num_hit_tokens)
+
+    def mark_computing(self, request: Request, num_hit_tokens: int) -> None:
+        self.managers[0].mark_computing(request, num_hit_tokens)
+
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         self.managers[0].record_lookup(request, num_hit_tokens)
 

@@ -161,6 +161,8 @@ class KVCacheManager:
         self.req_block_ids: dict[str, list[int]] = {}  # the same tables as plain ints, for the runner
         self.req_keys: dict[str, list[BlockKey]] = {}  # prefix keys of the request's full blocks so far
         self.num_cached_blocks: dict[str, int] = {}  # how many of its blocks are registered in the cache
+        self.computing: dict[BlockKey, str] = {}  # prompt blocks a running request is filling: key -> its id
+        self.req_computing: dict[str, list[BlockKey]] = {}  # the keys each request put there
         self.prefix_queries = 0  # prompt tokens looked up (counters for /metrics)
         self.prefix_hits = 0
 
@@ -184,16 +186,19 @@ class KVCacheManager:
             keys.append(self.hash_fn(self._parent(keys, i, request), request.token_slice(i * bs, (i + 1) * bs)))
         return keys
 
-    @staticmethod
-    def _parent(keys: list[BlockKey], i: int, request: Request) -> object:
-        """What block i's key chains to: the key of block i - 1, or the salt for the first block."""
-        return keys[i - 1] if i else request.cache_salt
+    def _parent(self, keys: list[BlockKey], i: int, request: Request) -> object:
+        """What block i's key chains to: the key of block i - 1, or for the first block the salt; under
+        a LoRA adapter (whose K/V differ from the base model's) a key of the salt and the adapter's load
+        id as a negative token, which no block of real tokens has."""
+        if i:
+            return keys[i - 1]
+        return self.hash_fn(request.cache_salt, (-request.lora_id,)) if request.lora_id else request.cache_salt
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached blocks holding a prefix of the request's tokens, and how many
         tokens they cover. The last token is always recomputed, to produce logits. A request that asked
         for prompt logprobs computes its whole prompt (cached blocks hold K/V, not logprobs)."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.params.needs_every_prompt_position:
             return [], 0
         bs = self.block_size
         hits: list[KVBlock] = []
@@ -209,9 +214,37 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * bs
 
+    def waits_for_prefix(self, request: Request, num_hit_tokens: int) -> bool:
+        """Whether the block right after the request's prefix hits is being filled by another running
+        request: then the request should wait a step or more and take those blocks from the cache, not
+        compute the same prefix again (agent sessions that start together with one system prompt)."""
+        if not self.computing or not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return False
+        i = num_hit_tokens // self.block_size
+        if i >= (request.num_tokens - 1) // self.block_size:  # nothing more it could take from the cache
+            return False
+        owner = self.computing.get(self._block_keys(request)[i])
+        return owner is not None and owner != request.request_id
+
+    def mark_computing(self, request: Request, num_hit_tokens: int) -> None:
+        """Note the full blocks of an admitted request's tokens past its hits that nobody holds or fills yet:
+        `waits_for_prefix` of the requests after it looks them up until they are cached or it lets go."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return
+        mine = self.req_computing.setdefault(request.request_id, [])
+        for key in self._block_keys(request)[num_hit_tokens // self.block_size :]:
+            if key not in self.pool.cached and key not in self.computing:
+                self.computing[key] = request.request_id
+                mine.append(key)
+
+    def _stop_computing(self, request_id: str, keys: Iterable[BlockKey]) -> None:
+        for key in keys:
+            if self.computing.get(key) == request_id:
+                del self.computing[key]
+
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count a new request's prefix-cache lookup (once, when it is admitted)."""
-        if self.enable_prefix_caching and request.params.prompt_logprobs is None:
+        if self.enable_prefix_caching and not request.params.needs_every_prompt_position:
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += num_hit_tokens
 
@@ -283,6 +316,8 @@ class KVCacheManager:
                 block.key, block.parent = keys[i], self._parent(keys, i, request)
                 block.token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
                 self.pool.cached[block.key] = block
+        if self.computing:
+            self._stop_computing(rid, keys[start:end])
         self.num_cached_blocks[rid] = end
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -295,6 +330,7 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(rid, [])
         self.req_block_ids.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
+        self._stop_computing(rid, self.req_computing.pop(rid, ()))
         if request.status.finished:
             self.req_keys.pop(rid, None)
         self.pool.release(b for b in reversed(blocks) if b is not None)

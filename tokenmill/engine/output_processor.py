@@ -60,6 +60,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # if asked: one per prompt token, first None
+    pooled: list[float] | None = None  # an embedding request's pooled hidden state (not normalized)
 
 
 class _Sample:
@@ -91,6 +92,7 @@ class _RequestState:
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
         self.prompt_logprobs = None
+        self.pooled = None
 
     def snapshot(self) -> RequestOutput:
         outputs = [s.output for s in self.samples]
@@ -103,6 +105,7 @@ class _RequestState:
             self.num_cached_tokens,
             all(o.finished for o in outputs),
             self.prompt_logprobs,
+            self.pooled,
         )
 
 
@@ -205,6 +208,8 @@ class OutputProcessor:
             state.num_cached_tokens = co.num_cached_tokens
             if co.prompt_logprobs is not None:
                 state.prompt_logprobs = co.prompt_logprobs
+            if co.pooled is not None:
+                state.pooled = co.pooled
             if finish is not None:
                 out.finish_reason, out.stop_reason = finish, stop_reason
                 out.error, out.error_param = co.error, co.error_param

@@ -30,6 +30,8 @@ class ModelRunnerOutput:
     # speculative decoding with heads on the target (Medusa): drafts for each request's next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_seconds: float = 0.0  # time spent drafting them
+    # embedding requests whose prompt ended this step: the pooled final hidden state (not normalized)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None  # what the KV connector's worker half finished
 
 
@@ -48,3 +50,4 @@ class EngineCoreOutput:
     error: str | None = None  # with finish_reason "abort": why the request failed (shown to the client)
     error_param: str | None = None  # the request field at fault, when it was the client's input (a 400)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first output (first token: None)
+    pooled: list[float] | None = None  # an embedding request's pooled hidden state, with its last output

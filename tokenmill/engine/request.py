@@ -90,6 +90,7 @@ class Request(TokenSequence):
         self.stop_token_ids = set(params.stop_token_ids)
         self.priority = core_request.priority
         self.cache_salt = core_request.cache_salt
+        self.lora_id = 0  # its LoRA adapter's load id (set by the core; 0: the base model), in its prefix keys
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission

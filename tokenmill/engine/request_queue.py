@@ -22,6 +22,10 @@ class FCFSQueue:
     def add_preempted(self, request: Request) -> None:
         self._q.appendleft(request)
 
+    def put_back(self, requests: list[Request]) -> None:
+        """Return requests taken from the front (in the order taken) to the front, in that order."""
+        self._q.extendleft(reversed(requests))
+
     def peek(self) -> Request:
         return self._q[0]
 
@@ -54,6 +58,10 @@ class PriorityQueue(FCFSQueue):
         heapq.heappush(self._heap, (request.priority, request.times.arrival, next(self._tiebreak), request))
 
     add_preempted = add
+
+    def put_back(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.add(request)
 
     def peek(self) -> Request:
         return self._heap[0][3]

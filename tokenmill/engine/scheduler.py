@@ -5,7 +5,9 @@ One rule, as in vLLM v1: every request has `num_computed_tokens` and its tokens 
 hands out a token budget, first to running requests (a decoding one needs one token, a request in
 the middle of its prompt gets the next chunk), then to waiting requests in policy order. There is
 no prefill or decode phase: prompt chunks and decode tokens share the step. A waiting request's
-prompt tokens found in the prefix cache are not computed again, so they cost no budget.
+prompt tokens found in the prefix cache are not computed again, so they cost no budget; and one whose
+next prompt block another running request is filling now waits for it (requests that arrive together
+with one long shared prefix compute it once).
 
 The step contract: `schedule() -> SchedulerOutput` -> executor -> `ModelRunnerOutput` ->
 `update_from_output(...)`, which advances each request, appends its sampled tokens (stopping at the
@@ -42,6 +44,7 @@ class RequestUpdate:
     status: RequestStatus | None
     error: str | None = None  # the request failed (e.g. its grammar raised); status is FINISHED_ABORTED
     prompt_logprobs: list | None = None  # with its first update, if it asked
+    pooled: list[float] | None = None  # an embedding request's pooled hidden state, when it finishes
 
 
 @dataclass
@@ -141,7 +144,9 @@ class Scheduler:
         for request in self.running:
             request.spec_token_ids = []  # verified this step, or stale: new drafts follow the step
 
-        # admit waiting requests only when nobody had to give way this step
+        # admit waiting requests only when nobody had to give way this step; one whose prefix another
+        # request is computing now waits for those blocks (held back, keeping its place in the queue)
+        held_back: list[Request] = []
         while (
             len(self.waiting)
             and budget > 0
@@ -150,6 +155,9 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             computed_blocks, num_hits = self.kv.get_computed_blocks(request)
+            if self.kv.waits_for_prefix(request, num_hits):
+                held_back.append(self.waiting.pop())
+                continue
             num_external = self.connector.get_num_new_matched_tokens(request, num_hits) if self.connector else 0
             num_computed = request.num_computed_tokens = num_hits + num_external
             num_new = min(request.num_tokens - num_computed, budget)
@@ -161,6 +169,7 @@ class Scheduler:
                     request, self.kv.block_ids(request.request_id), num_hits, num_external
                 )
             self.waiting.pop()
+            self.kv.mark_computing(request, num_computed)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
                 self.kv.record_lookup(request, num_computed)
@@ -171,6 +180,7 @@ class Scheduler:
             self._send(out, request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+        self.waiting.put_back(held_back)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out, self.requests)
         return out
@@ -220,7 +230,11 @@ class Scheduler:
             if not tokens:
                 if request.params.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
                     status = RequestStatus.FINISHED_LENGTH  # scored its prompt: nothing to generate
-                    updates.append(RequestUpdate(request, [], None, status, None, self._take_prompt_logprobs(request)))
+                    updates.append(
+                        RequestUpdate(
+                            request, [], None, status, None, self._take_prompt_logprobs(request), output.pooled.get(rid)
+                        )
+                    )
                     self.finish(request, status)
                 continue
             accepted, status, error = [], None, None

@@ -95,6 +95,9 @@ def cmd_info(args: argparse.Namespace) -> None:
         ("tied embeddings", c.tie_word_embeddings),
         ("KV bytes per token", f"{kv_bytes} ({cache_dtype})"),
         ("KV tokens per GiB", _kv_tokens_per_gib(attention, cache_dtype)),
+        # the disk tier (--kv-cache-dir) stores the pool's own bytes, one file per block; no host-RAM
+        # tier on CPU, where the pool is RAM (docs/architecture.md, KV-cache tiers)
+        ("KV bytes per token by tier", f"pool {kv_bytes}, disk {kv_bytes} + a header per block of tokens"),
     ]
     if windows - {None}:
         window = min(windows - {None})
@@ -130,9 +133,31 @@ def cmd_info(args: argparse.Namespace) -> None:
             ("active parameters", f"{_count(active)} per token"),
             ("experts", f"{moe[0].num_experts}, {moe[0].top_k} per token, in {len(moe)} layers"),
         ]
+    if args.load:
+        rows += _weight_rows(args)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _weight_rows(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Load the weights as `serve` would: seconds, bytes used from the file's map vs copied, RSS."""
+    from tokenmill.loader import load_model
+    from tokenmill.loader.residency import weight_residency
+
+    start = time.perf_counter()
+    loaded = load_model(args.model, args.dtype, args.device, quantization=args.quantization)
+    seconds = time.perf_counter() - start
+    r = weight_residency(loaded)
+    mib = 2**20
+    return [
+        ("load time", f"{seconds:.1f} s"),
+        (
+            "weights mapped / copied",
+            f"{r['mapped'] / mib:.1f} / {r['copied'] / mib:.1f} MiB (file {r['file'] / mib:.1f} MiB)",
+        ),
+        ("resident memory after load", f"{r['rss'] / mib:.0f} MiB"),
+    ]
 
 
 def _kv_tokens_per_gib(attention: list, chosen) -> str:
@@ -214,6 +239,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Show a model's architecture, size and KV cache cost without loading weights.",
     )
     add_model_args(info)
+    info.add_argument(
+        "--load",
+        action="store_true",
+        help="also load the weights: load time, bytes used from the file's memory map vs copied or "
+        "repacked, resident memory after load",
+    )
     info.set_defaults(func=cmd_info)
 
     gen = sub.add_parser(

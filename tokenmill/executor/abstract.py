@@ -55,6 +55,14 @@ class Executor(ABC):
         output, self._done = self._done, None
         return output
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter into the runner (`lora.peft.LoRAError` if it cannot be). LoRA runs on one
+        process: only the in-process executor has it (the config refuses the others)."""
+        raise NotImplementedError("LoRA adapters need the in-process executor")
+
+    def unload_lora(self, name: str) -> None:
+        raise NotImplementedError("LoRA adapters need the in-process executor")
+
     def check_health(self) -> None:
         """Raise (saying why) if a worker this executor needs is gone."""
 

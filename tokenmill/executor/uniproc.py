@@ -43,6 +43,12 @@ class UniProcExecutor(Executor):
             return self.runner.execute(sched)
         return self.kv_connector.execute(sched, self.runner.execute)
 
+    def load_lora(self, name: str, path: str) -> None:
+        self.runner.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.runner.unload_lora(name)
+
     def close(self) -> None:
         """Release the KV connector's worker half (its connections and threads)."""
         if self.kv_connector is not None:

@@ -1,5 +1,5 @@
 """The KV connector seam: KV-cache contents that come from, or go to, somewhere outside this engine's
-pool (another engine's prefill today; host-RAM and disk tiers next), in two halves as vLLM's KV
+pool (another engine's prefill: `disaggregated.py`; the disk tier: `disk_tier.py`), in two halves as vLLM's KV
 connector has them.
 
 The scheduler half (`KVConnectorScheduler`) lives in the engine core. When the scheduler admits a
@@ -98,6 +98,10 @@ class KVConnectorScheduler(ABC):
         """Forget a request (finished or aborted); True if it was held here (it never reached the scheduler)."""
         return False
 
+    def tier_stats(self) -> dict[str, dict]:
+        """A KV-cache tier's counters by tier name (/metrics: tokenmill:kv_tier_*{tier=...}); none here."""
+        return {}
+
     def step_failed(self, meta: KVConnectorMetadata) -> list[str]:
         """A step carrying `meta` raised: the held requests that can no longer get their KV (failed with it)."""
         return []
@@ -134,11 +138,19 @@ class KVConnectorWorker(ABC):
 
 
 def check_supported(config: EngineConfig) -> None:
-    """Refuse, naming the flags, the layouts KV transfer does not run with (rather than hang or move
-    part of the KV): each stage or tensor-parallel rank holds only its share of the cache."""
+    """Refuse, naming the flags, the layouts KV transfer and the disk tier do not run with (rather
+    than hang or move part of the KV): each stage or tensor-parallel rank holds only its share of the cache."""
+    parallel = config.parallel
+    if config.cache.kv_cache_dir is not None:
+        if config.kv_transfer is not None:
+            raise ValueError("--kv-cache-dir does not run with --kv-role yet (one KV connector per engine)")
+        if parallel.pipeline_parallel_size > 1 or parallel.tensor_parallel_size != 1:
+            raise ValueError(
+                "--kv-cache-dir needs --tensor-parallel-size 1 and --pipeline-parallel-size 1 (each rank "
+                "or stage holds only its share of a block)"
+            )
     if config.kv_transfer is None:
         return
-    parallel = config.parallel
     if parallel.pipeline_parallel_size > 1:
         raise ValueError(
             "--kv-role does not run with --pipeline-parallel-size > 1 yet (each pipeline stage holds "
@@ -152,9 +164,14 @@ def check_supported(config: EngineConfig) -> None:
         raise ValueError("--kv-role does not work with a draft model (its own KV cache is not transferred)")
 
 
-def scheduler_connector(config: EngineConfig, kv) -> KVConnectorScheduler | None:
+def scheduler_connector(config: EngineConfig, kv, executor) -> KVConnectorScheduler | None:
     """The engine core's half of the connector `config` asks for (None: none); `kv`: the engine's
-    `KVCacheCoordinator` (read-only: block tables and block size)."""
+    `KVCacheCoordinator` (read-only: block tables and block size); `executor`: the model it runs and
+    the layout of its caches (what the disk tier's keys name)."""
+    if config.cache.kv_cache_dir is not None:
+        from tokenmill.kv_transfer.disk_tier import disk_tier_scheduler
+
+        return disk_tier_scheduler(config, kv, executor)
     if config.kv_transfer is None:
         return None
     check_supported(config)
@@ -165,6 +182,10 @@ def scheduler_connector(config: EngineConfig, kv) -> KVConnectorScheduler | None
 
 def worker_connector(config: EngineConfig, runner) -> KVConnectorWorker | None:
     """The worker half over `runner`'s KV caches (a `ModelRunner` whose cache is allocated), or None."""
+    if config.cache.kv_cache_dir is not None:
+        from tokenmill.kv_transfer.disk_tier import disk_tier_worker
+
+        return disk_tier_worker(config, runner)
     if config.kv_transfer is None:
         return None
     check_supported(config)

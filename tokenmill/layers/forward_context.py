@@ -11,6 +11,7 @@ from dataclasses import dataclass
 @dataclass
 class ForwardContext:
     attn_metadata: dict[int, object]  # KV-cache group index -> that group's backend metadata
+    lora: object | None = None  # the step's `lora.manager.LoRABatch` when some of its tokens run an adapter
 
 
 _current: ForwardContext | None = None
@@ -30,3 +31,8 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention ran outside a model runner step (no forward context is set)")
     return _current
+
+
+def current_lora_batch() -> object | None:
+    """The step's LoRA batch (which tokens run which adapter), or None: no step, or no adapter in it."""
+    return None if _current is None else _current.lora

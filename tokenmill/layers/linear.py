@@ -9,6 +9,9 @@ tensors to its rows and columns (`weight_loader`):
 - `RowParallelLinear`: input columns split across ranks; partial outputs are summed with one
   all-reduce (torch.distributed), then the bias is added once.
 
+A layer given LoRA adapters (`tokenmill.lora`) has a `lora` that adds each token's adapter delta to
+its output, after the weight format's matmul.
+
 The parallel kinds take their rank and size from the process's tensor-parallel group
 (`tokenmill.distributed.parallel_state`) unless given; with none set up (size 1) every kind holds
 the whole weight.
@@ -27,6 +30,8 @@ _ALL = slice(None)
 
 
 class LinearBase(nn.Module):
+    lora = None  # a `lora.weights.LoRAWeights` when the engine serves LoRA adapters
+
     def __init__(
         self,
         input_size: int,
@@ -88,7 +93,8 @@ class LinearBase(nn.Module):
             self.quant_method.load_part(self, kind, weight, rows, src_rows, src_cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
 
 class ReplicatedLinear(LinearBase):
@@ -205,6 +211,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
+            return super().forward(x)
         out = parallel_state.all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias

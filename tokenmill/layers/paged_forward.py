@@ -62,11 +62,13 @@ class PagedForward:
         num_new: np.ndarray,
         num_computed: np.ndarray,
         block_ids: list[list[list[int]]],
+        lora: object | None = None,
         **model_inputs,
     ) -> tuple[object, CommonAttentionMetadata]:
         """Run the model on a flat batch (per request: its new tokens after `num_computed` cached ones,
         decodes first; `block_ids[request][pool]` its block tables; `model_inputs`: more inputs of the
-        model's, e.g. a drafter's hidden states or a pipeline stage's intermediate tensors). Returns the
+        model's, e.g. a drafter's hidden states or a pipeline stage's intermediate tensors; `lora`: which
+        rows run which LoRA adapter, `lora.manager.LoRABatch`). Returns the
         model's output (the final hidden state of every new token) and the step's description (of pool 0:
         positions and lengths are the same in all)."""
         commons = [
@@ -82,7 +84,7 @@ class PagedForward:
         (common, positions) = commons[0]
         # one backend metadata per (pool, sliding window): each group's layers read theirs
         metas = {key: self.backend.build_metadata(commons[key[0]][0], key[1]) for key in set(self.group_keys)}
-        context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)})
+        context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)}, lora)
         with set_forward_context(context):
             hidden = self.model(
                 torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device), **model_inputs

@@ -41,6 +41,15 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "deepseek2": "DeepseekV2ForCausalLM",
 }  # "llama" with experts (expert_count) is Mixtral; "deepseek2" with sigmoid gating is DeepSeek-V3
 
+# embedding checkpoints saved from a bare decoder (e.g. Qwen3-Embedding's layout: no LM head, tensor
+# names without "model.") -> the architecture whose decoder they hold; loaded headless
+HEADLESS_ARCHITECTURES: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
 
@@ -61,4 +70,9 @@ def config_from_hf_dict(cfg: dict):
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError("config.json has no 'architectures' entry; cannot tell which model class to use")
-    return model_class(archs[0]).config_class.from_hf_dict(cfg)
+    decoder = HEADLESS_ARCHITECTURES.get(archs[0])
+    if decoder is not None:  # no head to load: tie one to the embedding, and serve embeddings only
+        cfg = {**cfg, "architectures": [decoder], "tie_word_embeddings": True}
+    config = model_class(cfg["architectures"][0]).config_class.from_hf_dict(cfg)
+    config.headless = decoder is not None
+    return config

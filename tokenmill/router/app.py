@@ -2,7 +2,8 @@
 
 `/v1/completions` and `/v1/chat/completions` go to the replica the policy picks (streams passed
 through chunk by chunk), `/v1/models` to any healthy one; `/health` is 200 while one replica is
-healthy and 503 otherwise; `/metrics` has the router's own counters. A replica's answers, 4xx
+healthy and 503 otherwise; `/metrics` has the router's own counters; `/` is the replicas' web page,
+whose `/ui/stats?replica=I` is replica I's, with the list of replicas added. A replica's answers, 4xx
 included, reach the client unchanged. A request whose replica fails before answering (no
 connection, the connection dropped, or a 503) is retried once on another healthy replica; with no
 healthy replica left the router answers 503 at once.
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.asgi import ClientDisconnected, run_until_disconnect
-from tokenmill.http_front import install_error_handlers, parse_json_object, read_body
+from tokenmill.http_front import APIError, add_ui_page, install_error_handlers, parse_json_object, read_body
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import PrefixPolicy
 from tokenmill.router.prompt import routing_text
@@ -37,6 +38,7 @@ class RouterSettings:
     health_timeout: float = 5.0  # a /health slower than this fails the check
     connect_timeout: float = 5.0  # connecting to a replica; generation itself has no deadline here
     max_body_bytes: int = 64 * 2**20  # larger request bodies get 413 without reaching a replica
+    ui: bool = True  # the web page at / and a replica's dashboard numbers at /ui/stats
 
 
 class _InFlight:
@@ -161,5 +163,34 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if settings.ui:
+
+        @app.get("/ui/stats")
+        async def dashboard_stats(request: Request) -> Response:
+            """Replica `?replica=I`'s /ui/stats (default 0; the replica checks the key the client sent),
+            plus `replicas` for the page's picker."""
+            raw = request.query_params.get("replica", "0")
+            if not (raw.isascii() and raw.isdigit() and int(raw) < len(replicas)):
+                raise APIError(400, f"replica must be an index below {len(replicas)}, got {raw!r}", param="replica")
+            replica = replicas[int(raw)]
+            params = {k: v for k, v in request.query_params.items() if k != "replica"}
+            try:
+                upstream = await holder["client"].get(
+                    replica.url + "/ui/stats",
+                    params=params,
+                    headers=request_headers(request),
+                    timeout=settings.health_timeout,
+                )
+            except httpx.TransportError as e:
+                return unavailable(f"replica {replica.index} did not answer: {type(e).__name__}")
+            if upstream.status_code != 200:
+                return Response(upstream.content, upstream.status_code, media_type=upstream.headers.get("content-type"))
+            listed = [
+                {"index": r.index, "url": r.url, "healthy": r.healthy, "in_flight": r.in_flight} for r in replicas
+            ]
+            return JSONResponse(upstream.json() | {"replica": replica.index, "replicas": listed})
+
+        add_ui_page(app)
 
     return app

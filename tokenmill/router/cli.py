@@ -76,7 +76,20 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     )
     r = p.add_argument_group("routing")
     add_policy_args(r)
-    add_http_args(p.add_argument_group("HTTP"))
+    r.add_argument(
+        "--shared-kv-tier",
+        action="store_true",
+        help="prefix policy: the replicas share one KV disk tier (the same --kv-cache-dir), so a "
+        "prefix one of them computed can be loaded by any: such prefixes are routed by load",
+    )
+    http = p.add_argument_group("HTTP")
+    add_http_args(http)
+    http.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="do not serve the web page at / (chat playground, and the dashboard of a replica picked on the page)",
+    )
     p.set_defaults(func=run_router)
     return p
 
@@ -101,8 +114,11 @@ def _policy(args: argparse.Namespace, num_replicas: int):
 
     if not args.health_interval > 0:
         raise ValueError(f"--health-interval must be positive, got {args.health_interval}")
-    policy = make_policy(args.policy, num_replicas, args.prefix_match_threshold, args.balance_threshold)
-    return policy, RouterSettings(health_interval=args.health_interval)
+    # replicas on one --kv-cache-dir (`serve --data-parallel-size N --kv-cache-dir PATH`) share its prefixes
+    shared = bool(getattr(args, "shared_kv_tier", False) or getattr(args, "kv_cache_dir", None))
+    options = {"shared_tier": True} if shared and args.policy == "prefix" else {}
+    policy = make_policy(args.policy, num_replicas, args.prefix_match_threshold, args.balance_threshold, **options)
+    return policy, RouterSettings(health_interval=args.health_interval, ui=getattr(args, "ui", True))
 
 
 def _quiet_http_logs() -> None:
@@ -195,6 +211,8 @@ def serve_data_parallel(args: argparse.Namespace, data_parallel_dests: tuple[str
         print(f"tokenmill serve: error: {e}", file=sys.stderr)
         return 2
     sock = _bind(args)
+    if args.price_per_hour:  # the machine's price, shared by its replicas
+        args = argparse.Namespace(**{**vars(args), "price_per_hour": args.price_per_hour / n})
     argv = serve_argv(args, skip={"host", "port", "api_key", *data_parallel_dests})
     env = dict(os.environ)
     env.pop("TOKENMILL_API_KEY", None)

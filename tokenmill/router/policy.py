@@ -12,7 +12,11 @@ a `Decision` naming the replica and why:
   record matches the longest leading part of the text wins ("affinity") if that part covers at least
   `match_threshold` of the text and the loads are balanced (max - min in flight over the candidates
   at most `balance_threshold`); otherwise least-load ("balanced"). Either way the text is recorded for
-  the chosen replica at once, so a burst of requests sharing a prefix lands on one replica.
+  the chosen replica at once, so a burst of requests sharing a prefix lands on one replica. With a
+  shared KV tier (`shared_tier`: the replicas share one `--kv-cache-dir`) a text is also recorded in a
+  table for all of them, since a prefix one replica computed is on disk for every other: only the part
+  of a replica's match beyond that shared record counts for affinity, and a prefix every replica can
+  load goes to the least-loaded one.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ class PrefixPolicy(LeastLoadPolicy):
         balance_threshold: int = 8,
         chunk_chars: int = DEFAULT_CHUNK_CHARS,
         table_chars: int = DEFAULT_TABLE_CHARS,
+        shared_tier: bool = False,
     ) -> None:
         super().__init__(num_replicas)
         if not 0 <= match_threshold <= 1:
@@ -134,14 +139,18 @@ class PrefixPolicy(LeastLoadPolicy):
         self.balance_threshold = balance_threshold
         self.chunk_chars = chunk_chars
         self.tables = [PrefixTable(max(1, table_chars // chunk_chars)) for _ in range(num_replicas)]
+        # every replica's texts: on the shared KV tier, loadable by any replica (None: no shared tier)
+        self.shared = PrefixTable(max(1, table_chars // chunk_chars)) if shared_tier else None
 
     def choose(self, candidates: Sequence[int], loads: Sequence[int], text: str | None) -> Decision:
         _check(candidates)
         if not text:
             return super().choose(candidates, loads, text)
         keys = chunk_keys(text, self.chunk_chars)
-        decision = self._affinity(candidates, loads, keys, len(text)) or super().choose(candidates, loads, text)
+        decision = self._affinity(candidates, loads, keys, len(text)) or self._balanced(candidates, loads, keys)
         self.tables[decision.replica].insert(keys)
+        if self.shared is not None:
+            self.shared.insert(keys)
         return decision
 
     def _affinity(
@@ -150,14 +159,25 @@ class PrefixPolicy(LeastLoadPolicy):
         in_flight = [loads[i] for i in candidates]
         if max(in_flight) - min(in_flight) > self.balance_threshold:
             return None
-        matched = {i: self.tables[i].match(keys) for i in candidates}
+        everywhere = self.shared.match(keys) if self.shared is not None else 0  # loadable by any replica
+        matched = {i: self.tables[i].match(keys) - everywhere for i in candidates}
         best = max(matched.values())
         fraction = best * self.chunk_chars / length
-        if best == 0 or fraction < self.match_threshold:
+        if best <= 0 or fraction < self.match_threshold:
             return None
         tied = [i for i in candidates if matched[i] == best]
         fewest = min(loads[i] for i in tied)
         return Decision(self._in_turn([i for i in tied if loads[i] == fewest]), AFFINITY, fraction)
+
+    def _balanced(self, candidates: Sequence[int], loads: Sequence[int], keys: list[int]) -> Decision:
+        """Least-load; with a shared tier, of the least loaded the one whose own record matches the most
+        (its pool may hold what the others would load from disk)."""
+        if self.shared is None:
+            return LeastLoadPolicy.choose(self, candidates, loads, None)
+        fewest = min(loads[i] for i in candidates)
+        matched = {i: self.tables[i].match(keys) for i in candidates if loads[i] == fewest}
+        best = max(matched.values())
+        return Decision(self._in_turn([i for i, n in matched.items() if n == best]), BALANCED)
 
     def match_fraction(self, replica: int, text: str) -> float:
         """The fraction of `text` the replica's record matches (for inspection and tests)."""

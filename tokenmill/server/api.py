@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import tokenmill
-from tokenmill.http_front import install_error_handlers, read_body
+from tokenmill.http_front import add_ui_page, install_error_handlers, read_body
 from tokenmill.server.engine_client import EngineClient
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -29,7 +29,10 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     bad_request,
     parse_body,
 )
@@ -37,6 +40,9 @@ from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.serving import ServingContext, engine_error
 from tokenmill.server.serving_chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.serving_embeddings import create_embedding
+from tokenmill.server.serving_lora import update_lora
+from tokenmill.server.ui.stats import UIStats, window_param
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -48,6 +54,8 @@ class ServerSettings:
     log_interval: float = 10.0  # seconds between throughput lines; 0 disables
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think> output into reasoning_content
     limits: RequestLimits = field(default_factory=RequestLimits)
+    ui: bool = True  # the web page at / and its numbers at /ui/stats
+    price_per_hour: float | None = None  # the machine's price: the page's cost per million tokens
 
 
 def build_app(
@@ -63,6 +71,7 @@ def build_app(
         info["vocab_size"],
         settings.reasoning_parser,
         settings.limits,
+        info.get("lora_modules"),
     )
     created = int(time.time())
 
@@ -136,6 +145,17 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if settings.ui:
+        ui_stats = UIStats(metrics.registry, model_names[0], settings.price_per_hour)
+
+        @app.get("/ui/stats", include_in_schema=False)
+        async def dashboard_stats(request: Request) -> Response:
+            """The web page's dashboard: windowed latency percentiles, rates and gauges as one JSON object."""
+            check_api_key(request)
+            return JSONResponse(ui_stats.stats(window_param(request.query_params.get("window"))))
+
+        add_ui_page(app)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_api_key(request)
@@ -151,10 +171,13 @@ def build_app(
             }
             for name in ctx.model_names
         ]
+        data += [  # LoRA adapters: a request names one as its model
+            dict(data[0], id=name, root=path, parent=ctx.model_names[0]) for name, path in (ctx.loras or {}).items()
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def generate(request: Request, body_type, create) -> Response:
-        """The OpenAI generation endpoints: stamp arrival, check the key, parse the body, serve."""
+        """The OpenAI endpoints that take a body: stamp arrival, check the key, parse the body, serve."""
         arrival = time.monotonic()
         check_api_key(request)
         body = await read_body(request, settings.max_body_bytes)
@@ -167,6 +190,18 @@ def build_app(
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest), summary="Chat completions (OpenAI)")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, create_chat_completion)
+
+    @app.post("/v1/embeddings", openapi_extra=_body(EmbeddingRequest), summary="Embeddings (OpenAI)")
+    async def embeddings(request: Request) -> Response:
+        return await generate(request, EmbeddingRequest, create_embedding)
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request) -> Response:
+        return await generate(request, LoadLoRAAdapterRequest, update_lora)
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await generate(request, UnloadLoRAAdapterRequest, update_lora)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
@@ -212,7 +247,15 @@ def build_app(
     return app
 
 
-_BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+_BODIES = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 
 
 def _body(model) -> dict:

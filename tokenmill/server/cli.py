@@ -32,7 +32,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). The engine core runs in "
+        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics) and a web page at / (a chat "
+        "playground and a live dashboard). The engine core runs in "
         "its own process; the HTTP front end tokenizes, detokenizes and streams.",
     )
     add_engine_args(p)
@@ -109,6 +110,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         type=int,
         default=_DEFAULT_MAX_BODY,
         help="largest accepted request body in bytes; larger ones get HTTP 413 (default: %(default)s)",
+    )
+    s.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="do not serve the web page (chat playground and live dashboard) at / nor its numbers at /ui/stats",
+    )
+    s.add_argument(
+        "--price-per-hour",
+        type=float,
+        default=None,
+        metavar="DOLLARS",
+        help="what the machine costs per hour: the web page's dashboard shows the cost per million input "
+        "and output tokens from it (with --data-parallel-size N, each replica is charged 1/N) "
+        "(default: no cost shown)",
     )
     lg = p.add_argument_group("logging")
     lg.add_argument(
@@ -262,6 +278,8 @@ def _run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
         if args.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+        if args.price_per_hour is not None and not args.price_per_hour >= 0:
+            raise ValueError(f"--price-per-hour must be >= 0, got {args.price_per_hour}")
     except ValueError as e:
         print(f"tokenmill serve: error: {e}", file=sys.stderr)
         return 2
@@ -296,6 +314,8 @@ def _run(args: argparse.Namespace) -> int:
             log_interval=args.log_interval,
             reasoning_parser=args.reasoning_parser,
             limits=limits,
+            ui=args.ui,
+            price_per_hour=args.price_per_hour,
         )
         app = build_app(client, metrics, names, settings)
         uv_config = uvicorn.Config(
@@ -333,8 +353,9 @@ def _print_ready(args, info: dict, names: list[str], start: float, client) -> No
         flush=True,
     )
     auth = " (API key required on /v1)" if args.api_key else ""
+    ui = f"; web page at http://{host}:{args.port}/" if args.ui else ""
     print(
-        f"tokenmill: ready in {time.monotonic() - start:.1f} s at http://{host}:{args.port}/v1{auth}; "
+        f"tokenmill: ready in {time.monotonic() - start:.1f} s at http://{host}:{args.port}/v1{auth}{ui}; "
         f"engine core pid {client.core_pid}",
         flush=True,
     )

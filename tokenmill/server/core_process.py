@@ -23,11 +23,13 @@ from tokenmill.server.messages import (
     CoreReady,
     InitCore,
     LoadFailed,
+    LoRAUpdated,
     PrefixCacheReset,
     ResetPrefixCache,
     Shutdown,
     StatsChanged,
     StepDone,
+    UpdateLoRA,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ def _ready_info(core, load_seconds: float) -> dict:
         "dtype": str(executor.dtype).replace("torch.", ""),
         "device": str(executor.device),
         "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
         "max_model_len": core.max_model_len,
         "num_blocks": core.kv.num_blocks,
         "block_size": core.kv.block_size,
@@ -65,6 +68,8 @@ def _ready_info(core, load_seconds: float) -> dict:
         "load_seconds": load_seconds,
         "pid": os.getpid(),
         "num_threads": _torch_threads(),
+        "headless": cfg.headless,  # an embedding checkpoint: no generation
+        "lora_modules": None if core.config.lora is None else dict(core.config.lora.modules),
     }
 
 
@@ -167,6 +172,8 @@ def _loop(core, inputs, outputs) -> None:
                     changed = True
                 case ResetPrefixCache():
                     outputs.put(PrefixCacheReset(core.reset_prefix_cache()))
+                case UpdateLoRA(name, path):
+                    outputs.put(_update_lora(core, name, path))
         now = time.monotonic()
         if now - last_parent_check >= _PARENT_CHECK_INTERVAL:
             last_parent_check = now
@@ -179,6 +186,19 @@ def _loop(core, inputs, outputs) -> None:
             outputs.put(StepDone(step_outputs, stats_snapshot(core, num_received, fresh=not core.has_unfinished())))
         elif changed:
             outputs.put(StatsChanged(stats_snapshot(core, num_received)))
+
+
+def _update_lora(core, name: str, path: str | None) -> LoRAUpdated:
+    from tokenmill.lora.peft import LoRAError
+
+    try:
+        core.load_lora(name, path) if path is not None else core.unload_lora(name)
+    except LoRAError as e:
+        return LoRAUpdated(str(e), e.param)
+    except Exception:  # noqa: BLE001 - a failed load must not take the engine down
+        logger.exception("LoRA adapter %s: %s failed", name, "loading" if path else "unloading")
+        return LoRAUpdated("the engine could not update the adapter (see the server log)")
+    return LoRAUpdated()
 
 
 def _drain(inputs, block: bool) -> list:

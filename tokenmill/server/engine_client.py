@@ -29,10 +29,12 @@ from tokenmill.server.messages import (
     AddRejected,
     AddRequest,
     CoreFailed,
+    LoRAUpdated,
     PrefixCacheReset,
     ResetPrefixCache,
     StatsChanged,
     StepDone,
+    UpdateLoRA,
 )
 from tokenmill.server.request_stream import (
     EngineDeadError,
@@ -88,6 +90,7 @@ class EngineClient:
         self._parent: dict[str, str] = {}  # core request id -> request id
         self._num_sent = 0  # add messages sent to the current core
         self._reset_waiters: list[asyncio.Future] = []  # reset_prefix_cache calls awaiting the core
+        self._lora_waiters: list[asyncio.Future] = []  # update_lora calls awaiting the core
         self._last_progress = time.monotonic()  # the core's last message (or the first request after idle)
         self._hang_reason: str | None = None  # set when the watchdog killed the core
         self.dead_reason: str | None = None  # why the core is not serving (None while it is)
@@ -282,6 +285,15 @@ class EngineClient:
         self._core.put(ResetPrefixCache())
         return await waiter
 
+    async def update_lora(self, name: str, path: str | None) -> LoRAUpdated:
+        """Ask the core to load the adapter at `path` as `name` (unload it: path None); its answer."""
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "the engine core process is not running")
+        waiter = asyncio.get_running_loop().create_future()
+        self._lora_waiters.append(waiter)
+        self._core.put(UpdateLoRA(name, path))
+        return await waiter
+
     def _forget(self, request_id: str) -> list[str]:
         child_ids = self._children.pop(request_id, [])
         for cid in child_ids:
@@ -312,6 +324,9 @@ class EngineClient:
                 case PrefixCacheReset(num_blocks_dropped):
                     if self._reset_waiters:
                         self._reset_waiters.pop(0).set_result(num_blocks_dropped)
+                case LoRAUpdated():
+                    if self._lora_waiters:
+                        self._lora_waiters.pop(0).set_result(msg)
                 case CoreFailed(message):
                     logger.error("engine core failed:\n%s", message)
                     self._on_dead(core, "the engine core failed; see the server log")
@@ -360,7 +375,8 @@ class EngineClient:
             stream.put(EngineDeadError(reason))
         for rid in list(self._children):
             self._forget(rid)
-        while self._reset_waiters:
-            self._reset_waiters.pop().set_exception(EngineDeadError(reason))
+        for waiters in (self._reset_waiters, self._lora_waiters):
+            while waiters:
+                waiters.pop().set_exception(EngineDeadError(reason))
         if self._processor is not None:
             self._processor = OutputProcessor(self.tokenizer)

@@ -44,6 +44,14 @@ class ResetPrefixCache:
 
 
 @dataclass(frozen=True)
+class UpdateLoRA:
+    """Load the PEFT adapter at `path` as `name`, or unload `name` (path None); answered by `LoRAUpdated`."""
+
+    name: str
+    path: str | None
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -94,6 +102,14 @@ class AddRejected:
 @dataclass(frozen=True)
 class PrefixCacheReset:
     num_blocks_dropped: int
+
+
+@dataclass(frozen=True)
+class LoRAUpdated:
+    """The answer to `UpdateLoRA`: None, or why not and the request field at fault (None: the engine's)."""
+
+    error: str | None = None
+    param: str | None = None
 
 
 @dataclass(frozen=True)

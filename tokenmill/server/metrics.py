@@ -71,6 +71,26 @@ _TOKEN_GAP_BUCKETS = (
     2.5,
     5.0,
 )
+# the KV-cache tiers' counters (tokenmill.kv_transfer.disk_tier.TierStats), each labelled by tier
+_KV_TIER_METRICS = {
+    "queries": "Prompt tokens looked up in a KV-cache tier (past the pool's prefix-cache hits).",
+    "hits": "Prompt tokens found in a KV-cache tier and loaded into the pool.",
+    "loads": "Requests whose tier hit was loaded.",
+    "recomputes": "Requests whose tier hit was too short to pay a load (recomputed instead).",
+    "load_bytes": "KV bytes loaded from a tier.",
+    "load_seconds": "Time loading from a tier: reading and verifying files, copying into the pool.",
+    "bad_files": "Truncated, corrupt or foreign files found in a tier (removed; a miss).",
+    "saved_blocks": "KV blocks written to a tier.",
+    "saved_bytes": "KV bytes written to a tier.",
+    "save_seconds": "Step-loop time spent copying blocks out of the pool for a tier.",
+    "write_seconds": "Background time spent writing a tier's files.",
+    "dropped_blocks": "KV blocks not written to a tier (its queue full, or writing off).",
+    "evicted_blocks": "KV blocks removed from a tier to stay under its size limit.",
+    "errors": "Writes to a tier that failed (writing is then off).",
+    "usage_bytes": "Bytes a tier's files take.",
+    "capacity_bytes": "The most a tier's files may take.",
+}
+_KV_TIER_GAUGES = {"usage_bytes", "capacity_bytes"}
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -145,6 +165,12 @@ class ServerMetrics:
             "kv_transfer_seconds",
             "Disaggregated prefill/decode: producer, time copying KV out; consumer, from asking for it until it is in.",
         )
+        self.kv_tier = {
+            key: (Gauge if key in _KV_TIER_GAUGES else Counter)(
+                f"tokenmill:kv_tier_{key}", doc, ["model_name", "tier"], registry=r
+            )
+            for key, doc in _KV_TIER_METRICS.items()
+        }
         self.engine_restarts = counter("engine_restarts", "Times the engine core was restarted after it died or hung.")
         self.success = Counter(
             "tokenmill:request_success",
@@ -268,6 +294,7 @@ class ServerMetrics:
         self._inc_delta(self.kv_transfers, s, "kv_transfers")
         self._inc_delta(self.kv_transfer_bytes, s, "kv_transfer_bytes")
         self._inc_delta(self.kv_transfer_seconds, s, "kv_transfer_seconds")
+        self._on_kv_tiers(s.get("kv_tiers") or {}, self._last_stats.get("kv_tiers") or {})
         before = self._last_stats.get("spec_accepted_per_position") or []
         for pos, count in enumerate(s.get("spec_accepted_per_position") or []):
             delta = count - (before[pos] if pos < len(before) else 0)
@@ -295,6 +322,15 @@ class ServerMetrics:
             self.rank_tokens.labels(self._model_name, str(rank)).inc(max(now - then, 0))
         if sum(counts):
             self.rank_imbalance.labels(self._model_name).set(max(counts) * len(counts) / sum(counts))
+
+    def _on_kv_tiers(self, tiers: dict[str, dict], before: dict[str, dict]) -> None:
+        for tier, counts in tiers.items():
+            for key, metric in self.kv_tier.items():
+                child = metric.labels(self._model_name, tier)
+                if key in _KV_TIER_GAUGES:
+                    child.set(counts.get(key, 0))
+                else:
+                    child.inc(max(counts.get(key, 0) - before.get(tier, {}).get(key, 0), 0))
 
     def _inc_delta(self, counter: Counter, s: dict, key: str) -> None:
         delta = s.get(key, 0) - self._last_stats.get(key, 0)

@@ -389,6 +389,24 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # Matryoshka models only: keep the leading features
+    user: str | None = None
+    priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str
+
+
 # ---- structured output fields ------------------------------------------------------------------------
 
 _STRUCTURED_KEYS = {

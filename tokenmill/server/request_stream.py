@@ -63,6 +63,7 @@ class StreamOutput:
     finished: bool
     outputs: list[CompletionOutput]  # cumulative per sample; final once `finished`
     prompt_logprobs: list | None = None  # once known (the request asked): one entry per prompt token, first None
+    pooled: list[float] | None = None  # an embedding request's pooled hidden state, in its last output
 
 
 def copy_step(result: RequestOutput, reported: set[int]) -> StreamOutput:
@@ -91,6 +92,7 @@ def copy_step(result: RequestOutput, reported: set[int]) -> StreamOutput:
         result.finished,
         result.outputs,
         result.prompt_logprobs,
+        result.pooled,
     )
 
 
@@ -110,6 +112,7 @@ def _merge_steps(older: StreamOutput, newer: StreamOutput) -> StreamOutput:
         newer,
         deltas=sorted(by_index.values(), key=lambda d: d.index),
         prompt_logprobs=newer.prompt_logprobs or older.prompt_logprobs,
+        pooled=newer.pooled or older.pooled,
     )
 
 
@@ -162,6 +165,13 @@ class RequestStream:
         if item.finished:
             self.finished = True
         return item
+
+    async def last(self) -> StreamOutput:
+        """The request's final output (for an answer that is not streamed)."""
+        last = None
+        async for out in self:
+            last = out
+        return last
 
     async def started(self) -> None:
         """Wait for the request's first output; raise at once if it failed before producing one (so a

@@ -74,6 +74,9 @@ class ServingContext:
     vocab_size: int
     reasoning_parser: str | None = None  # --reasoning-parser: split <think> output into reasoning_content
     limits: RequestLimits = field(default_factory=RequestLimits)
+    loras: dict[str, str] | None = (
+        None  # LoRA adapters served (name -> path), a request's model may name one; None: off
+    )
     _token_text: dict[int, str] = field(default_factory=dict)
     # chat templates and tokenization run here, off the event loop, under limits.template_timeout
     _prompt_pool: ThreadPoolExecutor = field(
@@ -137,18 +140,23 @@ class ServingContext:
         return min(self.max_model_len, self.capacity_tokens)
 
     def check_model(self, name: str | None) -> str:
-        """The model name to answer with; 404 for a model this server does not serve."""
+        """The model name to answer with (a LoRA adapter's too); 404 for a model this server does not serve."""
         if name is None or name == "":
             return self.model_names[0]
-        if name not in self.model_names:
+        if name not in self.model_names and name not in (self.loras or {}):
+            served = [*self.model_names, *(self.loras or {})]
             raise APIError(
                 404,
-                f"The model `{name}` does not exist. This server serves: {', '.join(self.model_names)}.",
+                f"The model `{name}` does not exist. This server serves: {', '.join(served)}.",
                 "invalid_request_error",
                 "model",
                 "model_not_found",
             )
         return name
+
+    def lora_of(self, model: str) -> str | None:
+        """The LoRA adapter a request for `model` (a name `check_model` returned) runs, or None."""
+        return model if model in (self.loras or {}) else None
 
     async def check_structured(self, spec: StructuredOutputSpec, param: str) -> None:
         """400 naming the problem if the schema / regex / grammar cannot be compiled (checked in a

@@ -252,7 +252,9 @@ async def create_chat_completion(
     model = ctx.check_model(req.model)
     params, ids, plan = await _prepare(ctx, req)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    params = ctx.fit_to_context(len(ids), params, "messages", max_param)
+    params = ctx.fit_to_context(
+        len(ids), dataclasses.replace(params, lora_name=ctx.lora_of(model)), "messages", max_param
+    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = ctx.submit(request_id, None, ids, params, arrival, req.priority, req.cache_salt)

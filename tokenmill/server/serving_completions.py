@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -47,7 +48,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     model = ctx.check_model(req.model)
     raw_prompts = split_prompts(req.prompt)
     ctx.check_limits(req, len(raw_prompts))
-    params = req.sampling_params()
+    params = dataclasses.replace(req.sampling_params(), lora_name=ctx.lora_of(model))
     spec = req.structured_spec()
     if spec is not None:
         await ctx.check_structured(*spec)

@@ -3,7 +3,9 @@ apply the scheduler's changes, lay the scheduled tokens out as one flat batch (d
 describe it once for attention, run the forward pass, mask (structured output) and sample the
 requests that reach the end of their tokens — or verify the drafted tokens of speculating ones
 (`tokenmill.sample.rejection_sampler`) — and return their new token ids; with speculative decoding,
-also the drafts of the next step, from the runner's one drafter (`tokenmill.spec_decode.drafter`). The
+also the drafts of the next step, from the runner's one drafter (`tokenmill.spec_decode.drafter`).
+Embedding requests return their prompt's pooled final hidden state instead of sampling; with LoRA
+adapters (`tokenmill.lora`), the step tells the layers which tokens run which adapter. The
 KV cache and the forward over it are `tokenmill.layers.paged_forward`'s, which a drafter with a model
 of its own uses too."""
 
@@ -27,6 +29,7 @@ from tokenmill.engine.scheduler_output import CachedRequestData, GrammarBitmask,
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.paged_forward import PagedForward
 from tokenmill.loader import LoadedModel
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.sample.rejection_sampler import verify
 from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from tokenmill.sampling_params import SamplingParams
@@ -58,6 +61,7 @@ class ModelRunner(PagedForward):
         # speculative decoding: the one drafter (None without); seeded after it loaded, so that sampling
         # draws the same numbers with any drafter or none
         self.drafter = make_drafter(config, loaded) if config.speculative is not None else None
+        self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora is not None else None
         torch.manual_seed(config.seed)
         heartbeat.install(self.model)  # progress inside a step, for the server's watchdog
 
@@ -133,11 +137,15 @@ class ModelRunner(PagedForward):
             count=int(num_new.sum()),
         )
         stage_input = {} if intermediate is None else {"intermediate": intermediate}  # a later pipeline stage
-        hidden, common = self.forward(input_ids, num_new, num_computed, [s.block_ids for s in states], **stage_input)
+        lora = None if self.lora is None else self.lora.batch([s.params.lora_name for s in states], num_new)
+        hidden, common = self.forward(
+            input_ids, num_new, num_computed, [s.block_ids for s in states], lora, **stage_input
+        )
         if isinstance(hidden, IntermediateTensors):
             return hidden
         result = ModelRunnerOutput()
         self._prompt_logprobs(result, hidden, common, states)
+        self._pool(result, hidden, common, states)
         rows = [
             i
             for i, (r, s, n) in enumerate(zip(req_ids, states, num_new))
@@ -205,6 +213,37 @@ class ModelRunner(PagedForward):
                 for table, new_ids in zip(state.block_ids, cached.new_block_ids):
                     table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def load_lora(self, name: str, path: str) -> None:
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start with --enable-lora or --lora-modules")
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.lora.unload(name)
+
+    @staticmethod
+    def _pool(
+        result: ModelRunnerOutput,
+        hidden: torch.Tensor,
+        common: CommonAttentionMetadata,
+        states: list[CachedRequestState],
+    ) -> None:
+        """Embedding requests: the final hidden state of the last prompt token, or the mean over the
+        prompt (summed chunk by chunk; a request that starts over after preemption starts the sum over),
+        once this step's chunk ends the prompt."""
+        for i, s in enumerate(states):
+            if s.params.pooling is None:
+                continue
+            start, end = int(common.query_start_loc[i]), int(common.query_start_loc[i + 1])
+            done = s.num_computed_tokens + end - start >= len(s.prompt_token_ids)
+            if s.params.pooling == "mean":
+                chunk = hidden[start:end].float().sum(0)
+                s.pool_sum = chunk if s.num_computed_tokens == 0 else s.pool_sum + chunk
+                if done:
+                    result.pooled[s.request_id] = (s.pool_sum / len(s.prompt_token_ids)).tolist()
+            elif done:
+                result.pooled[s.request_id] = hidden[end - 1].float().tolist()
 
     def _prompt_logprobs(
         self,

@@ -23,6 +23,7 @@ class CachedRequestState(TokenSequence):
         if self.params.seed is not None:
             self.generator = torch.Generator(device).manual_seed(self.params.seed)
         self.draft: tuple[list[int], torch.Tensor] | None = None  # sampled drafts and their distributions
+        self.pool_sum: torch.Tensor | None = None  # mean-pooled embedding requests: the prompt's hidden states so far
 
     def take_draft_probs(self, drafts: list[int]) -> torch.Tensor | None:
         """The distributions of the drafts being verified, if they were sampled (the scheduler verifies

@@ -1,0 +1,219 @@
+"""The KV cache's disk tier (`serve --kv-cache-dir`), measured on real servers.
+
+    .venv/bin/python benchmarks/bench_kv_tiers.py restart [--model qwen2.5-coder-0.5b] [--tokens 6000]
+    .venv/bin/python benchmarks/bench_kv_tiers.py agent [--model smollm2-135m-instruct] [--sessions 3] [--turns 4]
+    .venv/bin/python benchmarks/bench_kv_tiers.py minload [--model smollm2-135m-instruct] [--hits 16 64 512]
+
+`restart`: a server with the tier answers a long prompt (token ids, `max_tokens` 1: the time is the
+time to first token) cold, is stopped, and a new server on the same directory answers the same prompt
+(from disk); then the tier's own counters: seconds loading (reading, verifying, copying into the pool)
+and saving (the step loop's copy out of the pool; the writer thread's time apart) per block.
+
+`agent`: several sessions at once, each turn resending a long shared system prompt plus its own growing
+history (its earlier turns' prompts and answers) with a KV pool too small to keep every session's
+prefix, once with the tier and once without (each on a fresh server); TTFT p50 / p90 of the turns
+after the first and the total time.
+
+`minload`: in one process, TTFT with H prompt tokens on disk, loaded vs recomputed, for several H (what
+`--kv-disk-min-load-tokens` is set from), and a block's load against a copy in RAM (a host-RAM tier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from test_server_utils import ServerProcess, metric_values  # noqa: E402
+
+
+def start(log_dir: Path, model: str, *flags: str) -> tuple[ServerProcess, float]:
+    began = time.perf_counter()
+    srv = ServerProcess(log_dir, *flags)
+    srv.args[1] = model  # ServerProcess starts the default model
+    srv.start()
+    return srv, time.perf_counter() - began
+
+
+def ttft(srv: ServerProcess, prompt: list[int], max_tokens: int = 1) -> tuple[float, list[int]]:
+    """Seconds to the first token (`max_tokens` 1: the whole request) and the tokens' text."""
+    began = time.perf_counter()
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=3600,
+    )
+    r.raise_for_status()
+    return time.perf_counter() - began, r.json()["choices"][0]["text"]
+
+
+def tier(srv: ServerProcess) -> dict[str, float]:
+    return {
+        k.split("kv_tier_")[1].split("{")[0].removesuffix("_total"): v
+        for k, v in metric_values(srv.url).items()
+        if 'tier="disk"' in k
+    }
+
+
+def restart(args) -> None:
+    prompt = random.Random(0).choices(range(200, 20000), k=args.tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        cache, flags = Path(tmp) / "kv", ("--kv-cache-dir", str(Path(tmp) / "kv"), "--max-model-len", "8192")
+        first, started = start(Path(tmp), args.model, *flags)
+        cold, text = ttft(first, prompt)
+        saved = tier(first)
+        first.stop()
+        second, restarted = start(Path(tmp), args.model, *flags)
+        warm, again = ttft(second, prompt)
+        loaded = tier(second)
+        second.stop()
+        blocks = len(list(cache.glob("*.kv")))
+        size = sum(p.stat().st_size for p in cache.glob("*.kv"))
+    print(f"model {args.model}, prompt {args.tokens} tokens, start {started:.1f} s / restart {restarted:.1f} s")
+    print(
+        f"TTFT cold {cold:.2f} s, from disk after a restart {warm:.3f} s: {cold / warm:.1f}x lower; same text: {text == again}"
+    )
+    print(f"disk: {blocks} block files, {size / 2**20:.1f} MiB ({size / args.tokens / 1024:.1f} KiB per token)")
+    print(
+        f"step loop: saving (copy out) {saved.get('save_seconds', 0) * 1e3:.1f} ms for {saved.get('saved_blocks', 0):.0f} "
+        f"blocks, {1e6 * saved.get('save_seconds', 0) / max(blocks, 1):.0f} us/block; writer thread "
+        f"{saved.get('write_seconds', 0) * 1e3:.1f} ms; loading {loaded.get('load_seconds', 0) * 1e3:.1f} ms, "
+        f"{1e6 * loaded.get('load_seconds', 0) / max(blocks, 1):.0f} us/block (reading, verifying, copying in); "
+        f"recomputing {1e6 * cold / max(blocks, 1):.0f} us/block (cold prefill / blocks)"
+    )
+
+
+def agent(args) -> None:
+    rng = random.Random(1)
+    system = rng.choices(range(200, 20000), k=args.system_tokens)
+    results = {}
+    for mode in ("tier off", "tier on"):
+        with tempfile.TemporaryDirectory() as tmp:
+            flags = ["--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "8192"]
+            if mode == "tier on":
+                flags += ["--kv-cache-dir", str(Path(tmp) / "kv")]
+            srv, _ = start(Path(tmp), args.model, *flags)
+            histories = [system + rng.choices(range(200, 20000), k=args.own_tokens) for _ in range(args.sessions)]
+            times: list[float] = []
+
+            def turn(s: int, t: int) -> None:
+                histories[s] += random.Random(100 * s + t).choices(range(200, 20000), k=args.turn_tokens)
+                seconds, _ = ttft(srv, histories[s])
+                if t:
+                    times.append(seconds)
+                histories[s] += random.Random(-100 * s - t).choices(range(200, 20000), k=args.answer_tokens)
+
+            began = time.perf_counter()
+            with ThreadPoolExecutor(args.sessions) as pool:
+                for t in range(args.turns):
+                    list(pool.map(lambda s, t=t: turn(s, t), range(args.sessions)))
+            total = time.perf_counter() - began
+            stats = tier(srv) if mode == "tier on" else {}
+            srv.stop()
+        q = statistics.quantiles(times, n=10)
+        results[mode] = (statistics.median(times), q[8], total, stats.get("hits", 0), stats.get("queries", 0))
+    print(
+        f"model {args.model}: {args.sessions} sessions x {args.turns} turns, system prompt {args.system_tokens} "
+        f"tokens + {args.own_tokens} of its own per session, +{args.turn_tokens} / +{args.answer_tokens} per turn, "
+        f"pool {args.kv_blocks} blocks"
+    )
+    for mode, (p50, p90, total, hits, queries) in results.items():
+        extra = f", disk hits {hits:.0f} of {queries:.0f} looked-up tokens" if queries else ""
+        print(f"{mode}: TTFT p50 {p50:.2f} s, p90 {p90:.2f} s (turns 2..), total {total:.1f} s{extra}")
+
+
+def minload(args) -> None:
+    """In one process: TTFT of a prompt whose first H tokens are on disk, loaded vs recomputed (the
+    pool's prefix cache reset before each), for several H; and what a host-RAM tier would cost per block
+    (a copy in memory) against the disk tier's load (read + verify from the page cache + copy in)."""
+    import torch
+
+    from tokenmill.config import CacheConfig, EngineConfig
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.request import EngineCoreRequest
+    from tokenmill.executor import UniProcExecutor
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = EngineConfig(model=args.model, cache=CacheConfig(kv_cache_dir=tmp, kv_disk_min_load_tokens=16))
+        core = EngineCore(config, UniProcExecutor(config), set())
+        tier = core.kv_connector
+        rng, n = random.Random(2), 0
+
+        def first_token(prompt: list[int]) -> float:
+            nonlocal n
+            n += 1
+            core.reset_prefix_cache()
+            began = time.perf_counter()
+            core.add_request(EngineCoreRequest(str(n), prompt, params))
+            while not any(o.new_token_ids for o in core.step()):
+                pass
+            seconds = time.perf_counter() - began
+            while core.has_unfinished():  # the blocks' writes (not timed)
+                core.step()
+            return seconds
+
+        print(f"model {args.model}: TTFT (median of {args.repeats}) of H tokens on disk + 16 new ones")
+        for hit in args.hits:
+            shared = rng.choices(range(200, 20000), k=hit)
+            first_token(shared + [1] * 17)  # writes the H tokens' blocks
+            core.executor.kv_connector.writer.flush()
+            times = {}
+            for mode, min_load in (("load", 16), ("recompute", 1 << 30)):
+                tier.min_load_tokens = min_load
+                times[mode] = statistics.median(
+                    first_token(shared + rng.choices(range(200, 20000), k=16)) for _ in range(args.repeats)
+                )
+            print(
+                f"H={hit:5d}: loaded {times['load'] * 1e3:7.1f} ms, recomputed {times['recompute'] * 1e3:7.1f} ms "
+                f"({times['recompute'] / times['load']:.2f}x)"
+            )
+        s = tier.disk_stats
+        per_block = s.load_seconds / max(s.hits // config.cache.block_size, 1)
+        block = [torch.empty(shape, dtype=dtype) for shape, dtype in tier.layout]
+        began = time.perf_counter()
+        for _ in range(1000):
+            [b.clone() for b in block]
+        ram = (time.perf_counter() - began) / 1000
+        print(
+            f"per block: disk tier load {per_block * 1e6:.0f} us (read, verify, copy in); a RAM copy {ram * 1e6:.0f} us"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("restart")
+    r.add_argument(
+        "--model", default=str(Path.home() / ".cache/tokenmill/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    )
+    r.add_argument("--tokens", type=int, default=6000)
+    a = sub.add_parser("agent")
+    a.add_argument("--model", default="smollm2-135m-instruct")
+    a.add_argument("--sessions", type=int, default=3)
+    a.add_argument("--turns", type=int, default=4)
+    a.add_argument("--system-tokens", type=int, default=500)
+    a.add_argument("--own-tokens", type=int, default=800, help="each session's own context (files) in its first turn")
+    a.add_argument("--turn-tokens", type=int, default=32)
+    a.add_argument("--answer-tokens", type=int, default=16)
+    a.add_argument("--kv-blocks", type=int, default=112)
+    m = sub.add_parser("minload")
+    m.add_argument("--model", default="smollm2-135m-instruct")
+    m.add_argument("--hits", type=int, nargs="+", default=[16, 32, 64, 128, 512])
+    m.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    {"restart": restart, "agent": agent, "minload": minload}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The KV cache's disk tier (`--kv-cache-dir`) with real engine cores on tiny random models: a prompt's
+blocks written by one engine are loaded by another whose pool never saw them, with greedy tokens
+identical to a cold run (float32 and int8 caches); salts and models do not share blocks; a truncated,
+corrupt or foreign file is a miss and is removed; a size limit evicts the least recently used blocks,
+and one smaller than a block turns writing off without failing a request; pools are whole after."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+from helpers import make_tiny_model
+
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.executor import UniProcExecutor
+from tokenmill.kv_transfer.block_files import SUFFIX
+from tokenmill.loader import load_model
+from tokenmill.sampling_params import SamplingParams
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(5, 90))  # 85 tokens: 5 full blocks, the last token always computed
+SHARING = PROMPT[: 3 * BLOCK] + [200, 201, 202, 203, 204]  # its first 3 blocks are PROMPT's
+OTHER = list(range(150, 235))[::-1] + [1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two tiny Llamas differing only in their weights."""
+    dirs = []
+    for i, std in enumerate((0.02, 0.03)):
+        directory = tmp_path_factory.mktemp(f"tiny-disk-tier-{i}")
+        make_tiny_model("llama-gqa-untied", directory, initializer_range=std)
+        dirs.append(directory)
+    return dirs
+
+
+def engine(model_dir, cache_dir=None, cache_dtype="auto", disk_gib=1.0, min_load=BLOCK) -> EngineCore:
+    config = EngineConfig(
+        model=str(model_dir),
+        cache=CacheConfig(
+            num_blocks=48,
+            cache_dtype=cache_dtype,
+            kv_cache_dir=None if cache_dir is None else str(cache_dir),
+            kv_disk_size_gib=disk_gib,
+            kv_disk_min_load_tokens=min_load,
+        ),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32),
+    )
+    return EngineCore(config, UniProcExecutor(config, load_model(str(model_dir))), set())
+
+
+def run(core: EngineCore, prompts, salt=None) -> tuple[dict, dict]:
+    """Greedy outputs and the tier's counters (the engine runs until its writes are reported); the
+    pool is whole afterwards."""
+    out = {}
+    for i, p in enumerate(prompts):
+        core.add_request(EngineCoreRequest(str(i), p, GREEDY, cache_salt=salt))
+        out[str(i)] = []
+    while core.has_unfinished():
+        for o in core.step():
+            out[o.request_id].extend(o.new_token_ids)
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+    return out, core.stats().kv_tiers.get("disk", {})
+
+
+def files(cache_dir) -> list:
+    """The tier's files, most recently used first (a prompt's blocks: in prompt order)."""
+    return sorted(cache_dir.glob(f"*{SUFFIX}"), key=os.path.getmtime, reverse=True)
+
+
+def again(core: EngineCore, prompts, salt=None) -> tuple[dict, dict]:
+    """`run` once more on an engine whose pool forgot every prefix: only the tier can supply them."""
+    core.reset_prefix_cache()
+    return run(core, prompts, salt)
+
+
+@pytest.fixture(scope="module")
+def cold(models):
+    """Greedy outputs of every prompt here without the tier, by (model, KV cache dtype)."""
+    return {
+        (i, dtype): run(engine(models[i], cache_dtype=dtype), [PROMPT, SHARING, OTHER])[0]
+        for i, dtype in ((0, "auto"), (0, "int8"))
+    }
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+def test_disk_hits_give_the_cold_run_tokens(models, cold, tmp_path, cache_dtype):
+    core = engine(models[0], tmp_path, cache_dtype)
+    _, saved = run(core, [PROMPT])
+    assert len(files(tmp_path)) == saved["saved_blocks"] == 5
+    got, disk = again(core, [PROMPT, SHARING])
+    assert got == {k: v for k, v in cold[0, cache_dtype].items() if k != "2"}
+    assert (disk["hits"], disk["loads"], disk["bad_files"]) == (5 * BLOCK + 3 * BLOCK, 2, 0)
+    assert len(files(tmp_path)) == 5  # SHARING has no block of its own; nothing written twice
+    core.kv_connector.min_load_tokens = 6 * BLOCK  # a shorter hit is recomputed
+    _, more = again(core, [PROMPT])
+    assert (more["hits"], more["loads"], more["recomputes"]) == (disk["hits"], 2, 1)
+
+
+def test_salts_and_models_do_not_share_blocks(models, tmp_path):
+    run(engine(models[0], tmp_path), [PROMPT], salt="alice")
+    other_model = engine(models[1], tmp_path)
+    for salt in ("alice", None):
+        assert again(other_model, [PROMPT], salt=salt)[1]["hits"] == 0
+    core = engine(models[0], tmp_path)
+    for salt in ("bob", None):
+        assert again(core, [PROMPT], salt=salt)[1]["hits"] == 0
+    assert again(core, [PROMPT], salt="alice")[1]["hits"] == 5 * BLOCK
+
+
+def test_bad_files_are_misses_and_removed(models, cold, tmp_path, caplog):
+    core = engine(models[0], tmp_path)
+    run(core, [PROMPT])
+    blocks = files(tmp_path)
+    data = bytearray(blocks[2].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blocks[2].write_bytes(data)  # corrupt
+    with caplog.at_level(logging.WARNING):
+        got, disk = again(core, [PROMPT])
+    assert got["0"] == cold[0, "auto"]["0"] and (disk["hits"], disk["bad_files"]) == (2 * BLOCK, 1)
+    assert "checksum mismatch" in caplog.text  # removed, then written again by that run
+    blocks[1].write_bytes(blocks[1].read_bytes()[:-7])  # truncated
+    shutil.copy(blocks[4], blocks[3])  # block 4's file under block 3's name: foreign
+    got, disk = again(core, [PROMPT])
+    assert got["0"] == cold[0, "auto"]["0"] and (disk["hits"], disk["bad_files"]) == (3 * BLOCK, 2)
+    got, disk = again(core, [PROMPT])
+    assert got["0"] == cold[0, "auto"]["0"] and (disk["hits"], disk["bad_files"]) == (6 * BLOCK, 3)
+    assert "another block's file" in caplog.text or disk["bad_files"] == 3
+
+
+def test_a_size_limit_evicts_the_least_recently_used_blocks_tails_first(models, cold, tmp_path, caplog):
+    _, disk = run(engine(models[0], tmp_path), [PROMPT])
+    limit = 3.5 * disk["usage_bytes"] / 5
+    core = engine(models[0], tmp_path, disk_gib=limit / (1 << 30))
+    _, disk = run(core, [OTHER])
+    assert disk["usage_bytes"] <= limit and len(files(tmp_path)) == 3 and disk["evicted_blocks"] == 7
+    assert again(core, [OTHER])[1]["hits"] == 3 * BLOCK  # its first 3 blocks stayed: a tail goes before its head
+    with caplog.at_level(logging.WARNING):  # a limit smaller than one block: no tier, the requests still run
+        got, disk = run(engine(models[0], tmp_path / "tiny", disk_gib=1e-9), [PROMPT, SHARING, OTHER])
+    assert (
+        got == cold[0, "auto"] and disk["errors"] == 1 and disk["dropped_blocks"] == 5 + 5 - 1
+    )  # SHARING's blocks are PROMPT's
+    assert "writing is off" in caplog.text and not files(tmp_path / "tiny")
+
+
+def test_info_shows_bytes_per_token_by_tier_and_where_the_weights_live(models, capsys):
+    from tokenmill.entrypoints.cli import main
+
+    main(["info", "--model", str(models[0]), "--load"])
+    rows = {k.strip(): v.strip() for k, v in (line.split("  ", 1) for line in capsys.readouterr().out.splitlines())}
+    per_token = rows["KV bytes per token"].split()[0]
+    assert rows["KV bytes per token by tier"].startswith(f"pool {per_token}, disk {per_token} + ")
+    mapped, copied = (float(x) for x in rows["weights mapped / copied"].split(" MiB")[0].split(" / "))
+    assert mapped == 0 and copied > 0  # every tensor is copied or repacked today
+    assert rows["resident memory after load"].endswith("MiB")
+
+
+def test_layouts_the_tier_does_not_run_with_are_refused_naming_the_flags(tmp_path):
+    from tokenmill.config import ParallelConfig
+    from tokenmill.kv_transfer.base import check_supported
+    from tokenmill.kv_transfer.config import KVTransferConfig
+
+    cache = CacheConfig(kv_cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="--kv-cache-dir needs --tensor-parallel-size 1"):
+        check_supported(EngineConfig(cache=cache, parallel=ParallelConfig(tensor_parallel_size=2)))
+    with pytest.raises(ValueError, match="--kv-cache-dir does not run with --kv-role"):
+        check_supported(EngineConfig(cache=cache, kv_transfer=KVTransferConfig("consumer", "SharedMemoryConnector")))
+    with pytest.raises(ValueError, match="kv_disk_size must be >= 0"):
+        CacheConfig(kv_disk_size_gib=-1)

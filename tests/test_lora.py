@@ -1,0 +1,142 @@
+"""LoRA adapters against PEFT on a tiny random model: greedy token-exact per adapter, a batch mixing
+adapters and the base model equal to each alone, run-time load / unload, prefix-cache keys by
+adapter, the delta on a quantized base layer, and bad adapters refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import peft
+import pytest
+import torch
+from helpers import assert_same_greedy, greedy_reference, make_lora_adapter, make_tiny_model, run_core
+
+from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig
+from tokenmill.engine.core import EngineCore, RequestRejected
+from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.executor.uniproc import UniProcExecutor
+from tokenmill.layers.forward_context import ForwardContext, set_forward_context
+from tokenmill.loader import load_model
+from tokenmill.lora.manager import LoRAManager
+from tokenmill.lora.peft import LoRAError
+from tokenmill.sampling_params import SamplingParams
+
+PROMPTS = {None: [5, 9, 200, 31, 7, 88, 14], "a": [3, 3, 40, 41, 42, 100, 2, 9, 9], "b": [77, 1, 60]}
+NEW_TOKENS = 8
+GREEDY = dict(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The base model's directory, two adapters' directories and each one's greedy reference per prompt."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model("llama-gqa-untied", root / "base")
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    make_lora_adapter(base, root / "a", 1, r=8, lora_alpha=16, target_modules=every)
+    make_lora_adapter(
+        base, root / "b", 2, r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]
+    )
+    refs = {None: greedy_reference(base, PROMPTS[None], NEW_TOKENS)}
+    for name in ("a", "b"):
+        adapted = peft.PeftModel.from_pretrained(base, root / name).eval()
+        refs[name] = greedy_reference(adapted, PROMPTS[name], NEW_TOKENS)
+        adapted.unload()
+    return root, refs
+
+
+def lora_core(root, quantization: str = "auto", **modules) -> EngineCore:
+    config = EngineConfig(
+        model=str(root / "base"),
+        quantization=quantization,
+        cache=CacheConfig(num_blocks=64, block_size=4),
+        lora=LoRAConfig({k: str(v) for k, v in modules.items()}, max_loras=2, max_lora_rank=8),
+    )
+    return EngineCore(config, UniProcExecutor(config), set())
+
+
+def test_mixed_batch_matches_peft_and_each_alone(tiny):
+    root, refs = tiny
+    core = lora_core(root, a=root / "a", b=root / "b")
+    names = [None, "a", "b", "a"]
+    params = [SamplingParams(**GREEDY, lora_name=n) for n in names]
+    # the last request: adapter a's prompt on the base model, which must continue it differently
+    mixed = run_core(core, [PROMPTS[n] for n in names] + [PROMPTS["a"]], params + [SamplingParams(**GREEDY)])
+    assert mixed["4"] != mixed["1"]
+    for i, name in enumerate(names):
+        assert_same_greedy(mixed[str(i)], *refs[name])
+    for name in (None, "a", "b"):
+        alone = run_core(core, [PROMPTS[name]], SamplingParams(**GREEDY, lora_name=name))
+        assert alone["0"] == mixed[str(names.index(name))]
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_load_unload_at_run_time_and_prefix_keys(tiny):
+    root, refs = tiny
+    core = lora_core(root)
+    with pytest.raises(RequestRejected) as e:
+        core.add_request(EngineCoreRequest("x", PROMPTS["a"], SamplingParams(**GREEDY, lora_name="a")))
+    assert e.value.param == "model"
+    # the base model caches the prompt's blocks; the adapter must not reuse them (its K/V differ)
+    run_core(core, [PROMPTS["a"]], SamplingParams(**GREEDY))
+    core.load_lora("a", str(root / "a"))
+    core.add_request(EngineCoreRequest("r", PROMPTS["a"], SamplingParams(**GREEDY, lora_name="a")))
+    out, cached = [], None
+    while core.has_unfinished():
+        for o in core.step():
+            out += o.new_token_ids
+            cached = o.num_cached_tokens
+    assert cached == 0
+    assert_same_greedy(out, *refs["a"])
+    again = run_core(core, [PROMPTS["a"]], SamplingParams(**GREEDY, lora_name="a"))
+    assert again["0"] == out  # its own blocks are hits for the same adapter
+    assert core.scheduler.kv.prefix_hits > 0
+    with pytest.raises(LoRAError) as e:
+        core.load_lora("a", str(root / "b"))
+    assert e.value.param == "lora_name"
+    core.unload_lora("a")
+    with pytest.raises(LoRAError):
+        core.unload_lora("a")
+    core.load_lora("b2", str(root / "b"))  # the freed slot, another adapter
+    got = run_core(core, [PROMPTS["b"]], SamplingParams(**GREEDY, lora_name="b2"))
+    assert_same_greedy(got["0"], *refs["b"])
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_bad_adapters_are_refused(tiny, tmp_path):
+    root, _ = tiny
+    core = lora_core(root)
+    with pytest.raises(LoRAError, match="not a PEFT adapter"):
+        core.load_lora("x", str(tmp_path))
+    big = json.loads((root / "a" / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(big, r=32)))
+    (tmp_path / "adapter_model.safetensors").write_bytes((root / "a" / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(LoRAError, match="max-lora-rank"):
+        core.load_lora("x", str(tmp_path))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(big, use_dora=True)))
+    with pytest.raises(LoRAError, match="use_dora"):
+        core.load_lora("x", str(tmp_path))
+    assert core.loras == {}
+    with pytest.raises(ValueError, match="--max-loras is 1"):
+        LoRAConfig({"a": "1", "b": "2"}, max_loras=1)
+
+
+def test_delta_on_a_quantized_base_layer(tiny):
+    """The adapter's delta is added to what the int8 weight format computes: exactly PEFT's term."""
+    root, _ = tiny
+    loaded = load_model(str(root / "base"), quantization="int8")
+    manager = LoRAManager(loaded.model, LoRAConfig(max_loras=2, max_lora_rank=8), torch.float32, loaded.device)
+    manager.load("a", str(root / "a"))
+    layer = loaded.model.model.layers[0].mlp.down_proj
+    x = torch.randn(5, layer.input_size)
+    plain = layer(x)
+    batch = manager.batch([None, "a"], np.array([2, 3]))
+    with set_forward_context(ForwardContext({}, batch)), torch.no_grad():
+        adapted = layer(x)
+    from safetensors.torch import load_file
+
+    factors = load_file(str(root / "a" / "adapter_model.safetensors"))
+    stem = "base_model.model.model.layers.0.mlp.down_proj"
+    a, b = factors[f"{stem}.lora_A.weight"], factors[f"{stem}.lora_B.weight"]
+    torch.testing.assert_close(adapted[:2], plain[:2], rtol=0, atol=0)
+    torch.testing.assert_close(adapted[2:], plain[2:] + (x[2:] @ a.T) @ b.T * 2.0, rtol=0, atol=1e-5)

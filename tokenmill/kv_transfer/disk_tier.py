@@ -1,0 +1,374 @@
+"""The KV cache's disk tier (`--kv-cache-dir PATH`, `--kv-disk-size GIB`) as a KV connector, both halves.
+
+Save: in the step that completes a prompt, the scheduler half names the prompt's full blocks that are
+not on disk yet; right after the forward pass the worker half copies them out of the cache (the only
+part of a save the step loop waits for) and hands them to a `BlockWriter`, which writes them on its own
+thread (`block_files.py`). Blocks are written as their prompt is computed, not when the pool evicts
+them, so they outlive a restart or a crash of this server and are there for other servers on the same
+directory at once.
+
+Load: when a request is admitted, the scheduler half looks up its prompt's blocks past the pool's own
+prefix hits, block by block until the first miss, reading and verifying each file. A run of hits
+shorter than `--kv-disk-min-load-tokens` is recomputed instead (loading a few blocks costs about as
+much as computing them); a longer one counts as computed, and the worker half writes the blocks into
+the request's own blocks before the step's forward. Files are read by the scheduler half, not the
+worker, so a file that turns out bad is a miss before the request counts its tokens.
+
+Keys: a block's key chains the key of the block before it with its tokens; the first block chains
+from the engine's namespace (model architecture, a digest of the weight files, weight format,
+compute dtype, the cache layout — KV dtype, block size, layers and heads — and the parallel layout)
+and the request's `cache_salt`. So a block is found only by an engine that would have computed the same
+KV for the same prefix.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tokenmill.kv_transfer.base import (
+    BlockTable,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    cache_tensors,
+)
+from tokenmill.kv_transfer.block_files import (
+    BadBlockFile,
+    BlockLayout,
+    BlockWriter,
+    StoredBlock,
+    WriterStats,
+    block_path,
+    read_block,
+    remove,
+)
+from tokenmill.kv_transfer.connector import BLOCK_DIM
+
+logger = logging.getLogger(__name__)
+
+TIER = "disk"
+
+
+@dataclass
+class TierStats:
+    """The tier's counters for /metrics (`tokenmill:kv_tier_*{tier="disk"}`), cumulative. Lookups are
+    in prompt tokens past the pool's hits; a request whose hit is loaded counts a load, one whose hit
+    was too short to pay counts a recompute."""
+
+    queries: int = 0  # prompt tokens looked up (past the pool's prefix hits)
+    hits: int = 0  # of which found on disk and loaded
+    loads: int = 0  # requests that loaded a hit
+    recomputes: int = 0  # requests whose hit was shorter than --kv-disk-min-load-tokens
+    load_bytes: int = 0
+    load_seconds: float = 0.0  # reading and verifying files (scheduler) + copying into the cache (worker)
+    bad_files: int = 0  # truncated, corrupt or foreign files found (and removed)
+    saved_blocks: int = 0  # written by this engine
+    saved_bytes: int = 0
+    save_seconds: float = 0.0  # the step loop's share of saving: copying blocks out of the cache
+    write_seconds: float = 0.0  # the writer thread's
+    dropped_blocks: int = 0  # not written: the queue was full or writing is off
+    evicted_blocks: int = 0
+    errors: int = 0  # writes that failed (writing turned off)
+    usage_bytes: int = 0  # the directory's block files, as last counted
+    capacity_bytes: int = 0
+
+
+def weights_digest(source, cache_dir: Path) -> str:
+    """BLAKE2b of the model's weight files (and config.json of an HF directory), remembered in
+    `cache_dir` by path, size and modification time, so a restart does not hash them again."""
+    root = Path(source.path)
+    files = (
+        [root]
+        if root.is_file()
+        else sorted(
+            p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") or p.name == "config.json"
+        )
+    )
+    stamp = json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
+    memo = cache_dir / "weights" / f"{hashlib.sha256(stamp.encode()).hexdigest()}.txt"
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    h = hashlib.blake2b(digest_size=32)
+    for p in files:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 23):
+                h.update(chunk)
+    digest = h.hexdigest()
+    memo.parent.mkdir(exist_ok=True)
+    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+    return digest
+
+
+def tier_namespace(config, executor, layout: BlockLayout, cache_dir: Path) -> bytes:
+    """What a block's key chains from: every setting that changes the KV a prefix computes to."""
+    identity = {
+        "format": 1,
+        "architecture": executor.model_config.architecture,
+        "weights": weights_digest(executor.source, cache_dir),
+        "quantization": executor.quantization,
+        "dtype": str(executor.dtype),
+        "layout": [[list(shape), str(dtype)] for shape, dtype in layout],
+        "block_size": config.cache.block_size,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
+
+
+def chain_key(parent: bytes, token_ids, salt: str | None = None) -> bytes:
+    """A block's key from its parent's (the namespace for the first block, with the salt) and tokens."""
+    h = hashlib.sha256(parent)
+    if salt is not None:
+        h.update(b"salt:" + len(salt.encode()).to_bytes(4, "little") + salt.encode())
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def block_layout(tensors: list[tuple[torch.Tensor, int]]) -> BlockLayout:
+    """The shape and dtype of one block's slice of each cache tensor."""
+    return [(tuple(n for d, n in enumerate(t.shape) if d != BLOCK_DIM), t.dtype) for t, _ in tensors]
+
+
+@dataclass
+class DiskTierMetadata(KVConnectorMetadata):
+    """`load`: (block table, first block, each block's cache tensor slices) to write before the
+    forward; `save`: (block table, blocks to save as (index, key, parent key, tokens)) to copy out after it."""
+
+    load: list[tuple[BlockTable, int, list[list[torch.Tensor]]]] = field(default_factory=list)
+    save: list[tuple[BlockTable, list[tuple[int, bytes, bytes, list[int]]]]] = field(default_factory=list)
+
+
+@dataclass
+class DiskTierOutput(KVConnectorOutput):
+    """The worker half's report: the writer's counters and seconds it spent copying in and out."""
+
+    writer: WriterStats
+    copy_in_seconds: float = 0.0
+    copy_out_seconds: float = 0.0
+
+
+class DiskTierScheduler(KVConnectorScheduler):
+    """`kv`: the engine's `KVCacheCoordinator`; `layout`: one block's slice of each cache tensor."""
+
+    def __init__(self, directory: Path, namespace: bytes, kv, layout: BlockLayout, min_load_tokens: int, capacity: int):
+        super().__init__()
+        self.directory, self.namespace, self.kv, self.layout = directory, namespace, kv, layout
+        self.bs, self.min_load_tokens = kv.block_size, min_load_tokens
+        self.disk_stats = TierStats(capacity_bytes=capacity)
+        self._keys: dict[str, list[bytes]] = {}  # request id -> chained keys of its prompt's full blocks
+        self._found: dict[str, tuple[int, list[list[torch.Tensor]]]] = {}  # admitted lookups: first block, blocks
+        self._loaded: dict[str, range] = {}  # request id -> blocks it took from disk (not saved again)
+        self._saving: set[bytes] = set()  # keys handed to the writer, not reported written yet
+        self._load: list[tuple[BlockTable, int, list[list[torch.Tensor]]]] = []
+
+    def has_held(self) -> bool:
+        """Blocks are being written: the engine keeps stepping (idle steps wait on the writer a little)
+        until the worker half has reported them, so /metrics counts every write."""
+        return bool(self._saving)
+
+    def tier_stats(self) -> dict[str, dict]:
+        return {TIER: dataclasses.asdict(self.disk_stats)}
+
+    def prompt_keys(self, request) -> list[bytes]:
+        keys = self._keys.get(request.request_id)
+        if keys is None:
+            keys, parent, bs, tokens = [], self.namespace, self.bs, request.prompt_token_ids
+            for i in range(len(tokens) // bs):
+                parent = chain_key(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt if i == 0 else None)
+                keys.append(parent)
+            self._keys[request.request_id] = keys
+        return keys
+
+    def _parent(self, keys: list[bytes], i: int) -> bytes:
+        return keys[i - 1] if i else self.namespace
+
+    def _read(self, request, keys: list[bytes], i: int) -> list[torch.Tensor] | None:
+        path = block_path(self.directory, keys[i])
+        try:
+            blocks = read_block(
+                path,
+                keys[i],
+                self._parent(keys, i),
+                request.prompt_token_ids[i * self.bs : (i + 1) * self.bs],
+                self.layout,
+            )
+        except FileNotFoundError:
+            return None
+        except (BadBlockFile, OSError, ValueError, KeyError, TypeError) as e:  # any unreadable file: a miss
+            logger.warning("KV disk tier: %s is not a usable block (%s): removed, a miss", path.name, e)
+            self.disk_stats.bad_files += 1
+            remove(path)
+            return None
+        return blocks
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        rid = request.request_id
+        if request.params.prompt_logprobs is not None:  # it computes every prompt position
+            return 0
+        first = num_computed_tokens // self.bs
+        found = self._found.get(rid)
+        if found is not None and found[0] == first:  # looked up before (its blocks did not fit then)
+            return len(found[1]) * self.bs
+        self._found.pop(rid, None)
+        keys = self.prompt_keys(request)
+        end = (request.num_prompt_tokens - 1) // self.bs  # the last prompt token is always computed
+        if end <= first:
+            return 0
+        start, blocks = time.perf_counter(), []
+        for i in range(first, end):
+            block = self._read(request, keys, i)
+            if block is None:
+                break
+            blocks.append(block)
+        for i in reversed(range(first, first + len(blocks))):  # the head most recently used: evicted last
+            try:
+                os.utime(block_path(self.directory, keys[i]))
+            except OSError:
+                pass
+        s = self.disk_stats
+        s.queries += request.num_prompt_tokens - num_computed_tokens
+        if len(blocks) * self.bs < self.min_load_tokens:
+            s.recomputes += bool(blocks)
+            self._found[rid] = (first, [])  # asked again while it waits for room: the same answer
+            return 0
+        s.hits += len(blocks) * self.bs
+        s.loads += 1
+        s.load_bytes += sum(t.numel() * t.element_size() for b in blocks for t in b)
+        s.load_seconds += time.perf_counter() - start
+        self._found[rid] = (first, blocks)
+        return len(blocks) * self.bs
+
+    def update_state_after_alloc(
+        self, request, blocks: BlockTable, num_computed_tokens: int, num_external_tokens: int
+    ) -> None:
+        found = self._found.pop(request.request_id, None)
+        if found is None or not num_external_tokens:
+            return
+        first, loaded = found
+        self._load.append(([list(t) for t in blocks], first, loaded))
+        self._loaded[request.request_id] = range(first, first + len(loaded))
+
+    def build_connector_meta(self, sched, requests) -> DiskTierMetadata | None:
+        meta = DiskTierMetadata(load=self._load)
+        self._load = []
+        for rid, num_new in sched.num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if (
+                request is None
+                or not request.num_computed_tokens < request.num_prompt_tokens <= request.num_computed_tokens + num_new
+            ):
+                continue
+            keys, loaded, bs = self.prompt_keys(request), self._loaded.get(rid, range(0)), self.bs
+            todo = [
+                (i, key, self._parent(keys, i), request.prompt_token_ids[i * bs : (i + 1) * bs])
+                for i, key in enumerate(keys)
+                if i not in loaded and key not in self._saving and not block_path(self.directory, key).exists()
+            ]
+            if todo:
+                meta.save.append(([list(t) for t in self.kv.block_ids(rid)], todo))
+                self._saving.update(key for _, key, _, _ in todo)
+        # while blocks are being written the worker half reports on them after every step
+        return meta if meta.load or meta.save or self._saving else None
+
+    def update_connector_output(self, output: DiskTierOutput | None):
+        if output is not None:
+            w, s = output.writer, self.disk_stats
+            self._saving.difference_update(w.written_keys)
+            s.saved_blocks, s.saved_bytes, s.write_seconds = w.blocks, w.bytes, w.seconds
+            s.dropped_blocks, s.evicted_blocks, s.errors, s.usage_bytes = w.dropped, w.evicted, w.errors, w.usage_bytes
+            s.save_seconds += output.copy_out_seconds
+            s.load_seconds += output.copy_in_seconds
+        return [], {}
+
+    def request_finished(self, request) -> bool:
+        rid = request.request_id
+        self._keys.pop(rid, None)
+        self._found.pop(rid, None)
+        self._loaded.pop(rid, None)
+        return False
+
+
+class DiskTierWorker(KVConnectorWorker):
+    """`tensors`: every cache tensor with the pool its blocks come from."""
+
+    def __init__(self, writer: BlockWriter, tensors: list[tuple[torch.Tensor, int]]) -> None:
+        self.writer, self.tensors = writer, tensors
+        self._copy_in = self._copy_out = 0.0
+        atexit.register(self.close)  # what is queued is written before the process ends
+
+    def start_load_kv(self, meta: DiskTierMetadata) -> None:
+        start = time.perf_counter()
+        for tables, first, blocks in meta.load:
+            for i, block in enumerate(blocks, first):
+                for (t, pool), saved in zip(self.tensors, block):
+                    t.select(BLOCK_DIM, tables[pool][i]).copy_(saved)
+        self._copy_in = time.perf_counter() - start if meta.load else 0.0
+
+    def wait_for_save(self, meta: DiskTierMetadata) -> None:
+        start = time.perf_counter()
+        for tables, todo in meta.save:
+            self.writer.put(
+                [
+                    StoredBlock(
+                        key,
+                        parent,
+                        tokens,
+                        [
+                            t.select(BLOCK_DIM, tables[pool][i]).to(
+                                "cpu", copy=True, memory_format=torch.contiguous_format
+                            )
+                            for t, pool in self.tensors
+                        ],
+                    )
+                    for i, key, parent, tokens in reversed(todo)  # the tail first: the head is the newest file
+                ]
+            )
+        self._copy_out = time.perf_counter() - start if meta.save else 0.0
+
+    def get_finished(self, idle: bool) -> DiskTierOutput:
+        if idle:  # the step ran nothing: the engine waits for writes to report, so wait for them here
+            self.writer.flush(timeout=0.05)
+        return DiskTierOutput(self.writer.report(), self._copy_in, self._copy_out)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _directory(config) -> Path:
+    directory = Path(config.cache.kv_cache_dir).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _capacity(config) -> int:
+    return int(config.cache.kv_disk_size_gib * (1 << 30))
+
+
+def disk_tier_scheduler(config, kv, executor) -> DiskTierScheduler:
+    """The scheduler half for `config.cache.kv_cache_dir`, over `executor`'s model and cache layout."""
+    if any(window is not None for window in executor.runner.kv_cache_config.pool_windows):
+        raise ValueError("--kv-cache-dir does not run with sliding-window models yet (their pools drop blocks)")
+    directory, layout = _directory(config), block_layout(cache_tensors(executor.runner))
+    namespace = tier_namespace(config, executor, layout, directory)
+    return DiskTierScheduler(directory, namespace, kv, layout, config.cache.kv_disk_min_load_tokens, _capacity(config))
+
+
+def disk_tier_worker(config, runner) -> DiskTierWorker:
+    return DiskTierWorker(BlockWriter(_directory(config), _capacity(config)), cache_tensors(runner))
