@@ -57,7 +57,7 @@ def _stall(p: ProbeResult) -> dict:
     against that stream's median gap."""
     start, end = p.long_sent_at, p.long_sent_at + p.long.ttft
     worst, typical = None, None
-    for s in _ok(p.streams):
+    for s in p.streams:  # stopped by the probe once the long prompt had its tokens: their timings still hold
         if s.ttft is None or not s.itl:
             continue
         t = s.start + s.ttft

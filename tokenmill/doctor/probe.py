@@ -5,7 +5,7 @@
    a prefix cache should serve);
 3. concurrency: `concurrency` short requests at once (queueing, the KV pool, --max-num-seqs);
 4. long prompt: two decoding streams, then a long prompt while they decode (how much its prefill
-   stalls them, and how fast a long prompt prefills).
+   stalls them, and how fast a long prompt prefills); the streams stop when it has its tokens.
 
 Prompts are words from a fixed list (about one token each in BPE vocabularies), sized from the
 server's context limit (`max_model_len` in /v1/models, 2048 when absent). Every request is bounded
@@ -132,16 +132,21 @@ async def _probe(endpoint: EndpointConfig, settings: ProbeSettings, limit: int, 
 
         async def long_prompt() -> None:
             streams = [RequestRecord() for _ in range(2)]
+            # long enough to decode through the whole prefill; stopped once the long prompt has its tokens
             tasks = [
-                asyncio.create_task(send_request(client, endpoint, words(short, rng), 2 * short_out, r, t0))
+                asyncio.create_task(send_request(client, endpoint, words(short, rng), 8 * short_out, r, t0))
                 for r in streams
             ]
             while not all(r.ttft is not None or r.error for r in streams) and not all(t.done() for t in tasks):
                 await asyncio.sleep(0.005)  # both decoding before the long prompt arrives
             result.long_sent_at = time.perf_counter() - t0
-            result.long = await send(words(long_words, rng), LONG_TOKENS)
-            await asyncio.gather(*tasks)
-            result.streams = streams
+            try:
+                result.long = await send(words(long_words, rng), LONG_TOKENS)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                result.streams = streams
 
         for name, work in (
             ("single", single),
