@@ -179,6 +179,31 @@ def test_random_workload(server, tmp_path):
     assert len({r.session for r in records}) == 8
 
 
+def test_price_server_cpu_and_the_roofline_line(server, tmp_path, monkeypatch):
+    """No --server-pid: the server's CPU comes from its /metrics; the roofline line sets the figures
+    against the hardware record `tokenmill plan` keeps (a fake one here) and the model's file."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    record = tmp_path / "tokenmill" / "hardware.json"
+    record.parent.mkdir()
+    hw = {"name": "fake", "kind": "cpu", "memory_bytes": 8e9, "bandwidth": 2e10, "flops": {"int8": 2e11}, "source": "t"}
+    record.write_text(json.dumps(hw))
+    url, _ = server
+    flags = ("--num-prompts", "4", "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos")
+    result = _bench(url, tmp_path, "priced", *flags, "--max-concurrency", "2", "--price-per-hour", "3.6")
+    s, cpu = result["summary"], result["utilization"]["server_cpu"]
+    assert result["cost"]["cost_per_hour"] == 3.6
+    assert result["cost"]["per_request"] == pytest.approx(3.6 * s["duration_s"] / 3600 / 4)
+    assert cpu["source"].startswith("the server's /metrics (front end") and cpu["cores_busy"] > 0
+    assert cpu["share_of_this_machine"] == pytest.approx(cpu["cores_busy"] / os.cpu_count())  # found by its port
+    roofline = result["roofline"]
+    assert roofline["hardware"] == "fake" and roofline["weight_format"] == "file"
+    decode = roofline["decode"]
+    assert decode["share"] == pytest.approx(decode["bytes_per_step"] / (s["tpot_ms"]["median"] / 1e3) / 2e10)
+    throughput = roofline["throughput"]
+    assert throughput["compute"] == "int8"
+    assert throughput["share"] == pytest.approx(s["total_token_throughput"] * throughput["flops_per_token"] / 2e11)
+
+
 def test_shared_prefix_workload_through_tokenmill_cli(server, tmp_path):
     """Through the top-level `tokenmill bench serve`, as a user would run it."""
     url, _ = server

@@ -190,6 +190,20 @@ def test_requests_that_can_never_fit_are_rejected(tiny):
     assert_pool_whole(core)
 
 
+def test_max_model_len_auto_and_a_length_the_pool_cannot_hold(tiny):
+    """`auto` takes the longest context one sequence's KV fits; an asked length past it is an error
+    (raised by `serve` and `LLM` at start) that names the flags to change."""
+    directory, _, loaded = tiny
+    auto = make_core(directory, num_blocks=8, loaded=loaded, max_model_len="auto")
+    assert auto.max_model_len == 8 * 16 and auto.max_model_len_error() is None
+    with pytest.raises(RequestRejected, match="exceeds the maximum context length of 128"):
+        auto.add_request(EngineCoreRequest("long", [1] * 120, SamplingParams(max_tokens=20)))
+    unfit = make_core(directory, num_blocks=8, loaded=loaded, max_model_len=512).max_model_len_error()
+    assert "--max-model-len 512 does not fit: the KV cache holds 128 tokens" in unfit
+    assert all(flag in unfit for flag in ("--kv-cache-memory", "--num-kv-blocks", "--kv-cache-dtype", "auto"))
+    assert make_core(directory, num_blocks=8, loaded=loaded, max_model_len=128).max_model_len_error() is None
+
+
 def test_a_rejection_names_its_field_and_kind(tiny):
     """The front end maps a rejection to its HTTP error by these fields, never by the message's text."""
     directory, _, loaded = tiny

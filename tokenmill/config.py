@@ -190,7 +190,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # defaults to the model's context length
+    max_model_len: int | str | None = None  # None: the model's context length; "auto": what the KV cache holds
     policy: str = "fcfs"  # or "priority": lower `priority` values run first
 
     def __post_init__(self) -> None:
@@ -200,8 +200,15 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len != "auto":
+            if not isinstance(self.max_model_len, int) or self.max_model_len <= 0:
+                raise ValueError(f"max_model_len must be a positive integer or 'auto', got {self.max_model_len!r}")
+
+    @property
+    def fixed_max_model_len(self) -> int | None:
+        """The asked length when it is a number (None: the model's own, or "auto": known once the KV
+        cache is sized)."""
+        return None if self.max_model_len == "auto" else self.max_model_len
 
 
 SPECULATIVE_METHODS = ("ngram", "medusa", "draft_model", "eagle3", "mtp", "deepseek_mtp")

@@ -63,7 +63,7 @@ class EngineArgs:
     quantization: str = "auto"
     quantization_group_size: int | None = None
     quantization_symmetric: bool | None = None
-    max_model_len: int | None = None
+    max_model_len: int | str | None = None  # "auto": the longest context the KV cache holds
     kv_cache_memory: float | None = None  # GiB (None: the device's default, `device_defaults`)
     gpu_memory_utilization: float | None = None
     num_kv_blocks: int | None = None
@@ -261,9 +261,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--max-model-len",
-        type=int,
+        type=_max_model_len,
         default=None,
-        help="longest prompt + output in tokens (default: the model's context length)",
+        metavar="TOKENS|auto",
+        help="longest prompt + output in tokens; auto = the longest one sequence's KV fits in the cache "
+        "(--kv-cache-memory / --num-kv-blocks, --kv-cache-dtype), at most the model's; a number larger "
+        "than the cache holds is a start-time error (default: the model's context length, requests "
+        "limited by the KV cache)",
     )
     c = parser.add_argument_group("KV cache and scheduling")
     c.add_argument(
@@ -483,6 +487,15 @@ def _kv_transfer(value: KVTransferConfig | dict | str | None) -> KVTransferConfi
     if value is None or isinstance(value, KVTransferConfig):
         return value
     return KVTransferConfig.from_args(None, value if isinstance(value, str) else json.dumps(value))
+
+
+def _max_model_len(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
 
 
 def _lora_modules(value: dict[str, str] | list[str] | None) -> dict[str, str]:

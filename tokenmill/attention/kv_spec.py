@@ -93,6 +93,17 @@ class KVCacheConfig:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def longest_context(self, model_max_len: int, max_num_batched_tokens: int) -> int:
+        """The largest context (up to `model_max_len`) for which one sequence's blocks fit these pools:
+        pool 0's tokens when any layer attends to the full context, the model's own length when every
+        layer is windowed and one sequence's window fits (`serve --max-model-len auto`)."""
+        window = self.pool_windows[0]
+        if window is not None and self.num_blocks >= window_pool_blocks(
+            window, self.block_size, 1, max_num_batched_tokens
+        ):
+            return model_max_len  # every layer windowed, and one sequence's window fits: any length does
+        return min(model_max_len, self.capacity_tokens)
+
     @property
     def tokens_per_gib(self) -> int:
         """Tokens of every layer's K/V that fit in 1 GiB."""

@@ -183,9 +183,18 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cost-per-hour",
+        "--price-per-hour",
         type=float,
         default=None,
         help="machine price in $/hour: report $ per 1M input tokens, per 1M output tokens, per request",
+    )
+    g.add_argument(
+        "--hardware",
+        default="cached",
+        help="the roofline line: each figure as a share of this machine's measured bandwidth (decode) or "
+        "compute (prefill, all tokens). cached = the record `tokenmill plan` measured here, if any; "
+        "auto = measure it now if missing; none; or a `tokenmill plan` hardware name for a server "
+        "elsewhere (default: %(default)s)",
     )
     g.add_argument("--result-file", default=None, help="write the full result (every request's timings) as JSON")
     g.add_argument("--plot-dir", default=None, help="write PNG charts here (default: next to --result-file, if given)")
@@ -419,12 +428,25 @@ def _write_outputs(result: dict, args: argparse.Namespace) -> None:
             console.print(f"plot: {path}")
 
 
+def _add_server_roofline(result: dict, args: argparse.Namespace) -> None:
+    """The roofline line of a server run: the model file and weight format from tokenmill's
+    /metrics (`engine_config_info`), else --tokenizer / --model as a tokenmill model name."""
+    from tokenmill.bench import prometheus
+    from tokenmill.bench.monitor import is_local
+    from tokenmill.bench.roofline import add_roofline
+
+    engine = prometheus.engine_info(prometheus.scrape(prometheus.metrics_url(args.base_url)) or [])
+    model = engine.get("model_path") or args.tokenizer or args.model
+    add_roofline(result, args.hardware, is_local(args.base_url), model, engine.get("quantization"), engine.get("dtype"))
+
+
 def cmd_serve(args: argparse.Namespace) -> dict:
     from tokenmill.bench.runner import run_serve
 
     _quiet_http_logs()
     endpoint = _endpoint(args)
     result = run_serve(endpoint, _run_options(args, _tokenizer(args)), server_pid=args.server_pid)
+    _add_server_roofline(result, args)
     _write_outputs(result, args)
     return result
 
@@ -447,6 +469,7 @@ def cmd_sweep(args: argparse.Namespace) -> dict:
         sweep_by,
         args.slo_attainment,
     )
+    _add_server_roofline(result, args)
     _write_outputs(result, args)
     return result
 
@@ -460,6 +483,9 @@ def cmd_offline(args: argparse.Namespace) -> dict:
     result = run_offline(
         engine, _run_options(args, tokenizer), chat=args.chat, temperature=args.temperature, ignore_eos=args.ignore_eos
     )
+    from tokenmill.bench.roofline import add_roofline
+
+    add_roofline(result, args.hardware, True, args.model, args.quantization, args.dtype)
     _write_outputs(result, args)
     return result
 

@@ -238,3 +238,11 @@ def spec_summary(before: dict, after: dict) -> dict | None:
         "mean_accepted_length": 1 + accepted / drafts if accepted is not None else None,
         "acceptance_per_position": [(pos_after[p] - pos_before.get(p, 0.0)) / drafts for p in sorted(pos_after)],
     }
+
+
+ENGINE_INFO = "tokenmill:engine_config_info"
+
+
+def engine_info(samples: list[Sample]) -> dict[str, str]:
+    """tokenmill's `engine_config_info` labels (its settings, model file, threads), {} for other servers."""
+    return next((dict(s.labels) for s in samples if s.name == ENGINE_INFO), {})

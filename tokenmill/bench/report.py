@@ -167,6 +167,22 @@ def run_table(result: dict) -> Table:
                 f"GPU {gpu['device']} util % mean / max",
                 f"{fmt(gpu['util_percent']['mean'], 0)} / {fmt(gpu['util_percent']['max'], 0)}",
             )
+    roofline = result.get("roofline") or {}
+    if roofline.get("none"):
+        section("roofline")
+        table.add_row("not computed", roofline["none"])
+    elif roofline:
+        section(f"roofline: {roofline['hardware']} ({roofline['weight_format']} weights)")
+        for row in roofline_rows(roofline):
+            table.add_row(*row)
+    cpu = util.get("server_cpu")
+    if cpu:
+        section("server CPU over the run")
+        share = (
+            f" ({pct(cpu['share_of_this_machine'])} of this machine's {cpu['cpu_count']})" if cpu["cpu_count"] else ""
+        )
+        table.add_row("cores busy", f"{fmt(cpu['cores_busy'], 2)}{share}")
+        table.add_row("measured from", cpu["source"])
     cost = result.get("cost")
     if cost:
         section(f"cost at ${cost['cost_per_hour']:g}/h")
@@ -174,6 +190,30 @@ def run_table(result: dict) -> Table:
         table.add_row("$ per 1M output tokens", fmt(cost["per_1m_output_tokens"], 4))
         table.add_row("$ per request", fmt(cost["per_request"], 6))
     return table
+
+
+def roofline_rows(r: dict) -> list[tuple[str, str]]:
+    """(figure, its share of the machine's roofline) lines of a result's `roofline`."""
+    rows = []
+    if r.get("decode"):
+        d = r["decode"]
+        rows.append(
+            (
+                f"decode (TPOT p50 at batch {d['batch']:.1f}): memory bandwidth",
+                f"{d['achieved_bytes_per_s'] / 1e9:,.3g} of {d['machine_bytes_per_s'] / 1e9:,.3g} GB/s = {pct(d['share'])}",
+            )
+        )
+    for key, name in (("prefill", "prefill (mean prompt / TTFT p50)"), ("throughput", "all tokens of the run")):
+        if r.get(key):
+            c = r[key]
+            rows.append(
+                (
+                    f"{name}: {c['compute']} compute",
+                    f"{c['achieved_flops_per_s'] / 1e9:,.1f} of {c['machine_flops_per_s'] / 1e9:,.1f} GFLOP/s "
+                    f"= {pct(c['share'])}",
+                )
+            )
+    return rows
 
 
 def latency_table(summary: dict) -> Table:

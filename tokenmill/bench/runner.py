@@ -20,7 +20,7 @@ from tokenmill.bench import prometheus
 from tokenmill.bench.client import EndpointConfig, LoadConfig, run_load
 from tokenmill.bench.datasets import BenchTokenizer, DatasetConfig, Session, build_sessions
 from tokenmill.bench.metrics import RequestRecord, cost_metrics, find_knee, summarize
-from tokenmill.bench.monitor import ResourceMonitor
+from tokenmill.bench.monitor import ResourceMonitor, local_server_pid
 
 logger = logging.getLogger(__name__)
 RESULT_FORMAT = 1
@@ -91,7 +91,8 @@ def run_serve(endpoint: EndpointConfig, opts: RunOptions, server_pid: int | None
             logger.warning("%d of %d warm-up requests failed: %s", len(failed), len(records), failed[0].error)
     url = prometheus.metrics_url(endpoint.base_url)
     before = _cache_stats(url, endpoint.model)
-    with ResourceMonitor(server_pid, url if before else None, model=endpoint.model) as monitor:
+    pid = server_pid or local_server_pid(endpoint.base_url)
+    with ResourceMonitor(pid, url if before else None, model=endpoint.model) as monitor:
         records, duration = asyncio.run(
             run_load(sessions, endpoint, opts.load, count, opts.progress, opts.label or "bench")
         )

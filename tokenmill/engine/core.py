@@ -81,9 +81,15 @@ class EngineCore:
         self.executor = executor
         self.model_config = executor.model_config
         self.eos_token_ids = set(eos_token_ids)
-        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         check_supported(config)  # before the executor builds the KV connector's worker half
         self.kv_cache_config = executor.initialize_kv_cache()
+        model_len = self.model_config.max_position_embeddings
+        asked = config.scheduler.max_model_len
+        self.max_model_len = (
+            self.kv_cache_config.longest_context(model_len, config.scheduler.max_num_batched_tokens)
+            if asked == "auto"
+            else asked or model_len
+        )
         kv_config = self.kv_cache_config
         self.kv = KVCacheCoordinator(
             [  # one manager per pool: windowed pools return blocks as they leave the window
@@ -158,6 +164,25 @@ class EngineCore:
     @property
     def capacity_tokens(self) -> int:
         return self.kv.capacity_tokens
+
+    def max_model_len_error(self) -> str | None:
+        """Why an asked max_model_len cannot be served, naming the settings to change: one sequence of
+        it does not fit the KV cache (None when it fits, or none was asked). The front ends (`serve`,
+        `LLM`) refuse to start on it; the core alone serves what fits and rejects longer requests."""
+        asked = self.config.scheduler.fixed_max_model_len
+        if asked is None:
+            return None
+        fits = self.kv_cache_config.longest_context(asked, self.config.scheduler.max_num_batched_tokens)
+        if fits >= asked:
+            return None
+        kv = self.kv_cache_config
+        return (
+            f"--max-model-len {asked} does not fit: the KV cache holds {fits} tokens of one sequence "
+            f"({kv.num_blocks} blocks of {kv.block_size} tokens, {kv.total_bytes / 2**30:.3g} GiB, "
+            f"{kv.bytes_per_token:,} bytes a token); give the cache more memory (--kv-cache-memory, "
+            "--num-kv-blocks), store it in fewer bytes (--kv-cache-dtype int8 or fp8), or ask for "
+            f"--max-model-len {fits} or auto"
+        )
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queue a request, or raise RequestRejected if it could never be served. The caller's

@@ -1,4 +1,5 @@
-"""The `tokenmill` command: info, generate, serve, router, disagg-proxy, bench, eval, plan, train-draft-head."""
+"""The `tokenmill` command: info, generate, serve, router, disagg-proxy, bench, eval, plan, doctor,
+train-draft-head."""
 
 from __future__ import annotations
 
@@ -221,6 +222,7 @@ OPTIONAL_COMMANDS = {
     "bench": ("tokenmill.bench.cli", "add_bench_parser"),
     "eval": ("tokenmill.eval.cli", "add_eval_parser"),
     "plan": ("tokenmill.plan.cli", "add_plan_parser"),
+    "doctor": ("tokenmill.doctor.cli", "add_doctor_parser"),
     "train-draft-head": ("tokenmill.tools.train_head", "add_train_head_parser"),
 }
 

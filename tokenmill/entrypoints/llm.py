@@ -33,6 +33,9 @@ class LLM:
             raise TypeError("LLM() takes engine_config or engine arguments, not both")
         config = engine_config or EngineArgs.from_kwargs("LLM()", model=model, **kwargs).create_engine_config()
         self.engine = LLMEngine(config)
+        unfit = self.engine.core.max_model_len_error()
+        if unfit:
+            raise ValueError(unfit)
         self._ids = itertools.count()
         # worker processes / Ray actors and the process group go when the LLM does, or at exit
         self._release = weakref.finalize(self, _release, self.engine)

@@ -80,7 +80,7 @@ def load_configured_model(config: EngineConfig) -> LoadedModel:
             config.model,
             config.dtype,
             config.device,
-            max_positions=config.scheduler.max_model_len,
+            max_positions=config.scheduler.fixed_max_model_len,
             quantization=config.quantization,
             group_size=config.quantization_group_size,
             symmetric=config.quantization_symmetric,

@@ -306,6 +306,7 @@ def _run(args: argparse.Namespace) -> int:
             return 1
         names = args.served_model_name or [info["model_name"]]
         metrics = ServerMetrics(names[0], log_requests=not args.disable_log_requests)
+        metrics.set_engine_info(config, info)
         client.metrics = metrics
         settings = ServerSettings(
             api_key=args.api_key or None,

@@ -67,9 +67,16 @@ def _ready_info(core, load_seconds: float) -> dict:
         "kv_cache_bytes": core.kv_cache_config.total_bytes,
         "load_seconds": load_seconds,
         "pid": os.getpid(),
+        "num_threads": _torch_threads(),
         "headless": cfg.headless,  # an embedding checkpoint: no generation
         "lora_modules": None if core.config.lora is None else dict(core.config.lora.modules),
     }
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def run_engine_core(config: EngineConfig, inputs, outputs, progress=None) -> None:
@@ -94,6 +101,9 @@ def run_engine_core(config: EngineConfig, inputs, outputs, progress=None) -> Non
         # loop nothing (xgrammar and the compile worker processes start on the compiler's own threads), so
         # neither the start nor the first plain requests share the CPU with them
         core = EngineCore(config, executor, set(eos_token_ids), tokenizer_data)
+        unfit = core.max_model_len_error()
+        if unfit:
+            raise ValueError(unfit)
         outputs.put(CoreReady(_ready_info(core, time.monotonic() - start)))
     except BaseException as e:  # noqa: BLE001 - report every load failure, then exit
         outputs.put(LoadFailed(f"{type(e).__name__}: {e}"))

@@ -9,16 +9,20 @@ tests) in one process never collide.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+import psutil
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the /metrics route)
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
+    Info,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from tokenmill.engine.output_processor import RequestOutput
 
@@ -201,12 +205,44 @@ class ServerMetrics:
             ["model_name"],
             registry=r,
         )
+        self.engine_info = Info(
+            "tokenmill:engine_config",
+            "The engine's settings and this machine's cores, for tools that diagnose a deployment (tokenmill doctor).",
+            labels,
+            registry=r,
+        )
+        r.register(_ServerCPU())
         self._model_name = model_name
         self._started: set[str] = set()  # requests whose prompt tokens were counted
         self._last_stats: dict = {}
         self._window_start = time.monotonic()
         self._window_prompt = self._window_gen = 0
         self.stats: dict = {}
+
+    def set_engine_info(self, config, ready: dict) -> None:
+        """`tokenmill:engine_config_info`: the settings a diagnosis turns on (`config`: the
+        `EngineConfig`; `ready`: the core's ready info: its KV pool, threads, model file)."""
+        spec = config.speculative
+        values = {
+            "model_path": ready["model_path"],
+            "device": ready["device"],
+            "dtype": ready["dtype"],
+            "quantization": config.quantization,
+            "max_model_len": ready["max_model_len"],
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
+            "kv_cache_dtype": config.cache.cache_dtype,
+            "kv_cache_bytes": ready["kv_cache_bytes"],
+            "block_size": ready["block_size"],
+            "num_kv_blocks": ready["num_blocks"],
+            "capacity_tokens": ready["capacity_tokens"],
+            "speculative": spec.method if spec is not None else "off",
+            "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            "engine_threads": ready.get("num_threads", 0) * config.parallel.world_size,
+            "cpu_count": os.cpu_count() or 0,
+        }
+        self.engine_info.labels(self._model_name).info({k: str(v) for k, v in values.items()})
 
     # ---- engine events (called on the event loop by the EngineClient) ---------------------------
 
@@ -363,3 +399,27 @@ class ServerMetrics:
                 s.get("num_preemptions", 0),
             )
         self._window_start, self._window_prompt, self._window_gen = now, 0, 0
+
+
+class _ServerCPU:
+    """`tokenmill:server_cpu_seconds_total`: CPU seconds of the server's processes (this front end,
+    the engine core and its workers), read when /metrics is scraped; its rate over a window is the
+    cores the deployment keeps busy (a process's own `process_cpu_seconds_total` misses the core)."""
+
+    def __init__(self) -> None:
+        self.root = psutil.Process()
+
+    def collect(self):
+        seconds = 0.0
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:
+            procs = [self.root]
+        for p in procs:
+            try:
+                seconds += sum(p.cpu_times()[:2])
+            except psutil.Error:  # gone while we looked
+                continue
+        yield CounterMetricFamily(
+            "tokenmill:server_cpu_seconds", "CPU seconds of the server: front end, engine core and workers.", seconds
+        )

@@ -56,7 +56,7 @@ class DraftModelDrafter(Drafter):
             c.model,
             c.dtype,
             c.device,
-            max_positions=c.scheduler.max_model_len,
+            max_positions=c.scheduler.fixed_max_model_len,
             quantization=c.quantization,
             group_size=c.quantization_group_size,
             symmetric=c.quantization_symmetric,

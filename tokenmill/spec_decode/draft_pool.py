@@ -57,7 +57,7 @@ def draft_engine_config(config: EngineConfig, model: str | None) -> EngineConfig
     """The drafter's engine config: the target's, with its own small KV pool (room for the context of
     `disable_by_batch_size` requests), one process and no speculation."""
     spec = config.speculative
-    context = min(config.scheduler.max_model_len or DRAFT_CONTEXT_TOKENS, DRAFT_CONTEXT_TOKENS)
+    context = min(config.scheduler.fixed_max_model_len or DRAFT_CONTEXT_TOKENS, DRAFT_CONTEXT_TOKENS)
     blocks = spec.disable_by_batch_size * -(-context // config.cache.block_size) + spec.disable_by_batch_size
     return dataclasses.replace(
         config,
