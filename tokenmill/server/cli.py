@@ -110,6 +110,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         default=_DEFAULT_MAX_BODY,
         help="largest accepted request body in bytes; larger ones get HTTP 413 (default: %(default)s)",
     )
+    s.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=256,
+        help="/v1/responses kept in memory for previous_response_id, least recently used dropped first; each "
+        "holds its conversation's messages (default: %(default)s)",
+    )
     lg = p.add_argument_group("logging")
     lg.add_argument(
         "--log-level",
@@ -262,6 +269,8 @@ def _run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
         if args.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+        if args.max_stored_responses <= 0:
+            raise ValueError(f"--max-stored-responses must be positive, got {args.max_stored_responses}")
     except ValueError as e:
         print(f"tokenmill serve: error: {e}", file=sys.stderr)
         return 2
@@ -294,6 +303,7 @@ def _run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             log_interval=args.log_interval,
             reasoning_parser=args.reasoning_parser,
+            max_stored_responses=args.max_stored_responses,
             limits=limits,
         )
         app = build_app(client, metrics, names, settings)
