@@ -5,8 +5,10 @@ translation into a chat request, and Anthropic's error shape.
 (an assistant's earlier calls), `tool_result` (their results: chat `tool` messages, before the user's
 text) and `thinking` / `redacted_thinking` (earlier thinking: dropped, as chat drops an assistant's
 `reasoning_content`). Custom tools (`input_schema`), `tool_choice` auto / any / tool / none,
-`stop_sequences`, `thinking` ({"type": "enabled", "budget_tokens"}: the thinking budget, with
---reasoning-parser; enabled / disabled also set the template's `enable_thinking`). Errors name the
+`stop_sequences`, `output_config.format` (a JSON schema, through the structured-output engine),
+`thinking` ({"type": "enabled", "budget_tokens"}: the thinking budget, with --reasoning-parser;
+enabled / adaptive / disabled also set the template's `enable_thinking`). The SDK no longer sends
+`temperature` / `top_p` / `top_k`, but the API still takes them (`extra_body`). Errors name the
 Messages field (`messages[1].content[0].tool_use_id`, `tools[0].input_schema`, `stop_sequences`, ...).
 """
 
@@ -25,6 +27,8 @@ RENAMES = (
     (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
     (r"tools\[(\d+)\]\.function", r"tools[\1]"),
     (r"max_reasoning_tokens", "thinking.budget_tokens"),
+    (r"response_format\.json_schema\.schema", "output_config.format.schema"),
+    (r"response_format", "output_config.format"),
 )
 
 # HTTP status -> Anthropic's error type
@@ -97,8 +101,12 @@ class ToolChoice(_Body):
 
 
 class ThinkingConfig(_Body):
-    type: Literal["enabled", "disabled"]
-    budget_tokens: int | None = None
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = None  # "enabled" only
+
+
+class OutputConfig(_Body):
+    format: dict | None = None  # {"type": "json_schema", "schema": ...}
 
 
 class MessagesRequest(_Body):
@@ -113,6 +121,7 @@ class MessagesRequest(_Body):
     tools: list[dict] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
     stream: bool = False
     metadata: dict | None = None
 
@@ -142,10 +151,18 @@ class MessagesRequest(_Body):
         if choice is not None:
             body["tool_choice"] = _chat_tool_choice(choice)
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is not None:
+            if fmt.get("type") != "json_schema":
+                raise bad_request(
+                    f"output_config.format.type must be 'json_schema', got {str(fmt.get('type'))[:40]!r}",
+                    "output_config.format.type",
+                )
+            schema = {"schema": fmt["schema"]} if "schema" in fmt else {}
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", **schema}}
         if self.thinking is not None:
-            enabled = self.thinking.type == "enabled"
-            body["chat_template_kwargs"] = {"enable_thinking": enabled}
-            if enabled and reasoning_parser is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
+            if self.thinking.type == "enabled" and reasoning_parser is not None:
                 if self.thinking.budget_tokens is None:
                     raise bad_request("thinking.budget_tokens is required", "thinking.budget_tokens", "missing_field")
                 body["max_reasoning_tokens"] = self.thinking.budget_tokens
