@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # cluster of processes and no real model file. Every other module is an integration test (`make test`
 # runs both); a new module is one until it is listed here.
 UNIT_MODULES = {
+    "test_api_conversions",
     "test_engine",
     "test_eval_tasks",
     "test_import_layers",

@@ -179,21 +179,25 @@ def build_app(
     async def responses(request: Request) -> Response:
         return await generate(request, ResponsesRequest, lambda *args: create_response(*args, store=stored_responses))
 
-    async def in_anthropic_shape(answer) -> Response:
+    async def in_anthropic_shape(request: Request, answer) -> Response:
         """The Messages API's errors in Anthropic's shape ({"type": "error", "error": {...}})."""
         try:
             return await answer
         except APIError as e:
             return JSONResponse(anthropic_error(e), status_code=e.status, headers=e.headers)
+        except Exception:
+            logger.exception("unhandled error in %s %s", request.method, request.url.path)
+            error = APIError(500, "internal server error (see the server log)", "internal_server_error")
+            return JSONResponse(anthropic_error(error), status_code=500)
 
     @app.post("/v1/messages", openapi_extra=_body(MessagesRequest), summary="Messages (Anthropic)")
     async def messages(request: Request) -> Response:
-        return await in_anthropic_shape(generate(request, MessagesRequest, create_message))
+        return await in_anthropic_shape(request, generate(request, MessagesRequest, create_message))
 
     @app.post("/v1/messages/count_tokens", openapi_extra=_body(MessagesRequest), summary="Count tokens (Anthropic)")
     async def count_tokens(request: Request) -> Response:
         return await in_anthropic_shape(
-            generate(request, MessagesRequest, lambda ctx, req, *_: count_message_tokens(ctx, req))
+            request, generate(request, MessagesRequest, lambda ctx, req, *_: count_message_tokens(ctx, req))
         )
 
     @app.post("/reset_prefix_cache")

@@ -101,8 +101,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument(
         "--api-key",
         default=os.environ.get("TOKENMILL_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every /v1 route (default: $TOKENMILL_API_KEY; "
-        "unset means no authentication)",
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every /v1 route (default: "
+        "$TOKENMILL_API_KEY; unset means no authentication)",
     )
     s.add_argument(
         "--max-body-bytes",

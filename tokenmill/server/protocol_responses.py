@@ -28,7 +28,7 @@ RENAMES = (
 )
 
 
-class TextPart(_Body):
+class ResponseTextPart(_Body):
     type: Literal["input_text", "output_text"]
     text: str
 
@@ -186,7 +186,7 @@ def _text(content: str | list[dict], path: str) -> str:
                 f"{path}[{j}].type",
                 "unsupported",
             )
-    return "".join(parse_part(TextPart, part, f"{path}[{j}]").text for j, part in enumerate(content))
+    return "".join(parse_part(ResponseTextPart, part, f"{path}[{j}]").text for j, part in enumerate(content))
 
 
 def _chat_tool(raw, i: int) -> dict:
