@@ -2,9 +2,10 @@
 in order: what the Responses API's output items and the Messages API's content blocks both are.
 
 The chat path's `ChatOutputParser` splits the output into message deltas (reasoning, content, tool
-calls); `OutputBlocks` turns those into block events. `stream_blocks` runs a request's stream through
-both; `whole_output` runs a finished output through the same two, so the Responses and Messages APIs
-build their full responses from the very events they stream.
+calls); `OutputBlocks` turns those into block events. `ChatRun` submits an API's request as a chat
+request and gives its output as block events, streamed (`events`) or once finished (`whole`: the same
+events from the whole text), so the Responses and Messages APIs build their full responses from the
+very events they stream.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tokenmill.engine.output_processor import CompletionOutput
+from starlette.requests import Request
+
+from tokenmill.server.protocol import APIError, ChatCompletionRequest, renamed
 from tokenmill.server.request_stream import RequestStream
-from tokenmill.server.serving_chat import ChatOutputParser
+from tokenmill.server.serving import ServingContext, engine_error
+from tokenmill.server.serving_chat import ChatOutputParser, ChatPlan, final_output, reasoning_tokens, start_chat
 
 
 @dataclass
@@ -90,29 +94,64 @@ class OutputBlocks:
         events.append(BlockEvent("delta", self._open, text))
 
 
-async def stream_blocks(
-    parser: ChatOutputParser, stream: RequestStream, totals: OutputTotals
-) -> AsyncIterator[BlockEvent]:
-    """A one-sample request's output as block events; `totals` is complete before the last block's
-    "stop" (the engine's errors pass through)."""
-    blocks = OutputBlocks()
-    async for out in stream:
-        totals.cached_tokens = out.num_cached_tokens
-        for d in out.deltas:
-            totals.token_ids += d.token_ids
-            finished = d.finish_reason is not None
-            events = blocks.feed(parser.feed(d.text, finished)) if d.text or finished else []
-            if finished:
-                totals.finish(parser, d.finish_reason, d.stop_reason)
-                events += blocks.close(final=True)
-            for event in events:
-                yield event
+@dataclass
+class ChatRun:
+    """An API's request submitted as a chat request (one sample); the chat path's errors are renamed
+    to that API's fields (`renames`, see `protocol.renamed`)."""
 
+    ctx: ServingContext
+    stream: RequestStream
+    plan: ChatPlan
+    parser: ChatOutputParser
+    totals: OutputTotals
+    renames: tuple[tuple[str, str], ...]
 
-def whole_output(parser: ChatOutputParser, output: CompletionOutput, totals: OutputTotals) -> list[BlockEvent]:
-    """A finished output's block events, as `stream_blocks` gives them."""
-    blocks = OutputBlocks()
-    totals.token_ids = list(output.token_ids)
-    events = blocks.feed(parser.feed(output.text, finished=True))
-    totals.finish(parser, output.finish_reason, output.stop_reason)
-    return events + blocks.close(final=True)
+    @classmethod
+    async def start(
+        cls, ctx: ServingContext, chat: ChatCompletionRequest, request_id: str, arrival: float, renames
+    ) -> ChatRun:
+        try:
+            stream, plan, ids = await start_chat(ctx, chat, request_id, arrival)
+        except APIError as e:
+            raise renamed(e, renames) from None
+        parser = ChatOutputParser(ctx, plan, chat.parallel_tool_calls)
+        return cls(ctx, stream, plan, parser, OutputTotals(len(ids)), renames)
+
+    async def events(self) -> AsyncIterator[BlockEvent]:
+        """The output as block events while it is made; `totals` is complete before the last block's
+        "stop". The engine's errors pass through (`error` gives the API's)."""
+        blocks = OutputBlocks()
+        async for out in self.stream:
+            self.totals.cached_tokens = out.num_cached_tokens
+            for d in out.deltas:
+                self.totals.token_ids += d.token_ids
+                finished = d.finish_reason is not None
+                events = blocks.feed(self.parser.feed(d.text, finished)) if d.text or finished else []
+                if finished:
+                    self.totals.finish(self.parser, d.finish_reason, d.stop_reason)
+                    events += blocks.close(final=True)
+                for event in events:
+                    yield event
+
+    async def whole(self, request: Request) -> list[BlockEvent] | None:
+        """The finished output's block events, as `events` gives them; None if the client went away."""
+        try:
+            final = await final_output(request, self.stream, self.plan)
+        except APIError as e:
+            raise renamed(e, self.renames) from None
+        if final is None:
+            return None
+        output = final.outputs[0]
+        self.totals.cached_tokens = final.num_cached_tokens
+        self.totals.token_ids = list(output.token_ids)
+        blocks = OutputBlocks()
+        events = blocks.feed(self.parser.feed(output.text, finished=True))
+        self.totals.finish(self.parser, output.finish_reason, output.stop_reason)
+        return events + blocks.close(final=True)
+
+    def error(self, e: Exception) -> APIError:
+        """The API's error for an engine failure during a stream."""
+        return renamed(engine_error(e, self.plan.structured_param), self.renames)
+
+    def reasoning_tokens(self) -> int:
+        return reasoning_tokens(self.ctx, self.plan, [self.totals.token_ids]) or 0

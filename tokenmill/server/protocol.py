@@ -521,8 +521,9 @@ def _to_api_error(e: ValidationError, prefix: str = "") -> APIError:
         return bad_request(f"the request body is not valid JSON: {err['msg']}", None, "invalid_json")
     if kind == "model_type" and not err["loc"] and not prefix:
         return bad_request("the request body must be a JSON object", None, "invalid_json")
-    local = _field_path(err["loc"])
-    path = local if not prefix else prefix if local == "body" else prefix + ("" if local[0] == "[" else ".") + local
+    local = path = _field_path(err["loc"])
+    if prefix:  # a part of the body: its path under the part's
+        path = prefix if local == "body" else prefix + ("" if local[0] == "[" else ".") + local
     if kind == "missing":
         return bad_request(f"{path} is required", path, "missing_field")
     last = next((p for p in reversed(path.replace("]", "").replace("[", ".").split(".")) if not p.isdigit()), path)

@@ -16,12 +16,11 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.server.output_blocks import BlockEvent, OutputTotals, stream_blocks, whole_output
+from tokenmill.server.output_blocks import BlockEvent, ChatRun, OutputTotals
 from tokenmill.server.protocol import APIError, renamed
 from tokenmill.server.protocol_anthropic import RENAMES, MessagesRequest, anthropic_error
-from tokenmill.server.request_stream import RequestStream
-from tokenmill.server.serving import ENGINE_ERRORS, ServingContext, engine_error
-from tokenmill.server.serving_chat import ChatOutputParser, ChatPlan, final_output, prepare_chat, start_chat
+from tokenmill.server.serving import ENGINE_ERRORS, ServingContext
+from tokenmill.server.serving_chat import prepare_chat
 from tokenmill.server.streaming import SSEResponse, sse
 
 
@@ -29,25 +28,16 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request: Req
     chat = req.chat_request(ctx.reasoning_parser)
     model = ctx.check_model(req.model)
     message_id = f"msg_{uuid.uuid4().hex}"
-    try:
-        stream, plan, ids = await start_chat(ctx, chat, message_id, arrival)
-    except APIError as e:
-        raise renamed(e, RENAMES) from None
-    builder = MessageBuilder(message_id, model, len(ids))
-    totals = OutputTotals(len(ids))
-    parser = ChatOutputParser(ctx, plan, chat.parallel_tool_calls)
+    run = await ChatRun.start(ctx, chat, message_id, arrival, RENAMES)
+    builder = MessageBuilder(message_id, model, run.totals.prompt_tokens)
     if req.stream:
-        return SSEResponse(_stream(plan, stream, parser, builder, totals), on_close=stream.close)
-    try:
-        final = await final_output(request, stream, plan)
-    except APIError as e:
-        raise renamed(e, RENAMES) from None
-    if final is None:
+        return SSEResponse(_stream(run, builder), on_close=run.stream.close)
+    events = await run.whole(request)
+    if events is None:
         return Response(status_code=499)
-    totals.cached_tokens = final.num_cached_tokens
-    for event in whole_output(parser, final.outputs[0], totals):
+    for event in events:
         builder.on_block(event)
-    builder.finish(totals)
+    builder.finish(run.totals)
     return JSONResponse(builder.message)
 
 
@@ -62,20 +52,18 @@ async def count_message_tokens(ctx: ServingContext, req: MessagesRequest) -> Res
     return JSONResponse({"input_tokens": len(ids)})
 
 
-async def _stream(
-    plan: ChatPlan, stream: RequestStream, parser: ChatOutputParser, builder: MessageBuilder, totals: OutputTotals
-):
+async def _stream(run: ChatRun, builder: MessageBuilder):
     try:
         yield _sse(builder.start())
-        async for block_event in stream_blocks(parser, stream, totals):
+        async for block_event in run.events():
             for event in builder.on_block(block_event):
                 yield _sse(event)
-        for event in builder.finish(totals):
+        for event in builder.finish(run.totals):
             yield _sse(event)
     except ENGINE_ERRORS as e:
-        yield _sse(anthropic_error(renamed(engine_error(e, plan.structured_param), RENAMES)))
+        yield _sse(anthropic_error(run.error(e)))
     finally:
-        stream.close()
+        run.stream.close()
 
 
 def _sse(event: dict) -> str:

@@ -21,12 +21,10 @@ from collections import OrderedDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.server.output_blocks import Block, BlockEvent, OutputTotals, stream_blocks, whole_output
-from tokenmill.server.protocol import APIError, bad_request, renamed
+from tokenmill.server.output_blocks import Block, BlockEvent, ChatRun, OutputTotals
+from tokenmill.server.protocol import APIError, bad_request
 from tokenmill.server.protocol_responses import RENAMES, ResponsesRequest
-from tokenmill.server.request_stream import RequestStream
-from tokenmill.server.serving import ENGINE_ERRORS, ServingContext, engine_error
-from tokenmill.server.serving_chat import ChatOutputParser, ChatPlan, final_output, reasoning_tokens, start_chat
+from tokenmill.server.serving import ENGINE_ERRORS, ServingContext
 from tokenmill.server.streaming import SSEResponse, sse
 
 
@@ -66,57 +64,39 @@ async def create_response(
     chat = req.chat_request(conversation)
     model = ctx.check_model(req.model)
     response_id = f"resp_{uuid.uuid4().hex}"
-    try:
-        stream, plan, ids = await start_chat(ctx, chat, response_id, arrival)
-    except APIError as e:
-        raise renamed(e, RENAMES) from None
+    run = await ChatRun.start(ctx, chat, response_id, arrival, RENAMES)
     builder = ResponseBuilder(_response_object(req, response_id, model))
-    totals = OutputTotals(len(ids))
-    parser = ChatOutputParser(ctx, plan, req.parallel_tool_calls)
     remember = (lambda: store.put(response_id, conversation + [builder.assistant_message()])) if req.store else None
     if req.stream:
-        events = _stream(ctx, plan, stream, parser, builder, totals, remember)
-        return SSEResponse(events, on_close=stream.close)
-    try:
-        final = await final_output(request, stream, plan)
-    except APIError as e:
-        raise renamed(e, RENAMES) from None
-    if final is None:
+        return SSEResponse(_stream(run, builder, remember), on_close=run.stream.close)
+    events = await run.whole(request)
+    if events is None:
         return Response(status_code=499)
-    totals.cached_tokens = final.num_cached_tokens
     builder.start()
-    for event in whole_output(parser, final.outputs[0], totals):
-        builder.on_block(event, totals)
-    builder.finish(totals, reasoning_tokens(ctx, plan, [totals.token_ids]))
+    for event in events:
+        builder.on_block(event, run.totals)
+    builder.finish(run.totals, run.reasoning_tokens())
     if remember is not None:
         remember()
     return JSONResponse(builder.response)
 
 
-async def _stream(
-    ctx: ServingContext,
-    plan: ChatPlan,
-    stream: RequestStream,
-    parser: ChatOutputParser,
-    builder: ResponseBuilder,
-    totals: OutputTotals,
-    remember,
-):
+async def _stream(run: ChatRun, builder: ResponseBuilder, remember):
     try:
         for event in builder.start():
             yield sse(event, event["type"])
-        async for block_event in stream_blocks(parser, stream, totals):
-            for event in builder.on_block(block_event, totals):
+        async for block_event in run.events():
+            for event in builder.on_block(block_event, run.totals):
                 yield sse(event, event["type"])
-        for event in builder.finish(totals, reasoning_tokens(ctx, plan, [totals.token_ids])):
+        for event in builder.finish(run.totals, run.reasoning_tokens()):
             yield sse(event, event["type"])
         if remember is not None:
             remember()
     except ENGINE_ERRORS as e:
-        for event in builder.fail(renamed(engine_error(e, plan.structured_param), RENAMES)):
+        for event in builder.fail(run.error(e)):
             yield sse(event, event["type"])
     finally:
-        stream.close()
+        run.stream.close()
 
 
 class ResponseBuilder:
@@ -174,7 +154,7 @@ class ResponseBuilder:
             ]
         return events + [self._event("response.output_item.done", **where, item=item)]
 
-    def finish(self, totals: OutputTotals, reasoning: int | None) -> list[dict]:
+    def finish(self, totals: OutputTotals, reasoning: int) -> list[dict]:
         completion = len(totals.token_ids)
         incomplete = totals.finish_reason == "length"
         self.response.update(
@@ -185,7 +165,7 @@ class ResponseBuilder:
                 "input_tokens": totals.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": totals.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": completion,
-                "output_tokens_details": {"reasoning_tokens": reasoning or 0},
+                "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": totals.prompt_tokens + completion,
             },
         )
