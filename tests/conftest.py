@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # runs both); a new module is one until it is listed here.
 UNIT_MODULES = {
     "test_doctor_units",
+    "test_api_conversions",
     "test_engine",
     "test_embeddings",
     "test_eval_tasks",

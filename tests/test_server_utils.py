@@ -155,3 +155,16 @@ def sse_events(response: httpx.Response) -> list[str]:
         else:
             assert line == "", f"unexpected SSE line {line!r}"
     return events
+
+
+def wait_pool_whole(url: str, timeout: float = 30) -> None:
+    """Wait until every KV block of the server at `url` is back in its free pool (aborts are processed
+    at the core's next step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metric_values(url)
+        if m["tokenmill:num_free_kv_blocks"] == m["tokenmill:num_kv_blocks"]:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"KV blocks not all free after {timeout} s: {m['tokenmill:num_free_kv_blocks']} free")
+        time.sleep(0.1)

@@ -36,12 +36,16 @@ from tokenmill.server.protocol import (
     bad_request,
     parse_body,
 )
+from tokenmill.server.protocol_anthropic import MessagesRequest, anthropic_error
+from tokenmill.server.protocol_responses import ResponsesRequest
 from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.serving import ServingContext, engine_error
 from tokenmill.server.serving_chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.serving_completions import create_completion
 from tokenmill.server.serving_embeddings import create_embedding
 from tokenmill.server.serving_lora import update_lora
+from tokenmill.server.serving_messages import count_message_tokens, create_message
+from tokenmill.server.serving_responses import ResponseStore, create_response
 from tokenmill.server.ui.stats import UIStats, window_param
 
 logger = logging.getLogger("tokenmill.server")
@@ -53,6 +57,7 @@ class ServerSettings:
     max_body_bytes: int = 8 * 2**20
     log_interval: float = 10.0  # seconds between throughput lines; 0 disables
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think> output into reasoning_content
+    max_stored_responses: int = 256  # /v1/responses kept for previous_response_id (least recently used dropped)
     limits: RequestLimits = field(default_factory=RequestLimits)
     ui: bool = True  # the web page at / and its numbers at /ui/stats
     price_per_hour: float | None = None  # the machine's price: the page's cost per million tokens
@@ -74,6 +79,7 @@ def build_app(
         info.get("lora_modules"),
     )
     created = int(time.time())
+    stored_responses = ResponseStore(settings.max_stored_responses)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,15 +114,16 @@ def build_app(
     # ---- helpers ---------------------------------------------------------------------------------
 
     def check_api_key(request: Request) -> None:
+        """'Authorization: Bearer KEY' (OpenAI's clients) or 'x-api-key: KEY' (Anthropic's)."""
         if settings.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.api_key.encode())
-        if not ok:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
             raise APIError(
                 401,
-                "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                 "authentication_error",
                 None,
                 "invalid_api_key",
@@ -202,6 +209,30 @@ def build_app(
     @app.post("/v1/unload_lora_adapter", openapi_extra=_body(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(request: Request) -> Response:
         return await generate(request, UnloadLoRAAdapterRequest, update_lora)
+    @app.post("/v1/responses", openapi_extra=_body(ResponsesRequest), summary="Responses (OpenAI)")
+    async def responses(request: Request) -> Response:
+        return await generate(request, ResponsesRequest, lambda *args: create_response(*args, store=stored_responses))
+
+    async def in_anthropic_shape(request: Request, answer) -> Response:
+        """The Messages API's errors in Anthropic's shape ({"type": "error", "error": {...}})."""
+        try:
+            return await answer
+        except APIError as e:
+            return JSONResponse(anthropic_error(e), status_code=e.status, headers=e.headers)
+        except Exception:
+            logger.exception("unhandled error in %s %s", request.method, request.url.path)
+            error = APIError(500, "internal server error (see the server log)", "internal_server_error")
+            return JSONResponse(anthropic_error(error), status_code=500)
+
+    @app.post("/v1/messages", openapi_extra=_body(MessagesRequest), summary="Messages (Anthropic)")
+    async def messages(request: Request) -> Response:
+        return await in_anthropic_shape(request, generate(request, MessagesRequest, create_message))
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_body(MessagesRequest), summary="Count tokens (Anthropic)")
+    async def count_tokens(request: Request) -> Response:
+        return await in_anthropic_shape(
+            request, generate(request, MessagesRequest, lambda ctx, req, *_: count_message_tokens(ctx, req))
+        )
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
@@ -255,6 +286,10 @@ _BODIES = (
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
+    ResponsesRequest,
+    MessagesRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
 )
 
 

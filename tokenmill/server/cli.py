@@ -102,8 +102,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument(
         "--api-key",
         default=os.environ.get("TOKENMILL_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every /v1 route (default: $TOKENMILL_API_KEY; "
-        "unset means no authentication)",
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every /v1 route (default: "
+        "$TOKENMILL_API_KEY; unset means no authentication)",
     )
     s.add_argument(
         "--max-body-bytes",
@@ -125,6 +125,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="what the machine costs per hour: the web page's dashboard shows the cost per million input "
         "and output tokens from it (with --data-parallel-size N, each replica is charged 1/N) "
         "(default: no cost shown)",
+    )
+    s.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=256,
+        help="/v1/responses kept in memory for previous_response_id, least recently used dropped first; each "
+        "holds its conversation's messages (default: %(default)s)",
     )
     lg = p.add_argument_group("logging")
     lg.add_argument(
@@ -280,6 +287,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
         if args.price_per_hour is not None and not args.price_per_hour >= 0:
             raise ValueError(f"--price-per-hour must be >= 0, got {args.price_per_hour}")
+        if args.max_stored_responses <= 0:
+            raise ValueError(f"--max-stored-responses must be positive, got {args.max_stored_responses}")
     except ValueError as e:
         print(f"tokenmill serve: error: {e}", file=sys.stderr)
         return 2
@@ -313,6 +322,7 @@ def _run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             log_interval=args.log_interval,
             reasoning_parser=args.reasoning_parser,
+            max_stored_responses=args.max_stored_responses,
             limits=limits,
             ui=args.ui,
             price_per_hour=args.price_per_hour,

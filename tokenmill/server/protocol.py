@@ -510,18 +510,42 @@ def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
         raise _to_api_error(e) from None
 
 
-def _to_api_error(e: ValidationError) -> APIError:
+def parse_part(model: type[BaseModel], data, path: str) -> BaseModel:
+    """Validate one part of a parsed body (e.g. an item of a list whose `type` says which model it is);
+    a 400 naming the field under `path`."""
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as e:
+        raise _to_api_error(e, path) from None
+
+
+def renamed(e: APIError, renames: tuple[tuple[str, str], ...]) -> APIError:
+    """`e` with the chat field it names (param, and in the message) written as another API calls it:
+    `renames` are (regex matching the start of a chat field name, its replacement); the first wins."""
+    for pattern, replacement in renames:
+        m = re.match(pattern, e.param or "")
+        if m:
+            old, new = m.group(0), m.expand(replacement)
+            e.param = new + e.param[len(old) :]
+            e.message = e.message.replace(old, new)
+            break
+    return e
+
+
+def _to_api_error(e: ValidationError, prefix: str = "") -> APIError:
     err = e.errors(include_url=False)[0]
     kind = err["type"]
     if kind == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {err['msg']}", None, "invalid_json")
-    if kind == "model_type" and not err["loc"]:
+    if kind == "model_type" and not err["loc"] and not prefix:
         return bad_request("the request body must be a JSON object", None, "invalid_json")
-    path = _field_path(err["loc"])
+    local = path = _field_path(err["loc"])
+    if prefix:  # a part of the body: its path under the part's
+        path = prefix if local == "body" else prefix + ("" if local[0] == "[" else ".") + local
     if kind == "missing":
         return bad_request(f"{path} is required", path, "missing_field")
     last = next((p for p in reversed(path.replace("]", "").replace("[", ".").split(".")) if not p.isdigit()), path)
-    message = _UNION_HINTS.get(last) if _is_union_error(e, path) else None
+    message = _UNION_HINTS.get(last) if _is_union_error(e, local) else None
     return bad_request(f"{path}: {message or err['msg']}" + _got(err), path)
 
 

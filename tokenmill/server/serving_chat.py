@@ -83,7 +83,7 @@ def template_error(e: Exception) -> str:
 
 
 @dataclasses.dataclass
-class _ChatPlan:
+class ChatPlan:
     """How one chat request is prompted, constrained and parsed."""
 
     tool_mode: str  # none | auto | required | named
@@ -97,7 +97,7 @@ class _ChatPlan:
 class ChatOutputParser:
     """One choice's output: text deltas -> message deltas (reasoning, content, tool calls)."""
 
-    def __init__(self, ctx: ServingContext, plan: _ChatPlan, parallel_tool_calls: bool) -> None:
+    def __init__(self, ctx: ServingContext, plan: ChatPlan, parallel_tool_calls: bool) -> None:
         self.reasoning = None
         if ctx.reasoning_parser is not None:
             self.reasoning = REASONING_PARSERS[ctx.reasoning_parser](plan.in_reasoning)
@@ -186,7 +186,7 @@ def _message(deltas: list[dict], with_reasoning: bool, with_tools: bool) -> dict
     return message
 
 
-async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[SamplingParams, list[int], _ChatPlan]:
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[SamplingParams, list[int], ChatPlan]:
     """Prompt ids, sampling parameters (with constraints) and the parsing plan of a chat request."""
     ctx.check_limits(req)
     if req.stream and req.prompt_logprobs is not None:
@@ -243,35 +243,24 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[Sam
             "max_reasoning_tokens needs a reasoning model: start the server with --reasoning-parser",
             "max_reasoning_tokens",
         )
-    return params, ids, _ChatPlan(mode, name, tools, in_reasoning, spec[1] if spec else None, end_ids)
+    return params, ids, ChatPlan(mode, name, tools, in_reasoning, spec[1] if spec else None, end_ids)
 
 
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, request: Request, arrival: float
 ) -> Response:
     model = ctx.check_model(req.model)
-    params, ids, plan = await _prepare(ctx, req)
-    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    params = ctx.fit_to_context(
-        len(ids), dataclasses.replace(params, lora_name=ctx.lora_of(model)), "messages", max_param
-    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = ctx.submit(request_id, None, ids, params, arrival, req.priority, req.cache_salt)
+    stream, plan, ids = await start_chat(ctx, req, request_id, arrival)
     top_n = req.top_logprobs or 0
-    await wait_started([stream], plan.structured_param)
     if req.stream:
         return SSEResponse(
             _stream(ctx, req, plan, request_id, model, created, len(ids), stream, top_n), on_close=stream.close
         )
-    try:
-        final = await run_until_disconnect(request, _last(stream))
-    except ClientDisconnected:
+    final = await final_output(request, stream, plan)
+    if final is None:
         return Response(status_code=499)
-    except ENGINE_ERRORS as e:
-        raise engine_error(e, plan.structured_param) from None
-    finally:
-        stream.close()
     choices = []
     for o in final.outputs:
         logprobs = None
@@ -306,17 +295,46 @@ async def create_chat_completion(
                 len(ids),
                 completion_tokens,
                 final.num_cached_tokens,
-                _reasoning_tokens(ctx, plan, [o.token_ids for o in final.outputs]),
+                reasoning_tokens(ctx, plan, [o.token_ids for o in final.outputs]),
             ),
         }
     )
 
 
-def _reasoning_tokens(ctx: ServingContext, plan: _ChatPlan, outputs: list[list[int]]) -> int | None:
+def reasoning_tokens(ctx: ServingContext, plan: ChatPlan, outputs: list[list[int]]) -> int | None:
     """completion_tokens_details.reasoning_tokens, with a reasoning parser (else None: not reported)."""
     if ctx.reasoning_parser is None:
         return None
     return sum(count_reasoning_tokens(ids, plan.reasoning_end_ids, plan.in_reasoning) for ids in outputs)
+
+
+async def start_chat(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, arrival: float
+) -> tuple[RequestStream, ChatPlan, list[int]]:
+    """Prepare a chat request and submit it: its stream (started, when constrained: a grammar the engine
+    refuses is still a 400 here), its plan and its prompt ids. The Responses and Messages APIs come
+    through here too, their requests turned into a `ChatCompletionRequest`."""
+    params, ids, plan = await prepare_chat(ctx, req)
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    params = ctx.fit_to_context(
+        len(ids), dataclasses.replace(params, lora_name=ctx.lora_of(req.model)), "messages", max_param
+    )
+    stream = ctx.submit(request_id, None, ids, params, arrival, req.priority, req.cache_salt)
+    await wait_started([stream], plan.structured_param)
+    return stream, plan, ids
+
+
+async def final_output(request: Request, stream: RequestStream, plan: ChatPlan):
+    """The request's last output once it finished; None if the client went away first (the request is
+    aborted: its stream is closed however this ends)."""
+    try:
+        return await run_until_disconnect(request, _last(stream))
+    except ClientDisconnected:
+        return None
+    except ENGINE_ERRORS as e:
+        raise engine_error(e, plan.structured_param) from None
+    finally:
+        stream.close()
 
 
 async def _last(stream: RequestStream):
@@ -329,7 +347,7 @@ async def _last(stream: RequestStream):
 async def _stream(
     ctx: ServingContext,
     req: ChatCompletionRequest,
-    plan: _ChatPlan,
+    plan: ChatPlan,
     request_id: str,
     model: str,
     created: int,
@@ -375,7 +393,7 @@ async def _stream(
                 dict(
                     base,
                     choices=[],
-                    usage=usage(num_prompt, completion_tokens, cached, _reasoning_tokens(ctx, plan, tokens)),
+                    usage=usage(num_prompt, completion_tokens, cached, reasoning_tokens(ctx, plan, tokens)),
                 )
             )
     except ENGINE_ERRORS as e:  # the same error as a non-streamed request gets (a dead-end grammar: a 400)

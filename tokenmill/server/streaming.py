@@ -34,9 +34,10 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-def sse(data: dict | str) -> str:
+def sse(data: dict | str, event: str | None = None) -> str:
+    """One SSE event; `event` names its type on an `event:` line (the Responses and Messages APIs)."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n"
+    return f"data: {payload}\n\n" if event is None else f"event: {event}\ndata: {payload}\n\n"
 
 
 def choice_chunk_builder(base: dict, include_usage: bool, content_key: str):
