@@ -141,6 +141,13 @@ class ServerMetrics:
             "kv_transfer_seconds",
             "Disaggregated prefill/decode: producer, time copying KV out; consumer, from asking for it until it is in.",
         )
+        self.step_failures = counter(
+            "step_failures", "Engine steps that raised (their requests are retried in halves to find the one at fault)."
+        )
+        self.requests_failed_isolated = counter(
+            "requests_failed_isolated",
+            "Requests found to make a step fail and finished with an error (the others in the step went on).",
+        )
         self.engine_restarts = counter("engine_restarts", "Times the engine core was restarted after it died or hung.")
         self.success = Counter(
             "tokenmill:request_success",
@@ -232,6 +239,8 @@ class ServerMetrics:
         self._inc_delta(self.kv_transfers, s, "kv_transfers")
         self._inc_delta(self.kv_transfer_bytes, s, "kv_transfer_bytes")
         self._inc_delta(self.kv_transfer_seconds, s, "kv_transfer_seconds")
+        self._inc_delta(self.step_failures, s, "step_failures")
+        self._inc_delta(self.requests_failed_isolated, s, "requests_failed_isolated")
         before = self._last_stats.get("spec_accepted_per_position") or []
         for pos, count in enumerate(s.get("spec_accepted_per_position") or []):
             delta = count - (before[pos] if pos < len(before) else 0)
