@@ -178,6 +178,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # defaults to the model's context length
     policy: str = "fcfs"  # or "priority": lower `priority` values run first
+    # a step's token budget shrinks below max_num_batched_tokens so that a step takes about this long at
+    # the measured per-token time (`engine/step_budget.py`); 0 turns it off
+    max_step_ms: float = 1000.0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -188,6 +191,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not isinstance(self.max_step_ms, (int, float)) or not 0 <= self.max_step_ms < float("inf"):
+            raise ValueError(f"max_step_ms must be a number >= 0 (0: no bound), got {self.max_step_ms!r}")
 
 
 SPECULATIVE_METHODS = ("ngram", "medusa", "draft_model", "eagle3", "mtp", "deepseek_mtp")

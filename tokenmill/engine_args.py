@@ -70,6 +70,7 @@ class EngineArgs:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    max_step_ms: float = 1000.0
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"
     grammar_timeout: float = 30.0
@@ -141,6 +142,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 policy=self.scheduling_policy,
+                max_step_ms=self.max_step_ms,
             ),
             kv_transfer=_kv_transfer(self.kv_transfer_config),
         )
@@ -249,6 +251,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_num_batched_tokens,
         help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)",
+    )
+    c.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=d.max_step_ms,
+        help="time one step should take at most: the step's token budget is lowered below "
+        "--max-num-batched-tokens (never under 32 tokens) to what the engine's measured time per token "
+        "fits in it, so a long prompt's chunk cannot hold up the running requests, or the blocks of an "
+        "aborted request, for longer; it never raises the budget, so on hardware fast enough "
+        "--max-num-batched-tokens alone decides, as in vLLM; 0 turns it off (default: %(default)s)",
     )
     c.add_argument(
         "--enable-prefix-caching",

@@ -335,6 +335,7 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - find the requests at fault, keep serving the rest
             return outputs + self._fail_step(sched, e)
         self._cleared(sched)
+        self.scheduler.step_budget.observe(sched.num_scheduled_tokens, time.perf_counter() - start)
         if sched.spec_token_ids:  # a step that verified drafts (and ran whatever else was scheduled)
             self.scheduler.spec_stats.verify_seconds += time.perf_counter() - start - output.draft_seconds
         outputs += self._connector_output(output.kv_connector_output)

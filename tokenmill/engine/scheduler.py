@@ -27,6 +27,7 @@ from tokenmill.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.request_queue import POLICIES
 from tokenmill.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.engine.step_budget import StepBudget
 from tokenmill.kv_transfer.base import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class Scheduler:
         self.only: set[str] | None = None
         self._stale: set[str] = set()  # in a failed step: the runner's state of them is rebuilt (`step_failed`)
         self.spec_stats = SpecDecodingStats()
+        # the token budget of a step: max_num_batched_tokens, lower where a step would take longer than
+        # max_step_ms (the core reports each step's time)
+        self.step_budget = StepBudget(config.max_step_ms, config.max_num_batched_tokens)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -99,7 +103,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
-        budget = self.config.max_num_batched_tokens
+        budget = self.step_budget.tokens
         now = time.monotonic()
         # (request, new tokens, blocks it had per pool, drafted tokens among the new ones)
         scheduled: list[tuple[Request, int, list[int], list[int]]] = []
