@@ -318,8 +318,8 @@ class EngineCore:
                 start = time.perf_counter()  # before submit: without a pipeline, submit runs the whole step
                 try:
                     self.executor.submit(sched)
-                except Exception as e:  # noqa: BLE001 - find the requests at fault, keep serving the rest
-                    return outputs + self._fail_step(sched, e)
+                except Exception:  # noqa: BLE001 - find the requests at fault, keep serving the rest
+                    return outputs + self._fail_step(sched)
                 self.scheduler.in_flight.update(sched.num_scheduled_tokens)
                 queue.append((sched, start))
                 if len(queue) < self.executor.max_concurrent_batches:
@@ -332,8 +332,8 @@ class EngineCore:
         self.scheduler.in_flight.difference_update(sched.num_scheduled_tokens)
         try:
             output = self.executor.collect()
-        except Exception as e:  # noqa: BLE001 - find the requests at fault, keep serving the rest
-            return outputs + self._fail_step(sched, e)
+        except Exception:  # noqa: BLE001 - find the requests at fault, keep serving the rest
+            return outputs + self._fail_step(sched)
         self._cleared(sched)
         self.scheduler.step_budget.observe(sched.num_scheduled_tokens, time.perf_counter() - start)
         if sched.spec_token_ids:  # a step that verified drafts (and ran whatever else was scheduled)
@@ -344,10 +344,10 @@ class EngineCore:
             self._propose(sched, output)
         return outputs + [self._output(u) for u in updates]
 
-    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
+    def _fail_step(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
         """A step raised. Nothing of it is committed (the scheduler rebuilds the runner's state of its
         requests from what it last committed: `Scheduler.step_failed`), and its requests are suspects:
-        one alone is at fault and finishes with an error; several are split in halves, each run alone
+        one alone is at fault and finishes with an error (internals stay in the log); several are split in halves, each run alone
         in a step of its own (`_isolate`) until a step of one request fails — that one is at fault —
         or a half runs and is cleared. The requests whose KV fetch the step was to start fail too."""
         self.num_step_failures += 1
@@ -358,23 +358,27 @@ class EngineCore:
         for group in self.suspects:
             group.difference_update(ran)
         if len(ran) > 1:
-            logger.error("a step of %d requests failed (%r); retrying them in halves", len(ran), error)
+            logger.exception("a step of %d requests failed; retrying them in halves to find the cause", len(ran))
             half = len(ran) // 2
             self.suspects[:0] = [set(ran[:half]), set(ran[half:])]
             ran = []
         elif ran:
             logger.exception("request %s failed the step it ran in alone; finishing it with an error", ran[0])
             self.num_requests_failed_isolated += 1
-        reason = f"the engine failed while running this request ({type(error).__name__}: {error})"
+        reason = "the engine failed on this request (it failed a step on its own; the cause is in the server log)"
         return [self._fail(rid, reason) for rid in ran + lost if rid in self.requests]
 
     def _isolate(self) -> None:
         """While failed steps are being bisected, only the first group of suspects still running is
         scheduled (no other request, none admitted)."""
+        self.scheduler.only = None
+        if not self.suspects:
+            return
         running = {r.request_id for r in self.scheduler.running}
         while self.suspects and not self.suspects[0] & running:
             self.suspects.pop(0)
-        self.scheduler.only = self.suspects[0] & running if self.suspects else None
+        if self.suspects:
+            self.scheduler.only = self.suspects[0] & running
 
     def _cleared(self, sched: SchedulerOutput) -> None:
         """The requests of a step that ran are no longer suspects."""
