@@ -11,18 +11,24 @@ from tokenmill.engine.step_budget import MIN_TOKENS, StepBudget
 from tokenmill.sampling_params import SamplingParams
 
 
-def test_the_budget_fits_the_measured_time_per_token_in_the_bound():
-    budget = StepBudget(max_step_ms=100, max_tokens=512)
+def _steps(budget: StepBudget, fixed: float, per_token: float, sizes=(4, 256), times: int = 40) -> None:
+    for i in range(times):
+        n = sizes[i % len(sizes)]
+        budget.observe({"a": n}, fixed + per_token * n)
+
+
+def test_the_budget_fits_the_measured_step_time_in_the_bound():
+    budget = StepBudget(max_step_ms=200, max_tokens=512)
     assert budget.tokens == 512  # nothing measured yet
-    budget.observe({"a": 256}, 0.512)  # 2 ms a token: 50 fit in 100 ms
-    assert budget.tokens == 50
-    budget.observe({"a": 1, "b": 1}, 10.0)  # decodes only: not what the bound is measured on
-    assert budget.tokens == 50
-    for _ in range(30):  # the machine got quiet: 0.1 ms a token
-        budget.observe({"a": 256}, 0.0256)
+    _steps(budget, fixed=0.05, per_token=0.002)  # decode steps and prefill chunks
+    fixed, per_token = budget.fit()
+    assert fixed == pytest.approx(0.05) and per_token == pytest.approx(0.002)
+    assert budget.tokens in (74, 75)  # (200 - 50) ms / 2 ms, rounded down
+    _steps(budget, fixed=0.01, per_token=0.0001)  # the machine got quiet
     assert budget.tokens == 512  # never above max_num_batched_tokens
-    for _ in range(30):  # very busy: 1 s a token
-        budget.observe({"a": 64}, 64.0)
+    _steps(budget, fixed=0.5, per_token=0.002)  # the fixed part alone is over the bound
+    assert budget.tokens in (249, 250)  # chunks no smaller than where the tokens' time equals the fixed part
+    _steps(budget, fixed=0.0, per_token=1.0)  # very busy
     assert budget.tokens == MIN_TOKENS  # every step still makes progress
 
 
@@ -39,18 +45,19 @@ def core(tmp_path_factory):
     return make_core(directory, max_num_batched_tokens=256)
 
 
-def test_slow_steps_get_smaller_chunks(core):
-    core.scheduler.step_budget.max_seconds = 1e-9  # any measured step is too slow: the floor
+def test_prefill_chunks_are_the_budget(core):
+    core.scheduler.step_budget.max_seconds = 1e-9  # every step is too slow: the smallest chunks the fit allows
     try:
         core.add_request(EngineCoreRequest("long", [i % 250 + 1 for i in range(600)], SamplingParams(max_tokens=1)))
-        chunks = []
+        chunks, budgets = [], []
         while core.has_unfinished():
+            budgets.append(core.scheduler.step_budget.tokens)
             core.step()
             chunks.append(core.last_schedule.num_scheduled_tokens.get("long"))
     finally:
         core.scheduler.step_budget.max_seconds = 1.0
-    assert chunks[0] == 256  # the first step measured the time per token
-    assert set(chunks[1:-1]) == {MIN_TOKENS} and sum(chunks) == 600
+    assert chunks[0] == 256 and sum(chunks) == 600  # nothing measured before the first step
+    assert all(c == min(b, 600 - sum(chunks[:i])) for i, (c, b) in enumerate(zip(chunks, budgets)))
 
 
 def test_an_abort_mid_prefill_returns_the_blocks_at_the_next_step_boundary(core):
