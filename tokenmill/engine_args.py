@@ -257,9 +257,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=d.max_step_ms,
         help="time one step should take at most: the step's token budget is lowered below "
-        "--max-num-batched-tokens (never under 32 tokens) to what the engine's measured time per token "
-        "fits in it, so a long prompt's chunk cannot hold up the running requests, or the blocks of an "
-        "aborted request, for longer; it never raises the budget, so on hardware fast enough "
+        "--max-num-batched-tokens to what fits in it by the measured step time (a fixed part per step "
+        "plus a time per token; never under 32 tokens, nor so small that the fixed part outweighs the "
+        "tokens), so a long prompt's chunk cannot hold up the running requests, or the blocks of an "
+        "aborted request, for much longer; it never raises the budget, so on hardware fast enough "
         "--max-num-batched-tokens alone decides, as in vLLM; 0 turns it off (default: %(default)s)",
     )
     c.add_argument(
