@@ -33,6 +33,8 @@ UNIT_MODULES = {
     "test_request_edges",
     "test_sampler",
     "test_sampling_params",
+    "test_step_budget",
+    "test_step_isolation",
     "test_server_units",
     "test_spec_mtp",
     "test_step_contract",

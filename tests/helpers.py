@@ -248,6 +248,7 @@ def make_core(
     policy: str = "fcfs",
     cache_dtype: str = "auto",
     speculative=None,
+    tokenizer_data=None,
 ) -> EngineCore:
     config = EngineConfig(
         model=model,
@@ -262,7 +263,8 @@ def make_core(
         ),
         speculative=speculative,
     )
-    return EngineCore(config, UniProcExecutor(config, loaded or load_model(model)), set(eos_token_ids))
+    executor = UniProcExecutor(config, loaded or load_model(model))
+    return EngineCore(config, executor, set(eos_token_ids), tokenizer_data=tokenizer_data)
 
 
 def make_runner(loaded, num_blocks: int = 32, cache_dtype: str = "auto"):

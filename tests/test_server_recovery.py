@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -78,6 +80,12 @@ def assert_pool_whole(url: str) -> None:
 
 
 def test_a_dead_core_is_restarted(server):
+    _kill_and_recover(server, restarts=1)
+
+
+def _kill_and_recover(server, restarts: int) -> None:
+    """Kill the core while it streams: the stream ends with engine_unavailable, requests get 503 until
+    a new core is ready, then are served; `restarts` restarts counted, the pool whole."""
     old = server.core_pid()
     events = stream_events(server.url, LONG, on_first=lambda: psutil.Process(old).kill())
     assert events[-1] == "[DONE]"
@@ -88,7 +96,7 @@ def test_a_dead_core_is_restarted(server):
     wait_healthy(server.url)
     assert completion(server.url).status_code == 200
     assert server.core_pid() != old and wait_gone(old)
-    assert metric_values(server.url)["tokenmill:engine_restarts_total"] == 1
+    assert metric_values(server.url)["tokenmill:engine_restarts_total"] == restarts
     assert_pool_whole(server.url)
 
 
@@ -117,6 +125,36 @@ def test_a_hung_core_is_reported_and_restarted(server):
     assert completion(server.url).status_code == 200 and server.core_pid() != old
     assert metric_values(server.url)["tokenmill:engine_restarts_total"] == 2
     assert "made no progress" in server.log()
+
+
+# one busy loop per core beside the server; each stops itself after its time or when the test process is gone
+_BURN = """
+import os, sys, time
+parent, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end and os.getppid() == parent:
+    sum(range(10000))
+"""
+
+
+@pytest.fixture
+def cpu_burner():
+    burners = [
+        subprocess.Popen([sys.executable, "-c", _BURN, str(os.getpid()), "180"]) for _ in range(os.cpu_count() or 2)
+    ]
+    yield
+    for b in burners:
+        b.kill()
+        b.wait()
+
+
+def test_recovery_holds_on_a_loaded_machine(server, cpu_burner):
+    """The scenario above with every core busy beside the server (3-second watchdog): a core that is
+    only slow finishes its stream and is not restarted; a dead one is still replaced."""
+    restarts = metric_values(server.url)["tokenmill:engine_restarts_total"]
+    events = stream_events(server.url, dict(LONG, max_tokens=40))
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert metric_values(server.url)["tokenmill:engine_restarts_total"] == restarts
+    _kill_and_recover(server, restarts + 1)
 
 
 def test_requests_past_their_deadline_are_aborted(deadline_server):

@@ -135,29 +135,37 @@ def test_model_files_are_imported_only_when_used():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_a_failing_step_finishes_only_its_requests(tmp_path):
-    """An exception inside a step (fault injected into the real executor once) fails the requests of
-    that step with an error; the core keeps serving, and the pool is whole afterwards."""
+def test_a_failing_step_finishes_only_the_request_at_fault(tmp_path):
+    """An exception inside a step (fault injected into the real executor on every step that runs "b")
+    fails "b" alone with an error, found by retrying the step's requests in halves; "a", in the same
+    failed step, goes on; the core keeps serving, and the pool is whole afterwards."""
     make_tiny_model("llama-gqa-untied", tmp_path)
     core = make_core(str(tmp_path), loaded=load_model(str(tmp_path)))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     execute, calls = core.executor.execute, []
 
-    def fail_on_the_second_step(sched):
+    def fail_when_b_runs(sched):
         calls.append(sorted(sched.num_scheduled_tokens))
-        if len(calls) == 2:
+        if "b" in sched.num_scheduled_tokens:
             raise RuntimeError("injected fault")
         return execute(sched)
 
-    core.executor.execute = fail_on_the_second_step
+    core.executor.execute = fail_when_b_runs
     core.add_request(EngineCoreRequest("a", [1, 2, 3], params))
     outs = {o.request_id: o for o in core.step()}
     assert outs["a"].new_token_ids and outs["a"].error is None
     core.add_request(EngineCoreRequest("b", [4, 5, 6], params))
-    failed = {o.request_id: o for o in core.step()}  # the faulty step ran a and b
-    assert calls[1] == ["a", "b"] and set(failed) == {"a", "b"}
-    assert all(o.finish_reason == "abort" and o.error and o.error_param is None for o in failed.values())
-    assert "injected" not in failed["a"].error  # internals stay in the log
+    assert core.step() == []  # the faulty step ran a and b: retried in halves
+    assert calls[1] == ["a", "b"]
+    outs = {o.request_id: o for o in core.step() + core.step()}  # a alone, then b alone
+    assert calls[2:4] == [["a"], ["b"]] and outs["a"].error is None and len(outs["a"].new_token_ids) == 1
+    failed = outs["b"]
+    assert failed.finish_reason == "abort" and failed.error and failed.error_param is None
+    assert "injected" not in failed.error  # internals stay in the log
+    a = outs["a"].new_token_ids
+    while "a" in core.requests:
+        a += [t for o in core.step() for t in o.new_token_ids]
+    assert len(a) == 5  # its 6 tokens in all, the first from the first step
     got = run_core(core, [[7, 8, 9]], params)  # later requests are served as usual
     assert len(got["0"]) == 6
     assert core.kv.num_free_blocks == core.kv.num_blocks and not core.requests

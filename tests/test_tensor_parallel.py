@@ -7,6 +7,7 @@ are refused with a clear error, and a served engine whose worker dies says so an
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -271,3 +272,37 @@ def test_a_second_parallel_llm_in_one_process_after_shutdown(tmp_path, tokenizer
     line = next(line for line in done.stdout.splitlines() if line.startswith("TOKENS "))
     first, second = json.loads(line[len("TOKENS ") :])
     assert first == second and len(first) == 6
+
+
+# a script that starts a parallel engine when it is run, with no `if __name__ == "__main__":` guard: the
+# spawned rank runs it again while it starts, and dies there
+_NO_GUARD = """
+from tokenmill import LLM
+
+llm = LLM({model!r}, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+"""
+
+
+@pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
+def test_a_rank_that_dies_while_starting_is_reported_at_once_with_the_fix(tmp_path, tokenizer):
+    """The driver watches its worker processes while it waits at the rendezvous: the rank's death ends
+    the wait with the cause and the fix, long before the rendezvous would time out."""
+    make_tiny_model("llama-gqa-untied", tmp_path, vocab_size=len(tokenizer.hf))
+    tokenizer.hf.save_pretrained(tmp_path)
+    script = tmp_path / "no_guard.py"
+    script.write_text(_NO_GUARD.format(model=str(tmp_path)))
+    timeout = 240  # the rendezvous timeout for this run: without the watch, the driver would wait this long
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout + 60,
+        env={**os.environ, "TOKENMILL_DIST_TIMEOUT": str(timeout)},
+    )
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    error = done.stderr.strip().splitlines()[-1]
+    assert "tensor-parallel worker rank 1 exited" in error and "before it started" in error, done.stderr[-3000:]
+    assert str(script) in error and 'if __name__ == "__main__":' in error
+    assert elapsed < timeout / 2

@@ -192,6 +192,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | str | None = None  # None: the model's context length; "auto": what the KV cache holds
     policy: str = "fcfs"  # or "priority": lower `priority` values run first
+    # a step's token budget shrinks below max_num_batched_tokens so that a step takes about this long at
+    # the measured per-token time (`engine/step_budget.py`); 0 turns it off
+    max_step_ms: float = 1000.0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -203,6 +206,8 @@ class SchedulerConfig:
         if self.max_model_len is not None and self.max_model_len != "auto":
             if not isinstance(self.max_model_len, int) or self.max_model_len <= 0:
                 raise ValueError(f"max_model_len must be a positive integer or 'auto', got {self.max_model_len!r}")
+        if not isinstance(self.max_step_ms, (int, float)) or not 0 <= self.max_step_ms < float("inf"):
+            raise ValueError(f"max_step_ms must be a number >= 0 (0: no bound), got {self.max_step_ms!r}")
 
     @property
     def fixed_max_model_len(self) -> int | None:

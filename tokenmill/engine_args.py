@@ -71,6 +71,7 @@ class EngineArgs:
     block_size: int = 16
     max_num_seqs: int | None = None  # None: the device's default
     max_num_batched_tokens: int | None = None  # None: the device's default
+    max_step_ms: float = 1000.0
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"
@@ -164,6 +165,7 @@ class EngineArgs:
                 max_num_batched_tokens=_or(self.max_num_batched_tokens, defaults["max_num_batched_tokens"]),
                 max_model_len=self.max_model_len,
                 policy=self.scheduling_policy,
+                max_step_ms=self.max_step_ms,
             ),
             kv_transfer=_kv_transfer(self.kv_transfer_config),
             lora=lora,
@@ -323,6 +325,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CUDA: run every step eagerly; by default decode steps replay CUDA graphs captured at start for "
         "padded batch sizes (default: off)",
+    )
+    c.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=d.max_step_ms,
+        help="time one step should take at most: the step's token budget is lowered below "
+        "--max-num-batched-tokens to what fits in it by the measured step time (a fixed part per step "
+        "plus a time per token; never under 32 tokens, nor so small that the fixed part outweighs the "
+        "tokens), so a long prompt's chunk cannot hold up the running requests, or the blocks of an "
+        "aborted request, for much longer; it never raises the budget, so on hardware fast enough "
+        "--max-num-batched-tokens alone decides, as in vLLM; 0 turns it off (default: %(default)s)",
     )
     c.add_argument(
         "--enable-prefix-caching",

@@ -14,6 +14,7 @@ its own tensor-parallel sub-group (the layers' collectives run in it), and the d
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import time
 
@@ -26,8 +27,12 @@ _tp_group: dist.ProcessGroup | None = None  # this stage's tensor-parallel group
 _partition: tuple[int, ...] = ()  # decoder layers per pipeline stage (empty: an even split)
 _device = torch.device("cpu")
 
-# a collective whose peer died fails after this long instead of waiting forever
-TIMEOUT = datetime.timedelta(seconds=60)
+# The rendezvous and every collective give up after this long. A rank that died is noticed sooner:
+# its connection closes (the collective fails at once) and the driver watches the worker processes
+# while it waits at the rendezvous (`worker_process.join_and_load`). So this only ends a wait on a rank
+# that is alive but slow — one still loading large weights on a busy machine while the others wait in
+# their first collective — and is long for that; TOKENMILL_DIST_TIMEOUT (seconds) sets it.
+TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("TOKENMILL_DIST_TIMEOUT", 1800)))
 
 
 def init_model_parallel(

@@ -59,6 +59,8 @@ class EngineStats:
     kv_transfer_bytes: int = 0  # their KV payloads
     kv_transfer_seconds: float = 0.0  # producer: copying out; consumer: asking until the payload is in
     kv_tiers: dict[str, dict] = field(default_factory=dict)  # KV-cache tier name -> its counters (disk_tier.TierStats)
+    step_failures: int = 0  # steps that raised (each is retried in halves to find the requests at fault)
+    requests_failed_isolated: int = 0  # requests found at fault that way and finished with an error
 
 
 class RequestRejected(ValueError):
@@ -113,6 +115,9 @@ class EngineCore:
         self._tokenizer_data = tokenizer_data
         self._structured = None  # StructuredOutputManager, built on first use
         self.compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
+        # bisecting failed steps: groups of suspect requests, each to run alone in a step, first group first
+        self.suspects: list[set[str]] = []
+        self.num_step_failures = self.num_requests_failed_isolated = 0
         self._expert_tokens: dict[int, list[int]] = {}  # the latest reading of the MoE expert counters
         self._experts_read_at = float("-inf")
         # LoRA adapters by name -> load id (in prefix-cache keys: a reloaded name caches apart); None: off
@@ -329,6 +334,8 @@ class EngineCore:
             self.kv.prefix_queries,
             self.kv.prefix_hits,
             expert_tokens=self._expert_tokens,
+            step_failures=self.num_step_failures,
+            requests_failed_isolated=self.num_requests_failed_isolated,
         )
         spec = self.scheduler.spec_stats
         stats.spec_drafts, stats.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
@@ -366,6 +373,7 @@ class EngineCore:
         outputs = self._admit_compiled() if self.compiling else []
         queue = self.batch_queue
         if len(queue) < self.executor.max_concurrent_batches:
+            self._isolate()
             sched = self.last_schedule = self.scheduler.schedule()
             if sched.num_scheduled_tokens or sched.finished_request_ids or sched.kv_connector_metadata is not None:
                 outputs += self._attach_grammar(sched)
@@ -374,7 +382,7 @@ class EngineCore:
                 start = time.perf_counter()  # before submit: without a pipeline, submit runs the whole step
                 try:
                     self.executor.submit(sched)
-                except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+                except Exception:  # noqa: BLE001 - find the requests at fault, keep serving the rest
                     return outputs + self._fail_step(sched)
                 self.scheduler.in_flight.update(sched.num_scheduled_tokens)
                 queue.append((sched, start))
@@ -388,8 +396,10 @@ class EngineCore:
         self.scheduler.in_flight.difference_update(sched.num_scheduled_tokens)
         try:
             output = self.executor.collect()
-        except Exception:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+        except Exception:  # noqa: BLE001 - find the requests at fault, keep serving the rest
             return outputs + self._fail_step(sched)
+        self._cleared(sched)
+        self.scheduler.step_budget.observe(sched.num_scheduled_tokens, time.perf_counter() - start)
         if sched.spec_token_ids:  # a step that verified drafts (and ran whatever else was scheduled)
             self.scheduler.spec_stats.verify_seconds += time.perf_counter() - start - output.draft_seconds
         outputs += self._connector_output(output.kv_connector_output)
@@ -399,11 +409,47 @@ class EngineCore:
         return outputs + [self._output(u) for u in updates]
 
     def _fail_step(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
-        """A step raised: finish its requests with an error (and those whose KV fetch it was to start)."""
+        """A step raised. Nothing of it is committed (the scheduler rebuilds the runner's state of its
+        requests from what it last committed: `Scheduler.step_failed`), and its requests are suspects:
+        one alone is at fault and finishes with an error (internals stay in the log); several are split in halves, each run alone
+        in a step of its own (`_isolate`) until a step of one request fails — that one is at fault —
+        or a half runs and is cleared. The requests whose KV fetch the step was to start fail too."""
+        self.num_step_failures += 1
         meta = sched.kv_connector_metadata
-        lost = list(sched.num_scheduled_tokens) + (self.kv_connector.step_failed(meta) if meta is not None else [])
-        logger.exception("a step of %d requests failed; finishing them with an error", len(lost))
-        return [self._fail(rid, "the engine failed while running this request") for rid in lost if rid in self.requests]
+        lost = self.kv_connector.step_failed(meta) if meta is not None else []
+        ran = [rid for rid in sched.num_scheduled_tokens if rid in self.requests]
+        self.scheduler.step_failed(ran)
+        for group in self.suspects:
+            group.difference_update(ran)
+        if len(ran) > 1:
+            logger.exception("a step of %d requests failed; retrying them in halves to find the cause", len(ran))
+            half = len(ran) // 2
+            self.suspects[:0] = [set(ran[:half]), set(ran[half:])]
+            ran = []
+        elif ran:
+            logger.exception("request %s failed the step it ran in alone; finishing it with an error", ran[0])
+            self.num_requests_failed_isolated += 1
+        reason = "the engine failed on this request (it failed a step on its own; the cause is in the server log)"
+        return [self._fail(rid, reason) for rid in ran + lost if rid in self.requests]
+
+    def _isolate(self) -> None:
+        """While failed steps are being bisected, only the first group of suspects still running is
+        scheduled (no other request, none admitted)."""
+        self.scheduler.only = None
+        if not self.suspects:
+            return
+        running = {r.request_id for r in self.scheduler.running}
+        while self.suspects and not self.suspects[0] & running:
+            self.suspects.pop(0)
+        if self.suspects:
+            self.scheduler.only = self.suspects[0] & running
+
+    def _cleared(self, sched: SchedulerOutput) -> None:
+        """The requests of a step that ran are no longer suspects."""
+        if self.suspects:
+            for group in self.suspects:
+                group.difference_update(sched.num_scheduled_tokens)
+            self.suspects = [g for g in self.suspects if g]
 
     def _connector_output(self, output: KVConnectorOutput | None) -> list[EngineCoreOutput]:
         """The KV connector's report on a step: held requests whose KV is in go to the scheduler; those

@@ -29,6 +29,7 @@ from tokenmill.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.request_queue import POLICIES
 from tokenmill.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.engine.step_budget import StepBudget
 from tokenmill.kv_transfer.base import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,14 @@ class Scheduler:
         self._in_runner: set[str] = set()  # requests the model runner holds state for
         self._finished_ids: set[str] = set()  # finished since the last schedule()
         self.in_flight: set[str] = set()  # in a step not yet back (a pipeline's): not scheduled nor preempted
+        # bisecting a failed step (the core's `_fail_step`): only these running requests are scheduled
+        # and no waiting one is admitted; None otherwise
+        self.only: set[str] | None = None
+        self._stale: set[str] = set()  # in a failed step: the runner's state of them is rebuilt (`step_failed`)
         self.spec_stats = SpecDecodingStats()
+        # the token budget of a step: max_num_batched_tokens, lower where a step would take longer than
+        # max_step_ms (the core reports each step's time)
+        self.step_budget = StepBudget(config.max_step_ms, config.max_num_batched_tokens)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -98,7 +106,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
-        budget = self.config.max_num_batched_tokens
+        budget = self.step_budget.tokens
         now = time.monotonic()
         # (request, new tokens, blocks it had per pool, drafted tokens among the new ones)
         scheduled: list[tuple[Request, int, list[int], list[int]]] = []
@@ -106,7 +114,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.request_id in self.in_flight:
+            if request.request_id in self.in_flight or (self.only is not None and request.request_id not in self.only):
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -132,12 +140,15 @@ class Scheduler:
         # requests scheduled earlier in this step may have been preempted after
         for request, num_new, had, drafts in scheduled:
             if request.status == RequestStatus.RUNNING:
-                tables = self.kv.block_ids(request.request_id)
-                out.cached_requests.append(
-                    CachedRequestData(
-                        request.request_id, [t[n:] for t, n in zip(tables, had)], request.num_computed_tokens
+                if request.request_id in self._stale:
+                    self._send(out, request)  # whole, as last committed here
+                else:
+                    tables = self.kv.block_ids(request.request_id)
+                    out.cached_requests.append(
+                        CachedRequestData(
+                            request.request_id, [t[n:] for t, n in zip(tables, had)], request.num_computed_tokens
+                        )
                     )
-                )
                 out.num_scheduled_tokens[request.request_id] = num_new
                 if drafts:
                     out.spec_token_ids[request.request_id] = drafts
@@ -151,6 +162,7 @@ class Scheduler:
             len(self.waiting)
             and budget > 0
             and not out.preempted_request_ids
+            and self.only is None
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
@@ -186,12 +198,14 @@ class Scheduler:
         return out
 
     def _send(self, out: SchedulerOutput, request: Request) -> None:
-        """Describe an admitted request to the runner: whole if new to it, else its new block table."""
+        """Describe an admitted request to the runner: whole if new to it (or its state there is stale:
+        then with the output so far, which replaces that state), else its new block table."""
         rid, blocks = request.request_id, [list(t) for t in self.kv.block_ids(request.request_id)]
-        if rid in self._in_runner:
+        if rid in self._in_runner and rid not in self._stale:
             out.cached_requests.append(CachedRequestData(rid, blocks, request.num_computed_tokens, resumed=True))
             return
         self._in_runner.add(rid)
+        self._stale.discard(rid)
         out.new_requests.append(
             NewRequestData(
                 rid,
@@ -200,8 +214,18 @@ class Scheduler:
                 request.eos_token_ids,
                 blocks,
                 request.num_computed_tokens,
+                list(request.output_token_ids),
             )
         )
+
+    def step_failed(self, request_ids: list[str]) -> None:
+        """A step of these requests raised: nothing of it was committed here (`num_computed_tokens`,
+        tokens and the prefix cache advance only in `update_from_output`), but the runner may have
+        applied part of it (block tables, sampled tokens, a drafter's state). Their next step sends
+        each whole, as committed here, and the runner rebuilds its state from that; the KV in their
+        blocks up to `num_computed_tokens` was written by committed steps and stays valid, the slots
+        after are written again. The blocks allocated for the failed step stay theirs."""
+        self._stale.update(rid for rid in request_ids if rid in self._in_runner)
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance every scheduled request by its tokens; append what the sampling ones drew, checking
@@ -303,6 +327,7 @@ class Scheduler:
         if self.connector is not None:
             self.connector.request_finished(request)
         self.requests.pop(request.request_id, None)
+        self._stale.discard(request.request_id)
         if request.request_id in self._in_runner:
             self._in_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)

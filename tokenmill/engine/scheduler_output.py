@@ -17,7 +17,8 @@ from tokenmill.sampling_params import SamplingParams
 
 @dataclass
 class NewRequestData:
-    """A request the model runner has not seen before."""
+    """A request the model runner has not seen before — or one whose state there a failed step left
+    stale: it replaces that state (the scheduler's `step_failed`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -25,6 +26,7 @@ class NewRequestData:
     eos_token_ids: set[int]  # empty with ignore_eos
     block_ids: list[list[int]]  # its block table in each KV pool
     num_computed_tokens: int  # > 0 when its prompt starts in the prefix cache
+    output_token_ids: list[int] = field(default_factory=list)  # its output so far (a rebuilt state's)
 
 
 @dataclass

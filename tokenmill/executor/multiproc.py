@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+import sys
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import parallel_state
 from tokenmill.executor.uniproc import UniProcExecutor
-from tokenmill.executor.worker_process import join_and_load, process_main
+from tokenmill.executor.worker_process import STARTED, join_and_load, process_main, rank_failure
 
 
 def _free_port() -> int:
@@ -27,24 +28,48 @@ def _free_port() -> int:
 
 
 class WorkerProcesses:
-    """Ranks 1..world-1 as processes spawned here."""
+    """Ranks 1..world-1 as processes spawned here, each with a pipe on which it reports (`process_main`)."""
 
     def __init__(self, config: EngineConfig, init_method: str) -> None:
         context = multiprocessing.get_context("spawn")
-        self.processes = [
-            context.Process(
-                target=process_main, args=(config, rank, init_method), daemon=True, name=f"tokenmill-rank{rank}"
+        self.processes, self.reports, ends = [], [], []
+        for rank in range(1, config.parallel.world_size):
+            report, end = context.Pipe(duplex=False)
+            self.processes.append(
+                context.Process(
+                    target=process_main,
+                    args=(config, rank, init_method, end),
+                    daemon=True,
+                    name=f"tokenmill-rank{rank}",
+                )
             )
-            for rank in range(1, config.parallel.world_size)
-        ]
+            self.reports.append(report)
+            ends.append(end)
         for w in self.processes:
             w.start()
+        for end in ends:  # the ranks hold them now
+            end.close()
+        self._said: list[list[str]] = [[] for _ in self.processes]
 
     def dead(self) -> list[str]:
-        """How each rank that is gone ended."""
-        return [
-            f"rank {rank} exited (code {w.exitcode})" for rank, w in enumerate(self.processes, 1) if not w.is_alive()
-        ]
+        """How each rank that is gone ended: its error if it reported one, the likely cause if it died
+        before it started."""
+        gone = []
+        for rank, (w, report, said) in enumerate(zip(self.processes, self.reports, self._said), 1):
+            if w.is_alive():
+                continue
+            try:
+                while report.poll():
+                    said.append(report.recv())
+            except (EOFError, OSError):
+                pass
+            if not said:
+                gone.append(f"rank {rank} exited (code {w.exitcode}) before it started: {_rerun_hint()}")
+            elif said[-1] != STARTED:
+                gone.append(f"rank {rank} failed: {said[-1]}")
+            else:
+                gone.append(f"rank {rank} exited (code {w.exitcode})")
+        return gone
 
     def stop(self) -> None:
         """Wait a little for the ranks to exit (they were asked to), then kill them."""
@@ -52,6 +77,16 @@ class WorkerProcesses:
             w.join(timeout=5)
             if w.is_alive():
                 w.kill()
+
+
+def _rerun_hint() -> str:
+    """Why a spawned rank dies before it starts: it first runs the main script again."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+    return (
+        f"a spawned rank first runs {script} again, so a script that creates a parallel engine (e.g. "
+        "LLM(..., tensor_parallel_size=2)) when it is run fails there; put that code under "
+        '`if __name__ == "__main__":` (the rank\'s own error is printed above)'
+    )
 
 
 def start_workers(config: EngineConfig, init_method: str):
@@ -70,7 +105,7 @@ class MultiprocExecutor(UniProcExecutor):
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.workers = start_workers(config, init_method)
         try:
-            loaded = join_and_load(config, 0, init_method)
+            loaded = join_and_load(config, 0, init_method, self.workers.dead)
         except BaseException:  # the workers fail the same way, or wait: stop them
             self._stop_workers()
             raise
@@ -79,8 +114,7 @@ class MultiprocExecutor(UniProcExecutor):
     def check_health(self) -> None:
         dead = self.workers.dead()
         if dead:
-            kind = "pipeline-parallel" if self.config.parallel.pipeline_parallel_size > 1 else "tensor-parallel"
-            raise RuntimeError(f"{kind} worker " + ", ".join(dead) + "; the engine cannot run without it")
+            raise RuntimeError(rank_failure(self.config, dead))
 
     def _share(self, kind: str, payload: object = None) -> None:
         self.check_health()

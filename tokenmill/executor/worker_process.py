@@ -10,6 +10,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -21,9 +23,16 @@ from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+STARTED = "started"  # what a worker process reports first (`process_main`)
 
-def join_and_load(config: EngineConfig, rank: int, init_method: str) -> LoadedModel:
-    """Join the group (a world of tp * pp ranks) and load this rank's shard of the model."""
+
+def join_and_load(
+    config: EngineConfig, rank: int, init_method: str, watch: Callable[[], list[str]] | None = None
+) -> LoadedModel:
+    """Join the group (a world of tp * pp ranks) and load this rank's shard of the model. The driver
+    passes `watch` (how each worker rank that is gone ended): the rendezvous waits for every rank, so
+    one that died first would hold it for `parallel_state.TIMEOUT`; instead the join fails as soon as
+    `watch` reports a rank gone, with what it said."""
     device = torch.device(config.device)
     p = config.parallel
     if device.type == "cuda":
@@ -33,9 +42,11 @@ def join_and_load(config: EngineConfig, rank: int, init_method: str) -> LoadedMo
         if len(cores) >= p.world_size:
             share = len(cores) // p.world_size
             os.sched_setaffinity(0, cores[rank * share : (rank + 1) * share])
-    parallel_state.init_model_parallel(
-        rank, p.tensor_parallel_size, p.pipeline_parallel_size, init_method, device, p.pipeline_layer_partition
-    )
+    args = (rank, p.tensor_parallel_size, p.pipeline_parallel_size, init_method, device, p.pipeline_layer_partition)
+    if watch is None:
+        parallel_state.init_model_parallel(*args)
+    else:
+        _join_watching(lambda: parallel_state.init_model_parallel(*args), watch, config)
     loaded = load_configured_model(config)
     if p.pipeline_parallel_size > 1 and not hasattr(loaded.model.model, "stage_layers"):
         raise ValueError(
@@ -45,9 +56,36 @@ def join_and_load(config: EngineConfig, rank: int, init_method: str) -> LoadedMo
     return loaded
 
 
-def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
+def _join_watching(join: Callable[[], None], watch: Callable[[], list[str]], config: EngineConfig) -> None:
+    """Run `join` (the rendezvous) in a thread; fail at once if `watch` reports a worker rank gone. The
+    thread is left to end by itself then (at the rendezvous timeout): nothing waits on it."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            join()
+        except BaseException as e:  # noqa: BLE001 - handed to the driver's thread below
+            failure.append(e)
+
+    thread = threading.Thread(target=run, daemon=True, name="tokenmill-rendezvous")
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.1)
+        if thread.is_alive() and (dead := watch()):
+            raise RuntimeError(rank_failure(config, dead))
+    if failure:
+        raise failure[0]
+
+
+def rank_failure(config: EngineConfig, dead: list[str]) -> str:
+    """The error of an engine that lost worker ranks (`dead`: how each ended)."""
+    kind = "pipeline-parallel" if config.parallel.pipeline_parallel_size > 1 else "tensor-parallel"
+    return f"{kind} worker " + "; ".join(dead) + "; the engine cannot run without it"
+
+
+def serve_rank(config: EngineConfig, rank: int, init_method: str, report: Callable[[str], None] | None = None) -> None:
     """A worker rank (a process or a Ray actor): load its shard, then run what the driver sends until
-    told to stop; a failure is logged and ends the process (the driver sees a dead rank)."""
+    told to stop; a failure is logged, told to `report` (the driver shows it) and ends the process."""
     from tokenmill.executor.pipeline import serve_pipeline_stage  # pipeline.py builds on the driver's module
 
     try:
@@ -56,8 +94,10 @@ def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
             serve_pipeline_stage(runner)
         else:
             _serve_tensor_parallel(runner)
-    except Exception:  # noqa: BLE001 - a worker's failure is logged here; the driver sees it as a dead rank
+    except Exception as e:  # noqa: BLE001 - a worker's failure is logged here; the driver sees it as a dead rank
         logger.exception("rank %d failed", rank)
+        if report is not None:
+            report(f"{type(e).__name__}: {e}")
         os._exit(1)
     parallel_state.destroy_tensor_parallel()
 
@@ -75,8 +115,9 @@ def _serve_tensor_parallel(runner: ModelRunner) -> None:
             break
 
 
-def process_main(config: EngineConfig, rank: int, init_method: str) -> None:
-    """A worker process's entry point (spawned by `WorkerProcesses`): ends with its parent."""
+def process_main(config: EngineConfig, rank: int, init_method: str, report: Connection) -> None:
+    """A worker process's entry point (spawned by `WorkerProcesses`): ends with its parent. It tells
+    `report` that it started, and why it failed if it does."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s [rank{rank}] %(message)s")
     parent = multiprocessing.parent_process()
@@ -87,4 +128,5 @@ def process_main(config: EngineConfig, rank: int, init_method: str) -> None:
         os._exit(0)
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    serve_rank(config, rank, init_method)
+    report.send(STARTED)
+    serve_rank(config, rank, init_method, report.send)

@@ -209,6 +209,7 @@ def build_app(
     @app.post("/v1/unload_lora_adapter", openapi_extra=_body(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(request: Request) -> Response:
         return await generate(request, UnloadLoRAAdapterRequest, update_lora)
+
     @app.post("/v1/responses", openapi_extra=_body(ResponsesRequest), summary="Responses (OpenAI)")
     async def responses(request: Request) -> Response:
         return await generate(request, ResponsesRequest, lambda *args: create_response(*args, store=stored_responses))

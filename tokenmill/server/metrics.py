@@ -171,6 +171,13 @@ class ServerMetrics:
             )
             for key, doc in _KV_TIER_METRICS.items()
         }
+        self.step_failures = counter(
+            "step_failures", "Engine steps that raised (their requests are retried in halves to find the one at fault)."
+        )
+        self.requests_failed_isolated = counter(
+            "requests_failed_isolated",
+            "Requests found to make a step fail and finished with an error (the others in the step went on).",
+        )
         self.engine_restarts = counter("engine_restarts", "Times the engine core was restarted after it died or hung.")
         self.success = Counter(
             "tokenmill:request_success",
@@ -295,6 +302,8 @@ class ServerMetrics:
         self._inc_delta(self.kv_transfer_bytes, s, "kv_transfer_bytes")
         self._inc_delta(self.kv_transfer_seconds, s, "kv_transfer_seconds")
         self._on_kv_tiers(s.get("kv_tiers") or {}, self._last_stats.get("kv_tiers") or {})
+        self._inc_delta(self.step_failures, s, "step_failures")
+        self._inc_delta(self.requests_failed_isolated, s, "requests_failed_isolated")
         before = self._last_stats.get("spec_accepted_per_position") or []
         for pos, count in enumerate(s.get("spec_accepted_per_position") or []):
             delta = count - (before[pos] if pos < len(before) else 0)

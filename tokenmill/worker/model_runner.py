@@ -198,6 +198,8 @@ class ModelRunner(PagedForward):
                 )
             )
             result.draft_seconds = time.perf_counter() - start
+        for state in states:
+            state.step_done()
         return result
 
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -209,7 +211,12 @@ class ModelRunner(PagedForward):
             if self.drafter is not None:
                 self.drafter.finish(rid)
         for new in sched.new_requests:
-            self.requests[new.request_id] = CachedRequestState(new, self.device)
+            state = CachedRequestState(new, self.device)
+            if (stale := self.requests.get(new.request_id)) is not None:  # after a failed step
+                state.rebuilt_from(stale)
+                if self.drafter is not None:
+                    self.drafter.finish(new.request_id)
+            self.requests[new.request_id] = state
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
             if cached.resumed:

@@ -13,7 +13,7 @@ class CachedRequestState(TokenSequence):
     def __init__(self, new: NewRequestData, device: torch.device) -> None:
         self.request_id = new.request_id
         self.prompt_token_ids = new.prompt_token_ids
-        self.output_token_ids: list[int] = []  # appended by the runner as it samples
+        self.output_token_ids = list(new.output_token_ids)  # appended by the runner as it samples
         self.params = new.sampling_params
         self.eos_token_ids = new.eos_token_ids
         self.block_ids = [list(table) for table in new.block_ids]  # per KV pool
@@ -22,8 +22,21 @@ class CachedRequestState(TokenSequence):
         self.generator = None  # a seeded request draws from its own generator: independent of its batch
         if self.params.seed is not None:
             self.generator = torch.Generator(device).manual_seed(self.params.seed)
+        # the generator's state after the last step that ran to its end: a state rebuilt after a failed
+        # step (`ModelRunner._update_states`) goes on drawing from there, as if the step had not run
+        self.generator_state: torch.Tensor | None = None
         self.draft: tuple[list[int], torch.Tensor] | None = None  # sampled drafts and their distributions
         self.pool_sum: torch.Tensor | None = None  # mean-pooled embedding requests: the prompt's hidden states so far
+
+    def step_done(self) -> None:
+        if self.generator is not None:
+            self.generator_state = self.generator.get_state()
+
+    def rebuilt_from(self, old: CachedRequestState) -> None:
+        """This state replaces `old`, which a failed step left stale: draw on from its last good step."""
+        self.generator_state = old.generator_state  # still the last good step's, should this one fail too
+        if self.generator is not None and old.generator_state is not None:
+            self.generator.set_state(old.generator_state)
 
     def take_draft_probs(self, drafts: list[int]) -> torch.Tensor | None:
         """The distributions of the drafts being verified, if they were sampled (the scheduler verifies
