@@ -285,7 +285,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         'drafting on a KV cache of its own; eagle3: an EAGLE-3 drafter checkpoint in "model" '
         "(published layout, or one written by tokenmill train-draft-head --kind eagle3) fed three of "
         "the target's layers' hidden states; mtp / deepseek_mtp: the MTP layer of a DeepSeek-V3-style "
-        "target's own checkpoint), num_speculative_tokens "
+        'target\'s own checkpoint; dflash: a DFlash block drafter checkpoint in "model" (published '
+        "layout, or tokenmill train-draft-head --kind dflash) drafting all k tokens in one forward; dspark: "
+        "a DFlash drafter with a sequential head and a confidence head that verifies fewer drafts when they "
+        "are unlikely or the batch is compute-bound, see min_confidence / compute_bound_tokens), num_speculative_tokens "
         "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
         "disable_by_batch_size (draft nothing while more requests run, default 4) and max_verify_tokens "
         "(decodes + drafts in one step, default 16: two of the CPU int8 kernel's 8-row tiles); the output "
