@@ -212,8 +212,8 @@ class SpeculativeConfig:
     (`tokenmill.spec_decode.dflash`: all k drafts from one non-causal forward over a block of mask
     tokens, conditioned on several target layers); `dspark`: a DFlash drafter with a sequential head
     over the block and a confidence head (`tokenmill.spec_decode.dspark`): a draft is verified only
-    while the product of the confidences so far is at least `min_confidence`, raised to B / rows when
-    a step's rows (B requests' decodes + drafts) pass `compute_bound_tokens`. Nothing is drafted while more than
+    while the product of the confidences so far is at least `min_confidence`, and, once a step's rows
+    (decodes + drafts) pass `compute_bound_tokens`, at least the step's expected tokens per row. Nothing is drafted while more than
     `disable_by_batch_size` requests run (a full batch gains little from verifying drafts), and a
     step's decodes plus drafts stay within `max_verify_tokens` (on CPU the quantized kernels multiply
     register tiles of 8 rows per pass over the weights: a step much past 16 rows costs ~linearly

@@ -6,13 +6,14 @@
   and one target LM-head row per draft, run row after row.
 - The confidence head (`confidence_head`, on [r_j, the draft's log-probability]) predicts the chance
   that draft j is accepted when the drafts before it were. A request verifies drafts while the product
-  of their confidences stays at least a threshold, chosen per step from the batch's load: verifying a
-  row costs nearly nothing while a step is memory-bound (`min_confidence` then), but once the step's
-  rows (the batch's B decodes plus the drafts kept so far) pass `compute_bound_tokens` a step's time
-  grows with its rows, and a row worth c expected tokens of one request pays off only if c / B beats
-  its 1 / rows share of the step: the threshold becomes max(min_confidence, B / rows). Drafts are
-  taken across the batch from the most to the least likely (each request's in order), so the rule
-  decides per request and per step how many of its drafts are worth verifying.
+  of their confidences (the expected tokens the draft adds) is worth its row, judged per step from the
+  batch's load. While a step's rows (the B decodes plus the drafts kept so far) stay within
+  `compute_bound_tokens` the step is memory-bound and a row costs almost nothing: a draft is kept
+  down to `min_confidence`. Past that, a step's time grows with its rows, so a row pays off only if it
+  yields at least the step's average tokens per row, N / rows (N = B + the expected accepted drafts so
+  far): a large batch (N / rows near 1) verifies almost nothing, a single stream still verifies its
+  likely drafts. Drafts are taken across the batch from the most to the least likely (each
+  request's in order), so the rule decides per request and per step how many are verified.
 
 Checkpoint: a DFlash checkpoint (published layout) plus `spark_head.{hidden,token}_proj.weight`
 [R, H], `spark_head.out_proj.weight` [H, R], `confidence_head.weight` [1, H + 1] and `.bias`, with
@@ -86,11 +87,12 @@ class DSparkModule(DFlashModule):
                 previous[i] = token
                 candidates.append((reach[i], i, j))
         keep = [0] * len(rows)
-        rows_in_step = step.num_requests
+        rows_in_step = expected = step.num_requests
         for c, i, _ in sorted(candidates, key=lambda t: (-t[0], t[2])):
             rows_in_step += 1
-            load = step.num_requests / rows_in_step if rows_in_step > step.compute_bound_tokens else 0.0
-            if c < max(step.min_confidence, load):
+            average = expected / rows_in_step if rows_in_step > step.compute_bound_tokens else 0.0
+            if c < max(step.min_confidence, average):
                 break
             keep[i] += 1
+            expected += c
         return [d[:n] for d, n in zip(drafts, keep)]
