@@ -28,6 +28,7 @@ UNIT_MODULES = {
     "test_sampler",
     "test_sampling_params",
     "test_server_units",
+    "test_spec_dflash",
     "test_spec_mtp",
     "test_step_contract",
     "test_structured_units",
