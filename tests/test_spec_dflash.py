@@ -319,7 +319,11 @@ def test_bad_checkpoints_are_named(target, tmp_path):
         ("causal", {"layer_types": ["sliding_attention"] * 2}, "only non-causal full_attention"),
         ("mask", {"dflash_config": {"mask_token_id": 999, "target_layer_ids": LAYERS}}, "mask_token_id 999"),
         ("arch", {"architectures": ["DFlash2DraftModel"]}, "is not DFlashDraftModel"),
-        ("shape", {"intermediate_size": 100}, r"mlp.down_proj.weight has shape \(64, 128\), config.json says \(64, 100\)"),
+        (
+            "shape",
+            {"intermediate_size": 100},
+            r"mlp.down_proj.weight has shape \(64, 128\), config.json says \(64, 100\)",
+        ),
     ]
     for name, changes, message in cases:
         with pytest.raises(ValueError, match=message):
