@@ -308,8 +308,17 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] = ()  # layers per stage (empty: an even split)
     distributed_executor_backend: str = "mp"  # "mp": worker processes; "ray": Ray actors in a placement group
+    # context parallelism (vLLM's flags): not built; anything but 1 is refused by name
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r}: context parallelism is not built in "
+                    "tokenmill yet; only 1 is accepted (tensor and pipeline parallelism are)"
+                )
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             size = getattr(self, name)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:

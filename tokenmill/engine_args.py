@@ -79,6 +79,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] | str = ()  # layers per stage, or "A,B,..."
     distributed_executor_backend: str = "mp"
+    decode_context_parallel_size: int = 1  # not built: only 1 (ParallelConfig refuses more)
+    prefill_context_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
     kv_transfer_config: KVTransferConfig | dict | str | None = None  # disaggregated prefill/decode; None: off
 
@@ -135,6 +137,8 @@ class EngineArgs:
                 pipeline_layer_partition=_layer_partition(self.pipeline_layer_partition),
                 distributed_executor_backend=self.distributed_executor_backend,
                 enable_expert_parallel=self.enable_expert_parallel,
+                decode_context_parallel_size=self.decode_context_parallel_size,
+                prefill_context_parallel_size=self.prefill_context_parallel_size,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -334,6 +338,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="decoder layers per pipeline stage, e.g. 10,12 (must sum to the model's layers; "
         "default: an even split, which needs the layers to divide by --pipeline-parallel-size)",
     )
+    for kind, what in (("decode", "the KV cache striped by position"), ("prefill", "a prompt's tokens split")):
+        c.add_argument(
+            f"--{kind}-context-parallel-size",
+            type=int,
+            default=getattr(d, f"{kind}_context_parallel_size"),
+            metavar="N",
+            help=f"context parallelism ({what} across N ranks): not built yet, only 1 is accepted "
+            "(default: %(default)s)",
+        )
     c.add_argument(
         "--distributed-executor-backend",
         choices=["mp", "ray"],

@@ -171,9 +171,8 @@ class DFlashModule(nn.Module):
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.register_buffer(
-            "inv_freq", rope_inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False
-        )
+        # float32 whatever the module's dtype (not a buffer: `.to(dtype)` leaves it alone)
+        self.inv_freq = rope_inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
 
     @classmethod
     def from_raw(cls, config: DFlashConfig, raw: dict, where: str) -> DFlashModule:
@@ -182,7 +181,7 @@ class DFlashModule(nn.Module):
 
     def rotary(self, positions: torch.Tensor):
         """The rotation (HF's rotate-half) at `positions` [T], for x [T, heads, head_dim]."""
-        angles = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq
+        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)
         cos, sin = torch.cat((angles, angles), -1).cos()[:, None], torch.cat((angles, angles), -1).sin()[:, None]
 
         def rotate(x: torch.Tensor) -> torch.Tensor:
