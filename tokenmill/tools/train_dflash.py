@@ -124,7 +124,7 @@ def block_losses(drafter, aux, seq, start, embedding, weight, gen, count=BLOCKS_
         refined = drafter.refine(rows, embedding[previous] * c.input_embedding_scale)
         spark_loss, logits = weighted_ce(refined)
         tokens = logits.argmax(-1)
-        conf = drafter.confidence(refined.detach(), logits.detach().flatten(0, 1), tokens.flatten())
+        conf = drafter.confidence(refined.detach().flatten(0, 1), logits.detach().flatten(0, 1), tokens.flatten())
         hit = (tokens == targets).float().flatten()
         bce = F.binary_cross_entropy(conf[valid.flatten()], hit[valid.flatten()])
         loss = loss + spark_loss + bce
