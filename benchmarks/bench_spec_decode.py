@@ -3,7 +3,7 @@ code-editing workload (the prompt holds a source file, the answer rewrites it), 
 records under a JSON schema (structured output: eight objects with the same keys).
 
     .venv/bin/python benchmarks/bench_spec_decode.py [--models smollm2-135m,qwen2.5-coder-1.5b]
-        [--spec '{"method": "ngram", "num_speculative_tokens": 4}'] [--concurrency 1,4,16] [--tokens 128]
+        [--spec '{"method": "ngram", "num_speculative_tokens": 4}' [--spec ...]] [--concurrency 1,4,16] [--tokens 128]
         [--workloads code-edit,chat,json]
 
 Greedy decoding (the spec-on text is checked to equal the spec-off text). Two rates: output tok/s
@@ -13,7 +13,8 @@ batch are submitted together (offline, `LLM.generate`), so at concurrency c ever
 decodes. Acceptance: drafted and accepted tokens, the mean tokens per verify step, and the seconds
 spent drafting / in verify steps. `--spec` takes any `--speculative-config`, e.g. Medusa heads written
 by `tokenmill train-draft-head`: '{"method": "medusa", "model": "DIR"}', or an EAGLE-3 drafter (published, or
-written by `tokenmill train-draft-head --kind eagle3`): '{"method": "eagle3", "model": "DIR"}'.
+written by `tokenmill train-draft-head --kind eagle3`): '{"method": "eagle3", "model": "DIR"}'. Several
+`--spec` run one after another against the same spec-off run (ratios within one run).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def run(llm, prompts: list[str], tokens: int, structured: bool = False) -> tuple
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
-    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    ap.add_argument("--spec", action="append", help="a --speculative-config; repeat to compare several")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--workloads", default="code-edit,chat,json", help=f"of {', '.join(WORKLOADS)}")
@@ -121,7 +122,7 @@ def main() -> None:
     from tokenmill import LLM
 
     torch.set_num_threads(2)
-    spec = json.loads(args.spec)
+    specs = [json.loads(s) for s in args.spec or ['{"method": "ngram", "num_speculative_tokens": 4}']]
     levels = [int(c) for c in args.concurrency.split(",")]
     workloads = args.workloads.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -129,17 +130,17 @@ def main() -> None:
         ap.error(f"unknown workloads {', '.join(unknown)} (known: {', '.join(WORKLOADS)})")
     print(
         f"# {platform.processor() or platform.machine()}, 2 threads; {args.tokens} tokens per request, greedy; "
-        f"spec {args.spec}"
+        f"specs {' '.join(json.dumps(s) for s in specs)}"
     )
     print(
-        f"{'model':<22} {'workload':<10} {'conc':>4} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} "
+        f"{'model':<22} {'method':<8} {'workload':<10} {'conc':>4} {'off tok/s':>10} {'on tok/s':>9} {'speedup':>8} "
         f"{'off decode':>10} {'on decode':>9} {'speedup':>8} {'accept':>7} {'tok/step':>9} {'draft/verify s':>14} same"
     )
     for name in args.models.split(","):
         path = str(model_file(name))
         results = {}
-        for on in (False, True):
-            llm = LLM(path, speculative_config=spec if on else None, max_model_len=4096, kv_cache_memory=2.0)
+        for index, spec in enumerate([None, *specs]):
+            llm = LLM(path, speculative_config=spec, max_model_len=4096, kv_cache_memory=2.0)
             run(llm, chat_prompts(1), 8)  # warm up
             for workload in workloads:
                 make, structured = WORKLOADS[workload]
@@ -158,20 +159,27 @@ def main() -> None:
                     before = counters()
                     rate, decode, texts = run(llm, make(c), args.tokens, structured)
                     delta = [b - a for a, b in zip(before, counters())]
-                    results[(workload, c, on)] = (rate, decode, texts, delta)
+                    results[(workload, c, index)] = (rate, decode, texts, delta)
             del llm
-        for workload in workloads:
-            for c in levels:
-                off, dec_off, texts_off, _ = results[(workload, c, False)]
-                on, dec_on, texts_on, (steps, drafted, accepted, draft_s, verify_s) = results[(workload, c, True)]
-                accept = f"{accepted / drafted:.0%}" if drafted else "-"
-                per_step = f"{(accepted + steps) / steps:.2f}" if steps else "-"
-                print(
-                    f"{name:<22} {workload:<10} {c:>4} {off:>10.1f} {on:>9.1f} {on / off:>7.2f}x {dec_off:>10.1f} "
-                    f"{dec_on:>9.1f} {dec_on / dec_off:>7.2f}x {accept:>7} {per_step:>9} {draft_s:>6.2f}/{verify_s:<7.2f} "
-                    f"{texts_on == texts_off}",
-                    flush=True,
-                )
+        for on_index, spec in enumerate(specs, 1):
+            for workload in workloads:
+                for c in levels:
+                    report(
+                        name, spec["method"], workload, c, results[(workload, c, 0)], results[(workload, c, on_index)]
+                    )
+
+
+def report(name: str, method: str, workload: str, c: int, off_result, on_result) -> None:
+    off, dec_off, texts_off, _ = off_result
+    on, dec_on, texts_on, (steps, drafted, accepted, draft_s, verify_s) = on_result
+    accept = f"{accepted / drafted:.0%}" if drafted else "-"
+    per_step = f"{(accepted + steps) / steps:.2f}" if steps else "-"
+    print(
+        f"{name:<22} {method:<8} {workload:<10} {c:>4} {off:>10.1f} {on:>9.1f} {on / off:>7.2f}x {dec_off:>10.1f} "
+        f"{dec_on:>9.1f} {dec_on / dec_off:>7.2f}x {accept:>7} {per_step:>9} {draft_s:>6.2f}/{verify_s:<7.2f} "
+        f"{texts_on == texts_off}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

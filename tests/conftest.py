@@ -36,6 +36,7 @@ UNIT_MODULES = {
     "test_step_budget",
     "test_step_isolation",
     "test_server_units",
+    "test_spec_dflash",
     "test_spec_mtp",
     "test_step_contract",
     "test_structured_units",

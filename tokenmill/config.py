@@ -216,8 +216,8 @@ class SchedulerConfig:
         return None if self.max_model_len == "auto" else self.max_model_len
 
 
-SPECULATIVE_METHODS = ("ngram", "medusa", "draft_model", "eagle3", "mtp", "deepseek_mtp")
-SPECULATIVE_MODEL_METHODS = ("medusa", "draft_model", "eagle3")  # the methods that read `model`
+SPECULATIVE_METHODS = ("ngram", "medusa", "draft_model", "eagle3", "mtp", "deepseek_mtp", "dflash", "dspark")
+SPECULATIVE_MODEL_METHODS = ("medusa", "draft_model", "eagle3", "dflash", "dspark")  # the methods that read `model`
 
 
 @dataclass
@@ -234,7 +234,12 @@ class SpeculativeConfig:
     over the target's hidden states of three layers, `tokenmill.spec_decode.eagle`); `mtp` (alias
     `deepseek_mtp`): the multi-token-prediction layer of a DeepSeek-V3-style target's own checkpoint
     (`tokenmill.spec_decode.mtp`); both draft k tokens autoregressively on a small KV cache of their
-    own, fed the target's hidden states every step. Nothing is drafted while more than
+    own, fed the target's hidden states every step. `dflash`: the DFlash block drafter in `model`
+    (`tokenmill.spec_decode.dflash`: all k drafts from one non-causal forward over a block of mask
+    tokens, conditioned on several target layers); `dspark`: a DFlash drafter with a sequential head
+    over the block and a confidence head (`tokenmill.spec_decode.dspark`): a draft is verified only
+    while the product of the confidences so far is at least `min_confidence`, and, once a step's rows
+    (decodes + drafts) pass `compute_bound_tokens`, at least the step's expected tokens per row. Nothing is drafted while more than
     `disable_by_batch_size` requests run (a full batch gains little from verifying drafts), and a
     step's decodes plus drafts stay within `max_verify_tokens` (on CPU the quantized kernels multiply
     register tiles of 8 rows per pass over the weights: a step much past 16 rows costs ~linearly
@@ -253,7 +258,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 4
     max_verify_tokens: int = 16
     min_acceptance: float = 0.5
-    model: str | None = None  # medusa: the heads' checkpoint directory; draft_model: the draft; eagle3: the drafter
+    min_confidence: float = 0.3  # dspark: the least predicted chance of a draft being accepted worth verifying
+    compute_bound_tokens: int = 16  # dspark: rows per step past which verifying costs compute
+    model: str | None = None  # medusa: the heads' checkpoint directory; draft_model: the draft; others: the drafter
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -264,8 +271,9 @@ class SpeculativeConfig:
             self.method = "mtp"
         if (self.method in SPECULATIVE_MODEL_METHODS) != (self.model is not None):
             raise ValueError(
-                "speculative_config.model (a Medusa heads directory, the draft model or an EAGLE-3 "
-                "checkpoint) is required by methods medusa and draft_model and eagle3 and only by them, "
+                "speculative_config.model (a Medusa heads directory, the draft model or an EAGLE-3 / DFlash / "
+                "DSpark checkpoint) is required by methods medusa and draft_model and eagle3 and dflash and "
+                "dspark and only by them, "
                 f"got method {self.method!r} with model {self.model!r}"
             )
         for name in (
@@ -274,12 +282,15 @@ class SpeculativeConfig:
             "prompt_lookup_max",
             "disable_by_batch_size",
             "max_verify_tokens",
+            "compute_bound_tokens",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
             raise ValueError(f"speculative_config.min_acceptance must be in [0, 1), got {self.min_acceptance!r}")
+        if not isinstance(self.min_confidence, (int, float)) or not 0 <= self.min_confidence < 1:
+            raise ValueError(f"speculative_config.min_confidence must be in [0, 1), got {self.min_confidence!r}")
         if self.num_speculative_tokens > 15:
             raise ValueError(
                 "speculative_config.num_speculative_tokens must be at most 15 (a verify step of at most "
@@ -323,8 +334,17 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] = ()  # layers per stage (empty: an even split)
     distributed_executor_backend: str = "mp"  # "mp": worker processes; "ray": Ray actors in a placement group
+    # context parallelism (vLLM's flags): not built; anything but 1 is refused by name
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r}: context parallelism is not built in "
+                    "tokenmill yet; only 1 is accepted (tensor and pipeline parallelism are)"
+                )
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             size = getattr(self, name)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:

@@ -85,6 +85,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] | str = ()  # layers per stage, or "A,B,..."
     distributed_executor_backend: str = "mp"
+    decode_context_parallel_size: int = 1  # not built: only 1 (ParallelConfig refuses more)
+    prefill_context_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
     kv_transfer_config: KVTransferConfig | dict | str | None = None  # disaggregated prefill/decode; None: off
     enable_lora: bool = False  # LoRA adapters on (implied by lora_modules): loaded at run time too
@@ -159,6 +161,8 @@ class EngineArgs:
                 pipeline_layer_partition=_layer_partition(self.pipeline_layer_partition),
                 distributed_executor_backend=self.distributed_executor_backend,
                 enable_expert_parallel=self.enable_expert_parallel,
+                decode_context_parallel_size=self.decode_context_parallel_size,
+                prefill_context_parallel_size=self.prefill_context_parallel_size,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=_or(self.max_num_seqs, defaults["max_num_seqs"]),
@@ -396,7 +400,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         'drafting on a KV cache of its own; eagle3: an EAGLE-3 drafter checkpoint in "model" '
         "(published layout, or one written by tokenmill train-draft-head --kind eagle3) fed three of "
         "the target's layers' hidden states; mtp / deepseek_mtp: the MTP layer of a DeepSeek-V3-style "
-        "target's own checkpoint), num_speculative_tokens "
+        'target\'s own checkpoint; dflash: a DFlash block drafter checkpoint in "model" (published '
+        "layout, or tokenmill train-draft-head --kind dflash) drafting all k tokens in one forward; dspark: "
+        "a DFlash drafter with a sequential head and a confidence head that verifies fewer drafts when they "
+        "are unlikely or the batch is compute-bound, see min_confidence / compute_bound_tokens), num_speculative_tokens "
         "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
         "disable_by_batch_size (draft nothing while more requests run, default 4) and max_verify_tokens "
         "(decodes + drafts in one step, default 16: two of the CPU int8 kernel's 8-row tiles); the output "
@@ -442,6 +449,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="decoder layers per pipeline stage, e.g. 10,12 (must sum to the model's layers; "
         "default: an even split, which needs the layers to divide by --pipeline-parallel-size)",
     )
+    for kind, what in (("decode", "the KV cache striped by position"), ("prefill", "a prompt's tokens split")):
+        c.add_argument(
+            f"--{kind}-context-parallel-size",
+            type=int,
+            default=getattr(d, f"{kind}_context_parallel_size"),
+            metavar="N",
+            help=f"context parallelism ({what} across N ranks): not built yet, only 1 is accepted "
+            "(default: %(default)s)",
+        )
     c.add_argument(
         "--distributed-executor-backend",
         choices=["mp", "ray"],

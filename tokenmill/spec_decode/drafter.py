@@ -9,10 +9,10 @@ A drafter may use any part of the step: the request's tokens (n-gram lookup), th
 state of the row each newest token was predicted from (Medusa heads), a model of its own over its own
 paged KV pool (a draft model), or the target's hidden states of every position the step computed, fed
 into its own KV so that it follows the target (EAGLE-3, MTP: `hidden_drafter`). The last kind is what
-block drafters such as DFlash need too: `step.model.model.aux_hidden` holds the hidden states of several
-target layers (a target built with `aux_layers`; a drafter says which it reads), and a drafter may
-propose all of a request's k tokens in one forward (a non-causal block over k mask positions) instead of
-k sequential ones — the interface only asks for up to k tokens per request. A drafter that samples its
+block drafters need too (DFlash, DSpark: `block_drafter`): `step.model.model.aux_hidden` holds the
+hidden states of several target layers (a target built with `aux_layers`; a drafter says which it
+reads), and they propose all of a request's k tokens in one forward (a non-causal block over k mask
+positions) instead of k sequential ones — the interface only asks for up to k tokens per request. A drafter that samples its
 drafts from a distribution q leaves q in the request state (`draft`) for the rejection sampler.
 """
 
@@ -70,6 +70,12 @@ def make_drafter(config: EngineConfig, target: LoadedModel) -> Drafter:
         from tokenmill.spec_decode.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(config, target.config.vocab_size)
+    if spec.method in ("dflash", "dspark"):
+        from tokenmill.spec_decode.block_drafter import BlockDrafter
+        from tokenmill.spec_decode.dflash import load_dflash
+        from tokenmill.spec_decode.dspark import DSparkModule
+
+        return BlockDrafter(load_dflash(spec.model, target, DSparkModule if spec.method == "dspark" else None), config)
     from tokenmill.spec_decode.hidden_drafter import HiddenStateDrafter
 
     if spec.method == "eagle3":

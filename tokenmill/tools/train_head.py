@@ -1,5 +1,6 @@
 """`tokenmill train-draft-head`: train Medusa heads for a target model on its own greedy outputs, on CPU
-(`--kind eagle3`: an EAGLE-3 drafter, `train_eagle`, from the same prompts, outputs and hidden states).
+(`--kind eagle3`: an EAGLE-3 drafter, `train_eagle`; `--kind dflash|dspark`: a block drafter,
+`train_dflash`; both from the same prompts, outputs and hidden states).
 
 1. Prompts: passages of a corpus (by default the benchmark corpus, Python's own docstrings), each as a
    plain text to continue and, when the tokenizer has a chat template, as a chat turn asking about it.
@@ -31,8 +32,8 @@ from tokenmill.spec_decode.medusa import MedusaHeads, save_medusa_heads
 
 logger = logging.getLogger(__name__)
 
-DRAFT_KINDS = ("medusa", "eagle3")
-EAGLE_EPOCHS = 8  # the EAGLE-3 drafter's default: a whole layer to train, one sequence per step
+DRAFT_KINDS = ("medusa", "eagle3", "dflash", "dspark")
+EAGLE_EPOCHS = 8  # the EAGLE-3 and DFlash drafters' default: whole layers to train, one sequence per step
 CHAT_ASKS = ("Explain what this text says:", "Summarize this:", "Continue this text:", "What is this about?")
 
 
@@ -52,6 +53,7 @@ class TrainOptions:
     progress: bool = True
     kind: str = "medusa"  # or "eagle3" (`train_eagle`)
     draft_vocab_size: int = 8192  # eagle3: the drafter's vocabulary, the target's most frequent output tokens
+    block_size: int = 8  # dflash / dspark: the block (its first token and block_size - 1 drafts)
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
@@ -65,6 +67,7 @@ class TrainOptions:
             "epochs",
             "batch_size",
             "draft_vocab_size",
+            "block_size",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -285,12 +288,16 @@ def training_summary(report: TrainReport, held: int, opts: TrainOptions) -> dict
 def train_draft_head(
     model: str, output: str, opts: TrainOptions, dtype: str = "auto", quantization: str = "auto"
 ) -> TrainReport:
-    """Generate, collect hidden states, train, measure and write heads (or an EAGLE-3 drafter:
-    `opts.kind`) for `model` into `output`."""
+    """Generate, collect hidden states, train, measure and write heads (or an EAGLE-3, DFlash or
+    DSpark drafter: `opts.kind`) for `model` into `output`."""
     if opts.kind == "eagle3":
         from tokenmill.tools.train_eagle import train_eagle3
 
         return train_eagle3(model, output, opts, dtype, quantization)
+    if opts.kind in ("dflash", "dspark"):
+        from tokenmill.tools.train_dflash import train_dflash
+
+        return train_dflash(model, output, opts, dtype, quantization)
     report = TrainReport()
     llm, prompts, sequences = target_sequences(model, opts, dtype, quantization, report)
     clock = time.perf_counter()
@@ -321,12 +328,15 @@ def add_train_head_parser(sub) -> None:
 
     p = sub.add_parser(
         "train-draft-head",
-        help="train Medusa heads or an EAGLE-3 drafter for a model on its own outputs (CPU)",
+        help="train Medusa heads or an EAGLE-3 / DFlash / DSpark drafter for a model on its own outputs (CPU)",
         description="Train Medusa heads (residual blocks tied to the target's LM head), or an EAGLE-3 "
         "drafter (--kind eagle3: one decoder layer over three of the target's layers' hidden "
-        "states, in the published checkpoint layout), on the target's own greedy "
-        "continuations of corpus passages, and write them where --speculative-config "
-        '\'{"method": "medusa" (or "eagle3"), "model": DIR}\' loads them.',
+        "states, in the published checkpoint layout), or a DFlash block drafter (--kind dflash: "
+        "--num-layers non-causal layers drafting a block of --block-size in one forward, published "
+        "layout; --kind dspark: plus a sequential head and a confidence head), on the target's own "
+        "greedy continuations of corpus passages, and write them where --speculative-config "
+        '\'{"method": "medusa" (or "eagle3", "dflash", "dspark"), "model": DIR}\' loads them; '
+        "prints the held-out accuracy per head (dflash / dspark: acceptance per draft position).",
     )
     d = TrainOptions()
     p.add_argument(
@@ -343,7 +353,8 @@ def add_train_head_parser(sub) -> None:
         "--kind",
         choices=DRAFT_KINDS,
         default=d.kind,
-        help="medusa: heads on the last hidden state; eagle3: an EAGLE-3 drafter (default: %(default)s)",
+        help="medusa: heads on the last hidden state; eagle3: an EAGLE-3 drafter; dflash: a block drafter; "
+        "dspark: a block drafter with sequential and confidence heads (default: %(default)s)",
     )
     p.add_argument(
         "--draft-vocab-size",
@@ -360,7 +371,16 @@ def add_train_head_parser(sub) -> None:
         help="medusa: heads, i.e. most drafts per step (default: %(default)s)",
     )
     p.add_argument(
-        "--num-layers", type=int, default=d.num_layers, help="medusa: residual blocks per head (default: %(default)s)"
+        "--num-layers",
+        type=int,
+        default=d.num_layers,
+        help="medusa: residual blocks per head; dflash / dspark: drafter layers (default: %(default)s)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        help="dflash / dspark: the block, i.e. at most block size - 1 drafts per step (default: %(default)s)",
     )
     p.add_argument(
         "--corpus",
@@ -386,7 +406,7 @@ def add_train_head_parser(sub) -> None:
         "--epochs",
         type=int,
         default=None,
-        help=f"passes over the positions (default: {d.epochs} for medusa, {EAGLE_EPOCHS} for eagle3)",
+        help=f"passes over the positions (default: {d.epochs} for medusa, {EAGLE_EPOCHS} for the others)",
     )
     p.add_argument(
         "--lr", type=float, default=d.lr, help="peak learning rate, one-cycle schedule (default: %(default)s)"
@@ -395,7 +415,7 @@ def add_train_head_parser(sub) -> None:
         "--batch-size",
         type=int,
         default=d.batch_size,
-        help="medusa: positions per step (eagle3 trains one sequence per step) (default: %(default)s)",
+        help="medusa: positions per step (the others train one sequence per step) (default: %(default)s)",
     )
     p.add_argument(
         "--held-out",
@@ -408,7 +428,7 @@ def add_train_head_parser(sub) -> None:
 
 
 def cmd_train_draft_head(args) -> None:
-    epochs = args.epochs or (EAGLE_EPOCHS if args.kind == "eagle3" else TrainOptions.epochs)
+    epochs = args.epochs or (TrainOptions.epochs if args.kind == "medusa" else EAGLE_EPOCHS)
     opts = TrainOptions(
         num_heads=args.num_heads,
         num_layers=args.num_layers,
@@ -423,10 +443,12 @@ def cmd_train_draft_head(args) -> None:
         corpus=args.corpus,
         kind=args.kind,
         draft_vocab_size=args.draft_vocab_size,
+        block_size=args.block_size,
     )
     report = train_draft_head(args.model, args.output, opts, dtype=args.dtype)
+    measure = "acceptance by draft position" if args.kind in ("dflash", "dspark") else "top-1 accuracy by head"
     print(
-        f"{report.sequences} sequences, {report.positions} positions; held-out top-1 accuracy by head: "
+        f"{report.sequences} sequences, {report.positions} positions; held-out {measure}: "
         + ", ".join(f"{a:.1%}" for a in report.accuracy)
         + f"; seconds {report.seconds}; written to {args.output}"
     )
