@@ -83,13 +83,19 @@ class TorchSDPABackend(AttentionBackend):
             prefills.append(PrefillMetadata(start, end, table, mask))
         return TorchAttentionMetadata(common.slot_mapping, d, decode_tables, decode_lens, decode_mask, prefills, w)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
+    def _store(self, k, v, kv_cache, slot_mapping, kv_scales):
+        """Write the step's keys and values; returns the cache's key and value views and the scales to read
+        them with (a latent cache, MLA: the values are the key rows' leading features, with the same scales)."""
         latent = kv_cache.shape[0] == 1
         k_cache = kv_cache[0]
         v_cache = k_cache[..., : v.shape[-1]] if latent else kv_cache[1]
-        if latent and kv_scales is not None:  # the values are the key rows' leading features: same scales
+        if latent and kv_scales is not None:
             kv_scales = kv_scales.expand(2, *kv_scales.shape[1:])
-        self._write_kv(k, None if latent else v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        self._write_kv(k, None if latent else v, k_cache, v_cache, slot_mapping, kv_scales)
+        return k_cache, v_cache, kv_scales
+
+    def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
+        k_cache, v_cache, kv_scales = self._store(k, v, kv_cache, meta.slot_mapping, kv_scales)
         d = meta.num_decodes
         if not meta.prefills:
             return self._decode(q, k_cache, v_cache, meta, scale, soft_cap, kv_scales, sinks)

@@ -90,12 +90,7 @@ class TritonPagedBackend(TorchSDPABackend):
             kernel.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
-        latent = kv_cache.shape[0] == 1
-        k_cache = kv_cache[0]
-        v_cache = k_cache[..., : v.shape[-1]] if latent else kv_cache[1]
-        if latent and kv_scales is not None:  # the values are the key rows' leading features: same scales
-            kv_scales = kv_scales.expand(2, *kv_scales.shape[1:])
-        self._write_kv(k, None if latent else v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        k_cache, v_cache, kv_scales = self._store(k, v, kv_cache, meta.slot_mapping, kv_scales)
         return kernel.paged_attention(
             q,
             k_cache,

@@ -28,49 +28,12 @@ from tokenmill.engine.output_processor import RequestOutput
 
 logger = logging.getLogger("tokenmill.server")
 
-_LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_TOKEN_GAP_BUCKETS = (
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-)
+# fmt: off
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                      5.0)
+# fmt: on
 # the KV-cache tiers' counters (tokenmill.kv_transfer.disk_tier.TierStats), each labelled by tier
 _KV_TIER_METRICS = {
     "queries": "Prompt tokens looked up in a KV-cache tier (past the pool's prefix-cache hits).",
