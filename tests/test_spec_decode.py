@@ -192,8 +192,9 @@ def test_speculation_with_prefix_caching_preemption_and_a_small_pool(tmp_path):
     base = repetitive_prompts(1, 40)[0]
     prompts = [base + [i, i + 1] for i in range(5)]
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    plain = run_core(make_core(str(tmp_path), block_size=4, num_blocks=48), prompts, greedy)
-    core = make_core(str(tmp_path), block_size=4, num_blocks=48, speculative=SPEC)
+    # 32 blocks hold one request alone (23) but not all five, even sharing the prefix's 10
+    plain = run_core(make_core(str(tmp_path), block_size=4, num_blocks=32), prompts, greedy)
+    core = make_core(str(tmp_path), block_size=4, num_blocks=32, speculative=SPEC)
     assert run_core(core, prompts, greedy) == plain
     assert core.scheduler.num_preemptions > 0 and core.scheduler.spec_stats.num_accepted_tokens > 0
     assert core.kv.num_free_blocks == core.kv.num_blocks
