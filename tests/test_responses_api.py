@@ -16,8 +16,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from helpers import make_tiny_model
-from test_server_utils import model_available, running_server, wait_pool_whole
+from test_server_utils import model_available, tiny_chat_server, wait_pool_whole
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
 
@@ -36,27 +35,7 @@ ASK = "What is 2 + 3?"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-responses")
-    make_tiny_model("llama-gqa-untied", directory, vocab_size=len(tokenizer.hf))
-    tokenizer.hf.save_pretrained(directory)
-    yield from running_server(
-        tmp_path_factory,
-        "responses",
-        "--model",
-        str(directory),
-        "--served-model-name",
-        MODEL,
-        "--reasoning-parser",
-        "qwen3",
-        "--max-stored-responses",
-        "2",
-        "--num-kv-blocks",
-        "256",
-        "--max-model-len",
-        "1024",
-        "--log-interval",
-        "0",
-    )
+    yield from tiny_chat_server(tmp_path_factory, tokenizer, "responses", "--max-stored-responses", "2")
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,23 @@ def running_server(tmp_path_factory, name: str, *args: str):
     assert code == 0, srv.log()
 
 
+def tiny_chat_server(tmp_path_factory, tokenizer, name: str, *args: str):
+    """Body of a module-scoped fixture serving a tiny random Llama with the default model's tokenizer and
+    chat template as "tiny", with the qwen3 reasoning parser (the chat APIs' tests), plus `args`."""
+    from helpers import make_tiny_model
+
+    directory = tmp_path_factory.mktemp(f"tiny-{name}")
+    make_tiny_model("llama-gqa-untied", directory, vocab_size=len(tokenizer.hf))
+    tokenizer.hf.save_pretrained(directory)
+    yield from running_server(
+        tmp_path_factory,
+        name,
+        *("--model", str(directory), "--served-model-name", "tiny", "--reasoning-parser", "qwen3"),
+        *("--num-kv-blocks", "256", "--max-model-len", "1024", "--log-interval", "0"),
+        *args,
+    )
+
+
 def wait_gone(pid: int, timeout: float = 15) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
