@@ -58,11 +58,18 @@ class Executor(ABC):
 
     def load_lora(self, name: str, path: str) -> None:
         """Load a LoRA adapter into the runner (`lora.peft.LoRAError` if it cannot be). LoRA runs on one
-        process: only the in-process executor has it (the config refuses the others)."""
-        raise NotImplementedError("LoRA adapters need the in-process executor")
+        process: only the in-process executor has it (the config refuses the others at start; this answers a
+        request that still reaches one with a 400, not a 500)."""
+        self._no_lora()
 
     def unload_lora(self, name: str) -> None:
-        raise NotImplementedError("LoRA adapters need the in-process executor")
+        self._no_lora()
+
+    @staticmethod
+    def _no_lora() -> None:
+        from tokenmill.lora.peft import LoRAError
+
+        raise LoRAError("LoRA adapters run with one process only (no tensor or pipeline parallelism)", "lora_name")
 
     def check_health(self) -> None:
         """Raise (saying why) if a worker this executor needs is gone."""
