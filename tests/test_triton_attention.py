@@ -233,6 +233,45 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
 print("OK")
 """
 
+_ROTARY = r"""
+import torch
+from tokenmill.attention import kv_quant
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.kernels.triton_rotary_kv import rotary_store
+from tokenmill.layers.rotary import RotaryEmbedding
+
+def check_rotary(heads, kv_heads, dim, rotary_dim, interleaved, cache_dtype, dtype=torch.float32, bs=4, nblocks=6):
+    g = torch.Generator().manual_seed(heads * dim + rotary_dim)
+    rotary = RotaryEmbedding(dim, 64, 10000.0, rotary_dim=rotary_dim, interleaved=interleaved)
+    qkv = torch.randn(7, heads + 2 * kv_heads, dim, generator=g).to(dtype)  # 7 tokens of any requests
+    qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]  # strided views, as the layers pass them
+    positions = torch.randint(0, 64, (7,), generator=g)
+    slots = torch.randperm(nblocks * bs, generator=g)[:7]
+    slots[2] = -1  # a padding row: written nowhere
+    shape, quantized = (2, nblocks, bs, kv_heads, dim), kv_quant.is_quantized(cache_dtype)
+    poison = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g) if quantized else torch.randn(shape).to(cache_dtype)
+    scales = torch.randn(2, nblocks, bs, kv_heads, generator=g).to(kv_quant.SCALE_DTYPE) if quantized else None
+    want_cache, got_cache = poison.clone().view(cache_dtype), poison.clone().view(cache_dtype)
+    want_scales, got_scales = (None, None) if scales is None else (scales.clone(), scales.clone())
+    want = rotary(positions, qk.clone())  # the torch path: rotate, then write
+    keep = slots >= 0
+    TorchSDPABackend()._write_kv(want[keep, heads:], v[keep], want_cache[0], want_cache[1], slots[keep], want_scales)
+    q = rotary_store(qk, v, positions, rotary.table(qk), rotary_dim, interleaved, got_cache[0], got_cache[1], slots, got_scales)
+    case = (heads, kv_heads, dim, rotary_dim, interleaved, cache_dtype, dtype)
+    assert torch.equal(q, want[:, :heads]), case
+    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8)), case  # untouched slots too
+    assert scales is None or torch.equal(got_scales, want_scales), case
+
+check_rotary(4, 2, 16, 16, False, torch.float32)   # rotate-half, GQA
+check_rotary(4, 2, 16, 16, True, torch.float32)    # interleaved pairs (DeepSeek's)
+check_rotary(4, 1, 24, 8, False, torch.float32)    # partial rotary, MQA, head dim not a power of two
+check_rotary(4, 2, 16, 16, False, torch.float16, torch.float16)
+check_rotary(4, 2, 16, 12, False, torch.int8)      # quantized with their scales, bit for bit
+check_rotary(4, 2, 16, 16, True, torch.float8_e4m3fn)
+check_rotary(2, 2, 16, 16, False, torch.float8_e5m2)
+print("OK")
+"""
+
 
 def _run(script: str, *args: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
@@ -247,14 +286,18 @@ def test_kernels_match_torch():
     block tables, GQA / MQA, key-length splits, window, soft-cap, sinks, int8 / fp8 caches, float16, the
     MLA latent layout, a NaN-poisoned output buffer. The fused residual add + RMSNorm and SiLU * up
     against the torch layers (float32, float16; rows with a masked tail). The grouped MoE GEMM against the
-    per-expert loop (idle experts, partial tiles, biases). One process: one start-up."""
-    _run(_KERNEL + _FUSED + _MOE)
+    per-expert loop (idle experts, partial tiles, biases). The fused rotary + KV write against rotation then
+    the torch write, bit for bit: rotate-half and interleaved, partial rotary, GQA / MQA, float16, int8 /
+    fp8 caches with their scales, random slots with a padding row, a poisoned cache whose other slots stay
+    as they were. One process: one start-up."""
+    _run(_KERNEL + _FUSED + _MOE + _ROTARY)
 
 
 def test_backend_matches_torch_in_models(tmp_path):
-    """GQA with sinks, windows and an int8 cache (GPT-OSS), latent MLA (DeepSeek-V2); soft-caps are the
-    kernel test's."""
-    _run(_MODELS, str(tmp_path), "gpt-oss:int8", "deepseek-v2")
+    """GQA with sinks, windows and an int8 cache (GPT-OSS), latent MLA (DeepSeek-V2), partial rotary with
+    a window (Phi-3); the Llama-style layers through the fused rotary + KV write. Soft-caps are the kernel
+    test's."""
+    _run(_MODELS, str(tmp_path), "gpt-oss:int8", "deepseek-v2", "phi3-window-partial")
 
 
 def test_decode_graphs_replay_padded_batches_as_eager(tmp_path):

@@ -1,7 +1,9 @@
 """The GPU backend: paged attention in Triton (`kernels/triton_paged_attention.py`) for every token of a
 step, decodes and prompt chunks (with prefix hits) alike, straight from the blocks: no gather copy, no
 mask tensor, no padding to the longest context; sliding windows, soft-caps, sinks, latent (MLA) caches and
-int8 / fp8 caches in the kernel. New K/V are written with torch ops as the torch backend does.
+int8 / fp8 caches in the kernel. Layers that rotate their queries and keys (`forward_rotary`) have the
+rotation and the cache write done by one kernel (`kernels/triton_rotary_kv.py`), int8 / fp8 caches
+quantized in it; other new K/V (a latent cache's) are written by the KV-write kernel, or by torch ops.
 
 The step's integer metadata (query offsets, lengths, block table, the kernel's tile map) travels to the
 device in one copy: packed into one host buffer (pinned on CUDA) and copied without blocking, then
@@ -18,6 +20,7 @@ import torch
 from tokenmill.attention.metadata import CommonAttentionMetadata
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.kernels import triton_paged_attention as kernel
+from tokenmill.kernels import triton_rotary_kv
 
 
 @dataclass
@@ -91,6 +94,21 @@ class TritonPagedBackend(TorchSDPABackend):
 
     def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
         k_cache, v_cache, kv_scales = self._store(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        return self._attend(q, k_cache, v_cache, meta, scale, soft_cap, kv_scales, sinks)
+
+    def forward_rotary(
+        self, positions, rotary, qk, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None
+    ):
+        """The rotation and the K/V write in one kernel (a separate K and V cache, rows of unit stride)."""
+        if kv_cache.shape[0] != 2 or qk.stride(-1) != 1 or v.stride(-1) != 1:
+            return super().forward_rotary(positions, rotary, qk, v, kv_cache, meta, scale, soft_cap, kv_scales, sinks)
+        q = triton_rotary_kv.rotary_store(
+            qk, v, positions, rotary.table(qk), rotary.rotary_dim, rotary.interleaved,
+            kv_cache[0], kv_cache[1], meta.slot_mapping, kv_scales,
+        )  # fmt: skip
+        return self._attend(q, kv_cache[0], kv_cache[1], meta, scale, soft_cap, kv_scales, sinks)
+
+    def _attend(self, q, k_cache, v_cache, meta, scale, soft_cap, kv_scales, sinks):
         return kernel.paged_attention(
             q,
             k_cache,

@@ -142,7 +142,7 @@ class CompiledDecode:
             meta.slot_mapping,
             meta.decode_block_tables,
             meta.decode_context_lens,
-            self.rotary._table(hidden),
+            self.rotary.table(hidden),
             self.tensors,
             self.ints,
             self.num_heads,

@@ -73,3 +73,12 @@ class Attention(nn.Module):
         return self.backend.forward(
             q, k, v, self.kv_cache, meta, self.scale, self.logits_soft_cap, self.kv_scales, self.sinks
         )
+
+    def forward_rotary(self, positions: torch.Tensor, rotary, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`forward` on queries and keys stacked in `qk` [T, heads + kv heads, D], not yet rotated: the
+        backend rotates them with `rotary` (a `RotaryEmbedding`) at `positions`, in one kernel with the
+        cache write where it has one."""
+        meta = get_forward_context().attn_metadata[self.kv_group]
+        return self.backend.forward_rotary(
+            positions, rotary, qk, v, self.kv_cache, meta, self.scale, self.logits_soft_cap, self.kv_scales, self.sinks
+        )

@@ -113,7 +113,9 @@ class RotaryEmbedding(nn.Module):
         )
         return positions[:, None] * inv_freq, scale
 
-    def _table(self, like: torch.Tensor) -> torch.Tensor:
+    def table(self, like: torch.Tensor) -> torch.Tensor:
+        """[2, max_positions, rotary_dim]: cos and sin of every pair (rotate-half order, each angle twice)
+        at every position, times the scaling's factor, on `like`'s device and in its dtype."""
         if self.cos_sin is None or self.cos_sin.device != like.device or self.cos_sin.dtype != like.dtype:
             with torch.device("cpu"):
                 freqs, scale = self._freqs()
@@ -124,7 +126,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x: [T, heads, D] (queries and keys stacked along heads) at `positions`: [T].
         On CPU float32 the (whole-head) rotation is done in place by a fused kernel."""
-        table = self._table(x)
+        table = self.table(x)
         if fused_ops.applies(x) and x.stride(-1) == 1 and self.rotary_dim == x.shape[-1] and not self.interleaved:
             return fused_ops.rotary_inplace(x, positions, table)
         cos = table[0].index_select(0, positions).unsqueeze(1)

@@ -152,10 +152,8 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         if hasattr(self, "q_norm"):
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads])[0], self.k_norm(qk[:, self.num_heads :])[0]), 1)
-        qk = self.rotary(positions, qk)  # one rotation for q and k
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        return self.o_proj(self.attn(q, k, v).view(-1, self.q_size))
+        return self.o_proj(self.attn.forward_rotary(positions, self.rotary, qk, v).view(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
