@@ -186,7 +186,7 @@ print("OK")
 _FUSED = r"""
 import torch
 from tokenmill.kernels import triton_fused
-from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from tokenmill.layers.norm import RMSNorm
 
 torch.manual_seed(0)
@@ -204,6 +204,10 @@ for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-3)):  # (the interp
         gate_up = torch.randn(3, 2 * n, dtype=dtype)
         got, want = triton_fused.silu_and_mul(gate_up), silu_and_mul(gate_up)
         assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max(), (dtype, n, "silu")
+        gate_up = gate_up * 3  # gates out to where the tanh saturates
+        for approximate, want in (("tanh", gelu_tanh_and_mul(gate_up)), ("none", torch.nn.functional.gelu(gate_up[:, :n]) * gate_up[:, n:])):
+            got = triton_fused.gelu_and_mul(gate_up, approximate)
+            assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max(), (dtype, n, approximate)
 print("OK")
 """
 
@@ -284,12 +288,12 @@ def _run(script: str, *args: str) -> None:
 def test_kernels_match_torch():
     """The attention kernel against attention written out: ragged decodes and prompt chunks over random
     block tables, GQA / MQA, key-length splits, window, soft-cap, sinks, int8 / fp8 caches, float16, the
-    MLA latent layout, a NaN-poisoned output buffer. The fused residual add + RMSNorm and SiLU * up
-    against the torch layers (float32, float16; rows with a masked tail). The grouped MoE GEMM against the
-    per-expert loop (idle experts, partial tiles, biases). The fused rotary + KV write against rotation then
-    the torch write, bit for bit: rotate-half and interleaved, partial rotary, GQA / MQA, float16, int8 /
-    fp8 caches with their scales, random slots with a padding row, a poisoned cache whose other slots stay
-    as they were. One process: one start-up."""
+    MLA latent layout, a NaN-poisoned output buffer. The fused residual add + RMSNorm, SiLU * up and
+    GeLU * up (tanh, erf) against the torch layers (float32, float16; rows with a masked tail). The grouped
+    MoE GEMM against the per-expert loop (idle experts, partial tiles, biases). The fused rotary + KV write
+    against rotation then the torch write, bit for bit: rotate-half and interleaved, partial rotary, GQA /
+    MQA, float16, int8 / fp8 caches with their scales, random slots with a padding row, a poisoned cache
+    whose other slots stay as they were. One process: one start-up."""
     _run(_KERNEL + _FUSED + _MOE + _ROTARY)
 
 

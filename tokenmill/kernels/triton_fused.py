@@ -1,4 +1,5 @@
-"""Fused elementwise kernels in Triton for the GPU path: residual add + RMSNorm, and SiLU(gate) * up. Each
+"""Fused elementwise kernels in Triton for the GPU path: residual add + RMSNorm, SiLU(gate) * up and
+GeLU(gate) * up (tanh approximation, Gemma's gelu_pytorch_tanh, or erf). Each
 is one pass over a row instead of torch's three to five kernels (add, float cast, mean of squares, scale,
 weight), which at batch 1 are launch-bound. They round where the torch layers do (the sum and the
 product in the compute dtype, the norm in float32, then times the weight in the compute dtype), so the
@@ -59,7 +60,22 @@ def _kernels():
         silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded as torch's silu output
         tl.store(out_ptr + row * n + i, silu * up, mask=mask)
 
-    return add_rms_norm_kernel, silu_and_mul_kernel
+    @triton.jit
+    def gelu_and_mul_kernel(gate_up_ptr, out_ptr, n, TANH: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        gate = tl.load(gate_up_ptr + row * 2 * n + i, mask=mask, other=0.0)
+        up = tl.load(gate_up_ptr + row * 2 * n + n + i, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        if TANH:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            gelu = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+        else:  # 0.5 g (1 + erf(g / sqrt(2)))
+            gelu = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        tl.store(out_ptr + row * n + i, gelu.to(gate.dtype) * up, mask=mask)  # rounded as torch's gelu output
+
+    return add_rms_norm_kernel, silu_and_mul_kernel, gelu_and_mul_kernel
 
 
 def add_rms_norm(
@@ -68,7 +84,7 @@ def add_rms_norm(
     """(rms_norm(x + residual) * weight, x + residual) for x [T, N] (residual None: x itself)."""
     import triton
 
-    add_rms_norm_kernel, _ = _kernels()
+    add_rms_norm_kernel = _kernels()[0]
     t, n = x.shape
     out = torch.empty_like(x)
     total = x if residual is None else torch.empty_like(x)
@@ -81,9 +97,19 @@ def add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 I] -> silu(gate) * up, [T, I]."""
-    _, silu_and_mul_kernel = _kernels()
+    silu_and_mul_kernel = _kernels()[1]
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     silu_and_mul_kernel[(t, -(-n // block))](gate_up, out, n, BLOCK=block)
+    return out
+
+
+def gelu_and_mul(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """[T, 2 I] -> gelu(gate) * up, [T, I]; `approximate` as torch's gelu: "tanh" or "none" (erf)."""
+    gelu_and_mul_kernel = _kernels()[2]
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    gelu_and_mul_kernel[(t, -(-n // block))](gate_up, out, n, TANH=approximate == "tanh", BLOCK=block)
     return out

@@ -19,7 +19,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2 I] -> gelu_tanh(gate) * up, [..., I] (GeGLU with the tanh approximation, as Gemma)."""
+    """[..., 2 I] -> gelu_tanh(gate) * up, [..., I] (GeGLU with the tanh approximation, as Gemma; one
+    Triton kernel on CUDA)."""
+    if triton_fused.applies(gate_up):
+        return triton_fused.gelu_and_mul(gate_up, "tanh")
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
