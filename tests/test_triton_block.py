@@ -46,11 +46,30 @@ for bits, block, center, offsets, half in LAYOUTS:
         ref = x.to(dtype).float() @ (ref_w.to(dtype).float() if dtype != torch.float32 else ref_w).T
         err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
         assert err < tol, (bits, block, center, offsets, half, m, dtype, err)
+        if m == 1:  # split-K: three slices of K (the last one short), partial sums reduced in float32
+            split = triton_block.matmul(x.to(dtype), w, split_k=3)
+            err = ((split.float() - ref).abs().max() / ref.abs().max()).item()
+            assert split.dtype == dtype and err < tol, (bits, block, center, offsets, half, dtype, "split", err)
+
+import triton, triton.language as tl
+from tokenmill.kernels.triton_block_kernel import row_offsets
+
+@triton.jit
+def probe(rows_ptr, out_ptr, stride):
+    i = tl.arange(0, 4)
+    tl.store(out_ptr + i, row_offsets(tl.load(rows_ptr + i), stride))
+
+rows = torch.tensor([0, 1, 151_935, 262_143], dtype=torch.int32)  # an LM head's last rows
+out = torch.zeros(4, dtype=torch.int64)
+probe[(1,)](rows, out, 16_384)  # K = 16384 bytes a row: N * K > 2^31, past int32
+assert out.tolist() == [r * 16_384 for r in rows.tolist()], out
 print("OK")
 """
 
 
 def test_triton_kernel_matches_the_dequantized_blocks():
+    """Every block layout against the dequantized weight: one row (also split over K), many rows, float16;
+    and the kernel's row offsets in 64 bits at an LM head's rows past 2^31 elements."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
@@ -139,6 +158,22 @@ def test_triton_kernel_reads_fp4_nibbles_and_their_scale_bytes():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _FP4], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+def test_split_k_goes_to_narrow_decodes_and_tiles_tune_per_bucket():
+    """Split-K only where few rows meet a long K and the row tiles alone would not fill the device; the
+    autotuner's M key is a power-of-two bucket."""
+    assert triton_block.split_k_for(1, 4096, 4096, 264) == 4  # 64 tiles of N: K in four slices of 1024
+    assert triton_block.split_k_for(1, 1024, 14336, 264) == 14  # a narrow, deep down projection
+    assert triton_block.split_k_for(1, 151_936, 4096, 264) == 1  # an LM head fills the device alone
+    assert triton_block.split_k_for(32, 4096, 4096, 264) == 1  # prefill
+    assert triton_block.split_k_for(1, 4096, 1024, 264) == 1  # too short a K to slice
+    assert [triton_block.m_bucket(m) for m in (1, 3, 16, 17, 1000)] == [1, 4, 16, 32, 256]
+    done = subprocess.run(  # one tile config in the interpreter, several to tune over on a GPU
+        [sys.executable, "-c", "from tokenmill.kernels import triton_block_kernel as k; print(len(k.tile_configs()))"],
+        capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=120,
+    )  # fmt: skip
+    assert done.stdout.split() == ["1"], done.stderr[-2000:]
 
 
 def test_triton_kernel_refuses_layouts_it_lacks():
