@@ -25,7 +25,7 @@ from tokenmill.layers.linear import LinearBase, ReplicatedLinear
 from tokenmill.loader import load_model
 from tokenmill.quantization import fp4, resolve_quantization
 from tokenmill.quantization.fp4 import FP4Config, FP4LinearMethod
-from tokenmill.quantization.fp8 import FP8Config, FP8LinearMethod, quantize
+from tokenmill.quantization.fp8 import FP8Config, FP8LinearMethod, cuda_kernel, quantize, scaled_mm_linear
 from tokenmill.quantization.int_quant import QuantizeOnLoadMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.sampling_params import SamplingParams
@@ -78,6 +78,36 @@ def test_kernel_fp8_matmul_matches_torch_reference(rows, cols, group):
     torch.testing.assert_close(
         fp8_matmul.matmul(x, weight, scales, group), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())
     )
+
+
+def test_fp8_cuda_paths_are_chosen_by_scales_dtype_and_device():
+    """fp8 tensor cores for row-wise scales in bfloat16 on dims of 16; the Triton GEMM for block scales,
+    other dtypes or GPUs without fp8 tensor cores; a per-call dequantization only without Triton."""
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert cuda_kernel(bf16, 1, 4096, 4096, scaled_mm=True, triton=True) == "scaled_mm"
+    assert cuda_kernel(bf16, 32, 4096, 4096, scaled_mm=True, triton=True) == "triton"  # 128x128 blocks
+    assert cuda_kernel(fp16, 1, 4096, 4096, scaled_mm=True, triton=True) == "triton"
+    assert cuda_kernel(bf16, 1, 4096, 4100, scaled_mm=True, triton=True) == "triton"
+    assert cuda_kernel(bf16, 1, 4096, 4096, scaled_mm=False, triton=True) == "triton"  # an A100
+    assert cuda_kernel(bf16, 32, 4096, 4096, scaled_mm=True, triton=False) == "dequantize"
+
+
+def test_scaled_mm_path_rounds_activations_per_token_and_applies_both_scales():
+    """The `_scaled_mm` arithmetic, run by torch on CPU: each token's activations to e4m3 with its own
+    absmax / 448 scale, the weight's row scales after; equal to that rounding written out, and within
+    the rounding of the dequantized matmul."""
+    torch.manual_seed(0)
+    w, bias = torch.randn(32, 64) * 0.05, torch.randn(32).to(torch.bfloat16)
+    weight, scales = quantize(w)
+    x = (torch.randn(3, 64) * torch.tensor([[0.01], [1.0], [100.0]])).to(torch.bfloat16)  # scales far apart
+    got = scaled_mm_linear(x, weight, scales[:, None], bias, torch.bfloat16)
+    sx = x.float().abs().amax(1, keepdim=True) / 448
+    xq = (x.float() / sx).to(torch.float8_e4m3fn).float() * sx
+    exact = xq @ (weight.float() * scales[:, None]).t() + bias.float()
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), exact, rtol=1e-2, atol=1e-2 * sx.max().item())
+    dense = x.float() @ (weight.float() * scales[:, None]).t() + bias.float()
+    for row in range(3):  # 3 mantissa bits on the activations: a few percent a row
+        assert ((got[row].float() - dense[row]).norm() / dense[row].norm()).item() < 0.06, row
 
 
 @needs_kernels

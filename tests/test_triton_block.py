@@ -51,6 +51,20 @@ for bits, block, center, offsets, half in LAYOUTS:
             err = ((split.float() - ref).abs().max() / ref.abs().max()).item()
             assert split.dtype == dtype and err < tol, (bits, block, center, offsets, half, dtype, "split", err)
 
+from tokenmill.quantization.fp8 import quantize
+torch.manual_seed(0)
+for group in (160, 128):  # fp8 weights per channel, and per 128 columns (a partial last block)
+    weight, _ = quantize(torch.randn(70, 160) * 0.05)
+    weight.view(torch.uint8)[0, :8] = torch.tensor([0, 1, 7, 8, 0x80, 0x81, 0x7E, 0xFE], dtype=torch.uint8)  # subnormals, ±max
+    scales = torch.rand(70, -(-160 // group)) * 0.01 + 1e-3
+    ref_w = (weight.float() * scales.repeat_interleave(group, 1)[:, :160])
+    assert torch.equal(triton_block.fp8_matmul(torch.eye(160), weight, scales, group).T, ref_w)  # every weight decoded
+    for m, split, dtype, tol in ((1, 3, torch.float32, 1e-5), (19, 1, torch.float32, 1e-5), (5, 1, torch.float16, 2e-2)):
+        x = torch.randn(m, 160).to(dtype)
+        got = triton_block.fp8_matmul(x, weight, scales, group, split_k=split)
+        ref = x.float() @ (ref_w.to(dtype).float()).T
+        assert got.dtype == dtype and ((got.float() - ref).abs().max() / ref.abs().max()).item() < tol, (group, m)
+
 import triton, triton.language as tl
 from tokenmill.kernels.triton_block_kernel import row_offsets
 
@@ -69,7 +83,8 @@ print("OK")
 
 def test_triton_kernel_matches_the_dequantized_blocks():
     """Every block layout against the dequantized weight: one row (also split over K), many rows, float16;
-    and the kernel's row offsets in 64 bits at an LM head's rows past 2^31 elements."""
+    fp8 e4m3 weights (every byte decoded, subnormals and the largest values included; per-channel and
+    128-column scales); and the kernel's row offsets in 64 bits at an LM head's rows past 2^31 elements."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]

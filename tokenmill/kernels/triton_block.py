@@ -2,7 +2,8 @@
 codes (int8 / int4 quantized on load, AWQ, GPTQ, compressed-tensors) and of FP4 e2m1 nibbles (with
 E8M0 scales, MXFP4; or e4m3 ones times a float32 factor per row, NVFP4) dequantized tile by tile inside the GEMM, w = scale * (code -
 center) + offset, so the weights stay packed in GPU memory. Activations stay in the compute dtype (float16, bfloat16, or float32 with IEEE
-products); accumulation in float32. 5- and 6-bit codes and K-quant super-blocks are not handled here
+products); accumulation in float32. The fp8 method's e4m3 weights (per-channel or 128x128 block scales)
+run through the same kernel (`fp8_matmul`), decoded from their bytes with the scales applied per tile. 5- and 6-bit codes and K-quant super-blocks are not handled here
 (GGUF files run dense on GPUs). Tiles are autotuned per bucket of M and each N and K (one config in
 the interpreter); few rows over a long K (a decode) are split over K, each slice's partial sums reduced
 after in float32 (deterministic, unlike atomics); row offsets are 64-bit, as an LM head's N * K passes
@@ -16,6 +17,7 @@ import torch
 
 from tokenmill.kernels import block_quant
 
+E4M3_BYTES = -8  # the kernel's `BITS` for float8 e4m3 weights (the fp8 method's), read as bytes
 SPLIT_K_MIN = 1024  # split-K never leaves a slice of K shorter than this
 
 
@@ -57,17 +59,33 @@ def supports(w) -> bool:
 def matmul(x: torch.Tensor, w, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] (float16 / bfloat16 / float32) @ the dequantized weight [N, K].T -> [M, N] in x's dtype.
     `split_k`: slices of K, each program's partial sums reduced after in float32 (None: `split_k_for`)."""
-    import triton
-
-    from tokenmill.kernels.triton_block_kernel import block_matmul
-
     if not supports(w):
         raise ValueError(
             f"the Triton block kernel runs 4- and 8-bit codes and e2m1 nibbles without super-blocks; got {w.bits}-bit "
             f"{'K-quant ' if w.supers is not None else ''}blocks"
         )
+    kind = {torch.uint8: 1, torch.float8_e4m3fn: 2}.get(w.scales.dtype, 0)  # E8M0, e4m3, or float
+    scales = w.scales.view(torch.uint8) if kind == 2 else w.scales
+    rows = w.supers if kind == 2 else scales  # e4m3's factor per row
+    return _launch(x, w.codes, scales, w.offsets, rows, w.bits, w.block, w.center, kind, split_k)
+
+
+def fp8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: int, split_k: int | None = None
+) -> torch.Tensor:
+    """x [M, K] @ (e4m3 `weight` [N, K] times float32 `scales` [N, ceil(K / group)]).T -> [M, N] in x's dtype:
+    the fp8 method's layout (per channel: group K; per 128x128 block: 128), the scales applied in the K
+    loop, the weight never dequantized in memory."""
+    return _launch(x, weight.view(torch.uint8), scales, None, scales, E4M3_BYTES, group, 0, 0, split_k)
+
+
+def _launch(x, codes, scales, offsets, rows, bits, block, center, scale_kind, split_k):
+    import triton
+
+    from tokenmill.kernels.triton_block_kernel import block_matmul
+
     x = x.contiguous()
-    (m, k), n = x.shape, w.shape[0]
+    (m, k), n = x.shape, codes.shape[0]
     if split_k is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 128
         split_k = split_k_for(m, n, k, 2 * sms)
@@ -75,15 +93,11 @@ def matmul(x: torch.Tensor, w, split_k: int | None = None) -> torch.Tensor:
         out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    kind = {torch.uint8: 1, torch.float8_e4m3fn: 2}.get(w.scales.dtype, 0)  # E8M0, e4m3, or float
-    scales = w.scales.view(torch.uint8) if kind == 2 else w.scales
-    offsets = w.offsets if w.offsets is not None else scales
-    rows = w.supers if kind == 2 else scales  # e4m3's factor per row
     grid = lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]), split_k)  # noqa: E731
     block_matmul[grid](
-        x, w.codes, scales, offsets, rows, out, m, n, k,
-        x.stride(0), w.codes.stride(0), scales.stride(0), out.stride(-2), m * n, m_bucket(m),
-        SPLIT_K=split_k, BITS=w.bits, BS=w.block, CENTER=w.center, HAS_OFFSETS=w.offsets is not None, SCALES=kind,
+        x, codes, scales, offsets if offsets is not None else scales, rows, out, m, n, k,
+        x.stride(0), codes.stride(0), scales.stride(0), out.stride(-2), m * n, m_bucket(m),
+        SPLIT_K=split_k, BITS=bits, BS=block, CENTER=center, HAS_OFFSETS=offsets is not None, SCALES=scale_kind,
         IEEE=x.dtype == torch.float32,
     )  # fmt: skip
     return out.sum(0).to(x.dtype) if split_k > 1 else out

@@ -36,6 +36,14 @@ def row_offsets(rows, stride):
     return rows.to(tl.int64) * stride
 
 
+@triton.jit
+def e4m3_magnitude(m):
+    """|value| of e4m3fn bytes' low 7 bits `m` (int32): a normal's bits rebiased by 120 into a float32, a
+    subnormal's mantissa times 2^-9 (decoded from bits, which Triton's interpreter runs too)."""
+    normal = ((m << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    return tl.where(m > 7, normal, m.to(tl.float32) * 0.001953125)
+
+
 @triton.autotune(
     configs=[
         triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=st)
@@ -89,6 +97,10 @@ def block_matmul(
         wmask = (rn[:, None] < N) & (rk[None, :] < k_hi)
         if BITS == 8:
             q = tl.load(codes_ptr + code_rows + rk[None, :], mask=wmask, other=0).to(tl.float32)
+        elif BITS == -8:  # e4m3fn weights (the fp8 method), read as bytes: bit 7 the sign
+            b = tl.load(codes_ptr + code_rows + rk[None, :], mask=wmask, other=0).to(tl.int32) & 0xFF
+            magnitude = e4m3_magnitude(b & 0x7F)
+            q = tl.where(b >= 128, -magnitude, magnitude)
         else:  # in each 32-value group byte j holds value j (low nibble) and value j + 16 (high nibble)
             byte = (rk // 32) * 16 + rk % 16
             shift = (rk % 32) // 16 * 4
@@ -108,9 +120,7 @@ def block_matmul(
             bits = tl.where(e > 0, e << 23, 1 << (22 + tl.maximum(e, -1)))
             scale = bits.to(tl.float32, bitcast=True)
         elif SCALES == 2:  # e4m3 (normal: its bits rebiased by 120; subnormal: mantissa x 2^-9) x the row's factor
-            m = tl.load(scales_ptr + group, mask=wmask, other=0).to(tl.int32) & 0x7F
-            normal = ((m << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-            scale = tl.where(m > 7, normal, m.to(tl.float32) * 0.001953125)
+            scale = e4m3_magnitude(tl.load(scales_ptr + group, mask=wmask, other=0).to(tl.int32) & 0x7F)
             scale = scale * tl.load(rows_ptr + rn, mask=rn < N, other=0.0)[:, None]
         else:
             scale = tl.load(scales_ptr + group, mask=wmask, other=0.0).to(tl.float32)

@@ -16,10 +16,13 @@ tensor), 128 for blocks, each block's scale repeated over its rows (4 bytes per 
 
 CPU (float32 activations): the C++ kernel `tokenmill.kernels.fp8_matmul` dequantizes inside the
 matmul for up to FUSED_MAX_TOKENS tokens, else dequantizes once into the shared float32 workspace
-and runs torch's GEMM; both compute on exactly `weight.float() * scale`. CUDA: `torch._scaled_mm`
-(both operands e4m3, activations rounded per token) where the GPU has fp8 tensor cores (compute
-capability 8.9+), for per-channel scales in bfloat16; otherwise the weight is dequantized to the
-compute dtype and multiplied (the CUDA paths are not exercised by the CPU test suite).
+and runs torch's GEMM; both compute on exactly `weight.float() * scale`. CUDA (`cuda_kernel` picks):
+`torch._scaled_mm` (both operands e4m3, activations rounded per token, row-wise scales) where the GPU
+has fp8 tensor cores (compute capability 8.9+), for per-channel (or per-tensor) scales in bfloat16;
+else the Triton block GEMM (`kernels/triton_block.fp8_matmul`: the weight's bytes decoded and its
+block scales applied inside the K loop, activations unrounded); the weight is dequantized per call only
+without Triton. The selection, the `_scaled_mm` arithmetic (torch runs it on CPU too) and the Triton
+kernel (in its interpreter) are tested on CPU; the CUDA paths have not run in this project's CI.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import block_quant, fp8_matmul
+from tokenmill.kernels import block_quant, fp8_matmul, triton_block
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig, dense
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
@@ -66,6 +69,26 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def cuda_kernel(dtype: torch.dtype, groups: int, n: int, k: int, scaled_mm: bool, triton: bool) -> str:
+    """Which CUDA path runs an fp8 layer of [n, k] weights with `groups` scales per row, on `dtype`
+    activations: "scaled_mm" (fp8 tensor cores, `scaled_mm` says the GPU has them; row-wise scales only,
+    bfloat16 output, dims multiples of 16), "triton" (any scales and dtype), or "dequantize"."""
+    if scaled_mm and groups == 1 and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
+        return "scaled_mm"
+    return "triton" if triton else "dequantize"
+
+
+def scaled_mm_linear(
+    x: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """x [M, K] @ (e4m3 `weight` [N, K] times `row_scales` [N, 1]).T (+ bias) on fp8 tensor cores: each
+    token's activations rounded to e4m3 with its own scale (absmax / 448), both scales applied to the
+    float32 accumulator by `torch._scaled_mm`."""
+    sx = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
+    xq = (x.float() / sx).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=row_scales.view(1, -1), bias=bias, out_dtype=dtype)
 
 
 class FP8LinearMethod(LinearMethod):
@@ -156,19 +179,15 @@ class FP8LinearMethod(LinearMethod):
                 out = flat @ w.t()
             if bias is not None:
                 out += bias
-        elif (
-            x.dtype == torch.bfloat16
-            and layer.scales.shape[1] == 1
-            and _scaled_mm_supported(x.device)
-            and flat.shape[1] % 16 == 0
-            and layer.weight.shape[0] % 16 == 0
-        ):
-            # both operands e4m3 on the tensor cores: the activations rounded per token (absmax / 448)
-            sx = flat.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
-            xq = (flat.float() / sx).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-            out = torch._scaled_mm(
-                xq, layer.weight.t(), scale_a=sx, scale_b=layer.scales.view(1, -1), bias=bias, out_dtype=x.dtype
-            )
+            return out.view(*x.shape[:-1], out.shape[-1])
+        (n, k), groups = layer.weight.shape, layer.scales.shape[1]
+        kernel = cuda_kernel(x.dtype, groups, n, k, _scaled_mm_supported(x.device), triton_block.available())
+        if kernel == "scaled_mm":
+            out = scaled_mm_linear(flat, layer.weight, layer.scales, bias, x.dtype)
+        elif kernel == "triton":
+            out = triton_block.fp8_matmul(flat, layer.weight, layer.scales, layer.fp8_group)
+            if bias is not None:
+                out += bias
         else:
             out = F.linear(flat, self.dequantized(layer, x.dtype), bias)
         return out.view(*x.shape[:-1], out.shape[-1])
