@@ -8,6 +8,7 @@ architecture (`ModelConfig`, and each model file's subclass of it) is read from 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -18,6 +19,13 @@ from tokenmill.kv_transfer.config import KVTransferConfig
 from tokenmill.models.registry import check_architecture
 from tokenmill.quantization import QUANTIZATION_METHODS
 
+ATTENTION_BACKENDS = ("auto", "torch-sdpa", "cpu-paged", "triton-paged", "flash-attn", "flashinfer")
+# the backends that need packages of their own, (import name, how to install it) each: the library, and
+# Triton, whose kernels write their caches
+OPTIONAL_ATTENTION_PACKAGES = {
+    "flash-attn": (("flash_attn", "pip install flash-attn"), ("triton", "pip install triton")),
+    "flashinfer": (("flashinfer", "pip install flashinfer-python"), ("triton", "pip install triton")),
+}
 PREFIX_CACHE_HASHES = ("blake2b", "sha256", "builtin")  # see tokenmill.engine.kv_cache_manager
 
 _DTYPES = {
@@ -404,6 +412,7 @@ class EngineConfig:
     quantization_symmetric: bool | None = None  # int8 / int4 on load: no per-group minimum (None: int8 yes, int4 no)
     grammar_timeout: float = 30.0  # seconds a structured-output grammar may take to compile
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS ("auto": attention/selector.py chooses)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -420,6 +429,7 @@ class EngineConfig:
                 "gpu_memory_utilization profiles one process's step; with tensor or pipeline parallelism "
                 "size the KV cache with --kv-cache-memory or --num-kv-blocks"
             )
+        check_attention_backend(self.attention_backend, device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, got {self.dtype!r}")
         if not self.grammar_timeout > 0:
@@ -458,6 +468,21 @@ class EngineConfig:
                 "LoRA adapters run on one process without speculative decoding or a KV transfer yet "
                 "(no --tensor-parallel-size / --pipeline-parallel-size > 1, --speculative-config, --kv-role)"
             )
+
+
+def check_attention_backend(name: str, device: torch.device) -> None:
+    """Refuse at start an attention backend that is unknown, or that cannot run here: FlashAttention and
+    FlashInfer run on CUDA with their package installed (the error names it)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    if name in OPTIONAL_ATTENTION_PACKAGES:
+        if device.type != "cuda":
+            raise ValueError(f"attention_backend {name} runs on CUDA; the device is {device.type}")
+        for package, install in OPTIONAL_ATTENTION_PACKAGES[name]:
+            if importlib.util.find_spec(package) is None:
+                raise ValueError(
+                    f"attention_backend {name} needs the {package} package, which is not installed ({install})"
+                )
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -47,6 +47,7 @@ class _LazyNames:
 QUANTIZATION_CHOICES = _LazyNames("tokenmill.quantization", "QUANTIZATION_METHODS")
 KV_CACHE_DTYPE_CHOICES = _LazyNames("tokenmill.config", "KV_CACHE_DTYPES")
 PREFIX_CACHE_HASH_CHOICES = _LazyNames("tokenmill.config", "PREFIX_CACHE_HASHES")
+ATTENTION_BACKEND_CHOICES = _LazyNames("tokenmill.config", "ATTENTION_BACKENDS")
 
 
 @dataclass
@@ -73,6 +74,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # None: the device's default
     max_step_ms: float = 1000.0
     enforce_eager: bool = False
+    attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"
     kv_cache_dir: str | None = None
@@ -142,6 +144,7 @@ class EngineArgs:
             quantization_symmetric=self.quantization_symmetric,
             grammar_timeout=self.grammar_timeout,
             enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_gib=_or(self.kv_cache_memory, defaults["kv_cache_memory"]),
@@ -329,6 +332,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CUDA: run every step eagerly; by default decode steps replay CUDA graphs captured at start for "
         "padded batch sizes (default: off)",
+    )
+    c.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=ATTENTION_BACKEND_CHOICES,
+        metavar="NAME",
+        help="attention kernels: auto (triton-paged on CUDA, cpu-paged on CPU in float32, else torch-sdpa), "
+        "torch-sdpa, cpu-paged, triton-paged, or on CUDA with their package installed flash-attn "
+        "(FlashAttention 2's paged varlen kernel; --block-size a multiple of 256) or flashinfer (its paged "
+        "prefill/decode wrapper); both 16-bit KV caches only, eager steps (default: %(default)s)",
     )
     c.add_argument(
         "--max-step-ms",

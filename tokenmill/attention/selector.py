@@ -1,9 +1,11 @@
 """Which attention backend a model runner uses, kept apart from the interface (`backend.py`) so the
 interface does not import every implementation and its kernels.
 
-`$TOKENMILL_ATTENTION_BACKEND` names one (`torch-sdpa`, `cpu-paged`, `triton-paged`) instead of the
-choice below: for A/B runs on a GPU, and for the tests, which run the Triton backend on CPU in Triton's
-interpreter."""
+`--attention-backend` (`EngineConfig.attention_backend`, checked at start by
+`config.check_attention_backend`) names one; else `$TOKENMILL_ATTENTION_BACKEND` does (`torch-sdpa`,
+`cpu-paged`, `triton-paged`: for A/B runs on a GPU, and for the tests, which run the Triton backend on CPU
+in Triton's interpreter); else the choice below. FlashAttention (`flash-attn`) and FlashInfer
+(`flashinfer`) are only ever named, never chosen: optional packages on CUDA."""
 
 from __future__ import annotations
 
@@ -20,11 +22,15 @@ from tokenmill.kernels import paged_attention
 BACKEND_ENV = "TOKENMILL_ATTENTION_BACKEND"
 
 
-def get_attention_backend(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> AttentionBackend:
-    """On CUDA the Triton paged kernel when Triton is installed; on CPU the compiled paged kernel when
-    compute is float32 (the cache float32, float16, bfloat16, int8 or fp8) and it builds; else torch ops."""
-    name = os.environ.get(BACKEND_ENV)
-    if name is None:
+def get_attention_backend(
+    device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, name: str = "auto"
+) -> AttentionBackend:
+    """`name` ("auto": `$TOKENMILL_ATTENTION_BACKEND`, else on CUDA the Triton paged kernel when Triton is
+    installed; on CPU the compiled paged kernel when compute is float32 (the cache float32, float16,
+    bfloat16, int8 or fp8) and it builds; else torch ops)."""
+    if name == "auto":
+        name = os.environ.get(BACKEND_ENV, "auto")
+    if name == "auto":
         if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
             name = "triton-paged"
         elif (
@@ -40,8 +46,14 @@ def get_attention_backend(device: torch.device, dtype: torch.dtype, cache_dtype:
         from tokenmill.attention.triton_paged import TritonPagedBackend  # imports Triton
 
         return TritonPagedBackend()
+    if name in ("flash-attn", "flashinfer"):  # their packages are imported when they first attend
+        from tokenmill.attention.library_backends import FlashAttnBackend, FlashInferBackend
+
+        return (FlashAttnBackend if name == "flash-attn" else FlashInferBackend)(dtype, cache_dtype)
     if name == "cpu-paged":
         return CpuPagedBackend()
     if name == "torch-sdpa":
         return TorchSDPABackend()
-    raise ValueError(f"${BACKEND_ENV} must be torch-sdpa, cpu-paged or triton-paged, got {name!r}")
+    raise ValueError(
+        f"${BACKEND_ENV} must be torch-sdpa, cpu-paged, triton-paged, flash-attn or flashinfer, got {name!r}"
+    )

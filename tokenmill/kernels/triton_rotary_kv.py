@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.kv_quant import QUANT_MAX
 from tokenmill.kernels.triton_paged_attention import KV_FLOAT, KV_INT8, KV_KINDS
 
 
@@ -154,7 +153,9 @@ def rotary_store(
     if qk.stride(-1) != 1 or v.stride(-1) != 1 or not cos_sin.is_contiguous():
         raise ValueError("rotary_store needs rows with unit stride and a contiguous cos/sin table")
     q = torch.empty(t, h, d, dtype=qk.dtype, device=qk.device)
-    kind, qmax = KV_KINDS.get(k_cache.dtype, KV_FLOAT), QUANT_MAX.get(k_cache.dtype, 1.0)
+    kind = KV_KINDS.get(k_cache.dtype, KV_FLOAT)
+    # the format's largest value, as kv_quant scales to: 127, 448, 57344
+    qmax = 1.0 if kind == KV_FLOAT else float((torch.iinfo if kind == KV_INT8 else torch.finfo)(k_cache.dtype).max)
     ks = vs = slot_mapping  # not read for a float cache
     if kind != KV_FLOAT:
         ks, vs = kv_scales[0].view(torch.int16), kv_scales[1].view(torch.int16)

@@ -79,7 +79,10 @@ class DraftKVPool:
         self.model = loaded.model
         cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, loaded.dtype, loaded.quantization)
         self.paged = PagedForward(
-            loaded.model, loaded.device, cache_dtype, get_attention_backend(loaded.device, loaded.dtype, cache_dtype)
+            loaded.model,
+            loaded.device,
+            cache_dtype,
+            get_attention_backend(loaded.device, loaded.dtype, cache_dtype, config.attention_backend),
         )
         sched = config.scheduler
         kv = make_kv_cache_config(

@@ -47,7 +47,10 @@ class ModelRunner(PagedForward):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, loaded.dtype, loaded.quantization)
         super().__init__(
-            loaded.model, loaded.device, cache_dtype, get_attention_backend(loaded.device, loaded.dtype, cache_dtype)
+            loaded.model,
+            loaded.device,
+            cache_dtype,
+            get_attention_backend(loaded.device, loaded.dtype, cache_dtype, config.attention_backend),
         )
         self.model_config = loaded.config
         self.config = config
