@@ -12,6 +12,9 @@ logprobs of the run without it).
 download): batch-1 decode in ms per token against the bandwidth floor (weight bytes / the measured
 device copy bandwidth), and 64 concurrent requests of 512 prompt / 256 output tokens in output tokens
 per second, eager and with CUDA graphs.
+(c) kernels (`gpu_kernels.py`): each fused / tuned Triton kernel against the torch or unfused path it
+replaces (error and both times); FlashAttention / FlashInfer against the Triton paged kernel where
+installed. On CPU only under TRITON_INTERPRET=1.
 
 A GPU machine may reach no package registry: the script says which modules it lacks and skips what
 needs them. It prints one line per check (PASS / FAIL / SKIP) and, with --json, writes them all; the exit
@@ -392,12 +395,19 @@ def speed(args) -> None:
             torch.cuda.empty_cache()
 
 
+def kernels(args) -> None:
+    from gpu_kernels import kernels as run_kernels  # beside this script
+
+    run_kernels(args, report)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu with --dry-run (default: cuda)")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes: every code path in seconds")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="write every result here")
     args = parser.parse_args()
     lacking = missing("numpy", "triton" if args.device.startswith("cuda") else "numpy")
@@ -411,7 +421,7 @@ def main() -> int:
         report("all", "SKIP", f"needs {', '.join(lacking)}")
         return 0
     start = time.perf_counter()
-    for section, skip in ((correctness, args.skip_correctness), (speed, args.skip_speed)):
+    for section, skip in ((correctness, args.skip_correctness), (speed, args.skip_speed), (kernels, args.skip_kernels)):
         if skip:
             continue
         try:
