@@ -364,8 +364,8 @@ class ParallelConfig:
 
     def _check_context_parallel(self) -> None:
         """The layouts context parallelism runs in, else an error naming the flags: one context-parallel
-        group of N ranks (N = the larger size; the other 1 or N too), each holding the whole model; no
-        pipeline stages."""
+        group of N ranks (N = the larger size; the other 1 or N too), each holding the whole model, or,
+        decode only, the N tensor-parallel ranks themselves (vLLM's sharing); no pipeline stages."""
         dcp, pcp, tp = self.decode_context_parallel_size, self.prefill_context_parallel_size, self.tensor_parallel_size
         if dcp > 1 and pcp > 1 and dcp != pcp:
             raise ValueError(
@@ -380,10 +380,11 @@ class ParallelConfig:
                 "--decode-context-parallel-size / --prefill-context-parallel-size > 1 do not run with "
                 "--pipeline-parallel-size > 1 yet"
             )
-        if tp > 1:
+        if tp > 1 and (pcp > 1 or dcp != tp):
             raise ValueError(
-                f"--tensor-parallel-size {tp} with context parallelism is not built yet: each of the "
-                "context-parallel ranks holds the whole model (--tensor-parallel-size 1)"
+                f"--tensor-parallel-size {tp} with context parallelism: decode context parallelism shares "
+                f"the tensor-parallel ranks (--decode-context-parallel-size {tp}); prefill context "
+                "parallelism runs with --tensor-parallel-size 1"
             )
 
     @property

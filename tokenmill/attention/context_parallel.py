@@ -16,7 +16,11 @@ way on every rank: out = sum_r exp(lse_r - lse) out_r with lse = log sum_r exp(l
 that sum with no value). Every rank gets the same bits, so every rank samples the same tokens.
 
 Decode context parallelism: every rank runs the whole step (the same tokens through the same weights)
-and stores only its stripe of the new K/V. Prefill context parallelism: a step with a prompt chunk
+and stores only its stripe of the new K/V. With tensor parallelism the N ranks are the tensor-parallel
+ones (vLLM's sharing): each computes its heads' q/k/v, gathers every head's (an MLA latent row is
+the same on every rank: it is not gathered), stores every kv head for its stripe of the tokens and
+attends every head over it; after the merge it keeps its own heads. An MLA cache then holds 1/N of
+the latent rows per rank where tensor parallelism alone keeps all of them on every rank. Prefill context parallelism: a step with a prompt chunk
 is split by the same ownership — each rank runs only the tokens it stores (`TokenSplit`), so it
 computes exactly the K/V it keeps and no K/V ever moves; the queries are all-gathered instead (fewer
 bytes than the cached prefix's K/V, which is spread over the ranks anyway), and the step's final
@@ -106,6 +110,7 @@ class ContextParallelBackend(TorchSDPABackend):
     def __init__(self, split_prefill: bool) -> None:
         self.rank, self.size = parallel_state.cp_rank(), parallel_state.cp_size()
         self.split_prefill = split_prefill
+        self.share_heads = parallel_state.tp_size() > 1  # the ranks are also tensor-parallel ranks
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, spec: AttentionSpec) -> tuple[int, ...]:
         return super().kv_cache_shape(num_blocks, block_size // self.size, spec)
@@ -138,19 +143,33 @@ class ContextParallelBackend(TorchSDPABackend):
         return ContextParallelMetadata(write_rows, torch.from_numpy(slots).to(device), requests, split)
 
     def forward(self, q, k, v, kv_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
+        latent = kv_cache.shape[0] == 1
+        heads = q.shape[1]  # this rank's
+        if self.share_heads:  # every rank runs every token here (no token split with tensor parallelism)
+            q = _all_heads(q)
+            if not latent:
+                k, v = _all_heads(k), _all_heads(v)
         if meta.write_rows is not None:
             k, v = k[meta.write_rows], v[meta.write_rows]
         k_cache, v_cache, _ = self._store(k, v, kv_cache, meta.slot_mapping, kv_scales)
         if meta.split is not None:
             q = meta.split.gather(q)
-        latent = kv_cache.shape[0] == 1
         width = v.shape[-1]
         partial = q.new_empty(q.shape[0], q.shape[1], width + 1, dtype=torch.float32)  # out and lse per head
         for r in meta.requests:
             keys, values = _gather_kv(k_cache, v_cache, r.block_table[None], q.dtype, latent)
             partial[r.start : r.end] = _attend_stripe(q[r.start : r.end], keys[0], values[0], r.mask, scale, soft_cap)
-        out = _merge(parallel_state.cp_all_gather(partial), sinks).to(q.dtype)
+        parts = parallel_state.cp_all_gather(partial)
+        if self.share_heads:
+            parts = parts[:, :, self.rank * heads : (self.rank + 1) * heads]
+        out = _merge(parts, sinks).to(q.dtype)
         return out if meta.split is None else out[meta.split.mine]
+
+
+def _all_heads(x: torch.Tensor) -> torch.Tensor:
+    """[T, heads, D] of this tensor-parallel rank -> [T, every rank's heads, D], in rank order."""
+    t, heads, dim = x.shape
+    return parallel_state.cp_all_gather(x).transpose(0, 1).reshape(t, parallel_state.cp_size() * heads, dim)
 
 
 def _attend_stripe(
