@@ -132,13 +132,14 @@ class ContextParallelBackend(TorchSDPABackend):
         for i in range(common.num_reqs):
             start, end = int(common.query_start_loc[i]), int(common.query_start_loc[i + 1])
             blocks = -(-int(common.seq_lens[i]) // bs)
-            slot = np.arange(blocks * local)
+            first = 0 if sliding_window is None else max(0, int(positions[start]) - sliding_window + 1) // bs
+            slot = np.arange(first * local, blocks * local)
             keys = slot // local * bs + slot % local * n + self.rank  # the position each local slot holds
             queries = positions[start:end, None]
             mask = keys[None, :] <= queries
-            if sliding_window is not None:
+            if sliding_window is not None:  # blocks before the window are not read (a window pool frees them)
                 mask &= keys[None, :] > queries - sliding_window
-            table = torch.from_numpy(np.ascontiguousarray(common.block_table[i, :blocks])).to(device)
+            table = torch.from_numpy(np.ascontiguousarray(common.block_table[i, first:blocks])).to(device)
             requests.append(RequestKeys(start, end, table, torch.from_numpy(mask).to(device)))
         return ContextParallelMetadata(write_rows, torch.from_numpy(slots).to(device), requests, split)
 
@@ -151,13 +152,13 @@ class ContextParallelBackend(TorchSDPABackend):
                 k, v = _all_heads(k), _all_heads(v)
         if meta.write_rows is not None:
             k, v = k[meta.write_rows], v[meta.write_rows]
-        k_cache, v_cache, _ = self._store(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        k_cache, v_cache, kv_scales = self._store(k, v, kv_cache, meta.slot_mapping, kv_scales)
         if meta.split is not None:
             q = meta.split.gather(q)
         width = v.shape[-1]
         partial = q.new_empty(q.shape[0], q.shape[1], width + 1, dtype=torch.float32)  # out and lse per head
         for r in meta.requests:
-            keys, values = _gather_kv(k_cache, v_cache, r.block_table[None], q.dtype, latent)
+            keys, values = _gather_kv(k_cache, v_cache, r.block_table[None], q.dtype, latent, kv_scales)
             partial[r.start : r.end] = _attend_stripe(q[r.start : r.end], keys[0], values[0], r.mask, scale, soft_cap)
         parts = parallel_state.cp_all_gather(partial)
         if self.share_heads:
