@@ -158,4 +158,9 @@ def test_layouts_not_built_are_refused_by_name():
         with pytest.raises(ValueError, match=flag):
             EngineConfig(parallel=cp, **kwargs)
     assert EngineArgs().create_engine_config().parallel.world_size == 1
-    assert EngineArgs(prefill_context_parallel_size=2).create_engine_config().parallel.world_size == 2
+    assert (
+        EngineArgs.from_kwargs("LLM", prefill_context_parallel_size=2).create_engine_config().parallel.world_size == 2
+    )
+    flags = build_parser().parse_args(["generate", "--prompt", "x", "--decode-context-parallel-size", "2"])
+    parallel = EngineArgs.from_cli_args(flags).create_engine_config().parallel
+    assert (parallel.decode_context_parallel_size, parallel.world_size) == (2, 2)
