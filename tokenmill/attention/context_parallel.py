@@ -19,7 +19,8 @@ Decode context parallelism: every rank runs the whole step (the same tokens thro
 and stores only its stripe of the new K/V. With tensor parallelism the N ranks are the tensor-parallel
 ones (vLLM's sharing): each computes its heads' q/k/v, gathers every head's (an MLA latent row is
 the same on every rank: it is not gathered), stores every kv head for its stripe of the tokens and
-attends every head over it; after the merge it keeps its own heads. An MLA cache then holds 1/N of
+attends every head over it; one all-to-all then hands each rank every rank's partials of its own
+heads, which it merges. An MLA cache then holds 1/N of
 the latent rows per rank where tensor parallelism alone keeps all of them on every rank. Prefill context parallelism: a step with a prompt chunk
 is split by the same ownership — each rank runs only the tokens it stores (`TokenSplit`), so it
 computes exactly the K/V it keeps and no K/V ever moves; the queries are all-gathered instead (fewer
@@ -160,9 +161,11 @@ class ContextParallelBackend(TorchSDPABackend):
         for r in meta.requests:
             keys, values = _gather_kv(k_cache, v_cache, r.block_table[None], q.dtype, latent, kv_scales)
             partial[r.start : r.end] = _attend_stripe(q[r.start : r.end], keys[0], values[0], r.mask, scale, soft_cap)
-        parts = parallel_state.cp_all_gather(partial)
-        if self.share_heads:
-            parts = parts[:, :, self.rank * heads : (self.rank + 1) * heads]
+        if self.share_heads:  # each rank's partials of rank r's heads go to rank r only
+            by_owner = partial.view(partial.shape[0], self.size, heads, width + 1).transpose(0, 1)
+            parts = parallel_state.cp_all_to_all(by_owner)
+        else:
+            parts = parallel_state.cp_all_gather(partial)
         out = _merge(parts, sinks).to(q.dtype)
         return out if meta.split is None else out[meta.split.mine]
 

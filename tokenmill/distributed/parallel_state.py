@@ -103,6 +103,16 @@ def cp_all_gather(x: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def cp_all_to_all(x: torch.Tensor) -> torch.Tensor:
+    """x[r] goes to context-parallel rank r; returns what each rank sent here, in rank order."""
+    start = time.perf_counter()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    stats.add("cp_all_to_all", start, x.numel() * x.element_size())
+    return out
+
+
 def tp_group() -> dist.ProcessGroup | None:
     """This stage's tensor-parallel group (None: the default group, the whole world)."""
     return _tp_group
