@@ -12,7 +12,8 @@ its own tensor-parallel sub-group (the layers' collectives run in it), and the d
 
 With context parallelism (`cp_size` N > 1) the world is one group of N ranks that stripe each
 sequence's KV cache by token (`tokenmill.attention.context_parallel`): N ranks of whole weights
-(tensor-parallel size 1), or the N tensor-parallel ranks themselves; `cp_all_gather` runs in it.
+(tensor-parallel size 1), or the N tensor-parallel ranks themselves; `cp_all_gather` and
+`cp_all_to_all` run in it.
 """
 
 from __future__ import annotations
