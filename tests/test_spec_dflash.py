@@ -330,14 +330,3 @@ def test_bad_checkpoints_are_named(target, tmp_path):
         SpeculativeConfig(method="dflash")
     with pytest.raises(ValueError, match="min_confidence must be in"):
         SpeculativeConfig(method="dspark", model="x", min_confidence=1.5)
-
-
-def test_context_parallel_flags_are_refused_by_name():
-    """Context parallelism is not built: its flags (vLLM's) take only 1 and say so."""
-    from tokenmill.engine_args import EngineArgs
-
-    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        assert getattr(EngineArgs().create_engine_config().parallel, name) == 1
-        flag = "--" + name.replace("_", "-")
-        with pytest.raises(ValueError, match=f"{flag} 2: context parallelism is not built"):
-            EngineArgs(**{name: 2}).create_engine_config()

@@ -342,18 +342,18 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] = ()  # layers per stage (empty: an even split)
     distributed_executor_backend: str = "mp"  # "mp": worker processes; "ray": Ray actors in a placement group
-    # context parallelism (vLLM's flags): not built; anything but 1 is refused by name
+    # context parallelism (vLLM's flags; `tokenmill.attention.context_parallel`): a sequence's KV cache
+    # striped by token over the ranks (decode), a prompt's tokens split over them (prefill)
     decode_context_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} {getattr(self, name)!r}: context parallelism is not built in "
-                    "tokenmill yet; only 1 is accepted (tensor and pipeline parallelism are)"
-                )
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "decode_context_parallel_size",
+            "prefill_context_parallel_size",
+        ):
             size = getattr(self, name)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{name} must be a positive integer, got {size!r}")
@@ -368,11 +368,42 @@ class ParallelConfig:
             raise ValueError(
                 f"--distributed-executor-backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}"
             )
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        """The layouts context parallelism runs in, else an error naming the flags: one context-parallel
+        group of N ranks (N = the larger size; the other 1 or N too), each holding the whole model, or,
+        decode only, the N tensor-parallel ranks themselves (vLLM's sharing); no pipeline stages."""
+        dcp, pcp, tp = self.decode_context_parallel_size, self.prefill_context_parallel_size, self.tensor_parallel_size
+        if dcp > 1 and pcp > 1 and dcp != pcp:
+            raise ValueError(
+                f"--decode-context-parallel-size {dcp} and --prefill-context-parallel-size {pcp}: both "
+                "split one group of ranks (a prompt's KV is stored in the decode layout), so give the same "
+                "size or leave one at 1"
+            )
+        if self.context_parallel_size == 1:
+            return
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--decode-context-parallel-size / --prefill-context-parallel-size > 1 do not run with "
+                "--pipeline-parallel-size > 1 yet"
+            )
+        if tp > 1 and (pcp > 1 or dcp != tp):
+            raise ValueError(
+                f"--tensor-parallel-size {tp} with context parallelism: decode context parallelism shares "
+                f"the tensor-parallel ranks (--decode-context-parallel-size {tp}); prefill context "
+                "parallelism runs with --tensor-parallel-size 1"
+            )
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Ranks a sequence's KV cache is striped over (1: no context parallelism)."""
+        return max(self.decode_context_parallel_size, self.prefill_context_parallel_size)
 
     @property
     def world_size(self) -> int:
-        """Processes of one engine: a tensor-parallel group per pipeline stage."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Processes of one engine: a tensor-parallel group per pipeline stage, or the context-parallel group."""
+        return max(self.tensor_parallel_size * self.pipeline_parallel_size, self.context_parallel_size)
 
 
 @dataclass
@@ -430,6 +461,11 @@ class EngineConfig:
                 "size the KV cache with --kv-cache-memory or --num-kv-blocks"
             )
         check_attention_backend(self.attention_backend, device)
+        if self.attention_backend != "auto" and self.parallel.context_parallel_size > 1:
+            raise ValueError(
+                "--attention-backend cannot be chosen with --decode/--prefill-context-parallel-size > 1 "
+                "(context parallelism runs its own attention backend)"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(sorted(_DTYPES))}, got {self.dtype!r}")
         if not self.grammar_timeout > 0:
@@ -458,6 +494,7 @@ class EngineConfig:
             )
         if self.speculative is not None and self.parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with --pipeline-parallel-size > 1 yet")
+        self._check_context_parallel()
         if self.lora is not None and (
             self.parallel.tensor_parallel_size > 1
             or self.parallel.pipeline_parallel_size > 1
@@ -468,6 +505,30 @@ class EngineConfig:
                 "LoRA adapters run on one process without speculative decoding or a KV transfer yet "
                 "(no --tensor-parallel-size / --pipeline-parallel-size > 1, --speculative-config, --kv-role)"
             )
+
+    def _check_context_parallel(self) -> None:
+        """What context parallelism does not run with yet, refused at start naming the flags: each rank
+        holds every block id but only its stripe of each block's tokens."""
+        cp = self.parallel.context_parallel_size
+        if cp == 1:
+            return
+        flags = "--decode-context-parallel-size / --prefill-context-parallel-size"
+        if self.cache.block_size % cp:
+            raise ValueError(f"{flags} {cp}: --block-size {self.cache.block_size} must divide by {cp}")
+        others = {
+            "--speculative-config": self.speculative,
+            "--enable-lora / --lora-modules": self.lora,
+            "--kv-role": self.kv_transfer,
+            "--kv-cache-dir": self.cache.kv_cache_dir,
+            "--kv-cache-dtype int8 / fp8": self.cache.cache_dtype if _quantized_cache(self.cache.cache_dtype) else None,
+        }
+        for flag, value in others.items():
+            if value is not None:
+                raise ValueError(f"{flags} {cp} does not run with {flag} yet")
+
+
+def _quantized_cache(name: str) -> bool:
+    return name == "int8" or name.startswith("fp8")
 
 
 def check_attention_backend(name: str, device: torch.device) -> None:

@@ -87,7 +87,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     pipeline_layer_partition: tuple[int, ...] | str = ()  # layers per stage, or "A,B,..."
     distributed_executor_backend: str = "mp"
-    decode_context_parallel_size: int = 1  # not built: only 1 (ParallelConfig refuses more)
+    decode_context_parallel_size: int = 1  # context parallelism (tokenmill.attention.context_parallel)
     prefill_context_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
     kv_transfer_config: KVTransferConfig | dict | str | None = None  # disaggregated prefill/decode; None: off
@@ -462,14 +462,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="decoder layers per pipeline stage, e.g. 10,12 (must sum to the model's layers; "
         "default: an even split, which needs the layers to divide by --pipeline-parallel-size)",
     )
-    for kind, what in (("decode", "the KV cache striped by position"), ("prefill", "a prompt's tokens split")):
+    cp_help = {
+        "decode": "stripe each sequence's KV cache by token over N ranks (token t on rank t %% N; each "
+        "rank stores 1/N of the KV and attends its share, outputs merged by log-sum-exp)",
+        "prefill": "split a prompt chunk's tokens over N ranks (each runs the tokens whose KV it stores; "
+        "queries all-gathered); the KV is striped as --decode-context-parallel-size stripes it",
+    }
+    for kind, what in cp_help.items():
         c.add_argument(
             f"--{kind}-context-parallel-size",
             type=int,
             default=getattr(d, f"{kind}_context_parallel_size"),
             metavar="N",
-            help=f"context parallelism ({what} across N ranks): not built yet, only 1 is accepted "
-            "(default: %(default)s)",
+            help=f"context parallelism: {what}; N processes holding the whole model, over "
+            "torch.distributed; not with --tensor/--pipeline-parallel-size > 1 (default: %(default)s)",
         )
     c.add_argument(
         "--distributed-executor-backend",

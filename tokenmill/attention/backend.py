@@ -5,18 +5,23 @@ its own per-step metadata (once per step, shared by its layers), and runs attent
 step's new K/V into the layer's cache at `slot_mapping`, then attend over cached + new tokens under
 the causal mask. An int8 / fp8 cache has a scales tensor beside it (`tokenmill.attention.kv_quant`):
 the backend quantizes as it writes and dequantizes as it reads. Backends: `torch_sdpa` (plain
-PyTorch, CPU and CUDA) and `cpu_paged` (a compiled paged decode kernel, CPU float32). GPU kernels plug
+PyTorch, CPU and CUDA) and `cpu_paged` (a compiled paged decode kernel, CPU float32); with context parallelism
+`context_parallel` (each rank's stripe of the cache, merged over the ranks). GPU kernels plug
 in here, and into `selector.get_attention_backend`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.attention.kv_spec import AttentionSpec
 from tokenmill.attention.metadata import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.attention.context_parallel import TokenSplit
 
 
 class AttentionBackend(ABC):
@@ -33,6 +38,11 @@ class AttentionBackend(ABC):
         for feature in ("sliding_window", "logits_soft_cap", "sinks"):
             if getattr(layer, feature) is not None and feature not in self.supported_features:
                 raise ValueError(f"attention backend {self.name} does not support {feature} ({layer.layer_name})")
+
+    def token_split(self, common: CommonAttentionMetadata) -> TokenSplit | None:
+        """Which of the step's tokens each rank runs (prefill context parallelism splits them:
+        `context_parallel.py`); None: this rank runs every token."""
+        return None
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata, sliding_window: int | None = None):

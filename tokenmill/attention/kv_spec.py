@@ -60,11 +60,14 @@ class KVCacheConfig:
     """The block pools and the groups of layers on them. Layers of one sliding window (or all with
     none) share a pool; a model that mixes windowed and full layers (Gemma) gets a pool per window, so
     a window pool's blocks can return as they leave the window while the full pool keeps every block.
-    Pool 0 holds the full-attention layers (when there are any): its size bounds a sequence's length."""
+    Pool 0 holds the full-attention layers (when there are any): its size bounds a sequence's length.
+    With context parallelism over `context_parallel` ranks a block's tokens are striped over them
+    (`tokenmill.attention.context_parallel`): the bytes here are one rank's, block_size / N tokens a block."""
 
     pool_blocks: list[int]
     block_size: int
     groups: list[KVCacheGroup]
+    context_parallel: int = 1
 
     @property
     def num_blocks(self) -> int:
@@ -75,11 +78,13 @@ class KVCacheConfig:
         return [next(g.spec.sliding_window for g in self.groups if g.pool == p) for p in range(len(self.pool_blocks))]
 
     def pool_bytes_per_block(self, pool: int) -> int:
-        return self.block_size * sum(g.spec.bytes_per_token * len(g.layer_names) for g in self.groups if g.pool == pool)
+        tokens = self.block_size // self.context_parallel  # stored on this rank
+        return tokens * sum(g.spec.bytes_per_token * len(g.layer_names) for g in self.groups if g.pool == pool)
 
     @property
     def bytes_per_token(self) -> int:
-        return sum(g.spec.bytes_per_token * len(g.layer_names) for g in self.groups)
+        """One rank's bytes per token of a sequence (with context parallelism: 1/N of a token's K/V)."""
+        return sum(g.spec.bytes_per_token * len(g.layer_names) for g in self.groups) // self.context_parallel
 
     @property
     def bytes_per_block(self) -> int:
@@ -128,11 +133,16 @@ def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_
 
 
 def make_kv_cache_config(
-    specs: dict[str, AttentionSpec], cache: CacheConfig, max_num_seqs: int = 64, max_num_batched_tokens: int = 512
+    specs: dict[str, AttentionSpec],
+    cache: CacheConfig,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 512,
+    context_parallel: int = 1,
 ) -> KVCacheConfig:
     """Size the pools: `cache.num_blocks` blocks (window pools: no more than they can use), or as many
-    as fit in `cache.kv_cache_memory_gib` (window pools capped the same way, the rest to pool 0)."""
-    config = KVCacheConfig([0], cache.block_size, group_specs(specs))
+    as fit in `cache.kv_cache_memory_gib` (window pools capped the same way, the rest to pool 0) on each
+    rank (`context_parallel` ranks: each stores 1/N of a block)."""
+    config = KVCacheConfig([0], cache.block_size, group_specs(specs), context_parallel)
     config.pool_blocks = [0] * (1 + max(g.pool for g in config.groups))
     windows = config.pool_windows
     caps = [

@@ -15,19 +15,28 @@ import os
 import torch
 
 from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.context_parallel import ContextParallelBackend
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.config import ParallelConfig
 from tokenmill.kernels import paged_attention
 
 BACKEND_ENV = "TOKENMILL_ATTENTION_BACKEND"
 
 
 def get_attention_backend(
-    device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, name: str = "auto"
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    name: str = "auto",
+    parallel: ParallelConfig | None = None,
 ) -> AttentionBackend:
-    """`name` ("auto": `$TOKENMILL_ATTENTION_BACKEND`, else on CUDA the Triton paged kernel when Triton is
-    installed; on CPU the compiled paged kernel when compute is float32 (the cache float32, float16,
-    bfloat16, int8 or fp8) and it builds; else torch ops)."""
+    """With context parallelism (`parallel`) its own backend; else `name` ("auto":
+    `$TOKENMILL_ATTENTION_BACKEND`, else on CUDA the Triton paged kernel when Triton is installed; on CPU
+    the compiled paged kernel when compute is float32 (the cache float32, float16, bfloat16, int8 or fp8)
+    and it builds; else torch ops)."""
+    if parallel is not None and parallel.context_parallel_size > 1:
+        return ContextParallelBackend(split_prefill=parallel.prefill_context_parallel_size > 1)
     if name == "auto":
         name = os.environ.get(BACKEND_ENV, "auto")
     if name == "auto":

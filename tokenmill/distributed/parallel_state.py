@@ -9,6 +9,11 @@ no collective.
 With `pipeline_parallel_size` P the world is N * P ranks: stage s holds global ranks s*N .. s*N+N-1,
 its own tensor-parallel sub-group (the layers' collectives run in it), and the decoder layers
 `pp_layers` gives it; consecutive stages pass the hidden state point to point (`send` / `recv`).
+
+With context parallelism (`cp_size` N > 1) the world is one group of N ranks that stripe each
+sequence's KV cache by token (`tokenmill.attention.context_parallel`): N ranks of whole weights
+(tensor-parallel size 1), or the N tensor-parallel ranks themselves; `cp_all_gather` and
+`cp_all_to_all` run in it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ _pp_rank, _pp_size = 0, 1
 _tp_group: dist.ProcessGroup | None = None  # this stage's tensor-parallel group (None: the whole world)
 _partition: tuple[int, ...] = ()  # decoder layers per pipeline stage (empty: an even split)
 _device = torch.device("cpu")
+_cp_rank, _cp_size = 0, 1  # this rank's place in the context-parallel group (the whole world)
 
 # The rendezvous and every collective give up after this long. A rank that died is noticed sooner:
 # its connection closes (the collective fails at once) and the driver watches the worker processes
@@ -36,30 +42,33 @@ TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("TOKENMILL_DIST_TIMEOU
 
 
 def init_model_parallel(
-    rank: int, tp: int, pp: int, init_method: str, device: torch.device, partition: tuple[int, ...] = ()
+    rank: int,
+    tp: int,
+    pp: int,
+    init_method: str,
+    device: torch.device,
+    partition: tuple[int, ...] = (),
+    cp: int = 1,
 ) -> None:
-    """Join a world of tp * pp ranks (global `rank`), and its tensor-parallel group per pipeline stage."""
-    global _rank, _size, _pp_rank, _pp_size, _tp_group, _partition, _device
+    """Join a world of tp * pp ranks (global `rank`), and its tensor-parallel group per pipeline stage;
+    with `cp` > 1 (no pipeline) a world of max(tp, cp) ranks, all one context-parallel group."""
+    global _rank, _size, _pp_rank, _pp_size, _tp_group, _partition, _device, _cp_rank, _cp_size
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp * pp, timeout=TIMEOUT)
+    world = max(tp * pp, cp)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+    _cp_rank, _cp_size = (rank, cp) if cp > 1 else (0, 1)
     if pp > 1:  # every rank creates every group, in the same order
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=TIMEOUT) for s in range(pp)]
         _tp_group = groups[rank // tp]
-    _pp_rank, _rank = divmod(rank, tp)
+    _pp_rank, _rank = divmod(rank % (tp * pp), tp)  # context-parallel ranks of tp 1 are all tp rank 0
     _size, _pp_size, _partition, _device = tp, pp, tuple(partition), device
 
 
 def destroy_tensor_parallel() -> None:
-    global _rank, _size, _pp_rank, _pp_size, _tp_group, _partition
+    global _rank, _size, _pp_rank, _pp_size, _tp_group, _partition, _cp_rank, _cp_size
     if dist.is_initialized():
         dist.destroy_process_group()
-    _rank, _size, _pp_rank, _pp_size, _tp_group, _partition = 0, 1, 0, 1, None, ()
-
-
-_pp_rank, _pp_size = 0, 1
-_tp_group: dist.ProcessGroup | None = None  # this stage's tensor-parallel group (None: the whole world)
-_partition: tuple[int, ...] = ()  # decoder layers per pipeline stage (empty: an even split)
-_device = torch.device("cpu")
+    _rank, _size, _pp_rank, _pp_size, _tp_group, _partition, _cp_rank, _cp_size = 0, 1, 0, 1, None, (), 0, 1
 
 
 def tp_rank() -> int:
@@ -76,6 +85,33 @@ def pp_rank() -> int:
 
 def pp_size() -> int:
     return _pp_size
+
+
+def cp_rank() -> int:
+    return _cp_rank
+
+
+def cp_size() -> int:
+    return _cp_size
+
+
+def cp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every context-parallel rank's `x` (same shape on all), stacked in rank order: [cp_size, *x.shape]."""
+    start = time.perf_counter()
+    parts = [torch.empty_like(x) for _ in range(_cp_size)]
+    dist.all_gather(parts, x.contiguous())
+    stats.add("cp_all_gather", start, x.numel() * x.element_size())
+    return torch.stack(parts)
+
+
+def cp_all_to_all(x: torch.Tensor) -> torch.Tensor:
+    """x[r] goes to context-parallel rank r; returns what each rank sent here, in rank order."""
+    start = time.perf_counter()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    stats.add("cp_all_to_all", start, x.numel() * x.element_size())
+    return out
 
 
 def tp_group() -> dist.ProcessGroup | None:

@@ -94,6 +94,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         ("rope scaling", c.rope_scaling or "none"),
         ("tied embeddings", c.tie_word_embeddings),
         ("KV bytes per token", f"{kv_bytes} ({cache_dtype})"),
+        *_context_parallel_rows(args.decode_context_parallel_size, kv_bytes),
         ("KV tokens per GiB", _kv_tokens_per_gib(attention, cache_dtype)),
         # the disk tier (--kv-cache-dir) stores the pool's own bytes, one file per block; no host-RAM
         # tier on CPU, where the pool is RAM (docs/architecture.md, KV-cache tiers)
@@ -138,6 +139,14 @@ def cmd_info(args: argparse.Namespace) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _context_parallel_rows(size: int, kv_bytes: int) -> list[tuple[str, str]]:
+    """With --decode-context-parallel-size N: what each rank stores of a token's K/V (its stripe of
+    every sequence: 1/N of the tokens, `tokenmill.attention.context_parallel`)."""
+    if size == 1:
+        return []
+    return [("KV bytes per token per rank", f"{kv_bytes // size} (context parallelism over {size} ranks)")]
 
 
 def _weight_rows(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -244,6 +253,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="also load the weights: load time, bytes used from the file's memory map vs copied or "
         "repacked, resident memory after load",
+    )
+    info.add_argument(
+        "--decode-context-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also show each rank's KV bytes per token when sequences are striped over N ranks (default: %(default)s)",
     )
     info.set_defaults(func=cmd_info)
 

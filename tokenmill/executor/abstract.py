@@ -105,4 +105,6 @@ def size_kv_cache(
     sched, cache = config.scheduler, config.cache
     if budget_bytes is not None and cache.num_blocks is None:
         cache = dataclasses.replace(cache, kv_cache_memory_gib=budget_bytes / 2**30)
-    return make_kv_cache_config(specs, cache, sched.max_num_seqs, sched.max_num_batched_tokens)
+    return make_kv_cache_config(
+        specs, cache, sched.max_num_seqs, sched.max_num_batched_tokens, config.parallel.context_parallel_size
+    )

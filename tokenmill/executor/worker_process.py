@@ -42,7 +42,15 @@ def join_and_load(
         if len(cores) >= p.world_size:
             share = len(cores) // p.world_size
             os.sched_setaffinity(0, cores[rank * share : (rank + 1) * share])
-    args = (rank, p.tensor_parallel_size, p.pipeline_parallel_size, init_method, device, p.pipeline_layer_partition)
+    args = (
+        rank,
+        p.tensor_parallel_size,
+        p.pipeline_parallel_size,
+        init_method,
+        device,
+        p.pipeline_layer_partition,
+        p.context_parallel_size,
+    )
     if watch is None:
         parallel_state.init_model_parallel(*args)
     else:
@@ -79,7 +87,10 @@ def _join_watching(join: Callable[[], None], watch: Callable[[], list[str]], con
 
 def rank_failure(config: EngineConfig, dead: list[str]) -> str:
     """The error of an engine that lost worker ranks (`dead`: how each ended)."""
-    kind = "pipeline-parallel" if config.parallel.pipeline_parallel_size > 1 else "tensor-parallel"
+    p = config.parallel
+    kind = "pipeline-parallel" if p.pipeline_parallel_size > 1 else "tensor-parallel"
+    if p.context_parallel_size > 1:
+        kind = "context-parallel"
     return f"{kind} worker " + "; ".join(dead) + "; the engine cannot run without it"
 
 

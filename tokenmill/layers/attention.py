@@ -56,9 +56,12 @@ class Attention(nn.Module):
         self.sinks.data.copy_(dense(weight)[first : first + self.num_heads])
 
     def kv_spec(self, cache_dtype: torch.dtype) -> AttentionSpec:
+        """What a token stores. Decode context parallelism over the tensor-parallel ranks stores every
+        rank's kv heads (for 1/N of the tokens: `tokenmill.attention.context_parallel`)."""
         if self.latent_rope_dim is not None:
             return MLAAttentionSpec(1, self.head_dim, cache_dtype, self.sliding_window, self.latent_rope_dim)
-        return AttentionSpec(self.num_kv_heads, self.head_dim, cache_dtype, self.sliding_window)
+        heads = self.num_kv_heads * (parallel_state.tp_size() if parallel_state.cp_size() > 1 else 1)
+        return AttentionSpec(heads, self.head_dim, cache_dtype, self.sliding_window)
 
     def bind_kv_cache(
         self, kv_cache: torch.Tensor, backend, kv_group: int, kv_scales: torch.Tensor | None = None

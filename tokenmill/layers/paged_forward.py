@@ -3,7 +3,9 @@ model, an EAGLE-3 drafter, MTP layers) share. It allocates each KV-cache group's
 backend's shape (and a quantized cache's scales, `tokenmill.attention.kv_quant`), binds every attention
 layer to its part, and runs a flat batch: per request its new tokens after its cached ones, decodes
 first, described once for attention (`build_common_metadata`, then one backend metadata per pool and
-sliding window) and set as the forward context the attention layers read."""
+sliding window) and set as the forward context the attention layers read. Under prefill context
+parallelism the backend splits a step's tokens over the ranks: each runs its share, and the final
+hidden states are gathered."""
 
 from __future__ import annotations
 
@@ -101,9 +103,12 @@ class PagedForward:
         # one backend metadata per (pool, sliding window): each group's layers read theirs
         metas = {key: self.backend.build_metadata(commons[key[0]], key[1]) for key in set(self.group_keys)}
         context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)}, lora)
+        split = self.backend.token_split(common)  # prefill context parallelism: this rank's tokens only
+        if split is not None:
+            ids, positions = ids[split.mine], positions[split.mine]
         with set_forward_context(context):
             hidden = self.model(ids, positions, **model_inputs)
-        return hidden, common
+        return (hidden if split is None else split.gather(hidden)), common
 
 
 def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -46,12 +46,10 @@ WARM_UP_ID = "__warmup__"  # the throwaway request of `warm_up`
 class ModelRunner(PagedForward):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, loaded.dtype, loaded.quantization)
-        super().__init__(
-            loaded.model,
-            loaded.device,
-            cache_dtype,
-            get_attention_backend(loaded.device, loaded.dtype, cache_dtype, config.attention_backend),
+        backend = get_attention_backend(
+            loaded.device, loaded.dtype, cache_dtype, config.attention_backend, config.parallel
         )
+        super().__init__(loaded.model, loaded.device, cache_dtype, backend)
         self.model_config = loaded.config
         self.config = config
         self.dtype = loaded.dtype
