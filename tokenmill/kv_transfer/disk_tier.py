@@ -163,9 +163,9 @@ def block_layout(tensors: list[tuple[torch.Tensor, int]]) -> BlockLayout:
 
 @dataclass
 class DiskTierMetadata(KVConnectorMetadata):
-    """`load`: (block table, first block, each block's cache tensor slices per tensor-parallel rank) to write before the
-    forward; `save`: (block table, blocks to save as (index, key, parent key, tokens, file mtime)) to copy
-    out after it."""
+    """`load`: (block table, first block, each block's cache tensor slices per tensor-parallel rank) to
+    write before the forward; `save`: (block table, blocks to save as (index, key, parent key, tokens,
+    file mtime)) to copy out after it."""
 
     load: list[tuple[BlockTable, int, list[list[list[torch.Tensor]]]]] = field(default_factory=list)
     save: list[tuple[BlockTable, list[tuple[int, bytes, bytes, list[int], float]]]] = field(default_factory=list)
@@ -236,9 +236,8 @@ class DiskTierScheduler(KVConnectorScheduler):
 
     def _read(self, request, keys: list[bytes], i: int) -> list[list[torch.Tensor]] | None:
         """Block `i`'s tensors on each rank, or None (a miss) unless every rank's file is there and sound."""
-        shares = []
+        shares, tokens = [], request.prompt_token_ids[i * self.bs : (i + 1) * self.bs]
         for r, path in enumerate(self._paths(keys[i])):
-            tokens = request.prompt_token_ids[i * self.bs : (i + 1) * self.bs]
             try:
                 key, parent = shard_key(keys[i], r), shard_key(self._parent(keys, i), r)
                 shares.append(read_block(path, key, parent, tokens, self.layout))
