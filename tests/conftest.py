@@ -25,6 +25,7 @@ UNIT_MODULES = {
     "test_kv_disk_tier",
     "test_layers",
     "test_llm_api",
+    "test_mapped_weights",
     "test_lora",
     "test_plan",
     "test_prefix_cache",

@@ -306,3 +306,52 @@ def test_a_rank_that_dies_while_starting_is_reported_at_once_with_the_fix(tmp_pa
     assert "tensor-parallel worker rank 1 exited" in error and "before it started" in error, done.stderr[-3000:]
     assert str(script) in error and 'if __name__ == "__main__":' in error
     assert elapsed < timeout / 2
+
+
+# two engines with --tensor-parallel-size 2, one after the other, on one --kv-cache-dir: the second
+# loads the first's blocks (each rank its own share of each)
+_DISK_TIER_RUN = r"""
+import json, sys
+from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.executor import executor_for
+from tokenmill.sampling_params import SamplingParams
+
+model, directory, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+for run in range(2):
+    config = EngineConfig(model=model, dtype="float32", cache=CacheConfig(num_blocks=64, kv_cache_dir=directory),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=32),
+                          parallel=ParallelConfig(tensor_parallel_size=2))
+    executor = executor_for(config)
+    core = EngineCore(config, executor, set())
+    out = {}
+    for i, p in enumerate(prompts):
+        core.add_request(EngineCoreRequest(str(i), p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+        out[str(i)] = []
+    while core.has_unfinished():
+        for o in core.step():
+            out[o.request_id].extend(o.new_token_ids)
+    assert core.kv.num_free_blocks == core.kv.num_blocks, "KV blocks leaked"
+    disk = core.stats().kv_tiers["disk"]
+    executor.close()
+    print("RESULT " + json.dumps({"tokens": [out[str(i)] for i in range(len(prompts))], "disk": disk}), flush=True)
+"""
+
+
+def test_the_disk_tier_stores_and_loads_each_ranks_share(tmp_path):
+    model = str(tmp_path / "model")
+    make_tiny_model("llama-gqa-untied", model)
+    prompt = list(range(5, 90))  # 5 full blocks of 16
+    prompts = [prompt, prompt[:48] + [200, 201, 202, 203]]  # the second shares 3 blocks
+    done = subprocess.run(
+        [sys.executable, "-c", _DISK_TIER_RUN, model, str(tmp_path / "tier"), json.dumps(prompts)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert first["disk"]["hits"] == 0 and len(list((tmp_path / "tier").glob("*.kv"))) == 2 * 5  # a file per rank
+    assert second["tokens"] == first["tokens"]  # the cold run's (two ranks give one's: tested above)
+    assert (second["disk"]["hits"], second["disk"]["bad_files"]) == (5 * 16 + 3 * 16, 0)

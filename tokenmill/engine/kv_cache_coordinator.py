@@ -48,6 +48,11 @@ class KVCacheCoordinator:
         """The request's block table in each pool."""
         return [m.block_ids(request_id) for m in self.managers]
 
+    def holds_block(self, request_id: str, index: int) -> bool:
+        """Whether every pool still holds the request's block `index` (a sliding window's pool returns
+        the blocks that fall out of its window)."""
+        return all(m.req_blocks[request_id][index] is not None for m in self.managers)
+
     def num_live_blocks(self, request_id: str) -> list[int]:
         return [m.num_live_blocks(request_id) for m in self.managers]
 

@@ -166,6 +166,7 @@ def _weight_rows(args: argparse.Namespace) -> list[tuple[str, str]]:
             f"{r['mapped'] / mib:.1f} / {r['copied'] / mib:.1f} MiB (file {r['file'] / mib:.1f} MiB)",
         ),
         ("resident memory after load", f"{r['rss'] / mib:.0f} MiB"),
+        ("of it the file's pages", f"{r['rss_file'] / mib:.0f} MiB"),
     ]
 
 

@@ -18,6 +18,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import parallel_state
 from tokenmill.executor.abstract import load_configured_model
+from tokenmill.kv_transfer.base import worker_connector
 from tokenmill.loader import LoadedModel
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -114,16 +115,25 @@ def serve_rank(config: EngineConfig, rank: int, init_method: str, report: Callab
 
 
 def _serve_tensor_parallel(runner: ModelRunner) -> None:
-    """Run whatever the driver broadcasts until told to stop."""
-    while True:
-        kind, payload = parallel_state.broadcast_object()
-        if kind == "step":
-            runner.execute(payload)
-        elif kind == "kv":
-            runner.initialize_kv_cache(payload)
-            runner.warm_up()
-        elif kind == "stop":
-            break
+    """Run whatever the driver broadcasts until told to stop; with a KV connector configured (the disk
+    tier), this rank's worker half runs around each step, as the driver's does around its own."""
+    connector = None
+    try:
+        while True:
+            kind, payload = parallel_state.broadcast_object()
+            if kind == "step" and connector is not None:
+                connector.execute(payload, runner.execute)
+            elif kind == "step":
+                runner.execute(payload)
+            elif kind == "kv":
+                runner.initialize_kv_cache(payload)
+                runner.warm_up()
+                connector = worker_connector(runner.config, runner)
+            elif kind == "stop":
+                break
+    finally:
+        if connector is not None:
+            connector.close()
 
 
 def process_main(config: EngineConfig, rank: int, init_method: str, report: Connection) -> None:

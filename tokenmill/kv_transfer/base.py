@@ -139,15 +139,16 @@ class KVConnectorWorker(ABC):
 
 def check_supported(config: EngineConfig) -> None:
     """Refuse, naming the flags, the layouts KV transfer and the disk tier do not run with (rather
-    than hang or move part of the KV): each stage or tensor-parallel rank holds only its share of the cache."""
+    than hang or move part of the KV): each stage or tensor-parallel rank holds only its share of the
+    cache (the disk tier stores each tensor-parallel rank's share on its own; not each stage's yet)."""
     parallel = config.parallel
     if config.cache.kv_cache_dir is not None:
         if config.kv_transfer is not None:
             raise ValueError("--kv-cache-dir does not run with --kv-role yet (one KV connector per engine)")
-        if parallel.pipeline_parallel_size > 1 or parallel.tensor_parallel_size != 1:
+        if parallel.pipeline_parallel_size > 1:
             raise ValueError(
-                "--kv-cache-dir needs --tensor-parallel-size 1 and --pipeline-parallel-size 1 (each rank "
-                "or stage holds only its share of a block)"
+                "--kv-cache-dir needs --pipeline-parallel-size 1 (each stage holds its own layers' share of "
+                "a block, and its worker processes run no KV connector yet); tensor parallelism works"
             )
     if config.kv_transfer is None:
         return

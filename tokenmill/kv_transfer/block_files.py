@@ -47,12 +47,15 @@ BlockLayout = list[tuple[tuple[int, ...], torch.dtype]]  # per cache tensor: one
 
 @dataclass
 class StoredBlock:
-    """One block to write: its chained key, its parent's key, its tokens and its cache tensors' slices."""
+    """One block to write: its chained key, its parent's key, its tokens and its cache tensors' slices;
+    `mtime`: the file's modification time, the order eviction goes by (a prompt's head newest, so its
+    tail goes first), or None for the time it is written."""
 
     key: bytes
     parent: bytes
     token_ids: Sequence[int]
     tensors: list[torch.Tensor]
+    mtime: float | None = None
 
 
 class BadBlockFile(ValueError):
@@ -231,13 +234,17 @@ class BlockWriter:
             )
             self._fail()
             return
-        if self._usage + size > self.max_bytes:
-            self._evict(self.max_bytes * _EVICT_TO - size)
+        if self._usage + size > self.max_bytes and not self._evict(self.max_bytes * _EVICT_TO - size, block.mtime):
+            with self._lock:  # every file is more recent than this block: it is the one to go
+                self.stats.dropped += 1
+            return
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 for part in parts:
                     f.write(part)
+            if block.mtime is not None:
+                os.utime(tmp, (block.mtime, block.mtime))
             os.replace(tmp, path)
         except OSError as e:
             remove(tmp)
@@ -271,15 +278,16 @@ class BlockWriter:
         files.sort()
         return files, sum(size for _, size, _ in files)
 
-    def _evict(self, target: float) -> None:
-        """Remove the least recently used files until the directory (every engine's files, counted
-        afresh) takes at most `target` bytes."""
+    def _evict(self, target: float, older_than: float | None) -> bool:
+        """Remove the least recently used files (only those older than `older_than`, if given) until the
+        directory (every engine's files, counted afresh) takes at most `target` bytes; whether it does."""
         files, usage = self._rescan()
-        for _, size, path in files:
-            if usage <= target:
+        for mtime, size, path in files:
+            if usage <= target or (older_than is not None and mtime >= older_than):
                 break
             remove(path)
             usage -= size
             with self._lock:
                 self.stats.evicted += 1
         self._usage = usage
+        return usage <= target

@@ -5,7 +5,10 @@ not on disk yet; right after the forward pass the worker half copies them out of
 part of a save the step loop waits for) and hands them to a `BlockWriter`, which writes them on its own
 thread (`block_files.py`). Blocks are written as their prompt is computed, not when the pool evicts
 them, so they outlive a restart or a crash of this server and are there for other servers on the same
-directory at once.
+directory at once. A sliding-window model's window pools return a prompt's early blocks while its
+later chunks are computed, so there each block is named in the step that fills it, while every pool
+still holds it (a file holds the block of every pool); the files' times are set as if the prompt had
+been written at once, tail first, so eviction still takes a prefix's tail before its head.
 
 Load: when a request is admitted, the scheduler half looks up its prompt's blocks past the pool's own
 prefix hits, block by block until the first miss, reading and verifying each file. A run of hits
@@ -19,6 +22,12 @@ from the engine's namespace (model architecture, a digest of the weight files, w
 compute dtype, the cache layout — KV dtype, block size, layers and heads — and the parallel layout)
 and the request's `cache_salt`. So a block is found only by an engine that would have computed the same
 KV for the same prefix.
+
+Tensor parallelism: each rank holds its share of every block (its heads), so each rank's worker half
+writes and loads a file of its own, under its own key (`shard_key`: rank 0's is the block's key). The
+scheduler half, in the driver, reads every rank's file of a block before it counts the block as a
+hit (a block is a hit only when every rank's share is there and sound) and sends all shares along;
+each rank copies in its own.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.distributed import parallel_state
 from tokenmill.kv_transfer.base import (
     BlockTable,
     KVConnectorMetadata,
@@ -141,6 +151,11 @@ def chain_key(parent: bytes, token_ids, salt: str | None = None) -> bytes:
     return h.digest()
 
 
+def shard_key(key: bytes, rank: int) -> bytes:
+    """Tensor-parallel rank `rank`'s key for its share of the block keyed `key` (rank 0: the same)."""
+    return key if rank == 0 else hashlib.sha256(key + b"tp-rank:" + rank.to_bytes(4, "little")).digest()
+
+
 def block_layout(tensors: list[tuple[torch.Tensor, int]]) -> BlockLayout:
     """The shape and dtype of one block's slice of each cache tensor."""
     return [(tuple(n for d, n in enumerate(t.shape) if d != BLOCK_DIM), t.dtype) for t, _ in tensors]
@@ -148,11 +163,12 @@ def block_layout(tensors: list[tuple[torch.Tensor, int]]) -> BlockLayout:
 
 @dataclass
 class DiskTierMetadata(KVConnectorMetadata):
-    """`load`: (block table, first block, each block's cache tensor slices) to write before the
-    forward; `save`: (block table, blocks to save as (index, key, parent key, tokens)) to copy out after it."""
+    """`load`: (block table, first block, each block's cache tensor slices per tensor-parallel rank) to
+    write before the forward; `save`: (block table, blocks to save as (index, key, parent key, tokens,
+    file mtime)) to copy out after it."""
 
-    load: list[tuple[BlockTable, int, list[list[torch.Tensor]]]] = field(default_factory=list)
-    save: list[tuple[BlockTable, list[tuple[int, bytes, bytes, list[int]]]]] = field(default_factory=list)
+    load: list[tuple[BlockTable, int, list[list[list[torch.Tensor]]]]] = field(default_factory=list)
+    save: list[tuple[BlockTable, list[tuple[int, bytes, bytes, list[int], float]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -165,18 +181,33 @@ class DiskTierOutput(KVConnectorOutput):
 
 
 class DiskTierScheduler(KVConnectorScheduler):
-    """`kv`: the engine's `KVCacheCoordinator`; `layout`: one block's slice of each cache tensor."""
+    """`kv`: the engine's `KVCacheCoordinator`; `layout`: one block's slice of each cache tensor (on
+    every one of the `ranks` tensor-parallel ranks)."""
 
-    def __init__(self, directory: Path, namespace: bytes, kv, layout: BlockLayout, min_load_tokens: int, capacity: int):
+    def __init__(
+        self,
+        directory: Path,
+        namespace: bytes,
+        kv,
+        layout: BlockLayout,
+        min_load_tokens: int,
+        capacity: int,
+        ranks: int = 1,
+        windowed: bool = False,
+    ):
         super().__init__()
+        self.ranks, self.windowed = ranks, windowed
         self.directory, self.namespace, self.kv, self.layout = directory, namespace, kv, layout
         self.bs, self.min_load_tokens = kv.block_size, min_load_tokens
         self.disk_stats = TierStats(capacity_bytes=capacity)
         self._keys: dict[str, list[bytes]] = {}  # request id -> chained keys of its prompt's full blocks
-        self._found: dict[str, tuple[int, list[list[torch.Tensor]]]] = {}  # admitted lookups: first block, blocks
+        # admitted lookups: first block, each block's tensors per rank
+        self._found: dict[str, tuple[int, list[list[list[torch.Tensor]]]]] = {}
         self._loaded: dict[str, range] = {}  # request id -> blocks it took from disk (not saved again)
+        # request id -> (its prompt blocks before this one were named to save, when the first were)
+        self._named: dict[str, tuple[int, float]] = {}
         self._saving: set[bytes] = set()  # keys handed to the writer, not reported written yet
-        self._load: list[tuple[BlockTable, int, list[list[torch.Tensor]]]] = []
+        self._load: list[tuple[BlockTable, int, list[list[list[torch.Tensor]]]]] = []
 
     def has_held(self) -> bool:
         """Blocks are being written: the engine keeps stepping (idle steps wait on the writer a little)
@@ -199,24 +230,25 @@ class DiskTierScheduler(KVConnectorScheduler):
     def _parent(self, keys: list[bytes], i: int) -> bytes:
         return keys[i - 1] if i else self.namespace
 
-    def _read(self, request, keys: list[bytes], i: int) -> list[torch.Tensor] | None:
-        path = block_path(self.directory, keys[i])
-        try:
-            blocks = read_block(
-                path,
-                keys[i],
-                self._parent(keys, i),
-                request.prompt_token_ids[i * self.bs : (i + 1) * self.bs],
-                self.layout,
-            )
-        except FileNotFoundError:
-            return None
-        except (BadBlockFile, OSError, ValueError, KeyError, TypeError) as e:  # any unreadable file: a miss
-            logger.warning("KV disk tier: %s is not a usable block (%s): removed, a miss", path.name, e)
-            self.disk_stats.bad_files += 1
-            remove(path)
-            return None
-        return blocks
+    def _paths(self, key: bytes) -> list[Path]:
+        """The files of every rank's share of the block keyed `key`."""
+        return [block_path(self.directory, shard_key(key, r)) for r in range(self.ranks)]
+
+    def _read(self, request, keys: list[bytes], i: int) -> list[list[torch.Tensor]] | None:
+        """Block `i`'s tensors on each rank, or None (a miss) unless every rank's file is there and sound."""
+        shares, tokens = [], request.prompt_token_ids[i * self.bs : (i + 1) * self.bs]
+        for r, path in enumerate(self._paths(keys[i])):
+            try:
+                key, parent = shard_key(keys[i], r), shard_key(self._parent(keys, i), r)
+                shares.append(read_block(path, key, parent, tokens, self.layout))
+            except FileNotFoundError:
+                return None
+            except (BadBlockFile, OSError, ValueError, KeyError, TypeError) as e:  # any unreadable file: a miss
+                logger.warning("KV disk tier: %s is not a usable block (%s): removed, a miss", path.name, e)
+                self.disk_stats.bad_files += 1
+                remove(path)
+                return None
+        return shares
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
         rid = request.request_id
@@ -238,10 +270,11 @@ class DiskTierScheduler(KVConnectorScheduler):
                 break
             blocks.append(block)
         for i in reversed(range(first, first + len(blocks))):  # the head most recently used: evicted last
-            try:
-                os.utime(block_path(self.directory, keys[i]))
-            except OSError:
-                pass
+            for path in self._paths(keys[i]):
+                try:
+                    os.utime(path)
+                except OSError:
+                    pass
         s = self.disk_stats
         s.queries += request.num_prompt_tokens - num_computed_tokens
         if len(blocks) * self.bs < self.min_load_tokens:
@@ -250,7 +283,7 @@ class DiskTierScheduler(KVConnectorScheduler):
             return 0
         s.hits += len(blocks) * self.bs
         s.loads += 1
-        s.load_bytes += sum(t.numel() * t.element_size() for b in blocks for t in b)
+        s.load_bytes += sum(t.nbytes for block in blocks for share in block for t in share)
         s.load_seconds += time.perf_counter() - start
         self._found[rid] = (first, blocks)
         return len(blocks) * self.bs
@@ -270,20 +303,25 @@ class DiskTierScheduler(KVConnectorScheduler):
         self._load = []
         for rid, num_new in sched.num_scheduled_tokens.items():
             request = requests.get(rid)
-            if (
-                request is None
-                or not request.num_computed_tokens < request.num_prompt_tokens <= request.num_computed_tokens + num_new
-            ):
+            if request is None or request.num_computed_tokens >= request.num_prompt_tokens:
                 continue
+            if not self.windowed and request.num_computed_tokens + num_new < request.num_prompt_tokens:
+                continue  # its blocks stay in the pool until the prompt is done: named then, all at once
             keys, loaded, bs = self.prompt_keys(request), self._loaded.get(rid, range(0)), self.bs
-            todo = [
-                (i, key, self._parent(keys, i), request.prompt_token_ids[i * bs : (i + 1) * bs])
-                for i, key in enumerate(keys)
-                if i not in loaded and key not in self._saving and not block_path(self.directory, key).exists()
+            first, stamp = self._named.get(rid, (0, time.time()))
+            done = min(request.num_computed_tokens + num_new, len(keys) * bs) // bs
+            self._named[rid] = (max(first, done), stamp)
+            todo = [  # the files' times as if the whole prompt were written at once, its tail first
+                (i, keys[i], self._parent(keys, i), request.prompt_token_ids[i * bs : (i + 1) * bs], stamp - i * 1e-5)
+                for i in range(first, done)
+                if i not in loaded
+                and keys[i] not in self._saving
+                and self.kv.holds_block(rid, i)
+                and not all(path.exists() for path in self._paths(keys[i]))
             ]
             if todo:
                 meta.save.append(([list(t) for t in self.kv.block_ids(rid)], todo))
-                self._saving.update(key for _, key, _, _ in todo)
+                self._saving.update(key for _, key, _, _, _ in todo)
         # while blocks are being written the worker half reports on them after every step
         return meta if meta.load or meta.save or self._saving else None
 
@@ -302,14 +340,16 @@ class DiskTierScheduler(KVConnectorScheduler):
         self._keys.pop(rid, None)
         self._found.pop(rid, None)
         self._loaded.pop(rid, None)
+        self._named.pop(rid, None)
         return False
 
 
 class DiskTierWorker(KVConnectorWorker):
-    """`tensors`: every cache tensor with the pool its blocks come from."""
+    """`tensors`: every cache tensor with the pool its blocks come from; `rank`: this worker's
+    tensor-parallel rank (the share of each block it copies, and the keys it writes under)."""
 
-    def __init__(self, writer: BlockWriter, tensors: list[tuple[torch.Tensor, int]]) -> None:
-        self.writer, self.tensors = writer, tensors
+    def __init__(self, writer: BlockWriter, tensors: list[tuple[torch.Tensor, int]], rank: int = 0) -> None:
+        self.writer, self.tensors, self.rank = writer, tensors, rank
         self._copy_in = self._copy_out = 0.0
         atexit.register(self.close)  # what is queued is written before the process ends
 
@@ -317,7 +357,7 @@ class DiskTierWorker(KVConnectorWorker):
         start = time.perf_counter()
         for tables, first, blocks in meta.load:
             for i, block in enumerate(blocks, first):
-                for (t, pool), saved in zip(self.tensors, block):
+                for (t, pool), saved in zip(self.tensors, block[self.rank]):
                     t.select(BLOCK_DIM, tables[pool][i]).copy_(saved)
         self._copy_in = time.perf_counter() - start if meta.load else 0.0
 
@@ -327,8 +367,8 @@ class DiskTierWorker(KVConnectorWorker):
             self.writer.put(
                 [
                     StoredBlock(
-                        key,
-                        parent,
+                        shard_key(key, self.rank),
+                        shard_key(parent, self.rank),
                         tokens,
                         [
                             t.select(BLOCK_DIM, tables[pool][i]).to(
@@ -336,8 +376,9 @@ class DiskTierWorker(KVConnectorWorker):
                             )
                             for t, pool in self.tensors
                         ],
+                        mtime,
                     )
-                    for i, key, parent, tokens in reversed(todo)  # the tail first: the head is the newest file
+                    for i, key, parent, tokens, mtime in reversed(todo)
                 ]
             )
         self._copy_out = time.perf_counter() - start if meta.save else 0.0
@@ -363,12 +404,21 @@ def _capacity(config) -> int:
 
 def disk_tier_scheduler(config, kv, executor) -> DiskTierScheduler:
     """The scheduler half for `config.cache.kv_cache_dir`, over `executor`'s model and cache layout."""
-    if any(window is not None for window in executor.runner.kv_cache_config.pool_windows):
-        raise ValueError("--kv-cache-dir does not run with sliding-window models yet (their pools drop blocks)")
     directory, layout = _directory(config), block_layout(cache_tensors(executor.runner))
     namespace = tier_namespace(config, executor, layout, directory)
-    return DiskTierScheduler(directory, namespace, kv, layout, config.cache.kv_disk_min_load_tokens, _capacity(config))
+    return DiskTierScheduler(
+        directory,
+        namespace,
+        kv,
+        layout,
+        config.cache.kv_disk_min_load_tokens,
+        _capacity(config),
+        config.parallel.tensor_parallel_size,
+        any(window is not None for window in executor.runner.kv_cache_config.pool_windows),
+    )
 
 
 def disk_tier_worker(config, runner) -> DiskTierWorker:
-    return DiskTierWorker(BlockWriter(_directory(config), _capacity(config)), cache_tensors(runner))
+    """The worker half over `runner`'s caches: on each tensor-parallel rank, its own share."""
+    tensors = cache_tensors(runner)
+    return DiskTierWorker(BlockWriter(_directory(config), _capacity(config)), tensors, parallel_state.tp_rank())

@@ -2,7 +2,12 @@
 metadata key/value pairs and the tensor table, read with `struct` from a memory map; each tensor's
 data is a numpy view of the map (nothing is read until used). gguf-py's `GGUFReader` builds a numpy
 view per array element and took ~5 s on SmolLM2's 49k-token vocabulary and merges, on every load;
-this reads that header in ~0.1 s. The tensor types and their block sizes are gguf-py's."""
+this reads that header in ~0.1 s. The tensor types and their block sizes are gguf-py's.
+
+Float tensors (F32, F16, BF16) are also given as torch tensors viewing a second, private
+(copy-on-write) map of the file (`values`): a model can use them without a copy, a write to one never
+reaches the file, and that map stays open while any of them lives. It is a map of its own so that the
+pages read through the header's map (the quantized blocks the loader repacks) are let go with it."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
@@ -20,6 +26,11 @@ from gguf.quants import quant_shape_to_byte_shape
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
+_FLOATS = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
 
 
 class GGUFTensor(NamedTuple):
@@ -27,6 +38,7 @@ class GGUFTensor(NamedTuple):
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # in torch order (the file lists the fastest-moving dimension first)
     data: np.ndarray  # float32 / float16 values, or the blocks' bytes: uint8 [..., bytes per row]
+    start: int  # where its data starts in the file
 
 
 class GGUFFile:
@@ -35,8 +47,10 @@ class GGUFFile:
     table's), `data_start` (the tensor data's, which the table's offsets count from)."""
 
     def __init__(self, path: str | Path) -> None:
+        self.path = path
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._private_map: mmap.mmap | None = None
         self._pos = 0
         if self._read(4) != b"GGUF":
             raise ValueError("it does not start with the GGUF magic bytes")
@@ -105,4 +119,16 @@ class GGUFFile:
         if start + count * np.dtype(dtype).itemsize > len(self._map):
             raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
         data = np.frombuffer(self._map, dtype=dtype, count=count, offset=start).reshape(item_shape)
-        return GGUFTensor(name, qtype, shape, data)
+        return GGUFTensor(name, qtype, shape, data, start)
+
+    def values(self, tensor: GGUFTensor) -> torch.Tensor | None:
+        """A float tensor's values as stored (float32 / float16 / bfloat16), viewing the file's private
+        map; None for quantized blocks."""
+        dtype = _FLOATS.get(tensor.tensor_type)
+        if dtype is None:
+            return None
+        if self._private_map is None:
+            with open(self.path, "rb") as f:
+                self._private_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        count = int(np.prod(tensor.shape))
+        return torch.frombuffer(self._private_map, dtype=dtype, count=count, offset=tensor.start).view(tensor.shape)

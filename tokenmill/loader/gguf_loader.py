@@ -105,6 +105,7 @@ class GGUFWeight:
     unpermute_heads: int | None = None
     shape: tuple[int, ...] | None = None  # the HF shape where it differs from the file's (a [H] gate row)
     offset: float = 0.0  # added to every value (Gemma norms: the file stores 1 + w)
+    values: torch.Tensor | None = None  # a float tensor stored in HF layout: a view of the file's map
 
     def dequantize(self) -> torch.Tensor:
         values = np.asarray(dequantize(self.raw, self.qtype), dtype=np.float32)
@@ -117,6 +118,11 @@ class GGUFWeight:
         if not values.flags.writeable or not values.flags.c_contiguous:  # F32 tensors are views of the mmap
             values = values.copy()
         return torch.from_numpy(values)
+
+    def stored(self) -> torch.Tensor:
+        """The tensor in the float dtype it is stored in, without a copy where the file holds it in HF
+        layout (a view of the file's map), else dequantized."""
+        return self.values if self.values is not None else self.dequantize()
 
     def codes(self) -> Codes:
         """A quantized tensor's integer codes and per-block scales and offsets, rows in HF order."""
@@ -296,4 +302,6 @@ class GGUFCheckpoint:
                 elif permute and part == "attn_k":
                     heads = c.num_key_value_heads
             offset = -1.0 if gemma and name.endswith("norm.weight") else 0.0
-            yield name, GGUFWeight(t.name, t.tensor_type, t.data, heads, shape, offset)
+            as_is = heads is None and shape is None and not offset
+            values = self.reader.values(t) if as_is else None
+            yield name, GGUFWeight(t.name, t.tensor_type, t.data, heads, shape, offset, values)

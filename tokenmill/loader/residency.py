@@ -3,10 +3,13 @@
 memory. `tokenmill info --load` prints it.
 
 A tensor counts as mapped when its storage lies inside one of this process's file mappings of the
-checkpoint (read from /proc/self/maps through psutil). GGUF blocks are unpacked into the kernels'
-codes / scales layout and dense layers are fused (QKV, gate/up) and placed per rank, so today's
-loader copies every tensor and closes the map after loading; this counts what would change if a
-format's tensors were used in place.
+checkpoint (read from /proc/self/maps through psutil). Mapped: safetensors tensors and GGUF F32 /
+F16 / BF16 tensors that a parameter uses as is (`quantization.unquantized.load_dense`: whole, in the
+run's dtype, on the CPU). Copied: fused layers (QKV, gate/up), tensor-parallel slices, dtype
+conversions, and every GGUF quantized tensor (its blocks are unpacked into the kernels' codes /
+scales layout; no kernel reads ggml's block layout as stored). Resident memory counts the mapped
+weights' file pages once they are read; `rss_file` is that share (clean pages of the checkpoint the
+kernel can drop and read again, unlike the copies).
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ def _storages(model) -> dict[int, int]:
 
 def weight_residency(loaded) -> dict[str, int]:
     """{"mapped": bytes used from a checkpoint map, "copied": bytes in memory of their own, "file":
-    the checkpoint's bytes, "rss": this process's resident bytes}."""
+    the checkpoint's bytes, "rss": this process's resident bytes, "rss_file": the part that is pages of
+    the checkpoint's maps}."""
     root = Path(loaded.source.path)
     files = {str(p.resolve()) for p in ([root] if root.is_file() else root.iterdir())}
-    ranges = []
+    ranges, rss_file = [], 0
     for m in psutil.Process().memory_maps(grouped=False):
         if m.path in files:
             start, end = (int(a, 16) for a in m.addr.split("-"))
             ranges.append((start, end))
+            rss_file += m.rss
     mapped = copied = 0
     for ptr, size in _storages(loaded.model).items():
         if any(start <= ptr < end for start, end in ranges):
@@ -42,4 +47,5 @@ def weight_residency(loaded) -> dict[str, int]:
         else:
             copied += size
     file_bytes = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
-    return {"mapped": mapped, "copied": copied, "file": file_bytes, "rss": psutil.Process().memory_info().rss}
+    rss = psutil.Process().memory_info().rss
+    return {"mapped": mapped, "copied": copied, "file": file_bytes, "rss": rss, "rss_file": rss_file}

@@ -94,3 +94,9 @@ class QuantizationConfig(ABC):
 def dense(weight) -> torch.Tensor:
     """A checkpoint tensor as a dense float tensor (GGUF tensors are dequantized here)."""
     return weight.dequantize() if hasattr(weight, "dequantize") else weight
+
+
+def stored(weight) -> torch.Tensor:
+    """A checkpoint tensor as a dense tensor in the float dtype it is stored in (a GGUF F16 tensor
+    stays float16, as a view of the file's map), for a copy that converts it only where it must."""
+    return weight.stored() if hasattr(weight, "stored") else dense(weight)

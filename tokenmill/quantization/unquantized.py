@@ -6,16 +6,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.quantization.base import LinearMethod, QuantizationConfig, dense
+from tokenmill.quantization.base import LinearMethod, QuantizationConfig, stored
 
 
 def load_dense(param: torch.Tensor, weight, rows: slice, src_index: tuple[slice, ...]) -> None:
-    """Copy `weight[src_index]` (dequantized if packed) into `param[rows]`, checking the shape."""
-    src = dense(weight)[src_index]
+    """Put `weight[src_index]` (dequantized if packed) in `param[rows]`, checking the shape. A source
+    the parameter can use as is becomes the parameter instead of being copied (`usable_as_is`): for
+    safetensors and GGUF float tensors that is a view of the file's private map, so those weights are
+    read from the page cache and never held twice."""
+    src = stored(weight)[src_index]
     dest = param.data[rows]
     if tuple(dest.shape) != tuple(src.shape):
         raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
-    dest.copy_(src)
+    if dest.shape == param.shape and usable_as_is(src, param):
+        param.data = src
+    else:
+        dest.copy_(src)
+
+
+def usable_as_is(src: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether `src` can replace all of `param`'s storage: same dtype, on the CPU, contiguous, and
+    the whole of its own storage (a slice of a bigger tensor would keep all of it alive)."""
+    return (
+        src.dtype == param.dtype
+        and src.device.type == param.device.type == "cpu"
+        and not src.requires_grad
+        and src.is_contiguous()
+        and src.storage_offset() == 0
+        and src.untyped_storage().nbytes() == src.nbytes
+    )
 
 
 class UnquantizedLinearMethod(LinearMethod):
