@@ -18,7 +18,7 @@ think for before "</think>" is forced).
 from __future__ import annotations
 
 import re
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -236,6 +236,11 @@ class CompletionRequest(_SamplingRequest):
 class TextPart(_Body):
     type: Literal["text"]
     text: str
+
+
+# the id of a tool call that the client sends back with its result (Anthropic's tool_use / tool_result,
+# the Responses API's function_call / function_call_output): it pairs the two, so never empty, and short
+CallId = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class ToolCallFunction(_Body):

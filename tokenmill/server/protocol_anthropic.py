@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from tokenmill.server.protocol import APIError, ChatCompletionRequest, _Body, bad_request, parse_part
+from tokenmill.server.protocol import APIError, CallId, ChatCompletionRequest, _Body, bad_request, parse_part
 
 # chat field names -> the Messages API's, for the errors of the chat path (see `protocol.renamed`)
 RENAMES = (
@@ -57,14 +57,14 @@ class TextBlock(_Body):
 
 class ToolUseBlock(_Body):
     type: Literal["tool_use"]
-    id: str = Field(min_length=1, max_length=256)
+    id: CallId
     name: str
     input: dict
 
 
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
-    tool_use_id: str = Field(min_length=1, max_length=256)
+    tool_use_id: CallId
     content: str | list[TextBlock] = ""
     is_error: bool = False
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
-from tokenmill.server.protocol import ChatCompletionRequest, _Body, bad_request, parse_part
+from tokenmill.server.protocol import CallId, ChatCompletionRequest, FunctionDefinition, _Body, bad_request, parse_part
 
 # chat field names -> the Responses API's, for the errors of the chat path (see `protocol.renamed`)
 RENAMES = (
@@ -41,14 +39,14 @@ class MessageItem(_Body):
 
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
-    call_id: str = Field(min_length=1, max_length=256)
+    call_id: CallId
     name: str
     arguments: str
 
 
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1, max_length=256)
+    call_id: CallId
     output: str | list[dict]  # text parts (`_text`)
 
 
@@ -64,12 +62,10 @@ _ITEMS = {
 }
 
 
-class FunctionTool(_Body):
+class FunctionTool(FunctionDefinition):
+    """Chat's function definition, flat in the tool as the Responses API sends it."""
+
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
 
 
 class NamedFunctionChoice(_Body):
