@@ -524,6 +524,16 @@ def parse_part(model: type[BaseModel], data, path: str) -> BaseModel:
         raise _to_api_error(e, path) from None
 
 
+def parse_tagged(models: dict[str, type[BaseModel]], kind, data, path: str) -> BaseModel:
+    """`data` validated as the model its `type` (`kind`) names in `models` (a list item of the Anthropic
+    or Responses API); a 400 naming `path.type` when `models` has no such type."""
+    if kind not in models:
+        raise bad_request(
+            f"{path}.type must be one of {', '.join(models)}, got {str(kind)[:40]!r}", f"{path}.type", "unsupported"
+        )
+    return parse_part(models[kind], data, path)
+
+
 def renamed(e: APIError, renames: tuple[tuple[str, str], ...]) -> APIError:
     """`e` with the chat field it names (param, and in the message) written as another API calls it:
     `renames` are (regex matching the start of a chat field name, its replacement); the first wins."""

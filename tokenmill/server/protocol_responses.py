@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from tokenmill.server.protocol import CallId, ChatCompletionRequest, FunctionDefinition, _Body, bad_request, parse_part
+from tokenmill.server.protocol import (
+    CallId,
+    ChatCompletionRequest,
+    FunctionDefinition,
+    _Body,
+    bad_request,
+    parse_part,
+    parse_tagged,
+)
 
 # chat field names -> the Responses API's, for the errors of the chat path (see `protocol.renamed`)
 RENAMES = (
@@ -111,14 +119,7 @@ class ResponsesRequest(_Body):
             path = f"input[{i}]"
             if not isinstance(raw, dict):
                 raise bad_request(f"{path} must be an object (a message or an item)", path)
-            kind = raw.get("type", "message" if "role" in raw else None)
-            if kind not in _ITEMS:
-                raise bad_request(
-                    f"{path}.type must be one of {', '.join(_ITEMS)}, got {str(kind)[:40]!r}",
-                    f"{path}.type",
-                    "unsupported",
-                )
-            item = parse_part(_ITEMS[kind], raw, path)
+            item = parse_tagged(_ITEMS, raw.get("type", "message" if "role" in raw else None), raw, path)
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": _text(item.content, f"{path}.content")})
             elif isinstance(item, FunctionCallItem):
