@@ -88,6 +88,10 @@ class TrainReport:
     accuracy: list[float] = field(default_factory=list)  # per head, top-1 on held-out positions
     seconds: dict[str, float] = field(default_factory=dict)  # per phase
 
+    def accuracy_text(self) -> str:
+        """The held-out accuracies as the logs and the command print them: "61.2%, 40.3%"."""
+        return ", ".join(f"{a:.1%}" for a in self.accuracy)
+
 
 def corpus_passages(tokenizer, opts: TrainOptions) -> list[list[int]]:
     """`num_prompts` prompts of token ids: corpus passages of `prompt_tokens`, half of them (when a chat
@@ -319,7 +323,7 @@ def train_draft_head(
         "wrote %d Medusa heads to %s: held-out top-1 accuracy %s",
         opts.num_heads,
         output,
-        ", ".join(f"{a:.1%}" for a in report.accuracy),
+        report.accuracy_text(),
     )
     return report
 
@@ -408,6 +412,6 @@ def cmd_train_draft_head(args) -> None:
     measure = "acceptance by draft position" if args.kind in ("dflash", "dspark") else "top-1 accuracy by head"
     print(
         f"{report.sequences} sequences, {report.positions} positions; held-out {measure}: "
-        + ", ".join(f"{a:.1%}" for a in report.accuracy)
+        + report.accuracy_text()
         + f"; seconds {report.seconds}; written to {args.output}"
     )
