@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -542,14 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from tokenmill.entrypoints.cli import run_command
+
+    run_command(build_parser().parse_args(argv), (ValueError, FileNotFoundError, RuntimeError))
 
 
 if __name__ == "__main__":
