@@ -79,3 +79,15 @@ def hf_default_model(default_model, tmp_path_factory):
     from helpers import hf_from_gguf
 
     return hf_from_gguf(default_model.source.path, tmp_path_factory.mktemp("hf-default"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory, tokenizer):
+    """The server of the chat APIs' tests (test_messages_api, test_responses_api), started once for both:
+    a tiny model as "tiny" with the qwen3 reasoning parser, --api-key TINY_CHAT_KEY (the Messages API's
+    auth tests) and --max-stored-responses 2 (the Responses API's store test)."""
+    from test_server_utils import TINY_CHAT_KEY, tiny_chat_server
+
+    yield from tiny_chat_server(
+        tmp_path_factory, tokenizer, "chat-apis", "--api-key", TINY_CHAT_KEY, "--max-stored-responses", "2"
+    )

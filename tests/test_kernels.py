@@ -129,20 +129,42 @@ def test_fused_elementwise_ops_match_torch(tokens):
     torch.testing.assert_close(qkv[:, 3:], untouched, rtol=0, atol=0)
 
 
-def test_a_build_lock_left_by_a_killed_process_is_cleared():
+# A module with no function, so that the build from source takes a second, not the kernels' minute (CI
+# compiles them once, at install); torch's `load` names the module through TORCH_EXTENSION_NAME.
+_TINY_EXTENSION = """
+#include <Python.h>
+#define TM_STR_(x) #x
+#define TM_STR(x) TM_STR_(x)
+#define TM_CAT_(a, b) a##b
+#define TM_CAT(a, b) TM_CAT_(a, b)
+static struct PyModuleDef tiny = {PyModuleDef_HEAD_INIT, TM_STR(TORCH_EXTENSION_NAME), NULL, -1, NULL};
+PyMODINIT_FUNC TM_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&tiny); }
+"""
+
+
+def test_a_build_lock_left_by_a_killed_process_is_cleared(tmp_path):
     """torch leaves its `lock` file behind when a build is killed; the next build must not wait on it forever.
-    The build from source (-march=native: not a prebuilt variant's name) is what a CPU without one runs."""
+    The build from source (-march=native: not a prebuilt variant's name) is what a CPU without one runs:
+    here it builds a tiny source directory in place of csrc/, into a cache of its own, by the same path."""
     if fused_ops.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
-    lock = kernels._build_root() / f"tokenmill_cpu_{kernels._cpu_tag()}" / "lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    (sources / "bindings.cpp").write_text(_TINY_EXTENSION)
+    cache = tmp_path / "cache"
+    lock = cache / f"tokenmill_cpu_{kernels._cpu_tag()}" / "lock"
+    lock.parent.mkdir(parents=True)
     lock.touch()
-    code = "from tokenmill.kernels import fused_ops; assert fused_ops.load().__name__.startswith('tokenmill_cpu_')"
+    code = (
+        "import sys; from pathlib import Path; from tokenmill.kernels import fused_ops, variants; "
+        "variants.sources_dir = lambda: Path(sys.argv[1]); "
+        "assert fused_ops.load().__name__.startswith('tokenmill_cpu_')"
+    )
     subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, str(sources)],
         check=True,
         timeout=600,  # a hang, not a speed limit
-        env={**os.environ, "TOKENMILL_CPU_ARCH": "native"},
+        env={**os.environ, "TOKENMILL_CPU_ARCH": "native", "TORCH_EXTENSIONS_DIR": str(cache)},
     )
     assert not lock.exists()
 
@@ -194,20 +216,22 @@ def test_the_portable_build_passes_the_kernel_tests(arch):
     """Built for plain x86-64 (no AVX2/FMA: the scalar paths a CPU without them runs), and on a CPU with
     VNNI for haswell (AVX2 without VNNI: maddubs where the native build has vpdpbusd), the kernels pass
     the same tests against their torch references: the attention and elementwise kernels, the block
-    matmuls (float and int8 activations) and the compiled decode step."""
+    matmuls (float and int8 activations) and the compiled decode step; x86-64 also the quantized KV
+    cache's and the fp8 matmul's kernel tests (one pytest process for all: each costs a start)."""
     if os.environ.get("TOKENMILL_CPU_ARCH") or fused_ops.load() is None:
         pytest.skip("already the portable build, or no compiler here")
     if arch == "haswell" and not ({"avx512_vnni", "avx_vnni"} & kernels.cpu_flags() and "avx2" in kernels.cpu_flags()):
         pytest.skip("no VNNI here: the native build is the AVX2 path")
     tests = Path(__file__).parent
-    selection = [
-        str(tests / "test_kernels.py"),
-        str(tests / "test_quantization.py"),
-        str(tests / "test_models.py"),
-        "-k",
+    files = ["test_kernels.py", "test_quantization.py", "test_models.py"]
+    keywords = (
         "(test_kernels and not portable and not lock) or block_quant_linear or int8_activation_kernel "
-        "or compiled_decode_step_is_bit_identical",
-    ]
+        "or compiled_decode_step_is_bit_identical"
+    )
+    if arch == "x86-64":
+        files += ["test_kv_cache_quant.py", "test_fp8_fp4.py"]
+        keywords += " or ((test_kv_cache_quant or test_fp8_fp4) and kernel and not portable)"
+    selection = [*(str(tests / f) for f in files), "-k", keywords]
     env = {**os.environ, "TOKENMILL_CPU_ARCH": arch}
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],

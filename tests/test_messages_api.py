@@ -15,12 +15,12 @@ import json
 import httpx
 import jsonschema
 import pytest
-from test_server_utils import model_available, tiny_chat_server, wait_pool_whole
+from test_server_utils import TINY_CHAT_KEY, model_available, wait_pool_whole
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
 
 MODEL = "tiny"
-KEY = "test-key"
+KEY = TINY_CHAT_KEY
 ADD = {
     "type": "object",
     "properties": {
@@ -36,8 +36,8 @@ GREEDY = {"temperature": 0}  # the SDK has no `temperature` argument any more; t
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tokenizer):
-    yield from tiny_chat_server(tmp_path_factory, tokenizer, "messages", "--api-key", KEY)
+def server(tiny_chat):
+    return tiny_chat
 
 
 @pytest.fixture(scope="module")

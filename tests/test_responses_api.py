@@ -16,7 +16,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from test_server_utils import model_available, tiny_chat_server, wait_pool_whole
+from test_server_utils import TINY_CHAT_KEY, model_available, wait_pool_whole
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
 
@@ -31,16 +31,17 @@ ADD = {
 }
 TOOLS = [{"type": "function", "name": "add", "description": "Add two integers", "parameters": ADD}]
 ASK = "What is 2 + 3?"
+AUTH = {"Authorization": f"Bearer {TINY_CHAT_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tokenizer):
-    yield from tiny_chat_server(tmp_path_factory, tokenizer, "responses", "--max-stored-responses", "2")
+def server(tiny_chat):
+    return tiny_chat
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return server.openai_client()
+    return server.openai_client(TINY_CHAT_KEY)
 
 
 def streamed(client, **kwargs) -> tuple[list, object]:
@@ -172,22 +173,22 @@ BAD = [
 @pytest.mark.parametrize("fields, param", BAD, ids=[p for _, p in BAD])
 def test_bad_requests_get_a_400_naming_the_field(server, fields, param):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **fields}
-    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    r = httpx.post(f"{server.url}/v1/responses", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and param.split("[")[0].split(".")[0] in error["message"]
 
 
 def test_missing_input_and_unknown_model(server):
-    r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL}, timeout=60)
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL}, headers=AUTH, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
-    r = httpx.post(f"{server.url}/v1/responses", json={"model": "gpt-x", "input": "hi"}, timeout=60)
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": "gpt-x", "input": "hi"}, headers=AUTH, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_an_abandoned_stream_returns_its_blocks(server):
     body = {"model": MODEL, "input": ASK, "max_output_tokens": 500, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, headers=AUTH, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines) == "event: response.created"
         while "output_item.added" not in next(lines):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -158,10 +159,13 @@ def test_recovery_holds_on_a_loaded_machine(server, cpu_burner):
 
 
 def test_requests_past_their_deadline_are_aborted(deadline_server):
-    # 4000 tokens take well over the 12 s deadline at any speed this model runs on a CPU
-    r = completion(deadline_server.url, max_tokens=4000, ignore_eos=True)
+    # 4000 tokens take well over the 12 s deadline at any speed this model runs on a CPU; the plain and
+    # the streamed request run side by side, so the test waits for one deadline, not two
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(completion, deadline_server.url, max_tokens=4000, ignore_eos=True)
+        events = stream_events(deadline_server.url, dict(LONG, max_tokens=4000))
+        r = plain.result()
     assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
-    events = stream_events(deadline_server.url, dict(LONG, max_tokens=4000))
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
     assert completion(deadline_server.url).status_code == 200  # short ones are unaffected
     assert_pool_whole(deadline_server.url)

@@ -118,9 +118,12 @@ def running_server(tmp_path_factory, name: str, *args: str):
     assert code == 0, srv.log()
 
 
+TINY_CHAT_KEY = "test-key"  # the API key of conftest's `tiny_chat` server
+
+
 def tiny_chat_server(tmp_path_factory, tokenizer, name: str, *args: str):
-    """Body of a module-scoped fixture serving a tiny random Llama with the default model's tokenizer and
-    chat template as "tiny", with the qwen3 reasoning parser (the chat APIs' tests), plus `args`."""
+    """Body of a fixture serving a tiny random Llama with the default model's tokenizer and chat template
+    as "tiny", with the qwen3 reasoning parser (the chat APIs' tests), plus `args`."""
     from helpers import make_tiny_model
 
     directory = tmp_path_factory.mktemp(f"tiny-{name}")

@@ -50,6 +50,15 @@ _KV_DTYPES = {
 KV_CACHE_DTYPES = ("auto", *_KV_DTYPES)  # the names --kv-cache-dtype takes
 
 
+def check_positive_ints(owner: object, names: tuple[str, ...], prefix: str = "") -> None:
+    """ValueError naming the first of `owner`'s fields `names` that is not a positive integer (a bool is
+    not one: True would pass as 1)."""
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{prefix}{name} must be a positive integer, got {value!r}")
+
+
 @dataclass
 class ModelConfig:
     """Architecture facts every decoder has, from an HF config.json or GGUF metadata. Each model
@@ -81,19 +90,20 @@ class ModelConfig:
                 f"model config: hidden_act {self.hidden_act!r} is not supported "
                 f"(only {', '.join(self.supported_activations)})"
             )
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        check_positive_ints(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+            ),
+            "model config: ",
+        )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config: num_key_value_heads ({self.num_key_value_heads}) must divide "
@@ -173,8 +183,7 @@ class CacheConfig:
     kv_disk_min_load_tokens: int = 16  # shorter disk hits are recomputed (on CPU a load wins from one block)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        check_positive_ints(self, ("block_size",))
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory_gib <= 0:
@@ -207,10 +216,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("max_num_seqs", "max_num_batched_tokens"))
         if self.max_model_len is not None and self.max_model_len != "auto":
             if not isinstance(self.max_model_len, int) or self.max_model_len <= 0:
                 raise ValueError(f"max_model_len must be a positive integer or 'auto', got {self.max_model_len!r}")
@@ -284,17 +290,18 @@ class SpeculativeConfig:
                 "dspark and only by them, "
                 f"got method {self.method!r} with model {self.model!r}"
             )
-        for name in (
-            "num_speculative_tokens",
-            "prompt_lookup_min",
-            "prompt_lookup_max",
-            "disable_by_batch_size",
-            "max_verify_tokens",
-            "compute_bound_tokens",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        check_positive_ints(
+            self,
+            (
+                "num_speculative_tokens",
+                "prompt_lookup_min",
+                "prompt_lookup_max",
+                "disable_by_batch_size",
+                "max_verify_tokens",
+                "compute_bound_tokens",
+            ),
+            "speculative_config.",
+        )
         if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
             raise ValueError(f"speculative_config.min_acceptance must be in [0, 1), got {self.min_acceptance!r}")
         if not isinstance(self.min_confidence, (int, float)) or not 0 <= self.min_confidence < 1:
@@ -348,15 +355,15 @@ class ParallelConfig:
     prefill_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in (
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "decode_context_parallel_size",
-            "prefill_context_parallel_size",
-        ):
-            size = getattr(self, name)
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"{name} must be a positive integer, got {size!r}")
+        check_positive_ints(
+            self,
+            (
+                "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "decode_context_parallel_size",
+                "prefill_context_parallel_size",
+            ),
+        )
         self.pipeline_layer_partition = tuple(self.pipeline_layer_partition)
         partition = self.pipeline_layer_partition
         if partition and (len(partition) != self.pipeline_parallel_size or min(partition) < 1):

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -29,8 +28,9 @@ examples:
 # ---------------------------------------------------------------------------------------------- flags
 
 
-def _add_target_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
+def add_server_args(g, sender: str) -> None:
+    """--base-url, --endpoint, --model, --api-key: the server that a client command (bench, doctor) sends
+    its requests to; `sender` names what sends them, in the help."""
     g.add_argument(
         "--base-url", default=DEFAULT_BASE_URL, help="server root URL, with or without /v1 (default: %(default)s)"
     )
@@ -38,19 +38,36 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
         "--endpoint",
         default="/v1/completions",
         choices=["/v1/completions", "/v1/chat/completions"],
-        help="API to drive; chat sends message lists (default: %(default)s)",
+        help=f"API {sender} drives; chat sends message lists (default: %(default)s)",
     )
     g.add_argument("--model", default=None, help="model name to send (default: the first of the server's /v1/models)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help=f"bearer token for {sender}'s requests (default: $OPENAI_API_KEY; never written to a result file)",
+    )
+
+
+def add_hardware_arg(g) -> None:
+    """--hardware: the machine whose roofline the measured rates are set against (bench, doctor)."""
+    g.add_argument(
+        "--hardware",
+        default="cached",
+        help="the roofline line: each figure as a share of this machine's measured bandwidth (decode) or "
+        "compute (prefill, all tokens). cached = the record `tokenmill plan` measured here, if any; "
+        "auto = measure it now if missing; none; or a `tokenmill plan` hardware name for a server "
+        "elsewhere (default: %(default)s)",
+    )
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    add_server_args(g, "the benchmark")
     g.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer for exact prompt lengths: a tokenmill model name, a .gguf file or a local HF "
         "directory/cached repo id (default: --model)",
-    )
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="bearer token (default: $OPENAI_API_KEY; never written to the result file)",
     )
     g.add_argument(
         "--extra-body",
@@ -188,14 +205,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="machine price in $/hour: report $ per 1M input tokens, per 1M output tokens, per request",
     )
-    g.add_argument(
-        "--hardware",
-        default="cached",
-        help="the roofline line: each figure as a share of this machine's measured bandwidth (decode) or "
-        "compute (prefill, all tokens). cached = the record `tokenmill plan` measured here, if any; "
-        "auto = measure it now if missing; none; or a `tokenmill plan` hardware name for a server "
-        "elsewhere (default: %(default)s)",
-    )
+    add_hardware_arg(g)
     g.add_argument("--result-file", default=None, help="write the full result (every request's timings) as JSON")
     g.add_argument("--plot-dir", default=None, help="write PNG charts here (default: next to --result-file, if given)")
     g.add_argument("--label", default="", help="name of this run in tables and charts")
@@ -531,14 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from tokenmill.entrypoints.cli import run_command
+
+    run_command(build_parser().parse_args(argv), (ValueError, FileNotFoundError, RuntimeError))
 
 
 if __name__ == "__main__":

@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 
-DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+from tokenmill.bench.cli import add_hardware_arg, add_server_args
 
 
 def add_doctor_parser(sub) -> None:
@@ -24,7 +23,7 @@ def add_doctor_parser(sub) -> None:
         "this deployment (KV pool, --max-num-seqs, prefix caching, prefill chunk size, memory "
         "bandwidth, compute, CPU threads, queueing) and what to change.",
     )
-    doctor.add_argument("--base-url", default=DEFAULT_BASE_URL, help="server root URL (default: %(default)s)")
+    add_server_args(doctor, "the probe")
     doctor.add_argument(
         "--probe",
         action="store_true",
@@ -37,18 +36,6 @@ def add_doctor_parser(sub) -> None:
         default=None,
         metavar="S",
         help="without --probe: seconds of live traffic to watch /metrics over (default: 30)",
-    )
-    doctor.add_argument(
-        "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="bearer token for the probe's requests (default: $OPENAI_API_KEY)",
-    )
-    doctor.add_argument("--model", default=None, help="model to send (default: the first of /v1/models)")
-    doctor.add_argument(
-        "--endpoint",
-        default="/v1/completions",
-        choices=["/v1/completions", "/v1/chat/completions"],
-        help="API the probe drives (default: %(default)s)",
     )
     doctor.add_argument(
         "--concurrency", type=int, default=8, help="requests the probe sends at once (default: %(default)s)"
@@ -76,13 +63,7 @@ def add_doctor_parser(sub) -> None:
         metavar="S",
         help="time-to-first-token objective in seconds; queueing past it is reported (default: %(default)s)",
     )
-    doctor.add_argument(
-        "--hardware",
-        default="cached",
-        help="this machine's roofline for a server running here: cached (the record `tokenmill plan` "
-        "measured, if any), auto (measure it now if none), none, or a `tokenmill plan` hardware name "
-        "(default: %(default)s)",
-    )
+    add_hardware_arg(doctor)
     doctor.add_argument("--json", action="store_true", help="print the figures and findings as JSON")
     doctor.set_defaults(func=cmd_doctor)
 

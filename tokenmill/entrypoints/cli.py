@@ -294,15 +294,20 @@ def _command_of(argv: list[str]) -> str | None:
     return known.command if known.command in OPTIONAL_COMMANDS else None
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(_command_of(argv)).parse_args(argv)
+def run_command(args: argparse.Namespace, errors: tuple[type[Exception], ...]) -> None:
+    """Log at the parsed --log-level and run the parsed command (`args.func`); an error of `errors` is
+    one line on stderr and exit status 2, not a traceback. `tokenmill` and `python -m tokenmill.bench.cli`."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, ConnectionError) as e:
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    run_command(build_parser(_command_of(argv)).parse_args(argv), (ValueError, FileNotFoundError, ConnectionError))
 
 
 if __name__ == "__main__":

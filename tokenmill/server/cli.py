@@ -19,7 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
-from tokenmill.router.cli import POLICY_DESTS, add_policy_args
+from tokenmill.router.cli import POLICY_DESTS, add_http_args, add_policy_args
 from tokenmill.server.limits import add_limit_args, limits_from_args
 
 logger = logging.getLogger("tokenmill.server")
@@ -95,10 +95,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "after </think>, and requests may set 'max_reasoning_tokens'",
     )
     s = p.add_argument_group("HTTP")
-    s.add_argument(
-        "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)"
-    )
-    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
+    add_http_args(s)
     s.add_argument(
         "--api-key",
         default=os.environ.get("TOKENMILL_API_KEY"),
@@ -147,12 +144,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="seconds between throughput / KV-usage log lines, 0 disables them (default: %(default)s)",
     )
     lg.add_argument("--disable-log-requests", action="store_true", help="do not log a line per finished request")
-    lg.add_argument(
-        "--uvicorn-log-level",
-        default="warning",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="log level of the uvicorn HTTP server; info also logs every HTTP access (default: %(default)s)",
-    )
     dp = p.add_argument_group("data parallelism (see also `tokenmill router`)")
     dp.add_argument(
         "--data-parallel-size",

@@ -18,7 +18,7 @@ think for before "</think>" is forced).
 from __future__ import annotations
 
 import re
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -236,6 +236,11 @@ class CompletionRequest(_SamplingRequest):
 class TextPart(_Body):
     type: Literal["text"]
     text: str
+
+
+# the id of a tool call that the client sends back with its result (Anthropic's tool_use / tool_result,
+# the Responses API's function_call / function_call_output): it pairs the two, so never empty, and short
+CallId = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class ToolCallFunction(_Body):
@@ -517,6 +522,16 @@ def parse_part(model: type[BaseModel], data, path: str) -> BaseModel:
         return model.model_validate(data, strict=True)
     except ValidationError as e:
         raise _to_api_error(e, path) from None
+
+
+def parse_tagged(models: dict[str, type[BaseModel]], kind, data, path: str) -> BaseModel:
+    """`data` validated as the model its `type` (`kind`) names in `models` (a list item of the Anthropic
+    or Responses API); a 400 naming `path.type` when `models` has no such type."""
+    if kind not in models:
+        raise bad_request(
+            f"{path}.type must be one of {', '.join(models)}, got {str(kind)[:40]!r}", f"{path}.type", "unsupported"
+        )
+    return parse_part(models[kind], data, path)
 
 
 def renamed(e: APIError, renames: tuple[tuple[str, str], ...]) -> APIError:

@@ -19,7 +19,15 @@ from typing import Literal
 
 from pydantic import Field
 
-from tokenmill.server.protocol import APIError, ChatCompletionRequest, _Body, bad_request, parse_part
+from tokenmill.server.protocol import (
+    APIError,
+    CallId,
+    ChatCompletionRequest,
+    _Body,
+    bad_request,
+    parse_part,
+    parse_tagged,
+)
 
 # chat field names -> the Messages API's, for the errors of the chat path (see `protocol.renamed`)
 RENAMES = (
@@ -57,14 +65,14 @@ class TextBlock(_Body):
 
 class ToolUseBlock(_Body):
     type: Literal["tool_use"]
-    id: str = Field(min_length=1, max_length=256)
+    id: CallId
     name: str
     input: dict
 
 
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
-    tool_use_id: str = Field(min_length=1, max_length=256)
+    tool_use_id: CallId
     content: str | list[TextBlock] = ""
     is_error: bool = False
 
@@ -177,14 +185,7 @@ def _chat_messages(m: InputMessage, path: str) -> list[dict]:
     text, calls, results = [], [], []
     for j, raw in enumerate(m.content):
         where = f"{path}.content[{j}]"
-        kind = raw.get("type") if isinstance(raw, dict) else None
-        if kind not in _BLOCKS:
-            raise bad_request(
-                f"{where}.type must be one of {', '.join(_BLOCKS)}, got {str(kind)[:40]!r}",
-                f"{where}.type",
-                "unsupported",
-            )
-        block = parse_part(_BLOCKS[kind], raw, where)
+        block = parse_tagged(_BLOCKS, raw.get("type") if isinstance(raw, dict) else None, raw, where)
         if isinstance(block, TextBlock):
             text.append(block.text)
         elif isinstance(block, ToolUseBlock):

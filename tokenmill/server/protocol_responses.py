@@ -13,9 +13,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
-from tokenmill.server.protocol import ChatCompletionRequest, _Body, bad_request, parse_part
+from tokenmill.server.protocol import (
+    CallId,
+    ChatCompletionRequest,
+    FunctionDefinition,
+    _Body,
+    bad_request,
+    parse_part,
+    parse_tagged,
+)
 
 # chat field names -> the Responses API's, for the errors of the chat path (see `protocol.renamed`)
 RENAMES = (
@@ -41,14 +47,14 @@ class MessageItem(_Body):
 
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
-    call_id: str = Field(min_length=1, max_length=256)
+    call_id: CallId
     name: str
     arguments: str
 
 
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1, max_length=256)
+    call_id: CallId
     output: str | list[dict]  # text parts (`_text`)
 
 
@@ -64,12 +70,10 @@ _ITEMS = {
 }
 
 
-class FunctionTool(_Body):
+class FunctionTool(FunctionDefinition):
+    """Chat's function definition, flat in the tool as the Responses API sends it."""
+
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
 
 
 class NamedFunctionChoice(_Body):
@@ -115,14 +119,7 @@ class ResponsesRequest(_Body):
             path = f"input[{i}]"
             if not isinstance(raw, dict):
                 raise bad_request(f"{path} must be an object (a message or an item)", path)
-            kind = raw.get("type", "message" if "role" in raw else None)
-            if kind not in _ITEMS:
-                raise bad_request(
-                    f"{path}.type must be one of {', '.join(_ITEMS)}, got {str(kind)[:40]!r}",
-                    f"{path}.type",
-                    "unsupported",
-                )
-            item = parse_part(_ITEMS[kind], raw, path)
+            item = parse_tagged(_ITEMS, raw.get("type", "message" if "role" in raw else None), raw, path)
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": _text(item.content, f"{path}.content")})
             elif isinstance(item, FunctionCallItem):

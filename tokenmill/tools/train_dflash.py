@@ -216,6 +216,6 @@ def train_dflash(
         "wrote a %s drafter to %s: held-out acceptance by position %s",
         opts.kind,
         output,
-        ", ".join(f"{a:.1%}" for a in report.accuracy),
+        report.accuracy_text(),
     )
     return report

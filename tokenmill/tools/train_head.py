@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from tokenmill.config import check_positive_ints
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.medusa import MedusaHeads, save_medusa_heads
 
@@ -58,20 +59,20 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
             raise ValueError(f"kind must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
-        for name in (
-            "num_heads",
-            "num_layers",
-            "num_prompts",
-            "prompt_tokens",
-            "max_tokens",
-            "epochs",
-            "batch_size",
-            "draft_vocab_size",
-            "block_size",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(
+            self,
+            (
+                "num_heads",
+                "num_layers",
+                "num_prompts",
+                "prompt_tokens",
+                "max_tokens",
+                "epochs",
+                "batch_size",
+                "draft_vocab_size",
+                "block_size",
+            ),
+        )
         if not 0 < self.held_out < 1:
             raise ValueError(f"held_out must be in (0, 1), got {self.held_out!r}")
         if self.lr <= 0:
@@ -86,6 +87,10 @@ class TrainReport:
     loss_last: list[float] = field(default_factory=list)  # per head, last epoch's mean
     accuracy: list[float] = field(default_factory=list)  # per head, top-1 on held-out positions
     seconds: dict[str, float] = field(default_factory=dict)  # per phase
+
+    def accuracy_text(self) -> str:
+        """The held-out accuracies as the logs and the command print them: "61.2%, 40.3%"."""
+        return ", ".join(f"{a:.1%}" for a in self.accuracy)
 
 
 def corpus_passages(tokenizer, opts: TrainOptions) -> list[list[int]]:
@@ -318,9 +323,30 @@ def train_draft_head(
         "wrote %d Medusa heads to %s: held-out top-1 accuracy %s",
         opts.num_heads,
         output,
-        ", ".join(f"{a:.1%}" for a in report.accuracy),
+        report.accuracy_text(),
     )
     return report
+
+
+# The TrainOptions fields set by a flag of the same name (--num-heads: num_heads), their type and help; the
+# default is the field's.
+_OPTION_FLAGS = (
+    ("num_heads", int, "medusa: heads, i.e. most drafts per step"),
+    ("num_layers", int, "medusa: residual blocks per head; dflash / dspark: drafter layers"),
+    ("block_size", int, "dflash / dspark: the block, i.e. at most block size - 1 drafts per step"),
+    (
+        "draft_vocab_size",
+        int,
+        "eagle3: the drafter's vocabulary, the target's most frequent output tokens (d2t maps them back)",
+    ),
+    ("num_prompts", int, "passages to continue, half of them as chat turns if the model has a chat template"),
+    ("prompt_tokens", int, "tokens per passage"),
+    ("max_tokens", int, "greedy tokens the target writes after each passage: the training targets"),
+    ("lr", float, "peak learning rate, one-cycle schedule"),
+    ("batch_size", int, "medusa: positions per step (the others train one sequence per step)"),
+    ("held_out", float, "fraction of sequences kept out to measure each head's accuracy"),
+    ("seed", int, "passage choice and training order"),
+)
 
 
 def add_train_head_parser(sub) -> None:
@@ -356,51 +382,11 @@ def add_train_head_parser(sub) -> None:
         help="medusa: heads on the last hidden state; eagle3: an EAGLE-3 drafter; dflash: a block drafter; "
         "dspark: a block drafter with sequential and confidence heads (default: %(default)s)",
     )
-    p.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=d.draft_vocab_size,
-        help="eagle3: the drafter's vocabulary, the target's most frequent output tokens (d2t maps them "
-        "back) (default: %(default)s)",
-    )
     p.add_argument("--dtype", default="auto", help="the target's compute dtype while generating (default: %(default)s)")
-    p.add_argument(
-        "--num-heads",
-        type=int,
-        default=d.num_heads,
-        help="medusa: heads, i.e. most drafts per step (default: %(default)s)",
-    )
-    p.add_argument(
-        "--num-layers",
-        type=int,
-        default=d.num_layers,
-        help="medusa: residual blocks per head; dflash / dspark: drafter layers (default: %(default)s)",
-    )
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=d.block_size,
-        help="dflash / dspark: the block, i.e. at most block size - 1 drafts per step (default: %(default)s)",
-    )
     p.add_argument(
         "--corpus",
         default=None,
         help="a UTF-8 text file to cut prompts from (default: the benchmark corpus, Python's own docstrings)",
-    )
-    p.add_argument(
-        "--num-prompts",
-        type=int,
-        default=d.num_prompts,
-        help="passages to continue, half of them as chat turns if the model has a chat template (default: %(default)s)",
-    )
-    p.add_argument(
-        "--prompt-tokens", type=int, default=d.prompt_tokens, help="tokens per passage (default: %(default)s)"
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=d.max_tokens,
-        help="greedy tokens the target writes after each passage: the training targets (default: %(default)s)",
     )
     p.add_argument(
         "--epochs",
@@ -408,47 +394,24 @@ def add_train_head_parser(sub) -> None:
         default=None,
         help=f"passes over the positions (default: {d.epochs} for medusa, {EAGLE_EPOCHS} for the others)",
     )
-    p.add_argument(
-        "--lr", type=float, default=d.lr, help="peak learning rate, one-cycle schedule (default: %(default)s)"
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=d.batch_size,
-        help="medusa: positions per step (the others train one sequence per step) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--held-out",
-        type=float,
-        default=d.held_out,
-        help="fraction of sequences kept out to measure each head's accuracy (default: %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=d.seed, help="passage choice and training order (default: %(default)s)")
+    for field_name, kind, text in _OPTION_FLAGS:
+        p.add_argument(
+            "--" + field_name.replace("_", "-"),
+            type=kind,
+            default=getattr(d, field_name),
+            help=f"{text} (default: %(default)s)",
+        )
     p.set_defaults(func=cmd_train_draft_head)
 
 
 def cmd_train_draft_head(args) -> None:
     epochs = args.epochs or (TrainOptions.epochs if args.kind == "medusa" else EAGLE_EPOCHS)
-    opts = TrainOptions(
-        num_heads=args.num_heads,
-        num_layers=args.num_layers,
-        num_prompts=args.num_prompts,
-        prompt_tokens=args.prompt_tokens,
-        max_tokens=args.max_tokens,
-        epochs=epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        held_out=args.held_out,
-        seed=args.seed,
-        corpus=args.corpus,
-        kind=args.kind,
-        draft_vocab_size=args.draft_vocab_size,
-        block_size=args.block_size,
-    )
+    options = {name: getattr(args, name) for name, _, _ in _OPTION_FLAGS}
+    opts = TrainOptions(**options, epochs=epochs, corpus=args.corpus, kind=args.kind)
     report = train_draft_head(args.model, args.output, opts, dtype=args.dtype)
     measure = "acceptance by draft position" if args.kind in ("dflash", "dspark") else "top-1 accuracy by head"
     print(
         f"{report.sequences} sequences, {report.positions} positions; held-out {measure}: "
-        + ", ".join(f"{a:.1%}" for a in report.accuracy)
+        + report.accuracy_text()
         + f"; seconds {report.seconds}; written to {args.output}"
     )
