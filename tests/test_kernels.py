@@ -194,7 +194,7 @@ def test_the_portable_build_passes_the_kernel_tests(arch):
     """Built for plain x86-64 (no AVX2/FMA: the scalar paths a CPU without them runs), and on a CPU with
     VNNI for haswell (AVX2 without VNNI: maddubs where the native build has vpdpbusd), the kernels pass
     the same tests against their torch references: the attention and elementwise kernels, the block
-    matmuls (float and int8 activations) and the compiled decode step."""
+    matmuls (float and int8 activations), the LoRA kernel and the compiled decode step."""
     if os.environ.get("TOKENMILL_CPU_ARCH") or fused_ops.load() is None:
         pytest.skip("already the portable build, or no compiler here")
     if arch == "haswell" and not ({"avx512_vnni", "avx_vnni"} & kernels.cpu_flags() and "avx2" in kernels.cpu_flags()):
@@ -204,9 +204,10 @@ def test_the_portable_build_passes_the_kernel_tests(arch):
         str(tests / "test_kernels.py"),
         str(tests / "test_quantization.py"),
         str(tests / "test_models.py"),
+        str(tests / "test_lora_kernel.py"),
         "-k",
         "(test_kernels and not portable and not lock) or block_quant_linear or int8_activation_kernel "
-        "or compiled_decode_step_is_bit_identical",
+        "or compiled_decode_step_is_bit_identical or test_lora_kernel",
     ]
     env = {**os.environ, "TOKENMILL_CPU_ARCH": arch}
     out = subprocess.run(
