@@ -26,7 +26,7 @@ from tokenmill.kernels.decode_step import CompiledDecode, LayerParts
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.forward_context import current_lora_batch, get_forward_context
+from tokenmill.layers.forward_context import get_forward_context
 from tokenmill.layers.fused_moe import FusedMoE, Routing, check_expert_counts
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -350,10 +350,10 @@ class LlamaModel(nn.Module):
 
     def _compiled_decode(self, hidden: torch.Tensor) -> tuple[CompiledDecode | None, object]:
         """The compiled decode step (built on the first step after the KV cache is bound) when it
-        runs every layer and this step is decodes only, none of them under a LoRA adapter (the step
-        calls the weight formats' matmuls directly); else (None, None)."""
+        runs every layer and this step is decodes only (LoRA adapters included: it adds their
+        deltas); else (None, None)."""
         attn = getattr(getattr(self.stage_layers[0], "self_attn", None), "attn", None)
-        if attn is None or attn.kv_cache is None or current_lora_batch() is not None:
+        if attn is None or attn.kv_cache is None:
             return None, None
         built_for, step = self.compiled_decode
         if built_for is not attn.kv_cache:
