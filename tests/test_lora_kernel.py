@@ -64,7 +64,8 @@ def test_lora_kernel_matches_the_torch_path(out_sizes):
         got = weights.add_to(x, base.clone())
     base_rows = torch.from_numpy(np.flatnonzero(row_slots < 0))
     assert len(base_rows) and torch.equal(got[base_rows], base[base_rows])
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # float32 sums in another order than torch's GEMM: within rounding of the largest values
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
     assert not torch.equal(got, base)
 
 

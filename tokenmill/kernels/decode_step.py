@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import cpu_kernels, paged_attention
-from tokenmill.layers.forward_context import current_lora_batch
 
 
 def load():
@@ -146,10 +145,10 @@ class CompiledDecode:
         )
 
     def __call__(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta, lora=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = current_lora_batch()
-        segments = [] if batch is None else [batch.segments.starts, batch.segments.slots, batch.segments.scales]
+        """`lora`: the step's `LoRABatch` when some of its tokens run an adapter."""
+        segments = [] if lora is None else [lora.segments.starts, lora.segments.slots, lora.segments.scales]
         hidden, residual = load().decode_layers(
             hidden,
             residual,

@@ -26,7 +26,7 @@ from tokenmill.kernels.decode_step import CompiledDecode, LayerParts
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.forward_context import get_forward_context
+from tokenmill.layers.forward_context import current_lora_batch, get_forward_context
 from tokenmill.layers.fused_moe import FusedMoE, Routing, check_expert_counts
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -304,7 +304,7 @@ class LlamaModel(nn.Module):
             return self.norm(*self._forward_keeping_aux(positions, hidden))[0]
         step, meta = self._compiled_decode(hidden)
         if step is not None:
-            hidden, residual = step(positions, hidden, residual, meta)
+            hidden, residual = step(positions, hidden, residual, meta, current_lora_batch())
         else:
             for layer in self.stage_layers:
                 hidden, residual = layer(positions, hidden, residual)
@@ -323,7 +323,7 @@ class LlamaModel(nn.Module):
             if start in self.aux_layers:
                 aux.append(hidden if residual is None else hidden + residual)
             if steps is not None:
-                hidden, residual = steps[i](positions, hidden, residual, meta)
+                hidden, residual = steps[i](positions, hidden, residual, meta, current_lora_batch())
                 continue
             for layer in self.layers[start:end]:
                 hidden, residual = layer(positions, hidden, residual)
