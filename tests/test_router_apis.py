@@ -6,6 +6,7 @@ key checked (Bearer and x-api-key), each API's own error shape (the router's own
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -16,7 +17,10 @@ from helpers import make_lora_adapter, make_tiny_model
 from test_router import RouterProcess
 from test_server_utils import ServerProcess, model_available
 
-pytestmark = pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
+from tokenmill.router.prompt import routing_text
+from tokenmill.router.upstream import pinned_replica
+
+needs_model = pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
 
 MODEL, KEY = "tiny", "router-key"
 ASK = [{"role": "user", "content": "Name three colours."}]
@@ -53,6 +57,27 @@ def anthropic_client(url: str, key: str = KEY) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)
 
 
+def test_routing_text_and_pinning_of_the_new_apis():
+    """Responses and Messages route on their system text and conversation, as chat does; embeddings and
+    token counts by load; a previous_response_id names its replica when it is one of the list."""
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    chat = routing_text("/v1/chat/completions", json.dumps({"messages": messages}).encode())
+    assert routing_text("/v1/responses", b'{"instructions": "S", "input": "Hi"}') == chat
+    blocks = b'{"system": [{"type": "text", "text": "S"}], "messages": [{"role": "user", "content": "Hi"}]}'
+    assert routing_text("/v1/messages", blocks) == chat == "system:S\x1euser:Hi\x1e"
+    assert routing_text("/v1/embeddings", b'{"input": "Hi"}') is None
+    assert routing_text("/v1/messages/count_tokens", blocks) is None
+    assert pinned_replica("/v1/responses", {"previous_response_id": "resp_r1_ab"}, 2) == 1
+    for path, body in (
+        ("/v1/responses", {"previous_response_id": "resp_r2_ab"}),  # not a replica of this router
+        ("/v1/responses", {"previous_response_id": "resp_ab"}),  # not tagged
+        ("/v1/responses", {"previous_response_id": 7}),
+        ("/v1/chat/completions", {"previous_response_id": "resp_r1_ab"}),
+    ):
+        assert pinned_replica(path, body, 2) is None
+
+
+@needs_model
 def test_responses_stay_with_the_replica_that_stored_them(cluster):
     router, servers, _ = cluster
     via = openai_client(router.url)
@@ -83,6 +108,7 @@ def test_responses_stay_with_the_replica_that_stored_them(cluster):
     assert e.value.body["param"] == "max_output_tokens"
 
 
+@needs_model
 def test_messages_and_count_tokens_through_the_router(cluster):
     router, servers, _ = cluster
     kwargs = dict(model=MODEL, messages=ASK, max_tokens=6, system="Be brief.", extra_body={"temperature": 0})
@@ -105,6 +131,7 @@ def test_messages_and_count_tokens_through_the_router(cluster):
         assert own.status_code == 400 and shape in own.json() and "x-tokenmill-replica" not in own.headers
 
 
+@needs_model
 def test_embeddings_and_lora_adapters_on_every_replica(cluster):
     router, servers, root = cluster
     texts = ["The quick brown fox", "jumps"]
