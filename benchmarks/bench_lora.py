@@ -3,9 +3,13 @@
 Random rank-R PEFT adapters of every attention and MLP projection are written for the model (no
 training: the cost does not depend on the values), loaded at run time, and each run generates
 --output-len tokens for --prompts random prompts of --prompt-len tokens: all on the base model, all
-on one adapter, and spread over the 4 adapters (request i on adapter i % 4). One engine serves every
-run (a batch without adapters runs exactly as with LoRA off); runs alternate, --repeats times;
-medians of output tokens/s, each against the base model's.
+on one adapter, and spread over the 4 adapters (request i on adapter i % 4). The mixed batch also runs
+on the paths before the CPU kernel, to see where the time goes: `torch path` (the adapters' products
+as torch ops per adapter group, and a step with adapters running the layers one by one instead of
+the compiled decode step, as before) and `kernel, layers` (the C++ LoRA kernel in each layer, but
+still no compiled decode step). One engine serves every run (a batch without adapters runs exactly
+as with LoRA off); runs alternate, --repeats times; medians of output tokens/s, each against the
+base model's, by wall time and by the CPU time the process got.
 
     .venv/bin/python benchmarks/bench_lora.py [--model smollm2-135m-instruct] [--rank 16] [--repeats 3]
 """
@@ -13,6 +17,7 @@ medians of output tokens/s, each against the base model's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -24,6 +29,9 @@ import torch
 from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import decode_step
+from tokenmill.kernels import lora as lora_kernel
+from tokenmill.layers.forward_context import current_lora_batch
 
 ADAPTERS = 4
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -52,12 +60,28 @@ def write_adapter(directory: Path, config, rank: int, seed: int) -> None:
     )
 
 
-def one_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> float:
-    """Output tokens per second of one batch (prompts not in the prefix cache)."""
+@contextlib.contextmanager
+def older_path(kernel: bool):
+    """The adapters as before the compiled decode step ran them: steps with adapter tokens run the layers
+    one by one, each adding its deltas with the C++ kernel (`kernel`) or torch ops per adapter group."""
+    applies, kernel_applies = decode_step.CompiledDecode.applies, lora_kernel.applies
+    decode_step.CompiledDecode.applies = lambda self, *a: current_lora_batch() is None and applies(self, *a)
+    if not kernel:
+        lora_kernel.applies = lambda *a: False
+    try:
+        yield
+    finally:
+        decode_step.CompiledDecode.applies, lora_kernel.applies = applies, kernel_applies
+
+
+def one_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, float]:
+    """Output tokens per second of one batch (prompts not in the prefix cache), and per CPU second this
+    process used (every thread's): on a shared machine the second depends less on what else runs."""
     llm.engine.core.reset_prefix_cache()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
 
 
 def main() -> None:
@@ -83,22 +107,29 @@ def main() -> None:
                 SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True, lora_name=n) for n in names
             ]
 
-        runs = {
-            "base model": params([None] * args.prompts),
-            "one adapter": params(["lora0"] * args.prompts),
-            f"{ADAPTERS} adapters mixed": params([f"lora{i % ADAPTERS}" for i in range(args.prompts)]),
+        mixed = params([f"lora{i % ADAPTERS}" for i in range(args.prompts)])
+        runs = {  # name: (params, the path's context)
+            "base model": (params([None] * args.prompts), contextlib.nullcontext),
+            "one adapter": (params(["lora0"] * args.prompts), contextlib.nullcontext),
+            f"{ADAPTERS} adapters mixed": (mixed, contextlib.nullcontext),
+            "mixed, kernel, layers": (mixed, lambda: older_path(kernel=True)),
+            "mixed, torch path": (mixed, lambda: older_path(kernel=False)),
         }
-        one_run(llm, prompts[:2], runs["one adapter"][:2])  # warm-up
-        rates: dict[str, list[float]] = {name: [] for name in runs}
+        one_run(llm, prompts[:2], runs["one adapter"][0][:2])  # warm-up
+        rates: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
         for _ in range(args.repeats):
-            for name, ps in runs.items():
-                rates[name].append(one_run(llm, prompts, ps))
+            for name, (ps, path) in runs.items():
+                with path():
+                    rates[name].append(one_run(llm, prompts, ps))
     llm.shutdown()
-    base = statistics.median(rates["base model"])
+    base = [statistics.median(r[i] for r in rates["base model"]) for i in (0, 1)]
     print(f"{args.model}, rank {args.rank}, {args.prompts} prompts x {args.prompt_len} + {args.output_len} tokens")
     for name, values in rates.items():
-        median = statistics.median(values)
-        print(f"{name:>20}: {median:8.1f} output tok/s  ({median / base:.2f}x base)")
+        wall, cpu = (statistics.median(v[i] for v in values) for i in (0, 1))
+        print(
+            f"{name:>22}: {wall:8.1f} output tok/s ({wall / base[0]:.2f}x base), "
+            f"{cpu:8.1f} per CPU second ({cpu / base[1]:.2f}x base)"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 #include "decode_step.h"
 #include "fp8_matmul.h"
 #include "fused_ops.h"
+#include "lora.h"
 #include "paged_attention.h"
 
 #define TM_DEF(name) m.def(#name, torch::wrap_pybind_function(name), #name)
@@ -28,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TM_DEF(decode_layers);
   TM_DEF(fp8_matmul);
   TM_DEF(fp8_dequantize);
+  TM_DEF(lora_add);
   // Which sources it was built from (a digest given by the build): a stale prebuilt module is not loaded.
   m.attr("sources_hash") = TM_STRING(TM_SOURCES_HASH);
 }

@@ -11,4 +11,5 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<tor
                                          torch::Tensor context_lens, torch::Tensor cos_sin,
                                          std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
                                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                                         double scale);
+                                         double scale, std::vector<torch::Tensor> lora,
+                                         std::vector<torch::Tensor> lora_segments);

@@ -7,10 +7,11 @@ import json
 
 import pytest
 
+from tokenmill.http_front import anthropic_error
 from tokenmill.server.output_blocks import OutputBlocks
 from tokenmill.server.protocol import APIError, bad_request, parse_body, renamed
 from tokenmill.server.protocol_anthropic import RENAMES as MESSAGES_RENAMES
-from tokenmill.server.protocol_anthropic import MessagesRequest, anthropic_error
+from tokenmill.server.protocol_anthropic import MessagesRequest
 from tokenmill.server.protocol_responses import RENAMES as RESPONSES_RENAMES
 from tokenmill.server.protocol_responses import ResponsesRequest
 

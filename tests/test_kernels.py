@@ -216,17 +216,17 @@ def test_the_portable_build_passes_the_kernel_tests(arch):
     """Built for plain x86-64 (no AVX2/FMA: the scalar paths a CPU without them runs), and on a CPU with
     VNNI for haswell (AVX2 without VNNI: maddubs where the native build has vpdpbusd), the kernels pass
     the same tests against their torch references: the attention and elementwise kernels, the block
-    matmuls (float and int8 activations) and the compiled decode step; x86-64 also the quantized KV
-    cache's and the fp8 matmul's kernel tests (one pytest process for all: each costs a start)."""
+    matmuls (float and int8 activations), the LoRA kernel and the compiled decode step; x86-64 also the
+    quantized KV cache's and the fp8 matmul's kernel tests (one pytest process for all: each costs a start)."""
     if os.environ.get("TOKENMILL_CPU_ARCH") or fused_ops.load() is None:
         pytest.skip("already the portable build, or no compiler here")
     if arch == "haswell" and not ({"avx512_vnni", "avx_vnni"} & kernels.cpu_flags() and "avx2" in kernels.cpu_flags()):
         pytest.skip("no VNNI here: the native build is the AVX2 path")
     tests = Path(__file__).parent
-    files = ["test_kernels.py", "test_quantization.py", "test_models.py"]
+    files = ["test_kernels.py", "test_quantization.py", "test_models.py", "test_lora_kernel.py"]
     keywords = (
         "(test_kernels and not portable and not lock) or block_quant_linear or int8_activation_kernel "
-        "or compiled_decode_step_is_bit_identical"
+        "or compiled_decode_step_is_bit_identical or test_lora_kernel"
     )
     if arch == "x86-64":
         files += ["test_kv_cache_quant.py", "test_fp8_fp4.py"]

@@ -10,7 +10,14 @@ import numpy as np
 import peft
 import pytest
 import torch
-from helpers import assert_same_greedy, greedy_reference, make_lora_adapter, make_tiny_model, run_core
+from helpers import (
+    assert_same_greedy,
+    greedy_reference,
+    make_lora_adapter,
+    make_tiny_model,
+    run_core,
+    write_tiny_gguf,
+)
 
 from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig
 from tokenmill.engine.core import EngineCore, RequestRejected
@@ -140,3 +147,46 @@ def test_delta_on_a_quantized_base_layer(tiny):
     a, b = factors[f"{stem}.lora_A.weight"], factors[f"{stem}.lora_B.weight"]
     torch.testing.assert_close(adapted[:2], plain[:2], rtol=0, atol=0)
     torch.testing.assert_close(adapted[2:], plain[2:] + (x[2:] @ a.T) @ b.T * 2.0, rtol=0, atol=1e-5)
+
+
+def test_compiled_decode_step_runs_the_adapters(tiny, monkeypatch):
+    """A decode step with adapter tokens runs as the one C++ loop, adding the deltas with the LoRA kernel
+    the layers call: the same tokens as the module-by-module forward, for a batch mixing adapters."""
+    from tokenmill.kernels import decode_step
+
+    if decode_step.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    root, _ = tiny
+    names = [None, "a", "b", "a"]
+    prompts, params = [PROMPTS[n] for n in names], [SamplingParams(**GREEDY, lora_name=n) for n in names]
+    compiled = lora_core(root, a=root / "a", b=root / "b")
+    fast = run_core(compiled, prompts, params)
+    assert compiled.executor.runner.model.model.compiled_decode[1].lora  # the step ran compiled, with LoRA
+    monkeypatch.setattr(decode_step.CompiledDecode, "build", classmethod(lambda cls, parts: None))
+    assert run_core(lora_core(root, a=root / "a", b=root / "b"), prompts, params) == fast
+
+
+def test_adapter_on_gguf_blocks_matches_peft_on_the_dequantized_weights(tiny, tmp_path):
+    """Quantized base weights (GGUF blocks, exact mode): greedy tokens of PEFT's adapter over
+    transformers' model holding the same dequantized weights, in a batch with a base-model request."""
+    import transformers
+
+    root, _ = tiny
+    hf = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+    qtypes = {"attn_q": "Q4_1", "attn_k": "Q8_0", "attn_v": "Q4_0", "ffn_up": "Q5_1", "ffn_down": "Q8_0"}
+    write_tiny_gguf(hf, tmp_path / "m.gguf", qtypes)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(dense, root / "a")
+    ref = greedy_reference(adapted.eval(), PROMPTS["a"], NEW_TOKENS)
+    config = EngineConfig(
+        model=str(tmp_path / "m.gguf"),
+        quantization="gguf",
+        cache=CacheConfig(num_blocks=64, block_size=4),
+        lora=LoRAConfig({"a": str(root / "a")}, max_loras=1, max_lora_rank=8),
+    )
+    core = EngineCore(config, UniProcExecutor(config), set())
+    got = run_core(
+        core, [PROMPTS["a"], PROMPTS[None]], [SamplingParams(**GREEDY, lora_name="a"), SamplingParams(**GREEDY)]
+    )
+    assert_same_greedy(got["0"], *ref)
+    assert core.kv.num_free_blocks == core.kv.num_blocks

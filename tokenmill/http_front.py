@@ -41,6 +41,26 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# HTTP status -> Anthropic's error type
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_error(e: APIError) -> dict:
+    """`e` in Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`; the message names the
+    field. Here, not with the Messages API's schemas, because the router answers in it too."""
+    message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
+    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(e.status, "api_error"), "message": message}}
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
 

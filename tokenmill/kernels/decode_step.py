@@ -11,7 +11,9 @@ so its results are bit-identical to the module-by-module forward:
     -> paged decode attention -> o_proj -> RMSNorm(+ residual) -> gate_up -> silu * up -> down
 
 Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
-blocks with float or int8 activations); a layer with anything else (a window, a soft-cap, q/k
+blocks with float or int8 activations), and with LoRA adapters by its `LoRAWeights` factors: a step
+whose tokens run adapters adds their deltas after each matmul with the LoRA kernel the Python path
+calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything else (a window, a soft-cap, q/k
 norms, experts, other activations, tensor parallelism) keeps the model's own forward. KV caches
 may be float32, float16, bfloat16, or int8 / fp8 with their scales (written by `write_kv_quantized`,
 bit for bit the torch path's quantizer, and read by the same decode kernel).
@@ -65,12 +67,18 @@ class CompiledDecode:
     """Runs a stack of `LayerParts` for steps of decode tokens only (see the module docstring)."""
 
     def __init__(
-        self, parts: list[LayerParts], tensors: list[torch.Tensor], ints: list[int], max_tokens: int | None
+        self,
+        parts: list[LayerParts],
+        tensors: list[torch.Tensor],
+        ints: list[int],
+        max_tokens: int | None,
+        lora: list[torch.Tensor],
     ) -> None:
         first = parts[0]
         self.kv_cache = first.attn.kv_cache  # the first layer's cache when this was built
         self.kv_group, self.rotary = first.attn.kv_group, first.rotary
         self.tensors, self.ints, self.max_tokens = tensors, ints, max_tokens
+        self.lora = lora  # per linear layer (a, b, shard_offsets) of its LoRAWeights; empty without LoRA
         self.num_heads, self.num_kv_heads, self.head_dim = (
             first.attn.num_heads,
             first.attn.num_kv_heads,
@@ -85,7 +93,7 @@ class CompiledDecode:
         if not parts or any(p is None for p in parts) or parts[0].attn.kv_cache.device.type != "cpu" or load() is None:
             return None
         first = parts[0].attn
-        tensors, ints, limits = [], [], []
+        tensors, ints, limits, lora = [], [], [], []
         for p in parts:
             a = p.attn
             same = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.kv_group, p.rotary) == (
@@ -110,16 +118,20 @@ class CompiledDecode:
                 or p.rotary.rotary_dim != a.head_dim
             ):
                 return None
-            linears = [_linear_operands(m) for m in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj)]
+            modules = (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj)
+            linears = [_linear_operands(m) for m in modules]
             if any(op is None for op in linears):
                 return None
+            lora += [t for m in modules if m.lora is not None for t in (m.lora.a, m.lora.b, m.lora.shard_offsets)]
             scales = (_NONE, _NONE) if a.kv_scales is None else (a.kv_scales[0], a.kv_scales[1])
             tensors += [p.input_norm.weight, p.post_norm.weight, a.kv_cache[0], a.kv_cache[1], *scales]
             for lt, li, limit in linears:
                 tensors += lt
                 ints += li
                 limits += [limit] if limit else []
-        return cls(parts, tensors, ints, min(limits) if limits else None)
+        if len(lora) not in (0, 12 * len(parts)):  # adapters on some of these layers only
+            return None
+        return cls(parts, tensors, ints, min(limits) if limits else None, lora)
 
     def applies(self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, meta) -> bool:
         """Whether this step (all decodes, few enough tokens for every kernel) can run compiled."""
@@ -133,8 +145,10 @@ class CompiledDecode:
         )
 
     def __call__(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta, lora=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lora`: the step's `LoRABatch` when some of its tokens run an adapter."""
+        segments = [] if lora is None else [lora.segments.starts, lora.segments.slots, lora.segments.scales]
         hidden, residual = load().decode_layers(
             hidden,
             residual,
@@ -150,5 +164,7 @@ class CompiledDecode:
             self.head_dim,
             self.eps,
             self.scale,
+            self.lora,
+            segments,
         )
         return hidden, residual

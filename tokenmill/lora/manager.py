@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import LoRAConfig
+from tokenmill.kernels.lora import Segments
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.linear import LinearBase
 from tokenmill.lora.peft import LoRAError, read_peft_adapter
@@ -20,9 +21,12 @@ from tokenmill.lora.weights import LoRAWeights
 
 @dataclass
 class LoRABatch:
-    """Per adapter slot in a step: the rows of the flat batch that run it (None: every row)."""
+    """Which rows of the step's flat batch run which adapter slot, in the two forms the layers use:
+    `groups`, per slot (slot, its rows or None for every row, its scaling), for the torch path, and
+    `segments`, runs of consecutive rows on one slot (the base model's included), for the CPU kernel."""
 
-    groups: list[tuple[int, torch.Tensor | None]]
+    groups: list[tuple[int, torch.Tensor | None, float]]
+    segments: Segments
 
 
 class LoRAManager:
@@ -43,6 +47,7 @@ class LoRAManager:
                 )
                 self.layers[name] = module.lora
         self.slots: dict[str, int] = {}  # adapter name -> slot
+        self.scaling = [0.0] * config.max_loras  # per slot
 
     def load(self, name: str, path: str) -> None:
         """Load the PEFT adapter at `path` as `name` into a free slot (LoRAError if it cannot be)."""
@@ -59,11 +64,11 @@ class LoRAManager:
                 if layer is None:
                     raise LoRAError(f"the adapter adapts {f.module}, which takes no LoRA here")
                 layer.set(slot, f.shard, f.a, f.b)
-                layer.scaling[slot] = adapter.scaling
         except (LoRAError, ValueError) as e:
             self._clear(slot)
             raise LoRAError(str(e)) from None
         self.slots[name] = slot
+        self.scaling[slot] = adapter.scaling
 
     def unload(self, name: str) -> None:
         self._clear(self.slots.pop(name))
@@ -77,9 +82,19 @@ class LoRAManager:
         `num_tokens[i]` consecutive rows of the flat batch. None when no request runs an adapter."""
         if not any(names):
             return None
-        slots = np.repeat([self.slots[n] if n else -1 for n in names], num_tokens)
+        per_request = np.array([self.slots[n] if n else -1 for n in names], dtype=np.int64)
+        slots = np.repeat(per_request, num_tokens)
         groups = []
         for slot in np.unique(slots[slots >= 0]).tolist():
             rows = np.flatnonzero(slots == slot)
-            groups.append((slot, None if len(rows) == len(slots) else torch.from_numpy(rows).to(self.device)))
-        return LoRABatch(groups)
+            whole = len(rows) == len(slots)
+            groups.append((slot, None if whole else torch.from_numpy(rows).to(self.device), self.scaling[slot]))
+        starts = np.flatnonzero(np.diff(slots, prepend=-2))  # where each run of one slot begins
+        run_slots = slots[starts]
+        scales = np.array([self.scaling[s] if s >= 0 else 0.0 for s in run_slots.tolist()], dtype=np.float32)
+        segments = Segments(
+            torch.from_numpy(np.append(starts, len(slots)).astype(np.int64)),
+            torch.from_numpy(run_slots),
+            torch.from_numpy(scales),
+        )
+        return LoRABatch(groups, segments)

@@ -302,7 +302,7 @@ class LlamaModel(nn.Module):
             return self.norm(*self._forward_keeping_aux(positions, hidden))[0]
         step, meta = self._compiled_decode(hidden)
         if step is not None:
-            hidden, residual = step(positions, hidden, residual, meta)
+            hidden, residual = step(positions, hidden, residual, meta, current_lora_batch())
         else:
             for layer in self.stage_layers:
                 hidden, residual = layer(positions, hidden, residual)
@@ -321,7 +321,7 @@ class LlamaModel(nn.Module):
             if start in self.aux_layers:
                 aux.append(hidden if residual is None else hidden + residual)
             if steps is not None:
-                hidden, residual = steps[i](positions, hidden, residual, meta)
+                hidden, residual = steps[i](positions, hidden, residual, meta, current_lora_batch())
                 continue
             for layer in self.layers[start:end]:
                 hidden, residual = layer(positions, hidden, residual)
@@ -348,10 +348,10 @@ class LlamaModel(nn.Module):
 
     def _compiled_decode(self, hidden: torch.Tensor) -> tuple[CompiledDecode | None, object]:
         """The compiled decode step (built on the first step after the KV cache is bound) when it
-        runs every layer and this step is decodes only, none of them under a LoRA adapter (the step
-        calls the weight formats' matmuls directly); else (None, None)."""
+        runs every layer and this step is decodes only (LoRA adapters included: it adds their
+        deltas); else (None, None)."""
         attn = getattr(getattr(self.stage_layers[0], "self_attn", None), "attn", None)
-        if attn is None or attn.kv_cache is None or current_lora_batch() is not None:
+        if attn is None or attn.kv_cache is None:
             return None, None
         built_for, step = self.compiled_decode
         if built_for is not attn.kv_cache:

@@ -1,12 +1,17 @@
-"""The router's FastAPI app: an OpenAI-compatible front for several `tokenmill serve` replicas.
+"""The router's FastAPI app: an OpenAI- and Anthropic-compatible front for several `tokenmill serve` replicas.
 
-`/v1/completions` and `/v1/chat/completions` go to the replica the policy picks (streams passed
-through chunk by chunk), `/v1/models` to any healthy one; `/health` is 200 while one replica is
+`/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/messages` (and its count_tokens) and
+`/v1/embeddings` go to the replica the policy picks (streams passed through chunk by chunk; a
+`previous_response_id` to the replica that stored it, `upstream.pinned_replica`), `/v1/models` to any
+healthy one; `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` to every healthy replica (the first
+failure's answer is the client's, the others' effect stays); the client's key (Bearer or x-api-key) is
+passed on and checked by the replicas. `/health` is 200 while one replica is
 healthy and 503 otherwise; `/metrics` has the router's own counters; `/` is the replicas' web page,
 whose `/ui/stats?replica=I` is replica I's, with the list of replicas added. A replica's answers, 4xx
-included, reach the client unchanged. A request whose replica fails before answering (no
-connection, the connection dropped, or a 503) is retried once on another healthy replica; with no
-healthy replica left the router answers 503 at once.
+included, reach the client unchanged; the router's own errors (413, 400 for a body that is not JSON,
+502, 503) are in the shape of the API asked (Anthropic's for /v1/messages). A request whose replica
+fails before answering (no connection, the connection dropped, or a 503) is retried once on another
+healthy replica; with no healthy replica left the router answers 503 at once.
 """
 
 from __future__ import annotations
@@ -27,7 +32,17 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import PrefixPolicy
 from tokenmill.router.prompt import routing_text
 from tokenmill.router.replicas import ReplicaSet, check_all, health_loop
-from tokenmill.router.upstream import CLIENT_CLOSED, add_generation_routes, error_body, relay, request_headers
+from tokenmill.router.upstream import (
+    ANTHROPIC_PATHS,
+    BROADCAST_PATHS,
+    CLIENT_CLOSED,
+    add_generation_routes,
+    error_body,
+    error_response,
+    pinned_replica,
+    relay,
+    request_headers,
+)
 
 logger = logging.getLogger("tokenmill.router")
 
@@ -82,20 +97,32 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
 
     install_error_handlers(app, logger)
 
-    def unavailable(message: str) -> JSONResponse:
+    def unavailable(message: str, anthropic: bool = False) -> JSONResponse:
         metrics.unavailable.inc()
         return JSONResponse(
-            error_body(503, message, "service_unavailable", "no_healthy_replica"),
+            error_body(503, message, "service_unavailable", "no_healthy_replica", anthropic),
             status_code=503,
             headers={"retry-after": "1"},
         )
 
-    async def forward(request: Request, method: str, path: str, body: bytes, text: str | None) -> Response:
+    async def forward(
+        request: Request,
+        method: str,
+        path: str,
+        body: bytes,
+        text: str | None,
+        pinned: int | None = None,
+    ) -> Response:
+        """The request sent to the replica the policy picks (to `pinned` when it is healthy), retried once
+        elsewhere if that replica fails before answering."""
         client = holder["client"]
+        anthropic = path in ANTHROPIC_PATHS
         tried: list[int] = []
         failure = None
         for attempt in range(2):  # the first try and one retry elsewhere
             candidates = replicas.healthy(exclude=tried)
+            if attempt == 0 and pinned in candidates:
+                candidates = [pinned]
             if not candidates:
                 break
             decision = policy.choose(candidates, replicas.loads, text)
@@ -105,7 +132,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
                 metrics.match.observe(decision.match)
             release = _InFlight(replica).release
             upstream_request = client.build_request(
-                method, replica.url + path, content=body, headers=request_headers(request)
+                method, replica.url + path, content=body, headers=request_headers(request, replica.index)
             )
             try:
                 upstream = await run_until_disconnect(request, client.send(upstream_request, stream=True))
@@ -132,16 +159,52 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
                 metrics.retries.labels(replica.url).inc()
                 failure = f"replica {replica.index} answered 503"
                 continue
-            return await relay(request, upstream, replica.index, release, metrics.failures.labels(replica.url).inc)
+            on_failure = metrics.failures.labels(replica.url).inc
+            return await relay(request, upstream, replica.index, release, on_failure, anthropic)
         why = failure or "no replica passed its last health check"
-        return unavailable(f"no healthy replica to serve the request ({why})")
+        return unavailable(f"no healthy replica to serve the request ({why})", anthropic)
+
+    async def checked_body(request: Request) -> tuple[bytes, dict]:
+        """The body and its JSON object: the server's 413 / 400 for a body no replica would take, here."""
+        body = await read_body(request, settings.max_body_bytes)
+        return body, parse_json_object(body)
 
     async def generation(request: Request, path: str) -> Response:
-        body = await read_body(request, settings.max_body_bytes)
-        parse_json_object(body)  # the server's 400 for a body no replica would take, answered here
-        return await forward(request, "POST", path, body, routing_text(path, body))
+        try:
+            body, parsed = await checked_body(request)
+        except APIError as e:
+            return error_response(e, path in ANTHROPIC_PATHS)
+        pinned = pinned_replica(path, parsed, len(replicas))
+        return await forward(request, "POST", path, body, routing_text(path, body), pinned)
 
     add_generation_routes(app, generation)
+
+    async def broadcast(request: Request, path: str) -> Response:
+        """The request sent to every healthy replica at once; the first failure's answer, else the first's."""
+        body, _ = await checked_body(request)
+        targets = [replicas[i] for i in replicas.healthy()]
+        if not targets:
+            return unavailable("no healthy replica to serve the request")
+        answers = await asyncio.gather(
+            *(holder["client"].post(r.url + path, content=body, headers=request_headers(request)) for r in targets),
+            return_exceptions=True,
+        )
+        for replica, answer in zip(targets, answers):
+            if isinstance(answer, BaseException):
+                metrics.failures.labels(replica.url).inc()
+                message = f"replica {replica.index} failed: {type(answer).__name__} (the others did it)"
+                return JSONResponse(error_body(502, message, "server_error", "replica_failed"), status_code=502)
+        answer = next((a for a in answers if a.status_code != 200), answers[0])
+        return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+
+    def broadcast_route(path: str):
+        async def route(request: Request) -> Response:
+            return await broadcast(request, path)
+
+        return route
+
+    for path in BROADCAST_PATHS:
+        app.add_api_route(path, broadcast_route(path), methods=["POST"], include_in_schema=False)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

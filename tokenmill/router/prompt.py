@@ -1,7 +1,9 @@
 """The text a request is routed on: what the replica's prefix cache will see first.
 
 Completions route on `prompt` (a string; a batch of strings joined; token ids written out as
-numbers), chat on a stable rendering of the messages (role, text and tool calls of each, in order). The
+numbers), chat on a stable rendering of the messages (role, text and tool calls of each, in order),
+Responses on its instructions and input items and Anthropic's Messages on its system prompt and
+messages, rendered the same way; embeddings and token counts keep no KV cache and route by load. The
 rendering need not be the model's chat template: it only has to put equal conversation prefixes
 at equal text prefixes, the same way for every replica.
 """
@@ -23,7 +25,22 @@ def routing_text(path: str, body: bytes) -> str | None:
         return None
     if path.endswith("/chat/completions"):
         return _chat_text(request.get("messages"))
-    return _prompt_text(request.get("prompt"))
+    if path.endswith("/responses"):
+        items = request.get("input")
+        items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+        return _chat_text(_with_system(request.get("instructions"), items))
+    if path.endswith("/messages"):
+        return _chat_text(_with_system(request.get("system"), request.get("messages")))
+    if path.endswith("/completions"):
+        return _prompt_text(request.get("prompt"))
+    return None
+
+
+def _with_system(system, messages):
+    """`messages` after a system message of `system`, when there is one and they are a list."""
+    if system is None or not isinstance(messages, list):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
 
 
 def _prompt_text(prompt) -> str | None:

@@ -1,9 +1,11 @@
-"""HTTP plumbing between the client and a replica: header filtering, the client's disconnect, and
-a streamed response passed through chunk by chunk."""
+"""HTTP plumbing between the client and a replica: header filtering, the client's disconnect, a
+streamed response passed through chunk by chunk, and the router's own errors in the shape of the API
+asked (Anthropic's for /v1/messages, OpenAI's for the rest)."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -12,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.asgi import ClientDisconnected, run_until_disconnect, stream_response
-from tokenmill.http_front import APIError
+from tokenmill.http_front import APIError, anthropic_error
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; it never reaches anyone
 
@@ -31,12 +33,16 @@ _HOP_BY_HOP = {
 _REQUEST_SKIP = _HOP_BY_HOP | {"host", "content-length", "accept-encoding"}
 _RESPONSE_SKIP = _HOP_BY_HOP | {"content-length", "date", "server"}
 
+# which replica answered (on responses to the client), and which replica a request is sent to (on
+# requests to a replica: it tags its /v1/responses ids with it, see `pinned_replica`)
 REPLICA_HEADER = "x-tokenmill-replica"
 
 
-def request_headers(request: Request) -> list[tuple[str, str]]:
-    """The client's headers to send on to the replica (Authorization included)."""
-    return [(k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_SKIP]
+def request_headers(request: Request, replica: int | None = None) -> list[tuple[str, str]]:
+    """The client's headers to send on to the replica (Authorization and x-api-key included), and which
+    replica it is when given (a client's own header of that name is dropped)."""
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_SKIP | {REPLICA_HEADER}]
+    return headers + ([(REPLICA_HEADER, str(replica))] if replica is not None else [])
 
 
 def response_headers(upstream: httpx.Response, replica: int, decoded: bool) -> list[tuple[bytes, bytes]]:
@@ -51,11 +57,21 @@ def response_headers(upstream: httpx.Response, replica: int, decoded: bool) -> l
     return headers + [(REPLICA_HEADER.encode(), str(replica).encode())]
 
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
+)
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
+# each replica loads or unloads the adapter: every replica must serve every adapter's name
+BROADCAST_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def add_generation_routes(app, generation: Callable[[Request, str], Awaitable[Response]]) -> None:
-    """POST /v1/completions and /v1/chat/completions, each answered by `generation(request, path)`."""
+    """POST to each of GENERATION_PATHS, answered by `generation(request, path)`."""
 
     def route_for(path: str):
         async def route(request: Request) -> Response:
@@ -67,9 +83,29 @@ def add_generation_routes(app, generation: Callable[[Request, str], Awaitable[Re
         app.add_api_route(path, route_for(path), methods=["POST"], include_in_schema=False)
 
 
-def error_body(status: int, message: str, kind: str, code: str) -> dict:
-    """An OpenAI-style error, as the replicas send them."""
-    return APIError(status, message, kind, None, code).to_dict()
+def error_body(status: int, message: str, kind: str, code: str, anthropic: bool = False) -> dict:
+    """An error as the replicas send them: OpenAI's shape, or Anthropic's for its API."""
+    error = APIError(status, message, kind, None, code)
+    return anthropic_error(error) if anthropic else error.to_dict()
+
+
+def error_response(e: APIError, anthropic: bool) -> JSONResponse:
+    """The router's own error `e` for the client, in the shape of the API it asked."""
+    return JSONResponse(anthropic_error(e) if anthropic else e.to_dict(), status_code=e.status, headers=e.headers)
+
+
+_PINNED_ID = re.compile(r"resp_r(\d{1,4})_")
+
+
+def pinned_replica(path: str, body: dict, replicas: int) -> int | None:
+    """The replica a /v1/responses request must go to: the one that stored its `previous_response_id`.
+
+    A replica behind the router tags the ids of the responses it creates with its index (`resp_r<I>_...`,
+    from REPLICA_HEADER), so the router needs no table of ids: nothing to bound, nothing lost when it
+    restarts, and an id from any replica of the list routes home."""
+    previous = body.get("previous_response_id") if path == "/v1/responses" else None
+    match = _PINNED_ID.match(previous) if isinstance(previous, str) else None
+    return int(match[1]) if match and int(match[1]) < replicas else None
 
 
 class StreamedResponse(Response):
@@ -77,10 +113,12 @@ class StreamedResponse(Response):
     Closes the replica connection as soon as the client disconnects; if the replica fails mid-stream
     the client gets an error event and the end of the stream. `on_close` runs however it ends."""
 
-    def __init__(self, upstream: httpx.Response, replica: int, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, upstream: httpx.Response, replica: int, on_close: Callable[[], None], anthropic: bool = False
+    ) -> None:
         super().__init__(status_code=upstream.status_code)
         self.raw_headers = response_headers(upstream, replica, decoded=False)
-        self.upstream, self.replica, self.on_close = upstream, replica, on_close
+        self.upstream, self.replica, self.on_close, self.anthropic = upstream, replica, on_close, anthropic
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -94,10 +132,9 @@ class StreamedResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as e:
             message = f"replica {self.replica} failed during the response: {type(e).__name__}"
-            event = error_body(502, message, "server_error", "replica_failed")
-            await send(
-                {"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(), "more_body": True}
-            )
+            event = f"data: {json.dumps(error_body(502, message, 'server_error', 'replica_failed', self.anthropic))}"
+            event = ("event: error\n" if self.anthropic else "") + event + "\n\n"  # Anthropic's events are named
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -107,21 +144,21 @@ async def relay(
     replica: int,
     release: Callable[[], None],
     on_failure: Callable[[], None] = lambda: None,
+    anthropic: bool = False,
 ) -> Response:
     """The replica's answer for the client: an SSE stream passed on chunk by chunk, anything else read
-    whole (502 if the replica fails meanwhile: `on_failure` runs). `release` runs once it is done."""
+    whole (502 if the replica fails meanwhile: `on_failure` runs; Anthropic's error shape when
+    `anthropic`). `release` runs once it is done."""
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-        return StreamedResponse(upstream, replica, release)
+        return StreamedResponse(upstream, replica, release, anthropic)
     try:
         content = await run_until_disconnect(request, upstream.aread())
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
     except httpx.HTTPError as e:
         on_failure()
-        body = error_body(
-            502, f"replica {replica} failed during the response: {type(e).__name__}", "server_error", "replica_failed"
-        )
-        return JSONResponse(body, status_code=502)
+        message = f"replica {replica} failed during the response: {type(e).__name__}"
+        return JSONResponse(error_body(502, message, "server_error", "replica_failed", anthropic), status_code=502)
     finally:
         await upstream.aclose()
         release()

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import tokenmill
-from tokenmill.http_front import add_ui_page, install_error_handlers, read_body
+from tokenmill.http_front import add_ui_page, anthropic_error, install_error_handlers, read_body
 from tokenmill.server.engine_client import EngineClient
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -36,7 +36,7 @@ from tokenmill.server.protocol import (
     bad_request,
     parse_body,
 )
-from tokenmill.server.protocol_anthropic import MessagesRequest, anthropic_error
+from tokenmill.server.protocol_anthropic import MessagesRequest
 from tokenmill.server.protocol_responses import ResponsesRequest
 from tokenmill.server.request_stream import EngineDeadError
 from tokenmill.server.serving import ServingContext, engine_error

@@ -20,7 +20,6 @@ from typing import Literal
 from pydantic import Field
 
 from tokenmill.server.protocol import (
-    APIError,
     CallId,
     ChatCompletionRequest,
     _Body,
@@ -38,24 +37,6 @@ RENAMES = (
     (r"response_format\.json_schema\.schema", "output_config.format.schema"),
     (r"response_format", "output_config.format"),
 )
-
-# HTTP status -> Anthropic's error type
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-}
-
-
-def anthropic_error(e: APIError) -> dict:
-    """`{"type": "error", "error": {"type", "message"}}`; the message names the field."""
-    message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": message}}
 
 
 class TextBlock(_Body):

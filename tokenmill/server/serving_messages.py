@@ -16,9 +16,10 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tokenmill.http_front import anthropic_error
 from tokenmill.server.output_blocks import BlockEvent, ChatRun, OutputTotals
 from tokenmill.server.protocol import APIError, renamed
-from tokenmill.server.protocol_anthropic import RENAMES, MessagesRequest, anthropic_error
+from tokenmill.server.protocol_anthropic import RENAMES, MessagesRequest
 from tokenmill.server.serving import ENGINE_ERRORS, ServingContext
 from tokenmill.server.serving_chat import prepare_chat
 from tokenmill.server.streaming import SSEResponse, sse

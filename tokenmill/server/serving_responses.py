@@ -10,6 +10,8 @@ response.completed); the full response is built by the same `ResponseBuilder` fr
 `previous_response_id` puts a stored response's conversation (its input, without its instructions, and
 its output) before the new input. `ResponseStore` keeps the last --max-stored-responses of them in this
 process's memory (least recently used dropped first; lost on restart); `store: false` keeps none.
+Behind `tokenmill router` the ids name the replica (`resp_r<I>_...`) so that the router sends the next
+request to the replica holding its conversation.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ class ResponseStore:
             self._conversations.popitem(last=False)
 
 
+def _replica_tag(request: Request) -> str:
+    """`r<I>_` behind `tokenmill router`, which says which of its replicas this is: the router sends a
+    request naming a response to the replica that stored it (`router.upstream.pinned_replica`)."""
+    replica = request.headers.get("x-tokenmill-replica", "")
+    return f"r{replica}_" if replica.isascii() and replica.isdigit() and len(replica) <= 4 else ""
+
+
 async def create_response(
     ctx: ServingContext, req: ResponsesRequest, request: Request, arrival: float, store: ResponseStore
 ) -> Response:
@@ -63,7 +72,7 @@ async def create_response(
     conversation = history + req.input_messages()
     chat = req.chat_request(conversation)
     model = ctx.check_model(req.model)
-    response_id = f"resp_{uuid.uuid4().hex}"
+    response_id = f"resp_{_replica_tag(request)}{uuid.uuid4().hex}"
     run = await ChatRun.start(ctx, chat, response_id, arrival, RENAMES)
     builder = ResponseBuilder(_response_object(req, response_id, model))
     remember = (lambda: store.put(response_id, conversation + [builder.assistant_message()])) if req.store else None
