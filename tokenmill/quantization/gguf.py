@@ -290,6 +290,11 @@ class BlockQuantLinearMethod(LinearMethod):
                     raise ValueError(f"has blocks of shape {tuple(src.shape)}, expected {tuple(dest[rows].shape)}")
                 dest[rows].copy_(src)
 
+    def process_after_loading(self, layer):
+        """Under int8 activations, 4-bit weights are also repacked into panels for multi-row steps
+        (`block_quant.repack_panels`; one-row steps and the compiled decode step read the blocks)."""
+        layer.panels = block_quant.repack_panels(self.blocks(layer)) if self.int8_activations else None
+
     def blocks(self, layer) -> block_quant.Blocks:
         return block_quant.Blocks(
             layer.codes, layer.high, layer.scales, layer.offsets, layer.supers, self.bits, self.layout.center
@@ -301,7 +306,11 @@ class BlockQuantLinearMethod(LinearMethod):
         if runs_triton(flat):  # GPUs: the Triton kernel on the same blocks, activations as they are
             out = triton_block.matmul(flat, w)
         elif self.fused_max_tokens is None or flat.shape[0] <= self.fused_max_tokens:
-            out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
+            panels = getattr(layer, "panels", None)  # set by process_after_loading
+            if flat.shape[0] > 1 and panels is not None:
+                out = block_quant.matmul_q8_panels(flat, panels)
+            else:
+                out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
         else:
             weight = block_quant.dequantize(w, out=block_quant.workspace(*w.shape))
             if self.bf16_gemm:  # AMX: weight and activations rounded to bfloat16
