@@ -1,0 +1,78 @@
+"""gguf-q8's int8 kernel for several activation rows on 4-bit weights: the row-at-a-time register tiles on
+the blocks as loaded (`block_quant.matmul_q8`) against the tiles on the weight repacked into panels of
+eight interleaved rows (`block_quant.matmul_q8_panels`), the two taking turns call by call in one run.
+
+    .venv/bin/python benchmarks/bench_int8_panels.py [--types Q4_1,Q4_K] [--rows 1,16,64,256] [--repeats 9]
+
+Shapes: every linear layer of SmolLM2-135M (hidden 576) and Qwen2.5-0.5B (hidden 896), random blocks
+of each type as the tests build them. Medians of --repeats passes over all of a model's shapes; G MAC/s
+= weights x rows / time, summed over the shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from test_quantization import random_gguf_tensor  # noqa: E402  (the tests' block builder)
+
+from tokenmill.kernels import block_quant  # noqa: E402
+from tokenmill.layers.linear import ReplicatedLinear  # noqa: E402
+from tokenmill.quantization.gguf import GGUFConfig  # noqa: E402
+
+# (rows, columns) of qkv, o, gate_up, down
+SHAPES = {
+    "SmolLM2-135M": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+    "Qwen2.5-0.5B": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],
+}
+
+
+def layer_of(qtype: str, n: int, k: int) -> ReplicatedLinear:
+    weight, _ = random_gguf_tensor(qtype, n, k, np.random.default_rng(0))
+    layer = ReplicatedLinear(k, n, quant_config=GGUFConfig({"w.weight": qtype}, int8_activations=True), prefix="w")
+    layer.weight_loader("weight", weight)
+    layer.quant_method.process_after_loading(layer)
+    return layer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default="Q4_1,Q4_K", help="comma-separated 4-bit GGUF types (default: %(default)s)")
+    ap.add_argument("--rows", default="1,16,64,256", help="activation rows per call (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=9, help="timed passes (default: %(default)s)")
+    args = ap.parse_args()
+    print(f"# {torch.get_num_threads()} threads; G MAC/s of the blocks' tiles, the panels' tiles, and their ratio")
+    print(f"{'model':14s} {'type':5s} {'rows':>5s} {'blocks':>8s} {'panels':>8s} {'ratio':>6s}")
+    for model, shapes in SHAPES.items():
+        for qtype in args.types.split(","):
+            layers = [layer_of(qtype, n, k) for n, k in shapes]
+            macs = sum(n * k for n, k in shapes)
+            for rows in map(int, args.rows.split(",")):
+                xs = [torch.randn(rows, k) for _, k in shapes]
+                calls = [
+                    lambda x, layer: block_quant.matmul_q8(x, layer.quant_method.blocks(layer)),
+                    lambda x, layer: block_quant.matmul_q8_panels(x, layer.panels),
+                ]
+                times = [[], []]
+                for _ in range(args.repeats + 1):  # the first pass warms up; the kernels take turns
+                    for call, own in zip(calls, times):
+                        start = time.perf_counter()
+                        for x, layer in zip(xs, layers):
+                            call(x, layer)
+                        own.append(time.perf_counter() - start)
+                old, new = (statistics.median(t[1:]) for t in times)
+                rate = macs * rows / 1e9
+                print(f"{model:14s} {qtype:5s} {rows:5d} {rate / old:8.1f} {rate / new:8.1f} {old / new:5.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
