@@ -71,7 +71,10 @@ def main() -> None:
                         own.append(time.perf_counter() - start)
                 old, new = (statistics.median(t[1:]) for t in times)
                 rate = macs * rows / 1e9
-                print(f"{model:14s} {qtype:5s} {rows:5d} {rate / old:8.1f} {rate / new:8.1f} {old / new:5.2f}x", flush=True)
+                print(
+                    f"{model:14s} {qtype:5s} {rows:5d} {rate / old:8.1f} {rate / new:8.1f} {old / new:5.2f}x",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -291,8 +291,9 @@ class BlockQuantLinearMethod(LinearMethod):
                 dest[rows].copy_(src)
 
     def process_after_loading(self, layer):
-        """Under int8 activations, 4-bit weights are also repacked into panels for multi-row steps
-        (`block_quant.repack_panels`; one-row steps and the compiled decode step read the blocks)."""
+        """Under int8 activations, weights of 4-, 5- and 8-bit codes in blocks of 32 are also repacked
+        into panels for multi-row steps (`block_quant.repack_panels`; one-row steps, the compiled
+        decode step and steps past `fused_max_tokens` read the blocks)."""
         layer.panels = block_quant.repack_panels(self.blocks(layer)) if self.int8_activations else None
 
     def blocks(self, layer) -> block_quant.Blocks:
