@@ -1,12 +1,14 @@
-"""gguf-q8's int8 kernel for several activation rows on 4-bit weights: the row-at-a-time register tiles on
-the blocks as loaded (`block_quant.matmul_q8`) against the tiles on the weight repacked into panels of
-eight interleaved rows (`block_quant.matmul_q8_panels`), the two taking turns call by call in one run.
+"""gguf-q8's int8 kernel for several activation rows: the row-at-a-time register tiles on the blocks as
+loaded (`block_quant.matmul_q8`) against the tiles on the weight repacked into panels of eight
+interleaved rows (`block_quant.matmul_q8_panels`), the two taking turns pass by pass in one run.
 
-    .venv/bin/python benchmarks/bench_int8_panels.py [--types Q4_1,Q4_K] [--rows 1,16,64,256] [--repeats 9]
+    .venv/bin/python benchmarks/bench_int8_panels.py [--rows 1,16,64,256] [--repeats 9] [--threads 1]
 
-Shapes: every linear layer of SmolLM2-135M (hidden 576) and Qwen2.5-0.5B (hidden 896), random blocks
-of each type as the tests build them. Medians of --repeats passes over all of a model's shapes; G MAC/s
-= weights x rows / time, summed over the shapes.
+Shapes and types: the linear layers of SmolLM2-135M-Instruct Q4_1 (qkv, o, gate_up, down) and of
+Qwen2.5-Coder-0.5B Q4_K_M that take panels (qkv in Q8_0 as its v is, o and gate_up in Q5_0; its down
+is Q6_K, blocks of 16: no panels), random blocks as the tests build them. Medians of --repeats passes
+over all of a model's layers; G MAC/s = weights x rows / time, summed over them. At one row the
+blocks run their one-row kernel, which one-row steps keep (they do not take panels).
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from tokenmill.kernels import block_quant  # noqa: E402
 from tokenmill.layers.linear import ReplicatedLinear  # noqa: E402
 from tokenmill.quantization.gguf import GGUFConfig  # noqa: E402
 
-# (rows, columns) of qkv, o, gate_up, down
+# (type, rows, columns) of the layers
 SHAPES = {
-    "SmolLM2-135M": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
-    "Qwen2.5-0.5B": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],
+    "SmolLM2-135M": [("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536)],
+    "Qwen2.5-0.5B": [("Q8_0", 1152, 896), ("Q5_0", 896, 896), ("Q5_0", 9728, 896)],
 }
 
 
@@ -46,10 +48,11 @@ def layer_of(qtype: str, n: int, k: int) -> ReplicatedLinear:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default="Q4_1,Q4_K", help="comma-separated 4-bit GGUF types (default: %(default)s)")
     ap.add_argument("--rows", default="1,16,64,256", help="activation rows per call (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=9, help="timed passes (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: %(default)s)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"# {torch.get_num_threads()} threads; G MAC/s of the blocks' tiles, the panels' tiles, and their ratio")
     print(f"{'model':14s} {'type':5s} {'rows':>5s} {'blocks':>8s} {'panels':>8s} {'ratio':>6s}")
     for model, shapes in SHAPES.items():
