@@ -54,30 +54,26 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {torch.get_num_threads()} threads; G MAC/s of the blocks' tiles, the panels' tiles, and their ratio")
-    print(f"{'model':14s} {'type':5s} {'rows':>5s} {'blocks':>8s} {'panels':>8s} {'ratio':>6s}")
+    print(f"{'model':14s} {'rows':>5s} {'blocks':>8s} {'panels':>8s} {'ratio':>6s}")
     for model, shapes in SHAPES.items():
-        for qtype in args.types.split(","):
-            layers = [layer_of(qtype, n, k) for n, k in shapes]
-            macs = sum(n * k for n, k in shapes)
-            for rows in map(int, args.rows.split(",")):
-                xs = [torch.randn(rows, k) for _, k in shapes]
-                calls = [
-                    lambda x, layer: block_quant.matmul_q8(x, layer.quant_method.blocks(layer)),
-                    lambda x, layer: block_quant.matmul_q8_panels(x, layer.panels),
-                ]
-                times = [[], []]
-                for _ in range(args.repeats + 1):  # the first pass warms up; the kernels take turns
-                    for call, own in zip(calls, times):
-                        start = time.perf_counter()
-                        for x, layer in zip(xs, layers):
-                            call(x, layer)
-                        own.append(time.perf_counter() - start)
-                old, new = (statistics.median(t[1:]) for t in times)
-                rate = macs * rows / 1e9
-                print(
-                    f"{model:14s} {qtype:5s} {rows:5d} {rate / old:8.1f} {rate / new:8.1f} {old / new:5.2f}x",
-                    flush=True,
-                )
+        layers = [layer_of(qtype, n, k) for qtype, n, k in shapes]
+        macs = sum(n * k for _, n, k in shapes)
+        for rows in map(int, args.rows.split(",")):
+            xs = [torch.randn(rows, k) for _, _, k in shapes]
+            calls = [
+                lambda x, layer: block_quant.matmul_q8(x, layer.quant_method.blocks(layer)),
+                lambda x, layer: block_quant.matmul_q8_panels(x, layer.panels),
+            ]
+            times = [[], []]
+            for _ in range(args.repeats + 1):  # the first pass warms up; the kernels take turns
+                for call, own in zip(calls, times):
+                    start = time.perf_counter()
+                    for x, layer in zip(xs, layers):
+                        call(x, layer)
+                    own.append(time.perf_counter() - start)
+            old, new = (statistics.median(t[1:]) for t in times)
+            rate = macs * rows / 1e9
+            print(f"{model:14s} {rows:5d} {rate / old:8.1f} {rate / new:8.1f} {old / new:5.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -1171,13 +1171,16 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64
         sums[r][h] = Sums::add(sums[r][h], u, x);
       }
     };
-    for (int j = 0; j < (BITS == 4 ? 4 : 8); ++j) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
+    // two weight vectors a step, one per chain (a chain's index must be a constant: sums stay in registers)
+    auto load = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j)); };
+    for (int j = 0; j < (BITS == 4 ? 4 : 8); j += BITS == 4 ? 1 : 2) {
       if (BITS == 4) {
+        const __m256i raw = load(j);
         dot(_mm256_and_si256(raw, m4), j, 0);
         dot(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), j + 4, kChains - 1);
       } else {
-        dot(raw, j, j % kChains);
+        dot(load(j), j, 0);
+        dot(load(j + 1), j + 1, kChains - 1);
       }
     }
     const __m256 s = _mm256_loadu_ps(scales + b * 2 * kPanel), o = _mm256_loadu_ps(scales + b * 2 * kPanel + kPanel);
