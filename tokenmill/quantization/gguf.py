@@ -327,11 +327,13 @@ class BlockQuantLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def decode_operands(self, layer):
+        panels = getattr(layer, "panels", None)
         return (
             2 if self.int8_activations else 1,
             self.bits,
             self.layout.center,
-            [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers],
+            [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers]
+            + ([panels.codes, panels.scales] if panels is not None else [None, None]),
             self.fused_max_tokens,
         )
 
