@@ -292,8 +292,8 @@ class BlockQuantLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer):
         """Under int8 activations, weights of 4-, 5- and 8-bit codes in blocks of 32 are also repacked
-        into panels for multi-row steps (`block_quant.repack_panels`; one-row steps, the compiled
-        decode step and steps past `fused_max_tokens` read the blocks). The copy holds 0.75 bytes a
+        into panels for multi-row steps (`block_quant.repack_panels`, which `decode_operands` passes on too);
+        one-row steps and steps past `fused_max_tokens` read the blocks. The copy holds 0.75 bytes a
         weight (4-bit codes) or 1.25 (5, 8 bits); $TOKENMILL_INT8_PANELS=0 keeps only the blocks."""
         wanted = self.int8_activations and os.environ.get("TOKENMILL_INT8_PANELS", "1") != "0"
         layer.panels = block_quant.repack_panels(self.blocks(layer)) if wanted else None
