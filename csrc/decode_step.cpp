@@ -43,8 +43,8 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x) {
 // hidden: [T, hidden] (every token a decode); residual: the stream so far (absent before the first
 // layer). Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, k scales, v
 // scales (empty unless the cache is int8 / fp8), then
-// (w, high, scales, offsets, supers, panel codes, panel scales, bias) of qkv, o, gate_up, down; `ints` holds (kind, bits,
-// center) of those four.
+// (w, high, scales, offsets, supers, panel codes, panel scales, bias) of qkv, o, gate_up, down; `ints`
+// holds (kind, bits, center) of those four.
 // Returns {hidden, residual} after the last layer (the final norm is the caller's).
 std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                          torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
