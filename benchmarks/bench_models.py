@@ -67,8 +67,9 @@ def main() -> None:
     ap.add_argument("--quantizations", default="auto", help="comma-separated --quantization values to run")
     ap.add_argument("--kv-cache-dtype", default="auto", help="tokenmill's --kv-cache-dtype (default: %(default)s)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads; prompt {args.prompt_len} tokens, decode {args.tokens}; medians of {args.repeats}"

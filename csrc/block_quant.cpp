@@ -1081,6 +1081,202 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
   for (int64_t i = 0; i < M; ++i) one_row(i);
 }
 
+// --- int8 activations against weights repacked into panels at load (llama.cpp's repack, ik_llama.cpp's
+// interleaved rows): kPanel weight rows interleaved per 4 values of K, so that one broadcast of 4
+// activation bytes meets all of them in one vpdpbusd (or maddubs) and each int32 lane sums one weight
+// row's block. A block's integer sums then take their float scales once per block for all eight rows,
+// where the row-at-a-time tiles above spend a conversion and two float ops per pair of groups per row;
+// and the weights are read as they lie, 32 bytes a load, no per-row strides.
+// Panel layout (repack_panels), per panel p of rows 8p..8p+7 (zeros past N) and block b of 32 values:
+//   codes  4 bits: uint8 [P, nb, 4, 8, 4], byte (j, r, t) = value 4j + t of row r (low nibble) | value
+//          16 + 4j + t (high nibble): one 32-byte load holds values 4j.. and 16 + 4j.. of all eight rows;
+//          5 and 8 bits: uint8 [P, nb, 8, 8, 4], byte (j, r, t) = value 4j + t of row r (8 bits: signed);
+//   scales float32 [P, nb, 2, 8]: the rows' block scales, then their offsets with the codes' center
+//          folded in (Blocks::expand's fold), so that 4-5-bit codes stay unsigned for vpdpbusd.
+constexpr int64_t kPanel = 8;  // weight rows a panel
+constexpr int64_t panel_block_bytes(int bits) { return (bits == 4 ? 16 : 32) * kPanel; }
+
+#ifdef TM_SIMD
+#ifdef __AVX512F__
+constexpr int kPanelRows = 8;  // activation rows a tile: 32 vector registers hold 16 integer + 8 float sums
+#else
+constexpr int kPanelRows = 4;  // 16 registers
+#endif
+// A row's integer sums over a block, kChains of them (independent chains), and their total as int32.
+// vpdpbusd: two int32 chains. maddubs: its int16 pair sums added in int16 while they fit (eight of at
+// most 2 x 15 x 127 for 4-bit codes, four of 2 x 31 x 127 for 5-bit ones), then widened; 8-bit
+// codes widen each (their pair sums reach 2 x 128 x 127).
+template <int BITS>
+struct PanelSums {
+#ifdef TM_VNNI
+  static constexpr int kChains = 2;
+  static __m256i add(__m256i acc, __m256i u, __m256i s) { return dpbusd(acc, u, s); }
+  static __m256i total(const __m256i* sums) { return _mm256_add_epi32(sums[0], sums[1]); }
+#else
+  static constexpr int kChains = BITS == 5 ? 2 : 1;
+  static __m256i add(__m256i acc, __m256i u, __m256i s) {
+    const __m256i pairs = _mm256_maddubs_epi16(u, s);
+    return BITS == 8 ? _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+                     : _mm256_add_epi16(acc, pairs);
+  }
+  static __m256i total(const __m256i* sums) {
+    if (BITS == 8) return sums[0];
+    __m256i t = _mm256_madd_epi16(sums[0], _mm256_set1_epi16(1));
+    if (kChains == 2) t = _mm256_add_epi32(t, _mm256_madd_epi16(sums[kChains - 1], _mm256_set1_epi16(1)));
+    return t;
+  }
+#endif
+};
+#else
+constexpr int kPanelRows = 4;
+#endif
+
+// Value v (0..31) of panel row c in a block's codes.
+template <int BITS>
+inline int panel_code(const uint8_t* block, int64_t c, int64_t v) {
+  if (BITS != 4) {
+    const uint8_t byte = block[v / 4 * 32 + c * 4 + v % 4];
+    return BITS == 8 ? static_cast<int8_t>(byte) : byte;
+  }
+  const uint8_t byte = block[(v % 16) / 4 * 32 + c * 4 + v % 4];
+  return v < 16 ? byte & 0x0F : byte >> 4;
+}
+
+// RM activation rows (K apart, natural order; dx, xs: their scales and block sums, nb apart) against
+// one panel: out[r * ldo + c] for its first `cols` rows c.
+template <int BITS, int RM>
+inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* codes,
+                       const float* scales, float* out, int64_t ldo, int64_t cols) {
+  const int64_t nb = K / 32, bytes = panel_block_bytes(BITS);
+  alignas(32) float total[RM][kPanel];
+#ifdef TM_SIMD
+  using Sums = PanelSums<BITS>;
+  constexpr int kChains = Sums::kChains;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[RM];
+  for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = codes + b * bytes;
+    __m256i sums[RM][kChains];
+    for (int r = 0; r < RM; ++r)
+      for (int h = 0; h < kChains; ++h) sums[r][h] = _mm256_setzero_si256();
+    // weight vector w (values 4j.. of the eight rows) against each row's broadcast x[4j..4j+3], on chain h
+    auto dot = [&](__m256i w, int j, int h) {
+      const __m256i u = BITS == 8 ? _mm256_sign_epi8(w, w) : w;  // 8 bits: |w| times x of w's sign
+      for (int r = 0; r < RM; ++r) {
+        int32_t word;
+        std::memcpy(&word, xq + r * K + b * 32 + 4 * j, 4);
+        __m256i x = _mm256_set1_epi32(word);
+        if (BITS == 8) x = _mm256_sign_epi8(x, w);
+        sums[r][h] = Sums::add(sums[r][h], u, x);
+      }
+    };
+    // two weight vectors a step, one per chain (a chain's index must be a constant: sums stay in registers)
+    auto load = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j)); };
+    for (int j = 0; j < (BITS == 4 ? 4 : 8); j += BITS == 4 ? 1 : 2) {
+      if (BITS == 4) {
+        const __m256i raw = load(j);
+        dot(_mm256_and_si256(raw, m4), j, 0);
+        dot(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), j + 4, kChains - 1);
+      } else {
+        dot(load(j), j, 0);
+        dot(load(j + 1), j + 1, kChains - 1);
+      }
+    }
+    const __m256 s = _mm256_loadu_ps(scales + b * 2 * kPanel), o = _mm256_loadu_ps(scales + b * 2 * kPanel + kPanel);
+    for (int r = 0; r < RM; ++r) {
+      const __m256 sum = _mm256_cvtepi32_ps(Sums::total(sums[r]));
+      const __m256 scaled = _mm256_mul_ps(sum, _mm256_mul_ps(s, _mm256_set1_ps(dx[r * nb + b])));
+      acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(o, _mm256_set1_ps(xs[r * nb + b]), scaled));
+    }
+  }
+  for (int r = 0; r < RM; ++r) _mm256_store_ps(total[r], acc[r]);
+#else
+  for (int r = 0; r < RM; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) {
+      float sum = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int64_t v = 0; v < 32; ++v) dot += panel_code<BITS>(codes + b * bytes, c, v) * xq[r * K + b * 32 + v];
+        const float* sc = scales + b * 2 * kPanel;
+        sum += static_cast<float>(dot) * (sc[c] * dx[r * nb + b]) + sc[kPanel + c] * xs[r * nb + b];
+      }
+      total[r][c] = sum;
+    }
+#endif
+  for (int r = 0; r < RM; ++r) std::memcpy(out + r * ldo, total[r], cols * sizeof(float));
+}
+
+template <int BITS, int RM = kPanelRows>
+inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, int64_t K,
+                            const uint8_t* codes, const float* scales, float* out, int64_t ldo, int64_t cols) {
+  if constexpr (RM > 1)
+    if (rows < RM) return panel_tile_rows<BITS, RM - 1>(rows, xq, dx, xs, K, codes, scales, out, ldo, cols);
+  panel_tile<BITS, RM>(xq, dx, xs, K, codes, scales, out, ldo, cols);
+}
+
+// Every activation row against every panel: per thread, blocks of kRowBlock activation rows (they stay
+// in L2: at 256 rows a call ran at half the speed of 64) against chunks of kChunk panels (their codes stay
+// in L1) against each tile of kPanelRows activation rows in turn.
+template <int BITS>
+void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                           int64_t span, torch::Tensor& out) {
+  constexpr int64_t kChunk = 4, kRowBlock = 64, bytes = panel_block_bytes(BITS);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32, N = out.size(1), P = codes.size(0);
+  TORCH_CHECK(K % span == 0 && codes.size(1) == nb && codes.size(2) == bytes && P == (N + kPanel - 1) / kPanel,
+              "panels do not fit x, out");
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * nb), xs(M * nb);
+  quantize_rows<32>(x.data_ptr<float>(), M, K, span, xq.data(), dx.data(), xs.data(), nullptr);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  at::parallel_for(0, P, kChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t block = 0; block < M; block += kRowBlock)
+      for (int64_t p0 = begin; p0 < end; p0 += kChunk)
+        for (int64_t m0 = block; m0 < std::min(M, block + kRowBlock); m0 += kPanelRows)
+          for (int64_t p = p0; p < std::min(end, p0 + kChunk); ++p)
+            panel_tile_rows<BITS>(static_cast<int>(std::min<int64_t>(kPanelRows, std::min(M, block + kRowBlock) - m0)),
+                                  xq.data() + m0 * K, dx.data() + m0 * nb, xs.data() + m0 * nb, K,
+                                  cp + p * nb * bytes, sp + p * nb * 2 * kPanel, outp + m0 * N + p * kPanel, N,
+                                  std::min(kPanel, N - p * kPanel));
+  });
+}
+
+// The panels of a weight of 4-, 5- or 8-bit codes in blocks of 32 into codes, scales (zeros, shaped as
+// the layout above says).
+template <int BITS>
+void repack_panels_impl(const Blocks& w, torch::Tensor& codes, torch::Tensor& scales) {
+  const int64_t P = (w.N + kPanel - 1) / kPanel, nb = w.nb, bytes = panel_block_bytes(BITS);
+  TORCH_CHECK(w.bs == 32, "panels hold blocks of 32");
+  TORCH_CHECK(codes.numel() == P * nb * bytes && scales.numel() == P * nb * 2 * kPanel, "panels of other sizes");
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* sp = scales.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(nb), o(nb);
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r = 0; r < kPanel && p * kPanel + r < w.N; ++r) {
+        const int64_t n = p * kPanel + r;
+        const bool offsets = w.expand(n, true, nullptr, nullptr, s.data(), o.data(), nullptr);
+        const uint8_t* row = w.codes + n * w.code_bytes;
+        const uint8_t* high = w.high ? w.high + n * w.high_bytes : nullptr;
+        for (int64_t b = 0; b < nb; ++b) {
+          float* sb = sp + (p * nb + b) * 2 * kPanel;
+          sb[r] = s[b];
+          sb[kPanel + r] = offsets ? o[b] : 0.f;
+          uint8_t* cb = cp + (p * nb + b) * bytes;
+          for (int64_t v = 0; v < 32; ++v) {
+            const auto code = static_cast<uint8_t>(code_at<BITS>(row, high, b * 32 + v));
+            if (BITS != 4)
+              cb[v / 4 * 32 + r * 4 + v % 4] = code;
+            else
+              cb[(v % 16) / 4 * 32 + r * 4 + v % 4] |= v < 16 ? code : code << 4;
+          }
+        }
+      }
+  });
+}
+
 // One call per (bits, block) the layouts have: 4, 5 bits in blocks of 32, 6 in blocks of 16, 8 and e2m1 in either.
 template <template <int, int> class Op, typename... Args>
 void dispatch(int64_t bits, int64_t block, Args&&... args) {
@@ -1137,4 +1333,34 @@ void block_quant_dequantize(torch::Tensor codes, c10::optional<torch::Tensor> hi
                             c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
                             int64_t block, int64_t center, torch::Tensor out) {
   dispatch<DequantizeOp>(bits, block, Blocks(codes, high, scales, offsets, supers, bits, block, center), out);
+}
+
+// A weight's panels for block_quant_matmul_q8_panels, into panel_codes and panel_scales (zeros: uint8
+// [P, K/32, 128] for 4-bit codes, [P, K/32, 256] for 5- and 8-bit ones, and float32 [P, K/32, 2, 8],
+// P = ceil(N / 8); the layout above matmul_q8_panels_impl).
+void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
+                               c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
+                               int64_t block, int64_t center, torch::Tensor panel_codes, torch::Tensor panel_scales) {
+  const Blocks w(codes, high, scales, offsets, supers, bits, block, center);
+  if (bits == 4)
+    repack_panels_impl<4>(w, panel_codes, panel_scales);
+  else if (bits == 5)
+    repack_panels_impl<5>(w, panel_codes, panel_scales);
+  else if (bits == 8)
+    repack_panels_impl<8>(w, panel_codes, panel_scales);
+  else
+    TORCH_CHECK(false, "panels hold 4-, 5- or 8-bit codes, not ", bits, "-bit ones");
+}
+
+// block_quant_matmul_q8 on a weight's panels (x: [M, K] float32, rounded per `span` values; out: [M, N]).
+void block_quant_matmul_q8_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits,
+                                  int64_t span, torch::Tensor out) {
+  if (bits == 4)
+    matmul_q8_panels_impl<4>(x, codes, scales, span, out);
+  else if (bits == 5)
+    matmul_q8_panels_impl<5>(x, codes, scales, span, out);
+  else if (bits == 8)
+    matmul_q8_panels_impl<8>(x, codes, scales, span, out);
+  else
+    TORCH_CHECK(false, "panels hold 4-, 5- or 8-bit codes, not ", bits, "-bit ones");
 }

@@ -14,3 +14,8 @@ void block_quant_matmul_q8(torch::Tensor x, torch::Tensor codes, c10::optional<t
 void block_quant_dequantize(torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
                             c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
                             int64_t block, int64_t center, torch::Tensor out);
+void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
+                               c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
+                               int64_t block, int64_t center, torch::Tensor panel_codes, torch::Tensor panel_scales);
+void block_quant_matmul_q8_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits,
+                                  int64_t span, torch::Tensor out);

@@ -145,6 +145,40 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype, wide):
         assert ((out - exact).norm() / exact.norm()).item() < 0.02
 
 
+PANELED = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K"]  # gguf-q8 repacks them at load (blocks of 32)
+
+
+@pytest.mark.parametrize("qtype", PACKED)
+def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
+    """gguf-q8 repacks 4-, 5- and 8-bit weights once loaded into panels of eight interleaved rows; multi-row steps
+    run on them (the same rounding as `q8_reference`, within the blocks' kernel's tolerance: N and M
+    not multiples of the panel's 8 rows nor the tile's, more rows than one pass's block of 64), one-row
+    steps still on the blocks; other layouts and the exact mode keep no panels."""
+    rng = np.random.default_rng(3)
+    rows, cols = 83, 512 if qtype.endswith("_K") else 480
+    weight, ref = random_gguf_tensor(qtype, rows, cols, rng)
+    for int8_activations in (True, False):
+        config = GGUFConfig({"w.weight": qtype}, int8_activations=int8_activations)
+        layer = ReplicatedLinear(cols, rows, quant_config=config, prefix="w")
+        layer.weight_loader("weight", weight)
+        layer.quant_method.process_after_loading(layer)
+        if not (int8_activations and qtype in PANELED and block_quant.load() is not None):
+            assert layer.panels is None
+            continue
+        code_bytes = 128 if layer.quant_method.bits == 4 else 256
+        assert layer.panels.codes.shape == (11, cols // 32, code_bytes)
+        assert layer.panels.scales.shape == (11, cols // 32, 2, 8)
+        blocks = layer.quant_method.blocks(layer)
+        x = torch.randn(1, cols)
+        assert torch.equal(layer(x), block_quant.matmul_q8(x, blocks))
+        for m in (2, 5, 8, 9, 70):  # within fused_max_tokens (8 bits: 128)
+            x = torch.randn(m, cols)
+            out = layer(x)
+            assert torch.equal(out, block_quant.matmul_q8_panels(x, layer.panels))
+            want = q8_reference(x, ref, blocks.activation_span)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+
+
 @pytest.mark.parametrize(
     "types,bits",
     [(("Q4_K", "Q6_K"), 6), (("Q4_0", "Q5_1"), 5), (("Q6_K", "Q8_0"), 8), (("Q4_0", "Q4_K"), 4), (("Q5_0", "Q6_K"), 6)],

@@ -31,7 +31,9 @@ Layout (`Blocks`), per weight row of K values:
 `matmul` handles few rows of activations (decode) by dequantizing each weight row in registers;
 `matmul_q8` (int8 activations: a scale per 32 values, per 256 for K-quants) takes one row as a
 memory-bound pass (K-quants summed in integers to the end of each super-block) and more as register tiles of 8 rows against each weight row (fast
-at every batch size for 4-5-bit codes); `dequantize` writes the
+at every batch size for 4-5-bit codes); `matmul_q8_panels` does the same for several rows on a 4-, 5- or 8-bit
+weight repacked once at load (`repack_panels`: eight weight rows interleaved per 4 values, so that one
+broadcast activation word feeds eight rows' dot products); `dequantize` writes the
 float32 weight for large batches, which then go to torch's GEMM. The C++ is csrc/block_quant.cpp.
 """
 
@@ -102,6 +104,43 @@ def matmul_q8(x: torch.Tensor, w: Blocks) -> torch.Tensor:
     """`matmul` of `round_activations(x)` with integer dot products (close to `matmul`, not exact)."""
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     load().block_quant_matmul_q8(x, *w.args(), out)
+    return out
+
+
+PANEL_BITS = (4, 5, 8)  # the codes panels hold (in blocks of 32)
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A weight repacked for `matmul_q8_panels` (csrc/block_quant.cpp's panel layout): codes uint8
+    [ceil(N / 8), K / 32, 128 (4 bits) or 256 (5, 8 bits)], eight rows' values interleaved per 4;
+    scales float32 [.., K / 32, 2, 8], each block's scales and offsets (the codes' center folded in)
+    of the eight rows, exactly as the blocks hold them."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    rows: int  # N
+    activation_span: int  # Blocks.activation_span of the weight it was packed from
+
+
+def repack_panels(w: Blocks) -> Panels | None:
+    """`w` as panels, or None where they do not apply (codes of other bits or blocks of 16, weights off
+    the CPU, or no compiled kernels here)."""
+    if w.bits not in PANEL_BITS or w.block != BLOCK or w.codes.device.type != "cpu" or load() is None:
+        return None
+    n, k = w.shape
+    panels = -(-n // 8)
+    codes = torch.zeros(panels, k // BLOCK, 128 if w.bits == 4 else 256, dtype=torch.uint8)
+    scales = torch.zeros(panels, k // BLOCK, 2, 8, dtype=torch.float32)
+    load().block_quant_repack_panels(*w.args(), codes, scales)
+    return Panels(codes, scales, w.bits, n, w.activation_span)
+
+
+def matmul_q8_panels(x: torch.Tensor, w: Panels) -> torch.Tensor:
+    """`matmul_q8` on the repacked weight: the same integer sums, the float ones in another order."""
+    out = torch.empty(x.shape[0], w.rows, dtype=torch.float32)
+    load().block_quant_matmul_q8_panels(x, w.codes, w.scales, w.bits, w.activation_span, out)
     return out
 
 

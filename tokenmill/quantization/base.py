@@ -59,8 +59,9 @@ class LinearMethod(ABC):
 
     def decode_operands(self, layer: nn.Module) -> tuple[int, int, int, list[torch.Tensor | None], int | None] | None:
         """How the compiled decode step (`tokenmill.kernels.decode_step`) runs this layer's `apply`:
-        (kind, bits, center, [weight or codes, high, scales, offsets, supers], most tokens per call
-        or None), or None when it cannot (the model's own forward runs then)."""
+        (kind, bits, center, [weight or codes, high, scales, offsets, supers, panel codes, panel
+        scales], most tokens per call or None), or None when it cannot (the model's own forward runs
+        then)."""
         return None
 
 

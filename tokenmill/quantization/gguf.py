@@ -290,6 +290,14 @@ class BlockQuantLinearMethod(LinearMethod):
                     raise ValueError(f"has blocks of shape {tuple(src.shape)}, expected {tuple(dest[rows].shape)}")
                 dest[rows].copy_(src)
 
+    def process_after_loading(self, layer):
+        """Under int8 activations, weights of 4-, 5- and 8-bit codes in blocks of 32 are also repacked
+        into panels for multi-row steps (`block_quant.repack_panels`, which `decode_operands` passes on too);
+        one-row steps and steps past `fused_max_tokens` read the blocks. The copy holds 0.75 bytes a
+        weight (4-bit codes) or 1.25 (5, 8 bits); $TOKENMILL_INT8_PANELS=0 keeps only the blocks."""
+        wanted = self.int8_activations and os.environ.get("TOKENMILL_INT8_PANELS", "1") != "0"
+        layer.panels = block_quant.repack_panels(self.blocks(layer)) if wanted else None
+
     def blocks(self, layer) -> block_quant.Blocks:
         return block_quant.Blocks(
             layer.codes, layer.high, layer.scales, layer.offsets, layer.supers, self.bits, self.layout.center
@@ -301,7 +309,11 @@ class BlockQuantLinearMethod(LinearMethod):
         if runs_triton(flat):  # GPUs: the Triton kernel on the same blocks, activations as they are
             out = triton_block.matmul(flat, w)
         elif self.fused_max_tokens is None or flat.shape[0] <= self.fused_max_tokens:
-            out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
+            panels = getattr(layer, "panels", None)  # set by process_after_loading
+            if flat.shape[0] > 1 and panels is not None:
+                out = block_quant.matmul_q8_panels(flat, panels)
+            else:
+                out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
         else:
             weight = block_quant.dequantize(w, out=block_quant.workspace(*w.shape))
             if self.bf16_gemm:  # AMX: weight and activations rounded to bfloat16
@@ -315,11 +327,13 @@ class BlockQuantLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def decode_operands(self, layer):
+        panels = getattr(layer, "panels", None)
         return (
             2 if self.int8_activations else 1,
             self.bits,
             self.layout.center,
-            [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers],
+            [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers]
+            + ([panels.codes, panels.scales] if panels is not None else [None, None]),
             self.fused_max_tokens,
         )
 

@@ -101,6 +101,7 @@ class PackedCheckpointMethod(BlockQuantLinearMethod):
         del layer.pending_parts
         if order is not None and not np.array_equal(order, np.arange(order.size)):
             layer.input_perm = torch.from_numpy(order).to(layer.codes.device)
+        super().process_after_loading(layer)
 
     def apply(self, layer, x, bias):
         if layer.input_perm is not None:

@@ -50,7 +50,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def decode_operands(self, layer):
         w = layer.weight
         return (
-            (0, 0, 0, [w, None, None, None, None], None)
+            (0, 0, 0, [w, None, None, None, None, None, None], None)
             if w.dtype == torch.float32 and w.device.type == "cpu"
             else None
         )
