@@ -38,6 +38,7 @@ from tokenmill.spec_decode.drafter import DraftStep, make_drafter
 from tokenmill.worker import heartbeat
 from tokenmill.worker.cuda_graphs import capture_decode_graphs
 from tokenmill.worker.host_reads import HostReads
+from tokenmill.worker.offload import apply_offload
 from tokenmill.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class ModelRunner(PagedForward):
             # flushing them to zero changes nothing measurable and keeps every op at full speed
             torch.set_flush_denormal(True)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        # hybrid CPU-GPU: experts run on the host, layers streamed from it (CUDA only; the config refuses others)
+        self.streamed_layers = apply_offload(self.model, config.offload, self.device) if config.offload.active else None
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # speculative decoding: the one drafter (None without); seeded after it loaded, so that sampling
