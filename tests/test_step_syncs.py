@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_core, make_tiny_model
@@ -28,6 +29,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.layers.paged_forward import StepInputs
 from tokenmill.sampling_params import SamplingParams
 
 SHAPE_FROM_DATA = {
@@ -175,3 +177,17 @@ def test_the_counter_sees_a_new_read():
         "aten._local_scalar_dense.default",
         "Tensor.cpu",
     ]
+
+
+def test_step_inputs_fill_one_persistent_device_buffer():
+    """Off the CPU the step's inputs are slices of one buffer, kept from step to step and grown when a
+    step needs more (the meta device stands in for a GPU: no copy happens, the bookkeeping does)."""
+    inputs = StepInputs(torch.device("meta"))
+    inputs.reserve(8)
+    buffer = inputs.staged
+    ids, positions = inputs.upload([np.arange(3), np.arange(3)])
+    assert ids.device.type == "meta" and ids.shape == (3,) and positions.shape == (3,)
+    assert ids._base is buffer and positions._base is buffer  # views of it: no allocation per step
+    *_, slots = inputs.upload([np.arange(5), np.arange(5), np.arange(5)])
+    assert inputs.capacity == 16 and slots.shape == (5,)
+    assert StepInputs(torch.device("cpu")).upload([np.arange(2)])[0].tolist() == [0, 1]  # CPU: the array itself

@@ -107,26 +107,20 @@ class PagedForward:
 
 class StepInputs:
     """A step's int64 inputs (token ids, positions, every pool's slots) on the device. On CPU the host
-    arrays themselves (no copy is cheapest). On a GPU one persistent device buffer, filled each step from
-    one persistent pinned host buffer by one copy that does not block the host (a copy from pageable memory
-    would wait for the device's queue); both grow, rarely, when a step needs more (`reserve` sizes them
-    for the largest step up front). The host buffer is rewritten only once the previous step's copy has
-    left it (an event); the device buffer's readers are on the copy's stream, so they run before it."""
+    arrays themselves (no copy is cheapest). On a GPU one persistent device buffer (sized up front by
+    `reserve` for the largest step; grown, rarely, if a step needs more), filled by one copy per step from
+    pinned memory that does not block the host: a copy from pageable memory would wait for the device's
+    queue. The pinned block comes from torch's caching host allocator, which reuses a block only once its
+    copy is done, so the host never waits for an earlier step's copy (a drafter runs several forwards a
+    step). The buffer's readers are on the copy's stream: the next step's copy lands after them."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.capacity = device, 0
-        self.host = self.staged = self.copied = None
+        self.device, self.capacity, self.staged = device, 0, None
 
     def reserve(self, size: int) -> None:
-        if self.device.type == "cpu" or size <= self.capacity:
-            return
-        if self.copied is not None:
-            self.copied.synchronize()
-        pin = self.device.type == "cuda"
-        self.host = torch.empty(size, dtype=torch.int64, pin_memory=pin)  # host
-        self.staged = torch.empty(size, dtype=torch.int64, device=self.device)
-        self.copied = torch.cuda.Event() if pin else None
-        self.capacity = size
+        if self.device.type != "cpu" and size > self.capacity:
+            self.staged = torch.empty(size, dtype=torch.int64, device=self.device)
+            self.capacity = size
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         if self.device.type == "cpu":
@@ -136,10 +130,8 @@ class StepInputs:
         if total > self.capacity:
             logger.info("step inputs: %d values, more than the %d reserved; growing", total, self.capacity)
             self.reserve(max(total, 2 * self.capacity))
-        if self.copied is not None:
-            self.copied.synchronize()  # the previous step's copy is done with the host buffer
-        np.concatenate(arrays, out=self.host.numpy()[:total])
-        self.staged[:total].copy_(self.host[:total], non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        packed = torch.from_numpy(np.concatenate(arrays))
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        self.staged[:total].copy_(packed, non_blocking=True)
         return list(self.staged[:total].split(sizes))
