@@ -5,6 +5,7 @@ the same model without offload."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from helpers import all_logits, make_runner, make_tiny_model
 
 from tokenmill.config import OffloadConfig
-from tokenmill.engine_args import EngineArgs
+from tokenmill.engine_args import EngineArgs, add_engine_args
 from tokenmill.loader import load_model
 from tokenmill.worker.offload import (
     apply_offload,
@@ -59,6 +60,15 @@ def test_cpu_moe_plans_all_or_the_first_n_moe_layers():
 def test_offload_settings_are_refused_where_meaningless(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=None, **kwargs).create_engine_config()
+
+
+def test_the_flags_set_the_engine_arguments():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--cpu-offload-gb", "2.5", "--n-cpu-moe", "3"]))
+    assert (args.cpu_offload_gb, args.cpu_moe, args.n_cpu_moe) == (2.5, False, 3)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--cpu-moe"])).cpu_moe
+    assert "--cpu-offload-gb" in parser.format_help() and "--n-cpu-moe N" in parser.format_help()
 
 
 @pytest.fixture(scope="module")

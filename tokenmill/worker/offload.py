@@ -131,9 +131,9 @@ class StreamedLayers:
         for slot in slots:  # nothing valid until a layer's copy lands in it
             slot.fill_(0xFF)
         self.schedule, self.pending = prefetch_schedule(offloaded), {}
-        self.handles = [model.register_forward_pre_hook(lambda *_: self._start(None))]
+        model.register_forward_pre_hook(lambda *_: self._start(None))
         for i in offloaded:
-            self.handles.append(layers[i].register_forward_pre_hook(functools.partial(self._enter, i)))
+            layers[i].register_forward_pre_hook(functools.partial(self._enter, i))
         self.bytes = sum(t.nbytes for pairs in self.pairs.values() for t, _ in pairs)
         logger.info(
             "cpu offload: %.2f GiB of weights in host memory, decoder layers %s streamed through 2 slots of %.2f GiB",
