@@ -95,7 +95,7 @@ class ModelRunner(PagedForward):
         counters stay on the device; this reads them all in one copy."""
         if not self.moe_layers:
             return {}
-        counts = torch.stack([m.expert_tokens for m in self.moe_layers]).tolist()  # all on the device
+        counts = torch.stack([m.expert_tokens for m in self.moe_layers]).tolist()
         return {m.layer_index: c for m, c in zip(self.moe_layers, counts)}
 
     def warm_up(self) -> None:
