@@ -7,11 +7,13 @@
 (logits), then through the engine with CUDA graphs and with --enforce-eager: a ragged batch with chunked
 prefill and prefix hits against transformers' greedy continuations (float32: token for token), seeded
 sampling (the same tokens alone and in a batch), n-gram speculation with logprobs (the tokens and
-logprobs of the run without it).
+logprobs of the run without it; the host-device synchronizations of each of its steps, aiming at one),
+--cpu-offload-gb and --cpu-moe against the resident model (greedy tokens).
 (b) speed: an 8B-shaped Llama (Llama-3-8B's shapes, random bfloat16 weights built on the device; no
 download): batch-1 decode in ms per token against the bandwidth floor (weight bytes / the measured
 device copy bandwidth), and 64 concurrent requests of 512 prompt / 256 output tokens in output tokens
-per second, eager and with CUDA graphs.
+per second, eager and with CUDA graphs; batch-1 decode with a quarter of the weights streamed from the
+host (--cpu-offload-gb) against the time of its copies.
 (c) kernels (`gpu_kernels.py`): each fused / tuned Triton kernel against the torch or unfused path it
 replaces (error and both times); FlashAttention / FlashInfer against the Triton paged kernel where
 installed. On CPU only under TRITON_INTERPRET=1.
@@ -101,8 +103,8 @@ def tiny_hf_model(directory: Path):
     return model
 
 
-def engine(model, device: str, dtype: str, *, eager: bool, loaded=None, speculative=None, **scheduler):
-    from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+def engine(model, device: str, dtype: str, *, eager: bool, loaded=None, speculative=None, offload=None, **scheduler):
+    from tokenmill.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
     from tokenmill.engine.core import EngineCore
     from tokenmill.executor.uniproc import UniProcExecutor
 
@@ -114,14 +116,16 @@ def engine(model, device: str, dtype: str, *, eager: bool, loaded=None, speculat
         cache=CacheConfig(num_blocks=256, block_size=16),
         scheduler=SchedulerConfig(**scheduler),
         speculative=speculative,
+        offload=offload or OffloadConfig(),
     )
     executor = UniProcExecutor(config, loaded)
     executor.initialize_kv_cache()
     return EngineCore(config, executor, set())
 
 
-def run(core, prompts, params) -> tuple[dict, dict]:
-    """Run `prompts` to the end: their token ids and logprobs entries, in order."""
+def run(core, prompts, params, device: torch.device | None = None) -> tuple[dict, dict]:
+    """Run `prompts` to the end: their token ids and logprobs entries, in order. With a CUDA `device`, the
+    host-device synchronizations of every step are counted and reported (one per step is the aim)."""
     from tokenmill.engine.request import EngineCoreRequest
 
     params = params if isinstance(params, list) else [params] * len(prompts)
@@ -129,11 +133,30 @@ def run(core, prompts, params) -> tuple[dict, dict]:
     tokens, logprobs = {r: [] for r in ids}, {r: [] for r in ids}
     for r, p, sp in zip(ids, prompts, params):
         core.add_request(EngineCoreRequest(r, list(p), sp))
+    syncs = []
     while core.has_unfinished():
-        for o in core.step():
+        counted, outputs = counted_step(core, device is not None and device.type == "cuda")
+        syncs.append(counted)
+        for o in outputs:
             tokens[o.request_id].extend(o.new_token_ids)
             logprobs[o.request_id].extend(o.new_logprobs or [])
+    if device is not None and device.type == "cuda":
+        report("host-device synchronizations per step (speculative run)", "INFO", f"{syncs}")
     return [tokens[r] for r in ids], [logprobs[r] for r in ids]
+
+
+def counted_step(core, counting: bool) -> tuple[int, list]:
+    """One step, and the synchronizations torch's sync debug mode warned of in it (0 when not counting)."""
+    if not counting:
+        return 0, core.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            outputs = core.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught), outputs
 
 
 def check_logits(hf, path: Path, device: torch.device, dtype: str) -> None:
@@ -218,7 +241,7 @@ def check_engine(hf, path: Path, device: torch.device, eager: bool) -> None:
         max_num_batched_tokens=64,
         max_num_seqs=8,
     )
-    spec_tokens, spec_lp = run(spec, repetitive, with_lp)
+    spec_tokens, spec_lp = run(spec, repetitive, with_lp, device=device)
     worst = max(
         abs(a[t].logprob - b[t].logprob) for ra, rb in zip(plain_lp, spec_lp) for a, b in zip(ra, rb) for t in a
     )
@@ -229,6 +252,49 @@ def check_engine(hf, path: Path, device: torch.device, eager: bool) -> None:
     )
     for c in (core, spec):
         c.executor.close()
+
+
+def tiny_moe_model(directory: Path):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        initializer_range=0.05,
+    )
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().save_pretrained(directory)
+
+
+def check_hybrid(path: Path, device: torch.device) -> None:
+    """--cpu-offload-gb (every layer streamed) and --cpu-moe give the greedy tokens of the model without."""
+    from tokenmill.config import OffloadConfig
+    from tokenmill.sampling_params import SamplingParams
+
+    if device.type != "cuda":
+        report("hybrid CPU-GPU (--cpu-offload-gb, --cpu-moe)", "SKIP", "CUDA only")
+        return
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [(5 * i) % 251 + 1 for i in range(40)]]
+    moe = path / "moe"
+    tiny_moe_model(moe)
+    for name, model, offload in (
+        ("--cpu-offload-gb (every layer streamed)", path, OffloadConfig(cpu_offload_gb=1.0)),
+        ("--cpu-moe", moe, OffloadConfig(cpu_moe=True)),
+    ):
+        plain = engine(model, str(device), "float32", eager=True)
+        hybrid = engine(model, str(device), "float32", eager=True, offload=offload)
+        want, got = run(plain, prompts, greedy)[0], run(hybrid, prompts, greedy)[0]
+        report(f"{name} = resident", "PASS" if want == got else "FAIL", f"{got[0][:6]}... vs {want[0][:6]}...")
+        for c in (plain, hybrid):
+            c.executor.close()
 
 
 def correctness(args) -> None:
@@ -247,6 +313,7 @@ def correctness(args) -> None:
             check_logits(hf, path, device, dtype)
         for eager in (True, False) if device.type == "cuda" else (True,):
             check_engine(hf, path, device, eager)
+        check_hybrid(path, device)
 
 
 # ---- (b) speed -------------------------------------------------------------------------------------
@@ -286,8 +353,8 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def speed_engine(loaded, device: torch.device, eager: bool, dry: bool):
-    from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+def speed_engine(loaded, device: torch.device, eager: bool, dry: bool, offload=None):
+    from tokenmill.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
     from tokenmill.engine.core import EngineCore
     from tokenmill.executor.uniproc import UniProcExecutor
 
@@ -298,6 +365,7 @@ def speed_engine(loaded, device: torch.device, eager: bool, dry: bool):
         enforce_eager=eager,
         cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512 if dry else 8192, max_model_len=1024),
+        offload=offload or OffloadConfig(),
     )
     executor = UniProcExecutor(config, loaded)
     kv = executor.initialize_kv_cache()
@@ -310,18 +378,12 @@ def timed_steps(core, device, count_syncs: int = 0) -> list[float]:
     times, syncs = [], []
     while core.has_unfinished():
         counting = device.type == "cuda" and 0 < len(times) <= count_syncs
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if counting:
-                torch.cuda.set_sync_debug_mode("warn")
-            start = time.perf_counter()
-            core.step()
-            if counting:
-                torch.cuda.set_sync_debug_mode("default")
-            sync(device)
-            times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        counted, _ = counted_step(core, counting)
+        sync(device)
+        times.append(time.perf_counter() - start)
         if counting:
-            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+            syncs.append(counted)
     if syncs:
         report("host-device synchronizations per decode step", "INFO", f"{syncs} (the sampled ids' copy is one)")
     return times
@@ -353,6 +415,7 @@ def speed(args) -> None:
     decode_tokens, prompt_len, out_len, concurrent = (8, 32, 8, 8) if dry else (128, 512, 256, 64)
     rng = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
+    resident_ms = 0.0
     for eager in (True, False) if device.type == "cuda" else (True,):
         mode = "eager" if eager else "CUDA graphs"
         t0 = time.perf_counter()
@@ -365,6 +428,8 @@ def speed(args) -> None:
         )
         steps = timed_steps(core, device, count_syncs=3)
         ms = statistics.median(steps[1:]) * 1e3
+        if eager:
+            resident_ms = ms  # what the offloaded run (eager too) compares with
         report(
             f"batch-1 decode ({mode})",
             "INFO",
@@ -393,6 +458,48 @@ def speed(args) -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    offload_speed(loaded, device, weight_bytes, resident_ms)
+
+
+def host_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second from pinned host memory to the device."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    sync(device)
+    return 3 * nbytes / (time.perf_counter() - start)
+
+
+def offload_speed(loaded, device: torch.device, weight_bytes: int, resident_ms: float) -> None:
+    """Batch-1 decode with a quarter of the weights streamed from the host (--cpu-offload-gb), against the
+    resident run and the floor of the copies (offloaded bytes / pinned host-to-device bandwidth). It
+    moves the model's layers to the host for good: the last run of the speed section."""
+    from tokenmill.config import OffloadConfig
+    from tokenmill.engine.request import EngineCoreRequest
+    from tokenmill.sampling_params import SamplingParams
+
+    if device.type != "cuda":
+        report("batch-1 decode, --cpu-offload-gb", "SKIP", "CUDA only")
+        return
+    gib = weight_bytes / 4 / 2**30
+    core, _ = speed_engine(loaded, device, True, False, OffloadConfig(cpu_offload_gb=gib))
+    streamed = core.executor.runner.streamed_layers
+    copy_ms = streamed.bytes / host_bandwidth(device, 2**30) * 1e3
+    core.add_request(EngineCoreRequest("off", list(range(128)), SamplingParams(max_tokens=32, temperature=0)))
+    ms = statistics.median(timed_steps(core, device)[1:]) * 1e3
+    report(
+        f"batch-1 decode, --cpu-offload-gb {gib:.1f} (eager)",
+        "INFO",
+        f"{ms:.2f} ms/token vs {resident_ms:.2f} resident; copying {streamed.bytes / 2**30:.2f} GiB a token "
+        f"takes {copy_ms:.2f} ms at the measured pinned bandwidth",
+        ms_per_token=ms,
+        copy_floor_ms=copy_ms,
+    )
+    core.executor.close()
 
 
 def kernels(args) -> None:

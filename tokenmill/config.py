@@ -230,6 +230,31 @@ class SchedulerConfig:
         return None if self.max_model_len == "auto" else self.max_model_len
 
 
+@dataclass
+class OffloadConfig:
+    """Hybrid CPU-GPU inference on a CUDA device (`tokenmill.worker.offload`): `cpu_offload_gb` GiB of
+    decoder layers' weights kept in pinned host memory and streamed to the device ahead of use (vLLM's
+    --cpu-offload-gb); `cpu_moe` keeps every MoE layer's experts on the host, `n_cpu_moe` those of the
+    first N MoE layers, run there by the CPU expert code while attention and dense parts stay on the
+    device (llama.cpp's --cpu-moe / --n-cpu-moe)."""
+
+    cpu_offload_gb: float = 0.0
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cpu_offload_gb, (int, float)) or not 0 <= self.cpu_offload_gb < float("inf"):
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
+        if isinstance(self.n_cpu_moe, bool) or not isinstance(self.n_cpu_moe, int) or self.n_cpu_moe < 0:
+            raise ValueError(f"n_cpu_moe must be an integer >= 0, got {self.n_cpu_moe!r}")
+        if self.cpu_moe and self.n_cpu_moe:
+            raise ValueError("cpu_moe (every MoE layer's experts) and n_cpu_moe (the first N) exclude each other")
+
+    @property
+    def active(self) -> bool:
+        return self.cpu_offload_gb > 0 or self.cpu_moe or self.n_cpu_moe > 0
+
+
 SPECULATIVE_METHODS = ("ngram", "medusa", "draft_model", "eagle3", "mtp", "deepseek_mtp", "dflash", "dspark")
 SPECULATIVE_MODEL_METHODS = ("medusa", "draft_model", "eagle3", "dflash", "dspark")  # the methods that read `model`
 
@@ -457,9 +482,19 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (--kv-role); None: off
     lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora / --lora-modules); None: off
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # weights / experts kept on the host (CUDA)
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
+        if self.offload.active and device.type != "cuda":
+            raise ValueError(
+                "cpu_offload_gb, cpu_moe and n_cpu_moe keep weights in host memory beside a CUDA device; "
+                f"the device is {self.device}, where every weight is in host memory already"
+            )
+        if self.offload.active and self.parallel.world_size > 1:
+            raise ValueError(
+                "cpu_offload_gb, cpu_moe and n_cpu_moe run in one process: not with tensor or pipeline parallelism"
+            )
         if self.cache.gpu_memory_utilization is not None and device.type != "cuda":
             raise ValueError(f"gpu_memory_utilization sizes the KV cache on CUDA; the device is {self.device}")
         if self.cache.gpu_memory_utilization is not None and self.parallel.world_size > 1:

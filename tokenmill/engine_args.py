@@ -75,6 +75,9 @@ class EngineArgs:
     max_step_ms: float = 1000.0
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    cpu_offload_gb: float = 0.0
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "blake2b"
     kv_cache_dir: str | None = None
@@ -123,7 +126,14 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The validated configuration tree (ValueError naming the setting at fault)."""
-        from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig
+        from tokenmill.config import (
+            CacheConfig,
+            EngineConfig,
+            LoRAConfig,
+            OffloadConfig,
+            ParallelConfig,
+            SchedulerConfig,
+        )
 
         lora = None
         if self.enable_lora or self.lora_modules:
@@ -145,6 +155,7 @@ class EngineArgs:
             grammar_timeout=self.grammar_timeout,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
+            offload=OffloadConfig(self.cpu_offload_gb, self.cpu_moe, self.n_cpu_moe),
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_gib=_or(self.kv_cache_memory, defaults["kv_cache_memory"]),
@@ -342,6 +353,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "torch-sdpa, cpu-paged, triton-paged, or on CUDA with their package installed flash-attn "
         "(FlashAttention 2's paged varlen kernel; --block-size a multiple of 256) or flashinfer (its paged "
         "prefill/decode wrapper); both 16-bit KV caches only, eager steps (default: %(default)s)",
+    )
+    c.add_argument(
+        "--cpu-offload-gb",
+        type=float,
+        default=d.cpu_offload_gb,
+        help="CUDA: keep this many GiB of decoder layers' weights in pinned host memory and copy each "
+        "layer to the device ahead of its use (the next one streams while one runs): a model larger "
+        "than the GPU's memory runs, slower by the copy time; turns CUDA graphs off (default: %(default)s)",
+    )
+    c.add_argument(
+        "--cpu-moe",
+        action="store_true",
+        help="CUDA: keep every MoE layer's experts in host memory and run them on the CPU (attention and "
+        "dense layers stay on the GPU; each MoE layer's hidden states cross to the host and back) (default: off)",
+    )
+    c.add_argument(
+        "--n-cpu-moe",
+        type=int,
+        default=d.n_cpu_moe,
+        metavar="N",
+        help="CUDA: as --cpu-moe for the experts of the first N MoE layers only (default: %(default)s)",
     )
     c.add_argument(
         "--max-step-ms",

@@ -86,6 +86,12 @@ def select_experts(
     return weights * routing.scale if routing.scale != 1.0 else weights, ids
 
 
+def count_experts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of `ids` name each expert. Not `torch.bincount`: on CUDA it reads the largest id back to
+    size its output, a wait for the device in every MoE layer."""
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def grouped_experts(
     x: torch.Tensor, num_experts: int, run_experts, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
@@ -94,7 +100,7 @@ def grouped_experts(
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
     token_of = order // ids.shape[1]
-    out = run_experts(x.index_select(0, token_of), torch.bincount(flat, minlength=num_experts))
+    out = run_experts(x.index_select(0, token_of), count_experts(flat, num_experts))
     out.mul_(weights.flatten()[order].unsqueeze(1).to(out.dtype))
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
@@ -244,7 +250,10 @@ class FusedMoE(nn.Module):
         """The routed experts' output, plus `shared` (always-on experts: an MLP with `partial`) times
         `shared_scale` when given. Under tensor parallelism both partial sums share one all-reduce."""
         weights, ids = select_experts(router_logits, self.routing, correction_bias)
-        self.expert_tokens += torch.bincount(ids.flatten(), minlength=self.num_experts)
+        counts = count_experts(
+            ids.flatten(), self.num_experts
+        )  # experts on the host (--cpu-moe): counted on the device
+        self.expert_tokens += counts.to(self.expert_tokens.device, non_blocking=True)
         split = parallel_state.tp_size() > 1 and not self.expert_parallel
         if self.expert_parallel:
             out = expert_parallel.dispatch_and_combine(x, weights, ids, self.experts, self.run_experts)

@@ -35,6 +35,7 @@ class PagedForward:
         self.kv_caches: list[torch.Tensor] = []  # one tensor per KV-cache group: [layers, *backend shape]
         self.kv_scales: list[torch.Tensor | None] = []  # per group, quantized caches: [layers, *shape[:-1]]
         self.decode_graphs = None  # captured decode steps (`worker/cuda_graphs.py`), over these caches
+        self.inputs = StepInputs(device)
 
     def kv_cache_specs(self) -> dict[str, AttentionSpec]:
         return {name: layer.kv_spec(self.cache_dtype) for name, layer in self.attention_layers.items()}
@@ -95,9 +96,7 @@ class PagedForward:
             for pool in range(len(self.kv_cache_config.pool_blocks))
         ]
         (common, positions), commons = commons[0], [c for c, _ in commons]
-        ids, positions, *slots = to_device(
-            [input_ids, positions, *(c.slot_mapping.numpy() for c in commons)], self.device
-        )
+        ids, positions, *slots = self.inputs.upload([input_ids, positions, *(c.slot_mapping.numpy() for c in commons)])
         for c, slot_mapping in zip(commons, slots):
             c.slot_mapping, c.device = slot_mapping, self.device
         # one backend metadata per (pool, sliding window): each group's layers read theirs
@@ -111,10 +110,33 @@ class PagedForward:
         return (hidden if split is None else split.gather(hidden)), common
 
 
-def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 arrays as tensors on `device`: on CPU the arrays themselves; else one copy of them packed in a
-    pinned buffer, without blocking (the host goes on while it travels), sliced on the device."""
-    if device.type == "cpu":
-        return [torch.from_numpy(a) for a in arrays]
-    packed = torch.from_numpy(np.concatenate(arrays)).pin_memory().to(device, non_blocking=True)
-    return list(packed.split([len(a) for a in arrays]))
+class StepInputs:
+    """A step's int64 inputs (token ids, positions, every pool's slots) on the device. On CPU the host
+    arrays themselves (no copy is cheapest). On a GPU one persistent device buffer (sized up front by
+    `reserve` for the largest step; grown, rarely, if a step needs more), filled by one copy per step from
+    pinned memory that does not block the host: a copy from pageable memory would wait for the device's
+    queue. The pinned block comes from torch's caching host allocator, which reuses a block only once its
+    copy is done, so the host never waits for an earlier step's copy (a drafter runs several forwards a
+    step). The buffer's readers are on the copy's stream: the next step's copy lands after them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.capacity, self.staged = device, 0, None
+
+    def reserve(self, size: int) -> None:
+        if self.device.type != "cpu" and size > self.capacity:
+            self.staged = torch.empty(size, dtype=torch.int64, device=self.device)
+            self.capacity = size
+
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        if self.device.type == "cpu":
+            return [torch.from_numpy(a) for a in arrays]
+        sizes = [len(a) for a in arrays]
+        total = sum(sizes)
+        if total > self.capacity:
+            logger.info("step inputs: %d values, more than the %d reserved; growing", total, self.capacity)
+            self.reserve(max(total, 2 * self.capacity))
+        packed = torch.from_numpy(np.concatenate(arrays))
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        self.staged[:total].copy_(packed, non_blocking=True)
+        return list(self.staged[:total].split(sizes))

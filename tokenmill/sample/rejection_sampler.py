@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.sample.sampler import apply_min_p, apply_top_k_top_p, random_sample, row_argmax
+from tokenmill.sample.sampler import apply_min_p, apply_top_k_top_p, row_argmax
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -34,6 +34,44 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+def verify_on_device(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification of k drafts with no read of the device, so that the step reads it once at its end.
+    logits [k + 1, V] (float) at the positions after the last accepted token and each draft; `drafts`
+    [k] long on the logits' device; `draft_probs` [k, V]: the distribution each draft was drawn from
+    (None: point masses). Returns (tokens [k + 1], accepted [] long): the request advances by
+    tokens[: accepted + 1] — row i's token is its draft while every draft up to it is accepted, else the
+    row's own draw (after a rejection, from the residual; after the last draft, the bonus token).
+
+    Every row's accept test and residual draw is made at once: a row after the first rejection draws
+    numbers it never uses, which changes no emitted token's distribution (draws are independent)."""
+    if params.greedy:
+        target = row_argmax(logits)
+        return target, (drafts == target[:-1]).cumprod(0).sum()
+    probs = target_probs(logits, params)
+    k = drafts.shape[0]
+    u = torch.rand(k, generator=generator, device=probs.device)
+    p = probs[:k].gather(1, drafts.unsqueeze(1)).squeeze(1)
+    if draft_probs is None:  # u < p(d): accepted; else the residual is p without d
+        accept = u < p
+        residual = probs[:k].scatter(1, drafts.unsqueeze(1), 0.0)
+    else:  # u < p(d) / q(d); else the residual max(p - q, 0), or p where p == q up to rounding
+        accept = u * draft_probs.gather(1, drafts.unsqueeze(1)).squeeze(1) < p
+        residual = (probs[:k] - draft_probs).clamp_(min=0.0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs[:k])
+    # one draw per row by the exponential race (as `random_sample`), all rows from the request's generator
+    race = torch.cat([residual, probs[k:]])
+    noise = torch.empty_like(race).exponential_(generator=generator).clamp_(min=torch.finfo(race.dtype).tiny)
+    draws = row_argmax(race.div_(noise))
+    accepted = accept.long().cumprod(0)  # 1 while every draft so far is accepted
+    return torch.cat([torch.where(accepted.bool(), drafts, draws[:k]), draws[k:]]), accepted.sum()
+
+
 def verify(
     logits: torch.Tensor,
     drafts: list[int],
@@ -41,30 +79,8 @@ def verify(
     generator: torch.Generator | None,
     draft_probs: torch.Tensor | None = None,
 ) -> list[int]:
-    """logits [k + 1, V] (float) at the positions after the last accepted token and each draft ->
-    the tokens the request advances by: the accepted drafts, then one token of the target's own.
-    `draft_probs` [k, V]: the distribution each draft was drawn from (None: point masses)."""
-    if params.greedy:
-        target = row_argmax(logits).tolist()
-        n = 0
-        while n < len(drafts) and drafts[n] == target[n]:
-            n += 1
-        return drafts[:n] + [target[n]]
-    probs = target_probs(logits, params)
-    accepted: list[int] = []
-    generators = {0: generator} if generator is not None else {}
-    for i, token in enumerate(drafts):
-        u = torch.rand((), generator=generator, device=probs.device)
-        q = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        if u * q < probs[i, token]:  # u < p / q
-            accepted.append(token)
-            continue
-        if draft_probs is None:
-            residual = probs[i : i + 1].clone()
-            residual[0, token] = 0.0
-        else:
-            residual = (probs[i : i + 1] - draft_probs[i : i + 1]).clamp_(min=0.0)
-            if not residual.sum() > 0:  # p == q up to rounding: a rejection had probability ~0
-                residual = probs[i : i + 1].clone()
-        return accepted + random_sample(residual, generators).tolist()
-    return accepted + random_sample(probs[-1:].clone(), generators).tolist()
+    """`verify_on_device` for one request, read back: the accepted drafts, then one token of the target's own."""
+    tokens, accepted = verify_on_device(
+        logits, torch.tensor(drafts, dtype=torch.long, device=logits.device), params, generator, draft_probs
+    )
+    return tokens.tolist()[: int(accepted) + 1]

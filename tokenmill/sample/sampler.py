@@ -17,13 +17,25 @@ import torch
 from tokenmill.sampling_params import SamplingParams
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory without blocking: a copy from pageable
+    memory waits for the device to finish its queue first, a sync in the middle of the step."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return upload(torch.tensor(values, dtype=dtype), device)  # host
+
+
 def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
     """Right-pad ragged int lists into one ``[B, L]`` long tensor (L >= 1)."""
     width = max(1, max((len(r) for r in rows), default=0))
     out = np.full((len(rows), width), fill, dtype=np.int64)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
-    return torch.from_numpy(out).to(device, non_blocking=True)
+    return upload(torch.from_numpy(out), device)
 
 
 @dataclass
@@ -76,7 +88,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingMetadata:
-        """Gather the batch's parameters into tensors (one host->device copy each)."""
+        """Gather the batch's parameters into tensors (one non-blocking host->device copy each)."""
         device = torch.device(device)
         B, V = len(params), vocab_size
         generators = generators or [None] * B
@@ -84,7 +96,7 @@ class SamplingMetadata:
             eos_token_ids = [eos_token_ids or set()] * B
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return _values(values, torch.float32, device)
 
         greedy = [p.greedy for p in params]
         all_greedy, all_random = all(greedy), not any(greedy)
@@ -92,12 +104,12 @@ class SamplingMetadata:
         if not all_greedy:
             temperature = floats([1.0 if g else p.temperature for p, g in zip(params, greedy)])
             if not all_random:
-                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+                greedy_mask = _values(greedy, torch.bool, device)
             # Greedy rows never reach the filters, so only random rows can turn them on.
             rand = [p for p, g in zip(params, greedy) if not g]
             if any(0 < p.top_k < V for p in rand):
                 ks = [p.top_k if 0 < p.top_k < V else V for p in params]
-                top_k = torch.tensor(ks, dtype=torch.long, device=device)
+                top_k = _values(ks, torch.long, device)
             if any(p.top_p < 1.0 for p in rand):
                 top_p = floats([p.top_p for p in params])
             if any(p.min_p > 0.0 for p in rand):
@@ -126,10 +138,7 @@ class SamplingMetadata:
                 cols += blocked
         min_tokens_index = None
         if rows:
-            min_tokens_index = (
-                torch.tensor(rows, dtype=torch.long, device=device),
-                torch.tensor(cols, dtype=torch.long, device=device),
-            )
+            min_tokens_index = (_values(rows, torch.long, device), _values(cols, torch.long, device))
 
         bias_rows, bias_cols, biases = [], [], []
         for i, p in enumerate(params):
@@ -141,10 +150,7 @@ class SamplingMetadata:
         logit_bias = None
         if bias_rows:
             logit_bias = (
-                (
-                    torch.tensor(bias_rows, dtype=torch.long, device=device),
-                    torch.tensor(bias_cols, dtype=torch.long, device=device),
-                ),
+                (_values(bias_rows, torch.long, device), _values(bias_cols, torch.long, device)),
                 floats(biases),
             )
 
@@ -259,8 +265,8 @@ class Sampler:
         masked), the allowed-token mask, logit bias, penalties. Does not modify ``logits``."""
         logits = logits.float()  # no copy if already float32, so never modify in place
         if meta.min_tokens_index is not None:
-            neg_inf = torch.tensor(float("-inf"), device=logits.device)
-            logits = logits.index_put(meta.min_tokens_index, neg_inf)
+            logits = logits.clone()
+            logits[meta.min_tokens_index] = float("-inf")  # a scalar: filled on the device, no copy
         if allowed_token_mask is not None:
             if allowed_token_rows is None:
                 logits = logits.masked_fill(~allowed_token_mask, float("-inf"))

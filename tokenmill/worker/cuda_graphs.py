@@ -180,6 +180,7 @@ def capture_decode_graphs(runner, config) -> DecodeGraphs | None:
     if (
         runner.device.type != "cuda"
         or config.enforce_eager
+        or config.offload.active  # host work in the step: experts on the CPU, layers' copies timed by hooks
         or config.parallel.world_size > 1
         or runner.backend.name != "triton-paged"
         or any(is_quantized(g.spec.dtype) for g in runner.kv_cache_config.groups)

@@ -12,6 +12,7 @@ of its own uses too."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -30,12 +31,14 @@ from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.paged_forward import PagedForward
 from tokenmill.loader import LoadedModel
 from tokenmill.lora.manager import LoRAManager
-from tokenmill.sample.rejection_sampler import verify
-from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
+from tokenmill.sample.rejection_sampler import verify_on_device
+from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs, upload
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.drafter import DraftStep, make_drafter
 from tokenmill.worker import heartbeat
 from tokenmill.worker.cuda_graphs import capture_decode_graphs
+from tokenmill.worker.host_reads import HostReads
+from tokenmill.worker.offload import apply_offload
 from tokenmill.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ class ModelRunner(PagedForward):
             # flushing them to zero changes nothing measurable and keeps every op at full speed
             torch.set_flush_denormal(True)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        # hybrid CPU-GPU: experts run on the host, layers streamed from it (CUDA only; the config refuses others)
+        self.streamed_layers = apply_offload(self.model, config.offload, self.device) if config.offload.active else None
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # speculative decoding: the one drafter (None without); seeded after it loaded, so that sampling
@@ -72,6 +77,8 @@ class ModelRunner(PagedForward):
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         super().initialize_kv_cache(config)
+        # the largest step's ids, positions and slots of every pool, in the persistent input buffers
+        self.inputs.reserve(self.config.scheduler.max_num_batched_tokens * (2 + len(config.pool_blocks)))
         logger.info(
             "KV cache: %s blocks of %d tokens = %d tokens (%.2f GiB, %s: %d bytes and %d tokens per GiB, attention %s)",
             " + ".join(map(str, config.pool_blocks)),
@@ -147,18 +154,18 @@ class ModelRunner(PagedForward):
         )
         if isinstance(hidden, IntermediateTensors):
             return hidden
-        result = ModelRunnerOutput()
-        self._prompt_logprobs(result, hidden, common, states)
-        self._pool(result, hidden, common, states)
+        result, reads = ModelRunnerOutput(), HostReads()  # every value the host needs: one read at the end
+        self._prompt_logprobs(result, hidden, common, states, reads)
+        self._pool(result, hidden, common, states, reads)
         rows = [
             i
             for i, (r, s, n) in enumerate(zip(req_ids, states, num_new))
             if s.samples_after(int(n)) and r not in drafts
         ]
         if rows:
-            last = torch.from_numpy(common.query_start_loc[1:][rows] - 1).to(self.device)
+            last = upload(torch.from_numpy(common.query_start_loc[1:][rows] - 1), self.device)
             logits = self.model.compute_logits(hidden[last]).float()
-            self._sample(result, logits, [states[i] for i in rows], sched.grammar)
+            self._sample(result, logits, [states[i] for i in rows], sched.grammar, reads)
         last_rows = {states[i].request_id: int(common.query_start_loc[i + 1]) - 1 for i in rows}
         for i, r in enumerate(req_ids):
             if r in drafts:  # logits after its last token and after each draft
@@ -167,23 +174,21 @@ class ModelRunner(PagedForward):
                 masked = sched.grammar is not None and r in sched.grammar.verify_rows
                 if masked:  # each position's grammar mask
                     self._apply_verify_grammar(logits, sched.grammar, r)
-                tokens = verify(
+                tokens, accepted = verify_on_device(
                     self._process_for_verify(logits, states[i], drafts[r], masked),
-                    drafts[r],
+                    upload(torch.tensor(drafts[r], dtype=torch.long), self.device),  # host
                     states[i].params,
                     states[i].generator,
                     states[i].take_draft_probs(drafts[r]),
                 )
-                states[i].output_token_ids.extend(tokens)
-                result.sampled_token_ids[r] = tokens
-                if (num := states[i].params.logprobs) is not None:  # each emitted token's, from its own row
-                    ids, values, ranks = compute_logprobs(
-                        logits[: len(tokens)], torch.tensor(tokens, device=logits.device), max(num, 1)
-                    )
-                    result.logprobs[r] = logprob_dicts(
-                        ids.tolist(), values.tolist(), ranks.tolist(), [num] * len(tokens)
-                    )
-                last_rows[r] = end - len(drafts[r]) - 2 + len(tokens)  # the row its last token came from
+                num = states[i].params.logprobs  # each emitted token's, from its own row
+                logprobs = [] if num is None else compute_logprobs(logits, tokens, max(num, 1))
+                first_row = end - len(drafts[r]) - 1
+                reads.add(
+                    [tokens, accepted, *logprobs],
+                    functools.partial(self._verified, result, states[i], num, last_rows, first_row),
+                )
+        reads.read()
         if self.drafter is not None:
             start = time.perf_counter()
             result.draft_token_ids = self.drafter.propose(
@@ -202,6 +207,26 @@ class ModelRunner(PagedForward):
         for state in states:
             state.step_done()
         return result
+
+    @staticmethod
+    def _verified(
+        result: ModelRunnerOutput,
+        state: CachedRequestState,
+        num: int | None,
+        last_rows: dict[str, int],
+        first_row: int,
+        tokens: list[int],
+        accepted: int,
+        *logprobs: list,
+    ) -> None:
+        """A speculating request's verified rows, read: it advances by its accepted drafts and one token."""
+        tokens = tokens[: accepted + 1]
+        state.output_token_ids.extend(tokens)
+        result.sampled_token_ids[state.request_id] = tokens
+        if num is not None:
+            ids, values, ranks = (part[: len(tokens)] for part in logprobs)
+            result.logprobs[state.request_id] = logprob_dicts(ids, values, ranks, [num] * len(tokens))
+        last_rows[state.request_id] = first_row + len(tokens) - 1  # the row its last token came from
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         if WARM_UP_ID in sched.finished_request_ids:  # every pipeline stage sees it: no stage counts warm-up
@@ -241,6 +266,7 @@ class ModelRunner(PagedForward):
         hidden: torch.Tensor,
         common: CommonAttentionMetadata,
         states: list[CachedRequestState],
+        reads: HostReads,
     ) -> None:
         """Embedding requests: the final hidden state of the last prompt token, or the mean over the
         prompt (summed chunk by chunk; a request that starts over after preemption starts the sum over),
@@ -254,9 +280,12 @@ class ModelRunner(PagedForward):
                 chunk = hidden[start:end].float().sum(0)
                 s.pool_sum = chunk if s.num_computed_tokens == 0 else s.pool_sum + chunk
                 if done:
-                    result.pooled[s.request_id] = (s.pool_sum / len(s.prompt_token_ids)).tolist()
+                    reads.add(
+                        [s.pool_sum / len(s.prompt_token_ids)],
+                        functools.partial(result.pooled.__setitem__, s.request_id),
+                    )
             elif done:
-                result.pooled[s.request_id] = hidden[end - 1].float().tolist()
+                reads.add([hidden[end - 1].float()], functools.partial(result.pooled.__setitem__, s.request_id))
 
     def _prompt_logprobs(
         self,
@@ -264,6 +293,7 @@ class ModelRunner(PagedForward):
         hidden: torch.Tensor,
         common: CommonAttentionMetadata,
         states: list[CachedRequestState],
+        reads: HostReads,
     ) -> None:
         """For requests that asked: the logprob of each prompt token this step's chunk predicts (the
         token after each position, up to the last prompt token), with the top-N, from raw logits."""
@@ -282,19 +312,18 @@ class ModelRunner(PagedForward):
             s.prompt_logprobs_from = end
         if not rows:
             return
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        rows, targets = (upload(torch.tensor(v, dtype=torch.long), self.device) for v in (rows, targets))  # host
+        logits = self.model.compute_logits(hidden[rows])
         num = max(s.params.prompt_logprobs for s, _, _ in spans)
-        ids, values, ranks = compute_logprobs(logits, torch.tensor(targets, device=self.device), max(num, 1))
-        entries = logprob_dicts(
-            ids.tolist(),
-            values.tolist(),
-            ranks.tolist(),
-            [s.params.prompt_logprobs for s, a, b in spans for _ in range(b - a)],
-        )
-        k = 0
-        for s, start, end in spans:
-            result.prompt_logprobs[s.request_id] = (start + 1, entries[k : k + end - start])
-            k += end - start
+
+        def use(ids: list, values: list, ranks: list) -> None:
+            nums = [s.params.prompt_logprobs for s, a, b in spans for _ in range(b - a)]
+            entries, k = logprob_dicts(ids, values, ranks, nums), 0
+            for s, start, end in spans:
+                result.prompt_logprobs[s.request_id] = (start + 1, entries[k : k + end - start])
+                k += end - start
+
+        reads.add(list(compute_logprobs(logits, targets, max(num, 1))), use)
 
     def _sample(
         self,
@@ -302,6 +331,7 @@ class ModelRunner(PagedForward):
         logits: torch.Tensor,
         states: list[CachedRequestState],
         grammar: GrammarBitmask | None,
+        reads: HostReads,
     ) -> None:
         params = [s.params for s in states]
         if grammar is not None and grammar.request_ids:
@@ -320,20 +350,23 @@ class ModelRunner(PagedForward):
             device=logits.device,
         )
         out = self.sampler(logits, meta)
-        token_ids = out.sampled_token_ids.tolist()
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = logprob_dicts(
-                out.logprobs_token_ids.tolist(),
-                out.logprobs.tolist(),
-                out.sampled_rank.tolist(),
-                [p.logprobs for p in params],
-            )
-        for i, (state, token) in enumerate(zip(states, token_ids)):
+        logprobs = [] if out.logprobs is None else [out.logprobs_token_ids, out.logprobs, out.sampled_rank]
+        reads.add(
+            [out.sampled_token_ids, *logprobs],
+            functools.partial(self._sampled, result, states, [p.logprobs for p in params]),
+        )
+
+    @staticmethod
+    def _sampled(
+        result: ModelRunnerOutput, states: list[CachedRequestState], nums: list[int | None], token_ids, *logprobs
+    ) -> None:
+        """The sampled rows, read: each request's token (and logprobs, for those that asked)."""
+        entries = logprob_dicts(*logprobs, nums) if logprobs else [None] * len(states)
+        for state, token, entry in zip(states, token_ids, entries):
             state.output_token_ids.append(token)
             result.sampled_token_ids[state.request_id] = [token]
-            if logprobs is not None and logprobs[i] is not None:
-                result.logprobs[state.request_id] = [logprobs[i]]
+            if entry is not None:
+                result.logprobs[state.request_id] = [entry]
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, states: list[CachedRequestState], grammar: GrammarBitmask) -> None:

@@ -1,0 +1,107 @@
+"""Hybrid CPU-GPU placement (`worker/offload.py`), checked without a GPU: the plans and the prefetch
+schedule as pure functions, the flags refused off CUDA, and the streaming itself on a CPU "device" (host
+copies streamed into slot buffers that start as NaN, so a layer run before its copy landed shows) against
+the same model without offload."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+from helpers import all_logits, make_runner, make_tiny_model
+
+from tokenmill.config import OffloadConfig
+from tokenmill.engine_args import EngineArgs, add_engine_args
+from tokenmill.loader import load_model
+from tokenmill.worker.offload import (
+    apply_offload,
+    kept_tensors,
+    layer_tensors,
+    plan_cpu_moe,
+    plan_weight_offload,
+    prefetch_schedule,
+)
+
+CPU = torch.device("cpu")
+
+
+def test_offloaded_layers_are_spread_and_fit_the_budget():
+    assert plan_weight_offload([10] * 8, 20) == [2, 6]  # a kept layer runs while the next one streams
+    assert plan_weight_offload([10] * 8, 29) == [2, 6]
+    assert plan_weight_offload([10] * 8, 80) == list(range(8))
+    assert plan_weight_offload([10] * 8, 9) == []  # not one whole layer
+    assert plan_weight_offload([10, 50, 10, 10], 30) == [0, 2, 3]  # the most layers of a spread that fits
+    assert plan_weight_offload([10, 50, 10, 10], 25) == [2]  # one layer: the middle one
+    assert prefetch_schedule([2, 6]) == {None: 2, 2: 6}
+    assert prefetch_schedule([0, 2, 3]) == {None: 0, 0: 2, 2: 3}
+    assert prefetch_schedule([]) == {}
+
+
+def test_cpu_moe_plans_all_or_the_first_n_moe_layers():
+    assert plan_cpu_moe([5, 1, 3], cpu_moe=True, n_cpu_moe=0) == [1, 3, 5]
+    assert plan_cpu_moe([5, 1, 3], cpu_moe=False, n_cpu_moe=2) == [1, 3]
+    assert plan_cpu_moe([5, 1, 3], cpu_moe=False, n_cpu_moe=9) == [1, 3, 5]
+    assert plan_cpu_moe([5, 1, 3], cpu_moe=False, n_cpu_moe=0) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(cpu_offload_gb=4), "CUDA device"),
+        (dict(cpu_moe=True), "CUDA device"),
+        (dict(n_cpu_moe=2), "CUDA device"),
+        (dict(cpu_offload_gb=-1), "cpu_offload_gb must be"),
+        (dict(n_cpu_moe=-1), "n_cpu_moe must be"),
+        (dict(cpu_moe=True, n_cpu_moe=2), "exclude each other"),
+    ],
+)
+def test_offload_settings_are_refused_where_meaningless(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=None, **kwargs).create_engine_config()
+
+
+def test_the_flags_set_the_engine_arguments():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--cpu-offload-gb", "2.5", "--n-cpu-moe", "3"]))
+    assert (args.cpu_offload_gb, args.cpu_moe, args.n_cpu_moe) == (2.5, False, 3)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--cpu-moe"])).cpu_moe
+    assert "--cpu-offload-gb" in parser.format_help() and "--n-cpu-moe N" in parser.format_help()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama4")
+    make_tiny_model("llama-gqa-untied", directory, num_hidden_layers=4)
+    return str(directory)
+
+
+def test_streamed_layers_give_the_model_s_logits(llama):
+    runner = make_runner(load_model(llama, dtype="float32"))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
+    expected = [all_logits(runner, p) for p in prompts]
+    layers = list(runner.model.model.layers)
+    size = sum(t.nbytes for t in layer_tensors(layers[0], kept_tensors(runner.model, [])))
+    streamed = apply_offload(runner.model, OffloadConfig(cpu_offload_gb=3.5 * size / 2**30), CPU)
+    assert sorted(streamed.pairs) == [0, 2, 3]  # three layers fit, spread; two slots between them
+    weight = layers[2].self_attn.qkv_proj.weight
+    assert weight.isnan().all()  # not resident: only its copy before the layer runs fills it
+    for prompt, logits in zip(prompts, expected):  # twice: the slots are reused from step to step
+        torch.testing.assert_close(all_logits(runner, prompt), logits, rtol=0, atol=0)
+    assert math.isclose(streamed.bytes, 3 * size)
+
+
+def test_experts_on_the_host_give_the_model_s_logits(tmp_path):
+    make_tiny_model("mixtral", tmp_path)
+    runner = make_runner(load_model(str(tmp_path), dtype="float32"))
+    prompt = [5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    expected = all_logits(runner, prompt)
+    before = runner.expert_load()
+    apply_offload(runner.model, OffloadConfig(n_cpu_moe=1), CPU)
+    first, second = sorted(runner.moe_layers, key=lambda m: m.layer_index)
+    assert "forward" in vars(first) and "forward" not in vars(second)  # only the first layer's experts
+    torch.testing.assert_close(all_logits(runner, prompt), expected, rtol=0, atol=0)
+    after = runner.expert_load()
+    assert all(sum(after[i]) == 2 * sum(before[i]) for i in after)  # counted on the device as before
