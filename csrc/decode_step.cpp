@@ -35,7 +35,7 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x, const torch::Tenso
   } else {
     out = torch::empty({x.size(0), l.w.size(0)}, x.options());
     const int64_t block = l.w.size(1) * (l.bits == 8 ? 1 : 2) / l.scales.size(1);
-    if (l.kind == 2 && l.panel_codes.numel() && x.size(0) > 1) {  // as BlockQuantLinearMethod.apply
+    if (l.kind == 2 && l.panel_codes.numel()) {  // as BlockQuantLinearMethod.apply
       const int64_t span = l.scales.scalar_type() == at::kChar && l.supers.numel() ? 256 : 32;  // activation_span
       block_quant_matmul_q8_panels(x, l.panel_codes, l.panel_scales, l.bits, span, out);
     } else {

@@ -153,7 +153,8 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
     """gguf-q8 repacks 4-, 5- and 8-bit weights once loaded into panels of eight interleaved rows; multi-row steps
     run on them (the same rounding as `q8_reference`, within the blocks' kernel's tolerance: N and M
     not multiples of the panel's 8 rows nor the tile's, more rows than one pass's block of 64), one-row
-    steps still on the blocks; other layouts and the exact mode keep no panels."""
+    steps too, and each row's result is the same bits whatever else shares its step (so a request's
+    tokens do not depend on its batch); other layouts and the exact mode keep no panels."""
     rng = np.random.default_rng(3)
     rows, cols = 83, 512 if qtype.endswith("_K") else 480
     weight, ref = random_gguf_tensor(qtype, rows, cols, rng)
@@ -169,12 +170,11 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
         assert layer.panels.codes.shape == (11, cols // 32, code_bytes)
         assert layer.panels.scales.shape == (11, cols // 32, 2, 8)
         blocks = layer.quant_method.blocks(layer)
-        x = torch.randn(1, cols)
-        assert torch.equal(layer(x), block_quant.matmul_q8(x, blocks))
-        for m in (2, 5, 8, 9, 70):  # within fused_max_tokens (8 bits: 128)
+        for m in (1, 2, 5, 8, 9, 70):  # within fused_max_tokens (8 bits: 128)
             x = torch.randn(m, cols)
             out = layer(x)
             assert torch.equal(out, block_quant.matmul_q8_panels(x, layer.panels))
+            assert all(torch.equal(out[i : i + 1], layer(x[i : i + 1])) for i in range(m))
             want = q8_reference(x, ref, blocks.activation_span)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 

@@ -292,9 +292,11 @@ class BlockQuantLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer):
         """Under int8 activations, weights of 4-, 5- and 8-bit codes in blocks of 32 are also repacked
-        into panels for multi-row steps (`block_quant.repack_panels`, which `decode_operands` passes on too);
-        one-row steps and steps past `fused_max_tokens` read the blocks. The copy holds 0.75 bytes a
-        weight (4-bit codes) or 1.25 (5, 8 bits); $TOKENMILL_INT8_PANELS=0 keeps only the blocks."""
+        into panels (`block_quant.repack_panels`, which `decode_operands` passes on too) for every step up to
+        `fused_max_tokens` rows, one-row steps included: a row's result on the panels does not depend on how
+        many rows share its step, so a request's tokens do not depend on its batch (the blocks' one-row and
+        multi-row kernels round differently). Steps past `fused_max_tokens` read the blocks. The copy holds
+        0.75 bytes a weight (4-bit codes) or 1.25 (5, 8 bits); $TOKENMILL_INT8_PANELS=0 keeps only the blocks."""
         wanted = self.int8_activations and os.environ.get("TOKENMILL_INT8_PANELS", "1") != "0"
         layer.panels = block_quant.repack_panels(self.blocks(layer)) if wanted else None
 
@@ -310,7 +312,7 @@ class BlockQuantLinearMethod(LinearMethod):
             out = triton_block.matmul(flat, w)
         elif self.fused_max_tokens is None or flat.shape[0] <= self.fused_max_tokens:
             panels = getattr(layer, "panels", None)  # set by process_after_loading
-            if flat.shape[0] > 1 and panels is not None:
+            if panels is not None:
                 out = block_quant.matmul_q8_panels(flat, panels)
             else:
                 out = (block_quant.matmul_q8 if self.int8_activations else block_quant.matmul)(flat, w)
