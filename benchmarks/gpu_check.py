@@ -84,20 +84,24 @@ def sync(device: torch.device) -> None:
 # ---- (a) correctness -------------------------------------------------------------------------------
 
 
-def tiny_hf_model(directory: Path):
+TINY_SHAPE = dict(  # the tiny models' shape, dense and MoE
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.05,
+)
+
+
+def tiny_hf_model(directory: Path, config_class: str = "LlamaConfig", **extra):
+    """A random tiny model of `config_class` (+ `extra` fields), written to `directory`."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.05,
-    )
+    config = getattr(transformers, config_class)(**TINY_SHAPE, **extra)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)
     return model
@@ -255,22 +259,7 @@ def check_engine(hf, path: Path, device: torch.device, eager: bool) -> None:
 
 
 def tiny_moe_model(directory: Path):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=1024,
-        initializer_range=0.05,
-    )
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().save_pretrained(directory)
+    tiny_hf_model(directory, "MixtralConfig", num_local_experts=4, num_experts_per_tok=2)
 
 
 def check_hybrid(path: Path, device: torch.device) -> None:

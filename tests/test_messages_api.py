@@ -15,20 +15,13 @@ import json
 import httpx
 import jsonschema
 import pytest
+from test_server_utils import ADD_ARGUMENTS as ADD
 from test_server_utils import TINY_CHAT_KEY, model_available, wait_pool_whole
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
 
 MODEL = "tiny"
 KEY = TINY_CHAT_KEY
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-        "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
-    },
-    "required": ["a", "b"],
-}
 TOOLS = [{"name": "add", "description": "Add two integers", "input_schema": ADD}]
 ASK = [{"role": "user", "content": "What is 2 + 3?"}]
 THINK = {"type": "enabled", "budget_tokens": 3}

@@ -16,19 +16,12 @@ import json
 import httpx
 import jsonschema
 import pytest
+from test_server_utils import ADD_ARGUMENTS as ADD
 from test_server_utils import TINY_CHAT_KEY, model_available, wait_pool_whole
 
 pytestmark = pytest.mark.skipif(not model_available(), reason="the default model's tokenizer is not installed")
 
 MODEL = "tiny"
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-        "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
-    },
-    "required": ["a", "b"],
-}
 TOOLS = [{"type": "function", "name": "add", "description": "Add two integers", "parameters": ADD}]
 ASK = "What is 2 + 3?"
 AUTH = {"Authorization": f"Bearer {TINY_CHAT_KEY}"}

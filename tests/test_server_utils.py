@@ -119,6 +119,15 @@ def running_server(tmp_path_factory, name: str, *args: str):
 
 
 TINY_CHAT_KEY = "test-key"  # the API key of conftest's `tiny_chat` server
+# the arguments of the `add` tool the API tests declare, in each API's own tool shape
+ADD_ARGUMENTS = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+        "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+    },
+    "required": ["a", "b"],
+}
 
 
 def tiny_chat_server(tmp_path_factory, tokenizer, name: str, *args: str):

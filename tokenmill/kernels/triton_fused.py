@@ -50,32 +50,25 @@ def _kernels():
         tl.store(out_ptr + row + i, y, mask=mask)
 
     @triton.jit
-    def silu_and_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def act_and_mul_kernel(gate_up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        """act(gate) * up, the activation's output rounded to the input dtype as torch's is. ACT: `SILU`,
+        `GELU_TANH` or `GELU_ERF`."""
         row = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         gate = tl.load(gate_up_ptr + row * 2 * n + i, mask=mask, other=0.0)
         up = tl.load(gate_up_ptr + row * 2 * n + n + i, mask=mask, other=0.0)
         g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded as torch's silu output
-        tl.store(out_ptr + row * n + i, silu * up, mask=mask)
-
-    @triton.jit
-    def gelu_and_mul_kernel(gate_up_ptr, out_ptr, n, TANH: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < n
-        gate = tl.load(gate_up_ptr + row * 2 * n + i, mask=mask, other=0.0)
-        up = tl.load(gate_up_ptr + row * 2 * n + n + i, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        if TANH:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+        if ACT == 0:
+            act = g / (1.0 + tl.exp(-g))
+        elif ACT == 1:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            gelu = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+            act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
         else:  # 0.5 g (1 + erf(g / sqrt(2)))
-            gelu = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-        tl.store(out_ptr + row * n + i, gelu.to(gate.dtype) * up, mask=mask)  # rounded as torch's gelu output
+            act = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        tl.store(out_ptr + row * n + i, act.to(gate.dtype) * up, mask=mask)
 
-    return add_rms_norm_kernel, silu_and_mul_kernel, gelu_and_mul_kernel
+    return add_rms_norm_kernel, act_and_mul_kernel
 
 
 def add_rms_norm(
@@ -95,21 +88,23 @@ def add_rms_norm(
     return out, total
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 I] -> silu(gate) * up, [T, I]."""
-    silu_and_mul_kernel = _kernels()[1]
+SILU, GELU_TANH, GELU_ERF = 0, 1, 2
+
+
+def _act_and_mul(gate_up: torch.Tensor, act: int) -> torch.Tensor:
+    act_and_mul_kernel = _kernels()[1]
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    silu_and_mul_kernel[(t, -(-n // block))](gate_up, out, n, BLOCK=block)
+    act_and_mul_kernel[(t, -(-n // block))](gate_up, out, n, ACT=act, BLOCK=block)
     return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 I] -> silu(gate) * up, [T, I]."""
+    return _act_and_mul(gate_up, SILU)
 
 
 def gelu_and_mul(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """[T, 2 I] -> gelu(gate) * up, [T, I]; `approximate` as torch's gelu: "tanh" or "none" (erf)."""
-    gelu_and_mul_kernel = _kernels()[2]
-    t, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
-    gelu_and_mul_kernel[(t, -(-n // block))](gate_up, out, n, TANH=approximate == "tanh", BLOCK=block)
-    return out
+    return _act_and_mul(gate_up, GELU_TANH if approximate == "tanh" else GELU_ERF)
