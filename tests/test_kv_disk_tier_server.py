@@ -73,8 +73,9 @@ def test_a_restarted_server_and_a_second_replica_answer_from_disk(tmp_path_facto
         assert complete(b, "P " + TEXT) == (text, num_tokens)  # a prompt only the other servers ran
         assert disk(b, "hits") - hits == (num_tokens - 1) // BLOCK * BLOCK
         assert httpx.post(f"{a.url}/reset_prefix_cache").status_code == 200
+        hits = disk(a, "hits")  # the side-by-side run may already have read some of the other's blocks
         assert complete(a, "Q " + TEXT) == same[0]  # from the files both wrote
-        assert disk(a, "hits") == (num_tokens - 1) // BLOCK * BLOCK + (same[0][1] - 1) // BLOCK * BLOCK
+        assert disk(a, "hits") - hits == (same[0][1] - 1) // BLOCK * BLOCK
         assert disk(a, "bad_files") == disk(b, "bad_files") == 0
     finally:
         assert a.stop() == 0 and b.stop() == 0
