@@ -1,8 +1,10 @@
-"""The KV cache's disk tier (`--kv-cache-dir`) with real engine cores on tiny random models: a prompt's
-blocks written by one engine are loaded by another whose pool never saw them, with greedy tokens
-identical to a cold run (float32 and int8 caches); salts and models do not share blocks; a truncated,
-corrupt or foreign file is a miss and is removed; a size limit evicts the least recently used blocks,
-and one smaller than a block turns writing off without failing a request; pools are whole after."""
+"""The KV cache's disk tier (`--kv-cache-dir`) and host-RAM tier (`--kv-offloading-size`) with real engine
+cores on tiny random models: a prompt's blocks written by one engine are loaded by another whose pool
+never saw them, with greedy tokens identical to a cold run (float32 and int8 caches); salts and models
+do not share blocks; a truncated, corrupt or foreign file is a miss and is removed; a size limit evicts
+the least recently used blocks, and one smaller than a block turns writing off without failing a
+request. Blocks evicted from a small pool are loaded back from the RAM tier, then the disk tier, with
+the cold run's tokens; a block leaving a full RAM tier goes on to disk. Pools are whole after."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from tokenmill.executor import UniProcExecutor
 from tokenmill.kv_transfer.block_files import SUFFIX
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.metrics import ServerMetrics
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -39,33 +42,36 @@ def models(tmp_path_factory):
     return dirs
 
 
-def engine(model_dir, cache_dir=None, cache_dtype="auto", disk_gib=1.0, min_load=BLOCK) -> EngineCore:
+def engine(
+    model_dir, cache_dir=None, cache_dtype="auto", disk_gib=1.0, min_load=BLOCK, ram_gib=None, num_blocks=48
+) -> EngineCore:
     config = EngineConfig(
         model=str(model_dir),
         cache=CacheConfig(
-            num_blocks=48,
+            num_blocks=num_blocks,
             cache_dtype=cache_dtype,
             kv_cache_dir=None if cache_dir is None else str(cache_dir),
             kv_disk_size_gib=disk_gib,
             kv_disk_min_load_tokens=min_load,
+            kv_offloading_size_gib=ram_gib,
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=32),
     )
     return EngineCore(config, UniProcExecutor(config, load_model(str(model_dir))), set())
 
 
-def run(core: EngineCore, prompts, salt=None) -> tuple[dict, dict]:
+def run(core: EngineCore, prompts, salt=None, params=GREEDY, tier="disk") -> tuple[dict, dict]:
     """Greedy outputs and the tier's counters (the engine runs until its writes are reported); the
     pool is whole afterwards."""
     out = {}
     for i, p in enumerate(prompts):
-        core.add_request(EngineCoreRequest(str(i), p, GREEDY, cache_salt=salt))
+        core.add_request(EngineCoreRequest(str(i), p, params, cache_salt=salt))
         out[str(i)] = []
     while core.has_unfinished():
         for o in core.step():
             out[o.request_id].extend(o.new_token_ids)
     assert core.kv.num_free_blocks == core.kv.num_blocks
-    return out, core.stats().kv_tiers.get("disk", {})
+    return out, core.stats().kv_tiers.get(tier, {})
 
 
 def files(cache_dir) -> list:
@@ -186,3 +192,68 @@ def test_layouts_the_tier_does_not_run_with_are_refused_naming_the_flags(tmp_pat
         check_supported(EngineConfig(cache=cache, kv_transfer=KVTransferConfig("consumer", "SharedMemoryConnector")))
     with pytest.raises(ValueError, match="kv_disk_size must be >= 0"):
         CacheConfig(kv_disk_size_gib=-1)
+
+
+SLOT = 8192 / (1 << 30)  # GiB of one block of the tiny Llama's float32 cache (2 layers x K/V x 16 x 2 x 32)
+
+
+def test_blocks_evicted_from_the_pool_come_back_from_the_ram_tier(models, cold):
+    """A pool of 8 blocks: OTHER takes the blocks PROMPT left, evicting PROMPT's blocks 2-4 (a tail
+    goes first) into the RAM tier; PROMPT again hits blocks 0-1 in the pool, 2-4 in RAM."""
+    core = engine(models[0], ram_gib=16 * SLOT, num_blocks=8)
+    assert core.kv_connector.block_bytes == 8192  # SLOT is one block
+    run(core, [PROMPT], tier="ram")
+    assert run(core, [OTHER], tier="ram")[0]["0"] == cold[0, "auto"]["2"]
+    got, ram = run(core, [PROMPT], tier="ram")
+    assert got["0"] == cold[0, "auto"]["0"]
+    assert (ram["hits"], ram["loads"], ram["saved_blocks"]) == (3 * BLOCK, 1, 6)  # then OTHER's 3 were evicted
+    metrics = ServerMetrics("tiny")
+    metrics.on_stats({"kv_tiers": core.stats().kv_tiers})
+    assert f'tokenmill:kv_tier_hits_total{{model_name="tiny",tier="ram"}} {3.0 * BLOCK}' in metrics.render().decode()
+
+
+def test_a_small_ram_tier_hands_on_to_the_disk_tier(models, cold, tmp_path):
+    """Two slots in RAM in front of the disk tier: PROMPT's block 4 left RAM for blocks 3 and 2, so
+    PROMPT again takes blocks 2-3 from RAM and 4 from disk. Blocks of generated tokens (not written
+    when the prompt was computed) reach the disk when they leave RAM: a new engine on the directory
+    loads a next turn's prompt (the first turn's prompt + answer) through them."""
+    core = engine(models[0], tmp_path / "tier", ram_gib=2 * SLOT, num_blocks=8)
+    run(core, [PROMPT])
+    _, ram = run(core, [OTHER], tier="ram")
+    assert ram["evicted_blocks"] == 1 and ram["usage_bytes"] == ram["capacity_bytes"] == 2 * 8192
+    got, ram = run(core, [PROMPT], tier="ram")
+    assert got["0"] == cold[0, "auto"]["0"]
+    assert (ram["hits"], core.stats().kv_tiers["disk"]["hits"]) == (2 * BLOCK, BLOCK)
+
+    turn = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    first = list(range(100, 140))  # 2 full prompt blocks; the answer fills blocks 2 and 3
+    core = engine(models[0], tmp_path / "turns", ram_gib=2 * SLOT, num_blocks=8)
+    answer = run(core, [first], params=turn)[0]["0"]
+    assert len(files(tmp_path / "turns")) == 2
+    run(core, [OTHER])
+    run(core, [PROMPT])  # the answer's blocks go pool -> RAM -> disk
+    assert len(files(tmp_path / "turns")) == 2 + 5 + 5 + 2
+    following = first + answer + [7, 8, 9, 10, 11]
+    got, disk = run(engine(models[0], tmp_path / "turns"), [following])
+    assert got["0"] == run(engine(models[0]), [following])[0]["0"] and disk["hits"] == 4 * BLOCK
+
+
+def test_what_the_ram_tier_does_not_run_with_is_refused_naming_the_flags(models, tmp_path):
+    from tokenmill.config import ParallelConfig
+    from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
+    from tokenmill.engine.kv_cache_manager import KVCacheManager
+    from tokenmill.kv_transfer.base import check_supported
+    from tokenmill.kv_transfer.host_tier import host_tier_scheduler
+
+    cache = CacheConfig(kv_offloading_size_gib=1.0)
+    with pytest.raises(ValueError, match="--kv-offloading-size needs --pipeline-parallel-size 1"):
+        check_supported(EngineConfig(cache=cache, parallel=ParallelConfig(pipeline_parallel_size=2)))
+    with pytest.raises(ValueError, match="needs --enable-prefix-caching"):
+        check_supported(EngineConfig(cache=CacheConfig(kv_offloading_size_gib=1.0, enable_prefix_caching=False)))
+    with pytest.raises(ValueError, match="kv_offloading_size must be > 0"):
+        CacheConfig(kv_offloading_size_gib=0)
+    windowed = KVCacheCoordinator([KVCacheManager(8, BLOCK), KVCacheManager(8, BLOCK, sliding_window=32)])
+    with pytest.raises(ValueError, match="--kv-offloading-size needs a model whose layers share one KV pool"):
+        host_tier_scheduler(EngineConfig(cache=cache), windowed, None)
+    with pytest.raises(ValueError, match="--kv-offloading-size 1e-09 GiB holds no KV block"):
+        engine(models[0], ram_gib=1e-9)

@@ -181,6 +181,8 @@ class CacheConfig:
     kv_cache_dir: str | None = None
     kv_disk_size_gib: float = 10.0  # the most the tier's files take (LRU eviction beyond)
     kv_disk_min_load_tokens: int = 16  # shorter disk hits are recomputed (on CPU a load wins from one block)
+    # the host-RAM tier (tokenmill.kv_transfer.host_tier): GiB for blocks evicted from the pool; None: off
+    kv_offloading_size_gib: float | None = None
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("block_size",))
@@ -199,6 +201,8 @@ class CacheConfig:
             raise ValueError(f"kv_disk_size must be >= 0 (GiB), got {self.kv_disk_size_gib}")
         if not isinstance(self.kv_disk_min_load_tokens, int) or self.kv_disk_min_load_tokens < 0:
             raise ValueError(f"kv_disk_min_load_tokens must be an integer >= 0, got {self.kv_disk_min_load_tokens!r}")
+        if self.kv_offloading_size_gib is not None and not self.kv_offloading_size_gib > 0:
+            raise ValueError(f"kv_offloading_size must be > 0 (GiB), got {self.kv_offloading_size_gib}")
 
 
 @dataclass
@@ -562,6 +566,7 @@ class EngineConfig:
             "--enable-lora / --lora-modules": self.lora,
             "--kv-role": self.kv_transfer,
             "--kv-cache-dir": self.cache.kv_cache_dir,
+            "--kv-offloading-size": self.cache.kv_offloading_size_gib,
             "--kv-cache-dtype int8 / fp8": self.cache.cache_dtype if _quantized_cache(self.cache.cache_dtype) else None,
         }
         for flag, value in others.items():

@@ -83,6 +83,7 @@ class EngineArgs:
     kv_cache_dir: str | None = None
     kv_disk_size: float = 10.0  # GiB
     kv_disk_min_load_tokens: int = 16
+    kv_offloading_size: float | None = None  # GiB
     grammar_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1
@@ -167,6 +168,7 @@ class EngineArgs:
                 kv_cache_dir=self.kv_cache_dir,
                 kv_disk_size_gib=self.kv_disk_size,
                 kv_disk_min_load_tokens=self.kv_disk_min_load_tokens,
+                kv_offloading_size_gib=self.kv_offloading_size,
             ),
             speculative=_speculative(self.speculative_config),
             parallel=ParallelConfig(
@@ -425,6 +427,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.kv_disk_min_load_tokens,
         metavar="N",
         help="a disk-tier hit shorter than N tokens is recomputed instead of loaded (default: %(default)s)",
+    )
+    c.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="the KV cache's host-RAM tier (vLLM's flag): GiB of host memory (pinned on CUDA) for full "
+        "blocks evicted from the pool, least recently used out first, looked up before the disk tier "
+        "and handed on to it when --kv-cache-dir is set too; on CPU the pool already is RAM, so a larger "
+        "pool is usually the better use of the memory (default: off)",
     )
     c.add_argument(
         "--grammar-timeout",

@@ -103,12 +103,14 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All blocks, the free queue and the key -> cached block map."""
+    """All blocks, the free queue and the key -> cached block map. `on_evict`, when set, sees each
+    cached block just before allocation takes its content away (a KV-cache tier keeps it)."""
 
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -118,6 +120,8 @@ class BlockPool:
         """Take n blocks from the front of the free queue, evicting their cached content."""
         blocks = [self.free_queue.popleft() for _ in range(n)]
         for block in blocks:
+            if block.key is not None and self.on_evict is not None:
+                self.on_evict(block)
             self.uncache(block)
             block.ref_count = 1
         return blocks
@@ -213,6 +217,15 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * bs
+
+    def block_chain(self, request: Request, first: int, end: int) -> list[tuple[BlockKey, object, tuple[int, ...]]]:
+        """Key, parent and tokens of the request's full blocks `first` .. `end - 1`: what a block from
+        a tier must match to stand for them (as a pool hit must)."""
+        keys, bs = self._block_keys(request), self.block_size
+        return [
+            (keys[i], self._parent(keys, i, request), tuple(request.token_slice(i * bs, (i + 1) * bs)))
+            for i in range(first, min(end, len(keys)))
+        ]
 
     def waits_for_prefix(self, request: Request, num_hit_tokens: int) -> bool:
         """Whether the block right after the request's prefix hits is being filled by another running

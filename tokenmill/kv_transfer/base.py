@@ -1,6 +1,6 @@
 """The KV connector seam: KV-cache contents that come from, or go to, somewhere outside this engine's
-pool (another engine's prefill: `disaggregated.py`; the disk tier: `disk_tier.py`), in two halves as vLLM's KV
-connector has them.
+pool (another engine's prefill: `disaggregated.py`; the KV cache's tiers: `host_tier.py`, `disk_tier.py`),
+in two halves as vLLM's KV connector has them.
 
 The scheduler half (`KVConnectorScheduler`) lives in the engine core. When the scheduler admits a
 waiting request it asks `get_num_new_matched_tokens`: how many prompt tokens, beyond the pool's own
@@ -138,18 +138,23 @@ class KVConnectorWorker(ABC):
 
 
 def check_supported(config: EngineConfig) -> None:
-    """Refuse, naming the flags, the layouts KV transfer and the disk tier do not run with (rather
+    """Refuse, naming the flags, the layouts KV transfer and the KV-cache tiers do not run with (rather
     than hang or move part of the KV): each stage or tensor-parallel rank holds only its share of the
-    cache (the disk tier stores each tensor-parallel rank's share on its own; not each stage's yet)."""
-    parallel = config.parallel
-    if config.cache.kv_cache_dir is not None:
+    cache (the tiers keep each tensor-parallel rank's share on its own; not each stage's yet: a stage's
+    worker processes run no connector, and only the last stage's report reaches the engine core)."""
+    parallel, cache = config.parallel, config.cache
+    for flag, value in (("--kv-cache-dir", cache.kv_cache_dir), ("--kv-offloading-size", cache.kv_offloading_size_gib)):
+        if value is None:
+            continue
         if config.kv_transfer is not None:
-            raise ValueError("--kv-cache-dir does not run with --kv-role yet (one KV connector per engine)")
+            raise ValueError(f"{flag} does not run with --kv-role yet (one KV connector per engine)")
         if parallel.pipeline_parallel_size > 1:
             raise ValueError(
-                "--kv-cache-dir needs --pipeline-parallel-size 1 (each stage holds its own layers' share of "
+                f"{flag} needs --pipeline-parallel-size 1 (each stage holds its own layers' share of "
                 "a block, and its worker processes run no KV connector yet); tensor parallelism works"
             )
+    if cache.kv_offloading_size_gib is not None and not cache.enable_prefix_caching:
+        raise ValueError("--kv-offloading-size keeps blocks the prefix cache lets go: it needs --enable-prefix-caching")
     if config.kv_transfer is None:
         return
     if parallel.pipeline_parallel_size > 1:
@@ -169,6 +174,10 @@ def scheduler_connector(config: EngineConfig, kv, executor) -> KVConnectorSchedu
     """The engine core's half of the connector `config` asks for (None: none); `kv`: the engine's
     `KVCacheCoordinator` (read-only: block tables and block size); `executor`: the model it runs and
     the layout of its caches (what the disk tier's keys name)."""
+    if config.cache.kv_offloading_size_gib is not None:
+        from tokenmill.kv_transfer.host_tier import host_tier_scheduler
+
+        return host_tier_scheduler(config, kv, executor)
     if config.cache.kv_cache_dir is not None:
         from tokenmill.kv_transfer.disk_tier import disk_tier_scheduler
 
@@ -183,6 +192,10 @@ def scheduler_connector(config: EngineConfig, kv, executor) -> KVConnectorSchedu
 
 def worker_connector(config: EngineConfig, runner) -> KVConnectorWorker | None:
     """The worker half over `runner`'s KV caches (a `ModelRunner` whose cache is allocated), or None."""
+    if config.cache.kv_offloading_size_gib is not None:
+        from tokenmill.kv_transfer.host_tier import host_tier_worker
+
+        return host_tier_worker(config, runner)
     if config.cache.kv_cache_dir is not None:
         from tokenmill.kv_transfer.disk_tier import disk_tier_worker
 

@@ -227,6 +227,14 @@ class DiskTierScheduler(KVConnectorScheduler):
             self._keys[request.request_id] = keys
         return keys
 
+    def missing(self, key: bytes) -> bool:
+        """Whether some rank's file of the block keyed `key` is not on disk (nor being written)."""
+        return key not in self._saving and not all(path.exists() for path in self._paths(key))
+
+    def note_saving(self, key: bytes) -> None:
+        """A block keyed `key` was handed to the writer by another tier (the engine waits for its report)."""
+        self._saving.add(key)
+
     def _parent(self, keys: list[bytes], i: int) -> bytes:
         return keys[i - 1] if i else self.namespace
 
@@ -252,8 +260,8 @@ class DiskTierScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
         rid = request.request_id
-        if request.params.prompt_logprobs is not None:  # it computes every prompt position
-            return 0
+        if request.params.prompt_logprobs is not None or request.lora_id:  # it computes every prompt position,
+            return 0  # or under a LoRA adapter (its K/V are not the base model's; a load id is no key)
         first = num_computed_tokens // self.bs
         found = self._found.get(rid)
         if found is not None and found[0] == first:  # looked up before (its blocks did not fit then)
@@ -303,7 +311,7 @@ class DiskTierScheduler(KVConnectorScheduler):
         self._load = []
         for rid, num_new in sched.num_scheduled_tokens.items():
             request = requests.get(rid)
-            if request is None or request.num_computed_tokens >= request.num_prompt_tokens:
+            if request is None or request.lora_id or request.num_computed_tokens >= request.num_prompt_tokens:
                 continue
             if not self.windowed and request.num_computed_tokens + num_new < request.num_prompt_tokens:
                 continue  # its blocks stay in the pool until the prompt is done: named then, all at once
