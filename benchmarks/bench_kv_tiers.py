@@ -1,7 +1,8 @@
-"""The KV cache's disk tier (`serve --kv-cache-dir`), measured on real servers.
+"""The KV cache's tiers (`serve --kv-cache-dir`, `--kv-offloading-size`), measured on real servers.
 
     .venv/bin/python benchmarks/bench_kv_tiers.py restart [--model qwen2.5-coder-0.5b] [--tokens 6000]
     .venv/bin/python benchmarks/bench_kv_tiers.py agent [--model smollm2-135m-instruct] [--sessions 3] [--turns 4]
+        [--modes off,disk,ram,ram+disk,llama,llama-off] [--ram-mib 1024] [--llama-parallel 1]
     .venv/bin/python benchmarks/bench_kv_tiers.py minload [--model smollm2-135m-instruct] [--hits 16 64 512]
 
 `restart`: a server with the tier answers a long prompt (token ids, `max_tokens` 1: the time is the
@@ -11,8 +12,11 @@ and saving (the step loop's copy out of the pool; the writer thread's time apart
 
 `agent`: several sessions at once, each turn resending a long shared system prompt plus its own growing
 history (its earlier turns' prompts and answers) with a KV pool too small to keep every session's
-prefix, once with the tier and once without (each on a fresh server); TTFT p50 / p90 of the turns
-after the first and the total time.
+prefix, once per `--modes` entry on a fresh server: tokenmill with no tier, the disk tier, the RAM tier
+(`--kv-offloading-size`), both; and llama-server on the same GGUF and token ids with its host-RAM
+prompt cache (`--cache-ram`, `llama`) or without (`llama-off`), its context (`-c`) the tokens of
+tokenmill's pool. TTFT p50 / p90 of the turns after the first, the total time, and what each tier
+supplied (llama-server: the prompt tokens it evaluated).
 
 `minload`: in one process, TTFT with H prompt tokens on disk, loaded vs recomputed, for several H (what
 `--kv-disk-min-load-tokens` is set from), and a block's load against a copy in RAM (a host-RAM tier).
@@ -23,17 +27,21 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_server_utils import ServerProcess, metric_values  # noqa: E402
+from test_server_utils import ServerProcess, free_port, metric_values  # noqa: E402
+
+PEERS = ROOT / "benchmarks" / "peers"
 
 
 def start(log_dir: Path, model: str, *flags: str) -> tuple[ServerProcess, float]:
@@ -56,11 +64,11 @@ def ttft(srv: ServerProcess, prompt: list[int], max_tokens: int = 1) -> tuple[fl
     return time.perf_counter() - began, r.json()["choices"][0]["text"]
 
 
-def tier(srv: ServerProcess) -> dict[str, float]:
+def tier(srv: ServerProcess, name: str = "disk") -> dict[str, float]:
     return {
         k.split("kv_tier_")[1].split("{")[0].removesuffix("_total"): v
         for k, v in metric_values(srv.url).items()
-        if 'tier="disk"' in k
+        if f'tier="{name}"' in k
     }
 
 
@@ -92,22 +100,97 @@ def restart(args) -> None:
     )
 
 
+AGENT_MODES = ("off", "disk", "ram", "ram+disk", "llama", "llama-off")
+
+
+def llama_server(args) -> Path:
+    found = (
+        Path(args.llama_server) if args.llama_server else next(PEERS.glob("build/llama.cpp-b*/bin/llama-server"), None)
+    )
+    if found is None or not found.is_file():
+        raise SystemExit("no llama-server: run benchmarks/peers/build_llama_cpp.sh, or pass --llama-server PATH")
+    return found
+
+
+def agent_server(mode: str, args, tmp: Path):
+    """A server for one `agent` mode, as (send: prompt ids -> seconds to the first token, its counters
+    afterwards)."""
+    return (llama_agent_server if mode.startswith("llama") else tokenmill_agent_server)(mode, args, tmp)
+
+
+@contextmanager
+def tokenmill_agent_server(mode: str, args, tmp: Path):
+    """tokenmill with `--num-kv-blocks` blocks and the mode's tiers (counters: each tier's)."""
+    flags = ["--num-kv-blocks", str(args.kv_blocks), "--max-model-len", str(args.kv_blocks * 16)]
+    if "disk" in mode:
+        flags += ["--kv-cache-dir", str(tmp / "kv")]
+    if "ram" in mode:
+        flags += ["--kv-offloading-size", str(args.ram_mib / 1024)]
+    srv, _ = start(tmp, args.model, *flags)
+    try:
+        yield (lambda prompt: ttft(srv, prompt)[0]), lambda: {t: tier(srv, t) for t in ("ram", "disk")}
+    finally:
+        srv.stop()
+
+
+@contextmanager
+def llama_agent_server(mode: str, args, tmp: Path):
+    """llama-server on the same GGUF: `--parallel` slots sharing a context of the pool's tokens (`-c`),
+    so the KV does not hold every session either, and its host-RAM prompt cache `--cache-ram` of the
+    MiB tokenmill's RAM tier gets (`llama-off`: 0, none). Counters: prompt tokens it evaluated."""
+    from tokenmill.loader.source import resolve_model
+
+    port, evaluated = free_port(), []
+    cmd = [str(llama_server(args)), "-m", str(resolve_model(args.model).path), "--port", str(port)]
+    cmd += ["-t", str(args.threads), "-c", str(args.kv_blocks * 16), "--parallel", str(args.llama_parallel)]
+    cmd += ["--cache-ram", "0" if mode == "llama-off" else str(args.ram_mib), "--no-webui"]
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp / "llama-server.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while not healthy(url):
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+            time.sleep(0.5)
+
+        def send(prompt: list[int]) -> float:
+            began = time.perf_counter()
+            r = httpx.post(
+                f"{url}/completion",
+                json={"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True},
+                timeout=3600,
+            )
+            r.raise_for_status()
+            evaluated.append(r.json()["timings"]["prompt_n"])
+            return time.perf_counter() - began
+
+        yield send, lambda: {"evaluated": sum(evaluated)}
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def agent(args) -> None:
-    rng = random.Random(1)
-    system = rng.choices(range(200, 20000), k=args.system_tokens)
+    system = random.Random(1).choices(range(200, 20000), k=args.system_tokens)
+    own = [random.Random(10 + s).choices(range(200, 20000), k=args.own_tokens) for s in range(args.sessions)]
     results = {}
-    for mode in ("tier off", "tier on"):
-        with tempfile.TemporaryDirectory() as tmp:
-            flags = ["--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "8192"]
-            if mode == "tier on":
-                flags += ["--kv-cache-dir", str(Path(tmp) / "kv")]
-            srv, _ = start(Path(tmp), args.model, *flags)
-            histories = [system + rng.choices(range(200, 20000), k=args.own_tokens) for _ in range(args.sessions)]
+    for mode in args.modes:
+        with tempfile.TemporaryDirectory() as tmp, agent_server(mode, args, Path(tmp)) as (send, counters):
+            histories = [system + own[s] for s in range(args.sessions)]  # the same token ids in every mode
             times: list[float] = []
+            sent: list[int] = []
 
             def turn(s: int, t: int) -> None:
                 histories[s] += random.Random(100 * s + t).choices(range(200, 20000), k=args.turn_tokens)
-                seconds, _ = ttft(srv, histories[s])
+                sent.append(len(histories[s]))
+                seconds = send(histories[s])
                 if t:
                     times.append(seconds)
                 histories[s] += random.Random(-100 * s - t).choices(range(200, 20000), k=args.answer_tokens)
@@ -117,18 +200,25 @@ def agent(args) -> None:
                 for t in range(args.turns):
                     list(pool.map(lambda s, t=t: turn(s, t), range(args.sessions)))
             total = time.perf_counter() - began
-            stats = tier(srv) if mode == "tier on" else {}
-            srv.stop()
-        q = statistics.quantiles(times, n=10)
-        results[mode] = (statistics.median(times), q[8], total, stats.get("hits", 0), stats.get("queries", 0))
+            results[mode] = (times, total, counters(), sum(sent))
     print(
         f"model {args.model}: {args.sessions} sessions x {args.turns} turns, system prompt {args.system_tokens} "
         f"tokens + {args.own_tokens} of its own per session, +{args.turn_tokens} / +{args.answer_tokens} per turn, "
-        f"pool {args.kv_blocks} blocks"
+        f"pool {args.kv_blocks} blocks of 16 (llama-server: -c {args.kv_blocks * 16} --parallel "
+        f"{args.llama_parallel}), RAM tier / --cache-ram {args.ram_mib} MiB"
     )
-    for mode, (p50, p90, total, hits, queries) in results.items():
-        extra = f", disk hits {hits:.0f} of {queries:.0f} looked-up tokens" if queries else ""
-        print(f"{mode}: TTFT p50 {p50:.2f} s, p90 {p90:.2f} s (turns 2..), total {total:.1f} s{extra}")
+    for mode, (times, total, counts, prompt_tokens) in results.items():
+        p90 = statistics.quantiles(times, n=10)[8] if len(times) > 1 else times[0]
+        extra = "".join(
+            f", {name} hits {c['hits']:.0f} of {c['queries']:.0f} looked-up tokens"
+            for name, c in counts.items()
+            if name in ("ram", "disk") and c.get("queries")
+        )
+        if "evaluated" in counts:
+            extra = f", prompt tokens evaluated {counts['evaluated']} of {prompt_tokens}"
+        print(
+            f"{mode}: TTFT p50 {statistics.median(times):.2f} s, p90 {p90:.2f} s (turns 2..), total {total:.1f} s{extra}"
+        )
 
 
 def minload(args) -> None:
@@ -207,6 +297,17 @@ def main() -> None:
     a.add_argument("--turn-tokens", type=int, default=32)
     a.add_argument("--answer-tokens", type=int, default=16)
     a.add_argument("--kv-blocks", type=int, default=112)
+    a.add_argument(
+        "--modes",
+        type=lambda text: text.split(","),
+        default=list(AGENT_MODES[:4]),
+        help=f"comma-separated, of {', '.join(AGENT_MODES)} (llama: llama-server with its --cache-ram prompt "
+        "cache; llama-off: --cache-ram 0) (default: the tokenmill ones)",
+    )
+    a.add_argument("--ram-mib", type=int, default=1024, help="tokenmill's RAM tier and llama-server's --cache-ram")
+    a.add_argument("--llama-server", help="the llama-server binary (default: benchmarks/peers/build's)")
+    a.add_argument("--llama-parallel", type=int, default=1, help="llama-server --parallel (slots sharing -c)")
+    a.add_argument("--threads", type=int, default=2, help="llama-server -t")
     m = sub.add_parser("minload")
     m.add_argument("--model", default="smollm2-135m-instruct")
     m.add_argument("--hits", type=int, nargs="+", default=[16, 32, 64, 128, 512])

@@ -96,9 +96,12 @@ def cmd_info(args: argparse.Namespace) -> None:
         ("KV bytes per token", f"{kv_bytes} ({cache_dtype})"),
         *_context_parallel_rows(args.decode_context_parallel_size, kv_bytes),
         ("KV tokens per GiB", _kv_tokens_per_gib(attention, cache_dtype)),
-        # the disk tier (--kv-cache-dir) stores the pool's own bytes, one file per block; no host-RAM
-        # tier on CPU, where the pool is RAM (docs/architecture.md, KV-cache tiers)
-        ("KV bytes per token by tier", f"pool {kv_bytes}, disk {kv_bytes} + a header per block of tokens"),
+        # the disk tier (--kv-cache-dir) stores the pool's own bytes, one file per block; the RAM tier
+        # (--kv-offloading-size) a block's bytes per slot, nothing more
+        (
+            "KV bytes per token by tier",
+            f"pool {kv_bytes}, disk {kv_bytes} + a header per block of tokens, RAM {kv_bytes}",
+        ),
     ]
     if windows - {None}:
         window = min(windows - {None})

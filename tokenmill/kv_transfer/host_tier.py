@@ -255,9 +255,13 @@ class HostBuffer:
     def __init__(self, tensors: list[tuple[torch.Tensor, int]], num_slots: int, device: torch.device) -> None:
         self.tensors = [t for t, _ in tensors]
         cuda = device.type == "cuda"
-        self.slots = [
-            torch.empty((num_slots, *shape), dtype=dtype, pin_memory=cuda) for shape, dtype in block_layout(tensors)
-        ]
+        self.slots = [torch.empty((num_slots, *shape), dtype=dtype) for shape, dtype in block_layout(tensors)]
+        if cuda:  # pinned in place: the pinned allocator would round each buffer up to a power of two bytes
+            for slots in self.slots:
+                error = int(torch.cuda.cudart().cudaHostRegister(slots.data_ptr(), slots.nbytes, 0))
+                if error:
+                    raise RuntimeError(f"--kv-offloading-size: pinning {slots.nbytes} bytes failed (cudaError {error})")
+        self.pinned = cuda
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.events: dict[int, torch.cuda.Event] = {}  # slot -> the event after its latest copy in
 
@@ -286,6 +290,14 @@ class HostBuffer:
             for cache, slots in zip(self.tensors, self.slots):
                 src, dst = cache.select(BLOCK_DIM, block), slots[slot]
                 (dst if out else src).copy_(src if out else dst, non_blocking=non_blocking)
+
+    def close(self) -> None:
+        """Unpin the buffer (after the copies on the tier's stream are done)."""
+        if self.pinned:
+            self.stream.synchronize()
+            for slots in self.slots:
+                torch.cuda.cudart().cudaHostUnregister(slots.data_ptr())
+            self.pinned = False
 
     def read(self, slot: int) -> list[torch.Tensor]:
         """A copy of a slot's block (for the disk writer), once the slot's own copy in has landed."""
@@ -328,6 +340,7 @@ class HostTierWorker(KVConnectorWorker):
         return HostTierOutput(self._copy_in, self._copy_out, disk)
 
     def close(self) -> None:
+        self.buffer.close()
         if self.disk is not None:
             self.disk.close()
 
