@@ -43,7 +43,14 @@ def models(tmp_path_factory):
 
 
 def engine(
-    model_dir, cache_dir=None, cache_dtype="auto", disk_gib=1.0, min_load=BLOCK, ram_gib=None, num_blocks=48
+    model_dir,
+    cache_dir=None,
+    cache_dtype="auto",
+    disk_gib=1.0,
+    min_load=BLOCK,
+    ram_gib=None,
+    num_blocks=48,
+    lora=None,
 ) -> EngineCore:
     config = EngineConfig(
         model=str(model_dir),
@@ -56,6 +63,7 @@ def engine(
             kv_offloading_size_gib=ram_gib,
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=32),
+        lora=lora,
     )
     return EngineCore(config, UniProcExecutor(config, load_model(str(model_dir))), set())
 
@@ -165,6 +173,24 @@ def test_a_sliding_window_model_loads_every_pool_of_its_blocks(tmp_path):
     assert saved["saved_blocks"] == 5
     got, disk = again(core, [PROMPT, SHARING])
     assert got == cold and (disk["hits"], disk["bad_files"]) == (5 * BLOCK + 3 * BLOCK, 0)
+
+
+def test_lora_requests_neither_load_nor_write_the_base_models_blocks(models, tmp_path):
+    """The disk tier's keys name no adapter (a load id does not outlive the server): a LoRA request
+    whose prompt the base model stored computes it, and stores nothing."""
+    import transformers
+    from helpers import make_lora_adapter
+
+    from tokenmill.config import LoRAConfig
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(models[0])
+    make_lora_adapter(base, tmp_path / "a", 1, r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"])
+    lora = LoRAConfig({"a": str(tmp_path / "a")}, max_loras=1, max_lora_rank=8)
+    adapted = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_name="a")
+    run(engine(models[0], tmp_path / "tier"), [PROMPT])
+    got, disk = run(engine(models[0], tmp_path / "tier", lora=lora), [PROMPT], params=adapted)
+    assert got == run(engine(models[0], lora=lora), [PROMPT], params=adapted)[0]
+    assert (disk["hits"], disk["saved_blocks"], len(files(tmp_path / "tier"))) == (0, 0, 5)
 
 
 def test_info_shows_bytes_per_token_by_tier_and_where_the_weights_live(models, capsys):
