@@ -288,8 +288,11 @@ class HostBuffer:
         for a, b in pairs:
             block, slot = (a, b) if out else (b, a)
             for cache, slots in zip(self.tensors, self.slots):
-                src, dst = cache.select(BLOCK_DIM, block), slots[slot]
-                (dst if out else src).copy_(src if out else dst, non_blocking=non_blocking)
+                in_cache, in_slot = cache.select(BLOCK_DIM, block), slots[slot]
+                if out:
+                    in_slot.copy_(in_cache, non_blocking=non_blocking)
+                else:
+                    in_cache.copy_(in_slot, non_blocking=non_blocking)
 
     def close(self) -> None:
         """Unpin the buffer (after the copies on the tier's stream are done)."""

@@ -47,11 +47,11 @@ _KV_TIER_METRICS = {
     "saved_bytes": "KV bytes written to a tier.",
     "save_seconds": "Step-loop time spent copying blocks out of the pool for a tier.",
     "write_seconds": "Background time spent writing a tier's files.",
-    "dropped_blocks": "KV blocks not written to a tier (its queue full, or writing off).",
+    "dropped_blocks": "KV blocks not written to a tier (its queue full, writing off, or every RAM slot busy in the step).",
     "evicted_blocks": "KV blocks removed from a tier to stay under its size limit.",
     "errors": "Writes to a tier that failed (writing is then off).",
-    "usage_bytes": "Bytes a tier's files take.",
-    "capacity_bytes": "The most a tier's files may take.",
+    "usage_bytes": "Bytes a tier holds (the disk tier's files, the RAM tier's slots in use).",
+    "capacity_bytes": "The most a tier may hold.",
 }
 _KV_TIER_GAUGES = {"usage_bytes", "capacity_bytes"}
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
