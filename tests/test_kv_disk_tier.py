@@ -283,3 +283,22 @@ def test_what_the_ram_tier_does_not_run_with_is_refused_naming_the_flags(models,
         host_tier_scheduler(EngineConfig(cache=cache), windowed, None)
     with pytest.raises(ValueError, match="--kv-offloading-size 1e-09 GiB holds no KV block"):
         engine(models[0], ram_gib=1e-9)
+
+
+@pytest.mark.parametrize("ram_gib", [None, 16 * SLOT])
+def test_a_failed_step_leaves_no_write_waited_for(models, cold, tmp_path, ram_gib):
+    """A step whose forward raises (a prompt token outside the vocabulary, slipped past validation)
+    while PROMPT's prompt completes in it: the blocks named to save never reach the writer, and the
+    engine must not wait for them (it goes idle); PROMPT still gets its tokens and its blocks saved."""
+    core = engine(models[0], tmp_path, ram_gib=ram_gib)
+    core.add_request(EngineCoreRequest("good", PROMPT[:40], GREEDY))
+    core.add_request(EngineCoreRequest("bad", [5, 6, 7], GREEDY))
+    core.requests["bad"].prompt_token_ids[1] = 10**6
+    out: dict[str, list] = {"good": [], "bad": []}
+    for _ in range(200):
+        if not core.has_unfinished():
+            break
+        for o in core.step():
+            out[o.request_id].extend(o.new_token_ids)
+    assert not core.has_unfinished() and core.kv.num_free_blocks == core.kv.num_blocks
+    assert out["good"] == run(engine(models[0]), [PROMPT[:40]])[0]["0"] and len(files(tmp_path)) == 2

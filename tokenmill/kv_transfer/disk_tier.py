@@ -206,6 +206,7 @@ class DiskTierScheduler(KVConnectorScheduler):
         self._loaded: dict[str, range] = {}  # request id -> blocks it took from disk (not saved again)
         # request id -> (its prompt blocks before this one were named to save, when the first were)
         self._named: dict[str, tuple[int, float]] = {}
+        self._named_before: dict[str, tuple[int, float] | None] = {}  # as it was before the last step named
         self._saving: set[bytes] = set()  # keys handed to the writer, not reported written yet
         self._load: list[tuple[BlockTable, int, list[list[list[torch.Tensor]]]]] = []
 
@@ -234,6 +235,11 @@ class DiskTierScheduler(KVConnectorScheduler):
     def note_saving(self, key: bytes) -> None:
         """A block keyed `key` was handed to the writer by another tier (the engine waits for its report)."""
         self._saving.add(key)
+
+    def forget_saving(self, keys) -> None:
+        """Blocks named to save in a step that raised: they may never reach the writer, so the engine
+        stops waiting for them (a later prompt with them names them again)."""
+        self._saving.difference_update(keys)
 
     def _parent(self, keys: list[bytes], i: int) -> bytes:
         return keys[i - 1] if i else self.namespace
@@ -308,7 +314,7 @@ class DiskTierScheduler(KVConnectorScheduler):
 
     def build_connector_meta(self, sched, requests) -> DiskTierMetadata | None:
         meta = DiskTierMetadata(load=self._load)
-        self._load = []
+        self._load, self._named_before = [], {}
         for rid, num_new in sched.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.lora_id or request.num_computed_tokens >= request.num_prompt_tokens:
@@ -316,6 +322,7 @@ class DiskTierScheduler(KVConnectorScheduler):
             if not self.windowed and request.num_computed_tokens + num_new < request.num_prompt_tokens:
                 continue  # its blocks stay in the pool until the prompt is done: named then, all at once
             keys, loaded, bs = self.prompt_keys(request), self._loaded.get(rid, range(0)), self.bs
+            self._named_before[rid] = self._named.get(rid)
             first, stamp = self._named.get(rid, (0, time.time()))
             done = min(request.num_computed_tokens + num_new, len(keys) * bs) // bs
             self._named[rid] = (max(first, done), stamp)
@@ -342,6 +349,18 @@ class DiskTierScheduler(KVConnectorScheduler):
             s.save_seconds += output.copy_out_seconds
             s.load_seconds += output.copy_in_seconds
         return [], {}
+
+    def step_failed(self, meta: DiskTierMetadata) -> list[str]:
+        """The step (the last one built: the tier runs without a pipeline's batch queue) may not have
+        saved what it named: those blocks are named again when its requests run again."""
+        self.forget_saving(key for _, todo in meta.save for _, key, _, _, _ in todo)
+        for rid, before in self._named_before.items():
+            if rid in self._named:
+                if before is None:
+                    del self._named[rid]
+                else:
+                    self._named[rid] = before
+        return []
 
     def request_finished(self, request) -> bool:
         rid = request.request_id

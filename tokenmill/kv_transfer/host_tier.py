@@ -241,11 +241,15 @@ class HostTierScheduler(KVConnectorScheduler):
         return self.disk.request_finished(request) if self.disk else False
 
     def step_failed(self, meta: HostTierMetadata) -> list[str]:
-        """A step that raised may not have copied its evicted blocks: forget them."""
+        """A step that raised may not have copied its evicted blocks, nor handed blocks to the disk
+        writer: forget both."""
         lost = {slot for _, slot in meta.offload}
         for key in [k for k, e in self.entries.items() if e.slot in lost]:
             self._free.append(self.entries.pop(key).slot)
-        return self.disk.step_failed(meta.disk) if self.disk and meta.disk else []
+        if self.disk is None:
+            return []
+        self.disk.forget_saving(key for _, key, _, _ in meta.to_disk)
+        return self.disk.step_failed(meta.disk) if meta.disk is not None else []
 
 
 class HostBuffer:
