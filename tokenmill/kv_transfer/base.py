@@ -141,7 +141,8 @@ def check_supported(config: EngineConfig) -> None:
     """Refuse, naming the flags, the layouts KV transfer and the KV-cache tiers do not run with (rather
     than hang or move part of the KV): each stage or tensor-parallel rank holds only its share of the
     cache (the tiers keep each tensor-parallel rank's share on its own; not each stage's yet: a stage's
-    worker processes run no connector, and only the last stage's report reaches the engine core)."""
+    worker processes run no connector, a stage's share of a block has a layout of its own that the
+    driver does not know, and only the last stage's report reaches the engine core)."""
     parallel, cache = config.parallel, config.cache
     for flag, value in (("--kv-cache-dir", cache.kv_cache_dir), ("--kv-offloading-size", cache.kv_offloading_size_gib)):
         if value is None:
