@@ -561,7 +561,6 @@ class EngineConfig:
             "--speculative-config": self.speculative,
             "--enable-lora / --lora-modules": self.lora,
             "--kv-role": self.kv_transfer,
-            "--kv-cache-dir": self.cache.kv_cache_dir,
             "--kv-cache-dtype int8 / fp8": self.cache.cache_dtype if _quantized_cache(self.cache.cache_dtype) else None,
         }
         for flag, value in others.items():
