@@ -104,7 +104,7 @@ class PagedForward:
         metas = {key: self.backend.build_metadata(commons[key[0]], key[1]) for key in set(self.group_keys)}
         split = self.backend.token_split(common)  # prefill context parallelism: this rank's tokens only
         counted = split is not None or parallel_state.cp_rank() == 0  # each token once over the ranks
-        context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)}, lora, counted)
+        context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)}, lora, count_experts=counted)
         if split is not None:
             ids, positions = ids[split.mine], positions[split.mine]
         with set_forward_context(context):
