@@ -2,11 +2,14 @@
 token over the ranks, attention merged by log-sum-exp. Greedy tokens identical to one process, prompt and
 output logprobs within 1e-4 of transformers float32, prompts several times one rank's share (and
 prefilled in chunks after cached tokens), prefix-cache hits, a sliding-window model, an MLA model, with
-and without tensor parallelism sharing the ranks, each rank's KV bytes per token half of one process's,
-the pool whole after; `tokenmill info` shows the per-rank bytes; layouts not built are refused by name."""
+and without tensor parallelism sharing the ranks, the ranks as Ray actors, each rank's KV bytes per
+token half of one process's, the pool whole after; a MoE model's expert counters count every token once
+(summed over the ranks); the disk tier stores each rank's stripe of a block and loads it back after the
+pool forgot it; `tokenmill info` shows the per-rank bytes; layouts not built are refused by name."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -25,12 +28,17 @@ PROMPTS = [LONG, [3, 4, 200, 17, 9]]
 SHARED = LONG[:48] + [5, 6, 7]  # run after the others: its first 3 blocks come from the prefix cache
 TOKENS = 6
 
-# (tiny model, tensor-parallel size, decode CP size, prefill CP size, max tokens per step)
+# (id, tiny model, tensor-parallel size, decode CP size, prefill CP size, max tokens per step, more settings)
 JOBS = [
-    ("llama-gqa-untied", 1, 2, 1, 512),  # GQA, decode context parallelism on whole-model ranks
-    ("gemma3", 1, 1, 2, 32),  # window 8 and full layers, prompts split over the ranks, in 32-token chunks
-    ("deepseek-v2", 2, 2, 1, 512),  # MLA, the ranks shared with tensor parallelism
+    ("llama-gqa-untied", "llama-gqa-untied", 1, 2, 1, 512, {}),  # GQA, decode CP on whole-model ranks
+    ("gemma3", "gemma3", 1, 1, 2, 32, {}),  # window 8 and full layers, prompts split over the ranks, 32-token chunks
+    ("deepseek-v2", "deepseek-v2", 2, 2, 1, 512, {}),  # MLA, the ranks shared with tensor parallelism
+    # MoE: each token counted once in the expert counters; each rank's stripe of a block on disk
+    ("mixtral", "mixtral", 1, 2, 2, 32, {"disk": True}),
+    ("ray", "llama-gqa-untied", 1, 2, 2, 32, {"distributed_executor_backend": "ray"}),  # the ranks as Ray actors
 ]
+if importlib.util.find_spec("ray") is None:  # the [ray] extra is not installed
+    JOBS = [job for job in JOBS if job[0] != "ray"]
 
 # one driver process runs every job (it joins a process group: not in the test process)
 _RUN = r"""
@@ -58,10 +66,12 @@ def run(core, batch, tag, **extra):
                 prompt_logprobs[i] = [None if e is None else next(iter(e.values())).logprob for e in o.prompt_logprobs]
     return out, logprobs, prompt_logprobs
 
-for model, tp, dcp, pcp, chunk in jobs:
-    config = EngineConfig(model=model, cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+for model, tp, dcp, pcp, chunk, more in jobs:
+    disk = more.pop("disk", None)
+    config = EngineConfig(model=model, cache=CacheConfig(num_blocks=64, kv_cache_dir=disk, kv_disk_min_load_tokens=16),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
                           parallel=ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                                                  prefill_context_parallel_size=pcp))
+                                                  prefill_context_parallel_size=pcp, **more))
     executor = executor_for(config)
     core = EngineCore(config, executor, set())
     parallel_state.stats.__init__()
@@ -70,8 +80,13 @@ for model, tp, dcp, pcp, chunk in jobs:
     before = core.kv.prefix_hits
     second = run(core, [shared], "b")
     result = {"tokens": first[0], "logprobs": first[1], "prompt_logprobs": first[2], "shared": second[0],
-              "prefix_hits": core.kv.prefix_hits - before, "pool_whole": core.kv.num_free_blocks == core.kv.num_blocks,
+              "prefix_hits": core.kv.prefix_hits - before, "experts": core.stats().expert_tokens,
               "kv_bytes_per_token": core.kv_cache_config.bytes_per_token, "comm_bytes": gathered}
+    if disk:  # the pool forgets every prefix: the blocks come back from each rank's files
+        core.reset_prefix_cache()
+        result["from_disk"] = run(core, prompts, "c")[0]
+        result["disk_hits"] = core.stats().kv_tiers["disk"]["hits"]
+    result["pool_whole"] = core.kv.num_free_blocks == core.kv.num_blocks
     executor.close()
     print("RESULT " + json.dumps(result), flush=True)
 """
@@ -79,15 +94,19 @@ for model, tp, dcp, pcp, chunk in jobs:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """name -> (directory, the transformers model)."""
+    """tiny model name -> (directory, the transformers model)."""
     root = tmp_path_factory.mktemp("cp")
-    return {name: (str(root / name), make_tiny_model(name, root / name)) for name, *_ in JOBS}
+    return {name: (str(root / name), make_tiny_model(name, root / name)) for name in {job[1] for job in JOBS}}
 
 
 @pytest.fixture(scope="module")
-def results(models):
+def results(models, tmp_path_factory):
     """Each job's outputs from the context-parallel engine (one driver process for all)."""
-    jobs = [(models[name][0], tp, dcp, pcp, chunk) for name, tp, dcp, pcp, chunk in JOBS]
+    disk = str(tmp_path_factory.mktemp("cp-disk-tier"))
+    jobs = [
+        (models[name][0], tp, dcp, pcp, chunk, {**more, "disk": disk} if more.get("disk") else more)
+        for _, name, tp, dcp, pcp, chunk, more in JOBS
+    ]
     done = subprocess.run(
         [sys.executable, "-c", _RUN, json.dumps(jobs), json.dumps(PROMPTS), json.dumps(SHARED), str(TOKENS)],
         capture_output=True,
@@ -102,15 +121,22 @@ def results(models):
 
 @pytest.mark.parametrize("job", JOBS, ids=[j[0] for j in JOBS])
 def test_same_tokens_as_one_process_and_logprobs_of_transformers(job, models, results):
-    name, _, _, _, chunk = job
+    job_id, name, _, _, _, chunk, _ = job
     directory, hf = models[name]
-    got = results[name]
+    got = results[job_id]
     core = make_core(directory, num_blocks=64, max_num_batched_tokens=chunk)
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     one = run_core(core, PROMPTS, params)
     assert [got["tokens"][str(i)] for i in range(len(PROMPTS))] == [one[str(i)] for i in range(len(PROMPTS))]
     assert got["shared"]["0"] == run_core(core, [SHARED], params)["0"]
     assert got["prefix_hits"] >= 48 and got["pool_whole"]
+    # MoE: the counters summed over the ranks count every token once, as one process does
+    assert {int(layer): sum(c) for layer, c in got["experts"].items()} == {
+        layer: sum(c) for layer, c in core.stats().expert_tokens.items()
+    }
+    if "disk_hits" in got:  # every full block of both prompts loaded from the ranks' files
+        assert got["from_disk"] == got["tokens"]
+        assert got["disk_hits"] == sum((len(p) - 1) // 16 * 16 for p in PROMPTS)
     # each rank stores half of every token's K/V
     assert got["kv_bytes_per_token"] * 2 == core.kv_cache_config.bytes_per_token
     assert got["comm_bytes"]["cp_all_gather"] > 0
@@ -152,7 +178,6 @@ def test_layouts_not_built_are_refused_by_name():
     for kwargs, flag in [
         (dict(cache=CacheConfig(block_size=15)), "--block-size 15"),
         (dict(cache=CacheConfig(cache_dtype="int8")), "--kv-cache-dtype"),
-        (dict(cache=CacheConfig(kv_cache_dir="/tmp/x")), "--kv-cache-dir"),
         (dict(speculative=SpeculativeConfig(method="ngram")), "--speculative-config"),
     ]:
         with pytest.raises(ValueError, match=flag):

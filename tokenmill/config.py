@@ -565,7 +565,6 @@ class EngineConfig:
             "--speculative-config": self.speculative,
             "--enable-lora / --lora-modules": self.lora,
             "--kv-role": self.kv_transfer,
-            "--kv-cache-dir": self.cache.kv_cache_dir,
             "--kv-offloading-size": self.cache.kv_offloading_size_gib,
             "--kv-cache-dtype int8 / fp8": self.cache.cache_dtype if _quantized_cache(self.cache.cache_dtype) else None,
         }

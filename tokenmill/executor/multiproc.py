@@ -18,7 +18,13 @@ import sys
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import parallel_state
 from tokenmill.executor.uniproc import UniProcExecutor
-from tokenmill.executor.worker_process import STARTED, join_and_load, process_main, rank_failure
+from tokenmill.executor.worker_process import (
+    STARTED,
+    context_parallel_expert_load,
+    join_and_load,
+    process_main,
+    rank_failure,
+)
 
 
 def _free_port() -> int:
@@ -110,6 +116,12 @@ class MultiprocExecutor(UniProcExecutor):
             self._stop_workers()
             raise
         super().__init__(config, loaded)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        if self.config.parallel.context_parallel_size == 1:
+            return super().expert_load()
+        self._share("experts")
+        return context_parallel_expert_load(self.runner)
 
     def check_health(self) -> None:
         dead = self.workers.dead()

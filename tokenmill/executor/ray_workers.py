@@ -1,4 +1,4 @@
-"""`RayWorkers`: the worker ranks of a tensor- or pipeline-parallel engine as Ray actors
+"""`RayWorkers`: the worker ranks of a tensor-, pipeline- or context-parallel engine as Ray actors
 (`--distributed-executor-backend ray`), one per bundle of a placement group (a CPU each, or a GPU
 each on CUDA), on a local Ray cluster this process starts on 127.0.0.1 unless Ray is already
 initialized here. The ranks still meet over torch.distributed on 127.0.0.1; each actor runs

@@ -125,6 +125,8 @@ def _serve_tensor_parallel(runner: ModelRunner) -> None:
                 connector.execute(payload, runner.execute)
             elif kind == "step":
                 runner.execute(payload)
+            elif kind == "experts":
+                context_parallel_expert_load(runner)
             elif kind == "kv":
                 runner.initialize_kv_cache(payload)
                 runner.warm_up()
@@ -134,6 +136,18 @@ def _serve_tensor_parallel(runner: ModelRunner) -> None:
     finally:
         if connector is not None:
             connector.close()
+
+
+def context_parallel_expert_load(runner: ModelRunner) -> dict[int, list[int]]:
+    """The MoE counts summed over the context-parallel ranks (every rank calls it): each rank counts
+    the rows it ran of a step split by prefill context parallelism, rank 0 alone a step every rank ran
+    whole (`ForwardContext.count_experts`), so the sum counts every token once."""
+    counts = runner.expert_load()
+    if not counts:  # a dense model: the same on every rank
+        return counts
+    layers = sorted(counts)
+    mine = torch.tensor([counts[layer] for layer in layers], device=runner.device)
+    return dict(zip(layers, parallel_state.cp_all_gather(mine).sum(0).tolist()))
 
 
 def process_main(config: EngineConfig, rank: int, init_method: str, report: Connection) -> None:

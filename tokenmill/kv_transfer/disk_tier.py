@@ -27,7 +27,8 @@ Tensor parallelism: each rank holds its share of every block (its heads), so eac
 writes and loads a file of its own, under its own key (`shard_key`: rank 0's is the block's key). The
 scheduler half, in the driver, reads every rank's file of a block before it counts the block as a
 hit (a block is a hit only when every rank's share is there and sound) and sends all shares along;
-each rank copies in its own.
+each rank copies in its own. Context parallelism is the same with a rank's stripe of a block's tokens
+for its share (`shard_rank`); the namespace holds the context-parallel size.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def tier_namespace(config, executor, layout: BlockLayout, cache_dir: Path) -> by
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
     }
+    if config.parallel.context_parallel_size > 1:  # only then: one process's files keep their keys
+        identity["context_parallel_size"] = config.parallel.context_parallel_size
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
 
 
@@ -152,8 +155,14 @@ def chain_key(parent: bytes, token_ids, salt: str | None = None) -> bytes:
 
 
 def shard_key(key: bytes, rank: int) -> bytes:
-    """Tensor-parallel rank `rank`'s key for its share of the block keyed `key` (rank 0: the same)."""
+    """Rank `rank`'s key for its share of the block keyed `key` (rank 0: the same)."""
     return key if rank == 0 else hashlib.sha256(key + b"tp-rank:" + rank.to_bytes(4, "little")).digest()
+
+
+def shard_rank() -> int:
+    """This worker's share of each block: its context-parallel rank (its stripe of the tokens; with
+    tensor parallelism sharing the ranks, the same number), else its tensor-parallel rank (its heads)."""
+    return parallel_state.cp_rank() if parallel_state.cp_size() > 1 else parallel_state.tp_rank()
 
 
 def block_layout(tensors: list[tuple[torch.Tensor, int]]) -> BlockLayout:
@@ -182,7 +191,7 @@ class DiskTierOutput(KVConnectorOutput):
 
 class DiskTierScheduler(KVConnectorScheduler):
     """`kv`: the engine's `KVCacheCoordinator`; `layout`: one block's slice of each cache tensor (on
-    every one of the `ranks` tensor-parallel ranks)."""
+    every one of the `ranks` tensor- or context-parallel ranks)."""
 
     def __init__(
         self,
@@ -373,7 +382,7 @@ class DiskTierScheduler(KVConnectorScheduler):
 
 class DiskTierWorker(KVConnectorWorker):
     """`tensors`: every cache tensor with the pool its blocks come from; `rank`: this worker's
-    tensor-parallel rank (the share of each block it copies, and the keys it writes under)."""
+    `shard_rank` (the share of each block it copies, and the keys it writes under)."""
 
     def __init__(self, writer: BlockWriter, tensors: list[tuple[torch.Tensor, int]], rank: int = 0) -> None:
         self.writer, self.tensors, self.rank = writer, tensors, rank
@@ -440,12 +449,12 @@ def disk_tier_scheduler(config, kv, executor) -> DiskTierScheduler:
         layout,
         config.cache.kv_disk_min_load_tokens,
         _capacity(config),
-        config.parallel.tensor_parallel_size,
+        max(config.parallel.tensor_parallel_size, config.parallel.context_parallel_size),
         any(window is not None for window in executor.runner.kv_cache_config.pool_windows),
     )
 
 
 def disk_tier_worker(config, runner) -> DiskTierWorker:
-    """The worker half over `runner`'s caches: on each tensor-parallel rank, its own share."""
+    """The worker half over `runner`'s caches: on each rank, its own share."""
     tensors = cache_tensors(runner)
-    return DiskTierWorker(BlockWriter(_directory(config), _capacity(config)), tensors, parallel_state.tp_rank())
+    return DiskTierWorker(BlockWriter(_directory(config), _capacity(config)), tensors, shard_rank())

@@ -33,6 +33,7 @@ from torch import nn
 from tokenmill.distributed import expert_parallel, parallel_state
 from tokenmill.kernels import triton_fused, triton_moe
 from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.forward_context import counts_experts
 from tokenmill.quantization.base import LinearMethod, dense
 
 # checkpoint names of one expert's projections -> (our parameter, shard of it)
@@ -250,10 +251,10 @@ class FusedMoE(nn.Module):
         """The routed experts' output, plus `shared` (always-on experts: an MLP with `partial`) times
         `shared_scale` when given. Under tensor parallelism both partial sums share one all-reduce."""
         weights, ids = select_experts(router_logits, self.routing, correction_bias)
-        counts = count_experts(
-            ids.flatten(), self.num_experts
-        )  # experts on the host (--cpu-moe): counted on the device
-        self.expert_tokens += counts.to(self.expert_tokens.device, non_blocking=True)
+        if counts_experts():
+            counts = count_experts(ids.flatten(), self.num_experts)
+            # experts on the host (--cpu-moe): counted on the device
+            self.expert_tokens += counts.to(self.expert_tokens.device, non_blocking=True)
         split = parallel_state.tp_size() > 1 and not self.expert_parallel
         if self.expert_parallel:
             out = expert_parallel.dispatch_and_combine(x, weights, ids, self.experts, self.run_experts)

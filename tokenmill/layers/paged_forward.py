@@ -19,6 +19,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_quant import SCALE_DTYPE, is_quantized
 from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig
 from tokenmill.attention.metadata import CommonAttentionMetadata, build_common_metadata
+from tokenmill.distributed import parallel_state
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.forward_context import ForwardContext, set_forward_context
 
@@ -101,8 +102,9 @@ class PagedForward:
             c.slot_mapping, c.device = slot_mapping, self.device
         # one backend metadata per (pool, sliding window): each group's layers read theirs
         metas = {key: self.backend.build_metadata(commons[key[0]], key[1]) for key in set(self.group_keys)}
-        context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)}, lora)
         split = self.backend.token_split(common)  # prefill context parallelism: this rank's tokens only
+        counted = split is not None or parallel_state.cp_rank() == 0  # each token once over the ranks
+        context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)}, lora, count_experts=counted)
         if split is not None:
             ids, positions = ids[split.mine], positions[split.mine]
         with set_forward_context(context):
