@@ -14,9 +14,12 @@ from helpers import all_logits, make_runner, make_tiny_model
 
 from tokenmill.config import OffloadConfig
 from tokenmill.engine_args import EngineArgs, add_engine_args
-from tokenmill.loader import load_model
+from tokenmill.loader import build_model, load_model, open_checkpoint
+from tokenmill.loader.source import resolve_model
+from tokenmill.quantization.unquantized import UnquantizedConfig
 from tokenmill.worker.offload import (
     apply_offload,
+    host_layer_planner,
     kept_tensors,
     layer_tensors,
     plan_cpu_moe,
@@ -78,13 +81,20 @@ def llama(tmp_path_factory):
     return str(directory)
 
 
+def _layer_bytes(model) -> int:
+    return sum(t.nbytes for t in layer_tensors(model.model.layers[0], kept_tensors(model, [])))
+
+
 def test_streamed_layers_give_the_model_s_logits(llama):
-    runner = make_runner(load_model(llama, dtype="float32"))
+    reference = make_runner(load_model(llama, dtype="float32"))
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
-    expected = [all_logits(runner, p) for p in prompts]
+    expected = [all_logits(reference, p) for p in prompts]
+    size = _layer_bytes(reference.model)
+    offload = OffloadConfig(cpu_offload_gb=3.5 * size / 2**30)
+    loaded = load_model(llama, dtype="float32", plan_host_layers=host_layer_planner(offload))
+    runner = make_runner(loaded)
     layers = list(runner.model.model.layers)
-    size = sum(t.nbytes for t in layer_tensors(layers[0], kept_tensors(runner.model, [])))
-    streamed = apply_offload(runner.model, OffloadConfig(cpu_offload_gb=3.5 * size / 2**30), CPU)
+    streamed = apply_offload(runner.model, offload, CPU, loaded.host_layers)
     assert sorted(streamed.pairs) == [0, 2, 3]  # three layers fit, spread; two slots between them
     weight = layers[2].self_attn.qkv_proj.weight
     assert weight.isnan().all()  # not resident: only its copy before the layer runs fills it
@@ -105,3 +115,29 @@ def test_experts_on_the_host_give_the_model_s_logits(tmp_path):
     torch.testing.assert_close(all_logits(runner, prompt), expected, rtol=0, atol=0)
     after = runner.expert_load()
     assert all(sum(after[i]) == 2 * sum(before[i]) for i in after)  # counted on the device as before
+
+
+def test_streamed_layers_are_built_and_loaded_in_host_memory(llama):
+    """With --cpu-offload-gb the streamed layers' weights never touch the device, so a model larger than
+    the device starts: the meta device stands in for a GPU (it holds no values, and the device bytes are
+    the bytes of the tensors on it); the streamed layers are built and loaded on the CPU, with the
+    checkpoint's values, as `load_model` does it."""
+    reference = load_model(llama, dtype="float32").model
+    offload = OffloadConfig(cpu_offload_gb=2.5 * _layer_bytes(reference) / 2**30)
+    ckpt = open_checkpoint(resolve_model(llama))
+    build = lambda host=(): build_model(
+        ckpt.config, UnquantizedConfig(), torch.float32, torch.device("meta"), None, host
+    )  # noqa: E731
+    host = host_layer_planner(offload)(build())
+    assert host == [1, 3]
+    model = build(host)
+    with torch.no_grad():
+        model.load_weights(ckpt.weights())
+    expected = dict(reference.named_parameters())
+    for name, t in model.named_parameters():
+        on_host = any(name.startswith(f"model.layers.{i}.") for i in host)
+        assert t.device.type == ("cpu" if on_host else "meta"), name
+        if on_host:
+            torch.testing.assert_close(t, expected[name], rtol=0, atol=0)
+    device_bytes = sum(t.nbytes for t in model.parameters() if t.is_meta)
+    assert device_bytes == sum(t.nbytes for t in reference.parameters()) - 2 * _layer_bytes(reference)

@@ -1,7 +1,9 @@
 """Hybrid CPU-GPU inference: weights kept in host memory beside a CUDA device (`OffloadConfig`).
 
-`--cpu-offload-gb N`: about N GiB of whole decoder layers live in pinned host memory. Their parameters
-point into two device slots (each as large as the largest such layer); a layer's weights are copied into
+`--cpu-offload-gb N`: about N GiB of whole decoder layers live in pinned host memory. The layers are
+chosen before the model is built (`host_layer_planner`, on the model built on the meta device), and
+built and loaded in host memory (`models.utils.decoder_layers`): their weights never touch the device,
+so a model larger than the device starts. Their parameters point into two device slots (each as large as the largest such layer); a layer's weights are copied into
 its slot on a side stream while the layers before it run, and the layer waits for its copy only when it
 starts. The plan and the schedule are pure functions: `plan_weight_offload` spreads the offloaded layers
 evenly over the model (a layer kept on the device runs between two streamed ones whenever there are
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -109,19 +112,70 @@ class Copier:
             torch.cuda.current_stream().wait_event(done)
 
 
+def host_layer_planner(offload) -> Callable[[nn.Module], list[int]]:
+    """For `load_model`: the decoder layers that `offload` (an `OffloadConfig`) streams from the host,
+    chosen on the model's shapes (built on the meta device): as many as fit, spread, leaving out the
+    experts that --cpu-moe keeps on the host anyway."""
+
+    def plan(model: nn.Module) -> list[int]:
+        kept = kept_tensors(model, host_experts(model, offload))
+        sizes = [sum(t.nbytes for t in layer_tensors(layer, kept)) for layer in model_layers(model)]
+        chosen = plan_weight_offload(sizes, int(offload.cpu_offload_gb * 2**30))
+        if not chosen:
+            logger.warning(
+                "cpu offload: %.2f GiB holds no whole decoder layer (%d bytes the smallest); nothing offloaded",
+                offload.cpu_offload_gb,
+                min(sizes),
+            )
+        return chosen
+
+    return plan
+
+
+def model_layers(model: nn.Module) -> list[nn.Module]:
+    layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
+    if not layers:
+        raise ValueError("cpu_offload_gb, cpu_moe and n_cpu_moe need a model made of decoder layers")
+    return layers
+
+
+def host_experts(model: nn.Module, offload) -> list[FusedMoE]:
+    """The MoE layers whose experts run on the host (--cpu-moe / --n-cpu-moe)."""
+    moe = {m.layer_index: m for m in model.modules() if isinstance(m, FusedMoE)}
+    if (offload.cpu_moe or offload.n_cpu_moe) and not moe:
+        raise ValueError("cpu_moe / n_cpu_moe: the model has no MoE layers")
+    return [moe[i] for i in plan_cpu_moe(list(moe), offload.cpu_moe, offload.n_cpu_moe)]
+
+
+def to_device_but_parameters(layer: nn.Module, device: torch.device, skip: set[int]) -> None:
+    """A layer built in host memory: its buffers and other tensors (a weight format's, counters) to the
+    device, where its forward reads them; the parameters stay, to be streamed, and so do the modules in
+    `skip` (ids: experts that run on the host)."""
+    for module in layer.modules():
+        if id(module) in skip:
+            continue
+        for name, t in list(vars(module).items()) + list(module._buffers.items()):
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device.type != device.type:
+                setattr(module, name, t.to(device))
+
+
 class StreamedLayers:
     """The offloaded layers of a model: host copies, device slots and the hooks that stream them."""
 
-    def __init__(self, model: nn.Module, layers: list[nn.Module], offloaded: list[int], device, kept: set[int]) -> None:
+    def __init__(
+        self, model: nn.Module, offloaded: list[int], device, kept: set[int], on_host: list[nn.Module]
+    ) -> None:
         self.device, self.copier = torch.device(device), Copier(torch.device(device))
+        layers, skip = model_layers(model), {id(m) for host in on_host for m in host.modules()}
         pin = self.device.type == "cuda"
         sizes = [sum(_aligned(t.nbytes) for t in layer_tensors(layers[i], kept)) for i in offloaded]
         slots = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(min(2, len(offloaded)))]
         self.pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for m, i in enumerate(offloaded):
             slot, offset, pairs = slots[m % 2], 0, []
+            to_device_but_parameters(layers[i], self.device, skip)
             for t in layer_tensors(layers[i], kept):
-                host = t.detach().to("cpu", copy=True)
+                host = t.detach().cpu()  # built there (`host_layer_planner`): no copy
                 host = host.pin_memory() if pin else host
                 view = slot[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
                 t.data = view  # the device storage it had is freed
@@ -178,30 +232,18 @@ def run_experts_on_host(moe: FusedMoE, device: torch.device) -> None:
     moe.forward = forward
 
 
-def apply_offload(model: nn.Module, offload, device: torch.device) -> StreamedLayers | None:
-    """Place the model's weights as `offload` (an `OffloadConfig`) asks: experts on the host first, then
-    the streamed layers chosen among what is left on the device. Returns the streaming (None: none)."""
-    layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
-    if not layers:
-        raise ValueError("cpu_offload_gb, cpu_moe and n_cpu_moe need a model made of decoder layers")
-    moe = {m.layer_index: m for m in model.modules() if isinstance(m, FusedMoE)}
-    if (offload.cpu_moe or offload.n_cpu_moe) and not moe:
-        raise ValueError("cpu_moe / n_cpu_moe: the model has no MoE layers")
-    on_host = [moe[i] for i in plan_cpu_moe(list(moe), offload.cpu_moe, offload.n_cpu_moe)]
+def apply_offload(
+    model: nn.Module, offload, device: torch.device, streamed: tuple[int, ...] = ()
+) -> StreamedLayers | None:
+    """Place the model's weights as `offload` (an `OffloadConfig`) asks: experts on the host, and the
+    decoder layers `streamed` (built in host memory by the loader, as `host_layer_planner` chose them)
+    streamed from there. Returns the streaming (None: none)."""
+    model_layers(model)  # refuses a model without decoder layers
+    on_host = host_experts(model, offload)
     for m in on_host:
         run_experts_on_host(m, device)
     if on_host:
         logger.info("cpu moe: the experts of layers %s run on the host", [m.layer_index for m in on_host])
-    if not offload.cpu_offload_gb:
+    if not streamed:
         return None
-    kept = kept_tensors(model, on_host)
-    sizes = [sum(t.nbytes for t in layer_tensors(layer, kept)) for layer in layers]
-    chosen = plan_weight_offload(sizes, int(offload.cpu_offload_gb * 2**30))
-    if not chosen:
-        logger.warning(
-            "cpu offload: %.2f GiB holds no whole decoder layer (%d bytes the smallest); nothing offloaded",
-            offload.cpu_offload_gb,
-            min(sizes),
-        )
-        return None
-    return StreamedLayers(model, layers, chosen, device, kept)
+    return StreamedLayers(model, list(streamed), device, kept_tensors(model, on_host), on_host)
