@@ -10,16 +10,17 @@ import math
 
 import pytest
 import torch
-from helpers import all_logits, make_runner, make_tiny_model
+from helpers import all_logits, make_runner, make_tiny_model, write_tiny_gguf
 
 from tokenmill.config import OffloadConfig
 from tokenmill.engine_args import EngineArgs, add_engine_args
+from tokenmill.layers.host_placement import NOTHING, HostPlacement
 from tokenmill.loader import build_model, load_model, open_checkpoint
 from tokenmill.loader.source import resolve_model
 from tokenmill.quantization.unquantized import UnquantizedConfig
 from tokenmill.worker.offload import (
     apply_offload,
-    host_layer_planner,
+    host_placement_planner,
     kept_tensors,
     layer_tensors,
     plan_cpu_moe,
@@ -91,10 +92,10 @@ def test_streamed_layers_give_the_model_s_logits(llama):
     expected = [all_logits(reference, p) for p in prompts]
     size = _layer_bytes(reference.model)
     offload = OffloadConfig(cpu_offload_gb=3.5 * size / 2**30)
-    loaded = load_model(llama, dtype="float32", plan_host_layers=host_layer_planner(offload))
+    loaded = load_model(llama, dtype="float32", plan_host=host_placement_planner(offload))
     runner = make_runner(loaded)
     layers = list(runner.model.model.layers)
-    streamed = apply_offload(runner.model, offload, CPU, loaded.host_layers)
+    streamed = apply_offload(runner.model, offload, CPU, loaded.host)
     assert sorted(streamed.pairs) == [0, 2, 3]  # three layers fit, spread; two slots between them
     weight = layers[2].self_attn.qkv_proj.weight
     assert weight.isnan().all()  # not resident: only its copy before the layer runs fills it
@@ -125,19 +126,44 @@ def test_streamed_layers_are_built_and_loaded_in_host_memory(llama):
     reference = load_model(llama, dtype="float32").model
     offload = OffloadConfig(cpu_offload_gb=2.5 * _layer_bytes(reference) / 2**30)
     ckpt = open_checkpoint(resolve_model(llama))
-    build = lambda host=(): build_model(
+    build = lambda host=NOTHING: build_model(
         ckpt.config, UnquantizedConfig(), torch.float32, torch.device("meta"), None, host
     )  # noqa: E731
-    host = host_layer_planner(offload)(build())
-    assert host == [1, 3]
+    host = host_placement_planner(offload)(build())
+    assert host == HostPlacement(layers=frozenset({1, 3}))
     model = build(host)
     with torch.no_grad():
         model.load_weights(ckpt.weights())
     expected = dict(reference.named_parameters())
     for name, t in model.named_parameters():
-        on_host = any(name.startswith(f"model.layers.{i}.") for i in host)
+        on_host = any(name.startswith(f"model.layers.{i}.") for i in host.layers)
         assert t.device.type == ("cpu" if on_host else "meta"), name
         if on_host:
             torch.testing.assert_close(t, expected[name], rtol=0, atol=0)
     device_bytes = sum(t.nbytes for t in model.parameters() if t.is_meta)
     assert device_bytes == sum(t.nbytes for t in reference.parameters()) - 2 * _layer_bytes(reference)
+
+
+def test_quantized_experts_on_the_host_run_the_cpu_block_kernels(tmp_path):
+    """--n-cpu-moe on a GGUF file with Q8_0 / Q4_0 experts: the host layer's experts are built in host
+    memory in the file's blocks (not dense, as the device's copy of the model is) and run on the CPU block
+    kernels, giving the logits of the model whose experts are dequantized (float32 activations: the same
+    weights, other sums); the other MoE layer's experts stay dense."""
+    hf = make_tiny_model("mixtral", tmp_path)
+    path = str(tmp_path / "m.gguf")
+    write_tiny_gguf(hf, path, {"ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q8_0"})
+    reference = make_runner(load_model(path, dtype="float32"))
+    offload = OffloadConfig(n_cpu_moe=1)
+    loaded = load_model(path, dtype="float32", plan_host=host_placement_planner(offload))
+    assert loaded.host == HostPlacement(experts=frozenset({0}))
+    runner = make_runner(loaded)
+    apply_offload(runner.model, offload, CPU, loaded.host)
+    first, second = sorted(runner.moe_layers, key=lambda m: m.layer_index)
+    assert isinstance(first.w13, torch.nn.ModuleList) and first.w13[0].codes.dtype == torch.int8  # Q8_0 / Q4_0 -> 8-bit
+    assert isinstance(second.w13, torch.nn.Parameter)
+    for prompt in ([5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [7]):
+        expected = all_logits(reference, prompt)
+        torch.testing.assert_close(
+            all_logits(runner, prompt), expected, rtol=0, atol=1e-4 * expected.abs().max().item()
+        )
+    assert sum(runner.expert_load()[first.layer_index]) > 0  # counted on the device

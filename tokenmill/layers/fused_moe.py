@@ -32,6 +32,7 @@ from torch import nn
 
 from tokenmill.distributed import expert_parallel, parallel_state
 from tokenmill.kernels import triton_fused, triton_moe
+from tokenmill.layers import host_placement
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.quantization.base import LinearMethod, dense
 
@@ -151,6 +152,12 @@ class FusedMoE(nn.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         local, share = len(self.experts), len(range(intermediate_size)[self.columns])
         self.share = share
+        with host_placement.on_host(self.layer_index in host_placement.current().experts):  # --cpu-moe
+            self._create_experts(local, share, hidden_size, bias)
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def _create_experts(self, local: int, share: int, hidden_size: int, bias: bool) -> None:
+        method, prefix = self.method, self.prefix
         if method is None:
             self.w13 = nn.Parameter(torch.empty(local, 2 * share, hidden_size), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(local, hidden_size, share), requires_grad=False)
@@ -163,7 +170,6 @@ class FusedMoE(nn.Module):
             )
         self.w13_bias = nn.Parameter(torch.zeros(local, 2 * share), requires_grad=False) if bias else None
         self.w2_bias = nn.Parameter(torch.zeros(local, hidden_size), requires_grad=False) if bias else None
-        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def inactive_parameters(self) -> int:
         """Expert parameters a token does not use (it runs top_k of the num_experts)."""
@@ -197,9 +203,17 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"has shape {tuple(src.shape)}, expected {want}")
         rows = slice(part * self.share, (part + 1) * self.share) if kind.startswith("w13") else slice(None)
         if kind in ("w13", "w2") and self.method is not None:
-            if expert is None:
-                raise ValueError("holds every expert in one tensor; a quantized expert format loads them one by one")
             src_rows, src_cols = (self.columns, slice(None)) if kind == "w13" else (slice(None), self.columns)
+            if expert is None:  # every expert in one tensor (GGUF): each one's part of it
+                if not hasattr(weight, "expert"):
+                    raise ValueError(
+                        "holds every expert in one tensor; a quantized expert format loads them one by one"
+                    )
+                for e in self.experts:
+                    self.method.load(
+                        getattr(self, kind)[e - self.experts.start], weight.expert(e), rows, src_rows, src_cols
+                    )
+                return
             module = getattr(self, kind)[expert - self.experts.start]
             self.method.load(module, weight, rows, src_rows, src_cols)
             return

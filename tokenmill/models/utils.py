@@ -12,21 +12,17 @@ parameters are copied. Every expected tensor must arrive.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Callable, Iterable, Iterator
-from contextvars import ContextVar
 
-import torch
 from torch import nn
 
 from tokenmill.distributed.pipeline import PPMissingLayer
+from tokenmill.layers import host_placement
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.fused_moe import EXPERT_PROJECTIONS
 from tokenmill.layers.linear import LinearBase
 from tokenmill.quantization.unquantized import load_dense
-
-_HOST_LAYERS: ContextVar[frozenset[int]] = ContextVar("host_layers", default=frozenset())
 
 Shard = int | tuple[int | None, int] | None  # a fused layer's part; (expert, part) for experts
 Target = tuple[str, str, Shard]  # (module name, "weight" / "bias" / parameter name, shard)
@@ -35,25 +31,13 @@ _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.(weight|bias)$")
 _ALL_EXPERTS = re.compile(r"(.*\.experts)\.(\w+)\.(weight|bias)$")  # one tensor holding every expert (GGUF)
 
 
-@contextlib.contextmanager
-def layers_on_host(indices: Iterable[int]) -> Iterator[None]:
-    """Models built inside this build decoder layers `indices` in host memory (`decoder_layers`)."""
-    token = _HOST_LAYERS.set(frozenset(indices))
-    try:
-        yield
-    finally:
-        _HOST_LAYERS.reset(token)
-
-
 def decoder_layers(num_layers: int, make: Callable[[int], nn.Module]) -> list[nn.Module]:
     """`make(i)` for every decoder layer, on the device the model is built on, except the layers that
-    `layers_on_host` names, built under `torch.device("cpu")`: --cpu-offload-gb's streamed layers, whose
-    weights are then loaded straight into host memory and never held by the device (a model larger than
-    the device can start)."""
-    host = _HOST_LAYERS.get()
+    --cpu-offload-gb streams (`layers.host_placement`), built in host memory."""
+    host = host_placement.current().layers
     layers = []
     for i in range(num_layers):
-        with torch.device("cpu") if i in host else contextlib.nullcontext():
+        with host_placement.on_host(i in host):
             layers.append(make(i))
     return layers
 

@@ -64,9 +64,7 @@ class ModelRunner(PagedForward):
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         # hybrid CPU-GPU: experts run on the host, layers streamed from it (CUDA only; the config refuses others)
         self.streamed_layers = (
-            apply_offload(self.model, config.offload, self.device, loaded.host_layers)
-            if config.offload.active
-            else None
+            apply_offload(self.model, config.offload, self.device, loaded.host) if config.offload.active else None
         )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}

@@ -1,8 +1,8 @@
 """Hybrid CPU-GPU inference: weights kept in host memory beside a CUDA device (`OffloadConfig`).
 
 `--cpu-offload-gb N`: about N GiB of whole decoder layers live in pinned host memory. The layers are
-chosen before the model is built (`host_layer_planner`, on the model built on the meta device), and
-built and loaded in host memory (`models.utils.decoder_layers`): their weights never touch the device,
+chosen before the model is built (`host_placement_planner`, on the model built on the meta device),
+and built and loaded in host memory (`layers.host_placement`): their weights never touch the device,
 so a model larger than the device starts. Their parameters point into two device slots (each as large as the largest such layer); a layer's weights are copied into
 its slot on a side stream while the layers before it run, and the layer waits for its copy only when it
 starts. The plan and the schedule are pure functions: `plan_weight_offload` spreads the offloaded layers
@@ -12,8 +12,9 @@ offloaded layer's at the step's start, each next one's as the one before it star
 the copy into a slot starts only after everything queued before it (the slot's previous user, two
 offloaded layers back, included) — the side stream waits for the compute stream first.
 
-`--cpu-moe` / `--n-cpu-moe N`: the experts of every (or the first N) MoE layers live on the host and run
-there with the CPU expert code; the router, attention, shared experts and dense layers stay on the
+`--cpu-moe` / `--n-cpu-moe N`: the experts of every (or the first N) MoE layers are built and loaded on
+the host and run there with the CPU expert code (a GGUF file's quantized experts keep their blocks and
+run on the CPU block kernels, in float32); the router, attention, shared experts and dense layers stay on the
 device, and each such layer's hidden states and router logits cross to the host and its routed output
 comes back.
 
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.host_placement import NOTHING, HostPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +114,16 @@ class Copier:
             torch.cuda.current_stream().wait_event(done)
 
 
-def host_layer_planner(offload) -> Callable[[nn.Module], list[int]]:
-    """For `load_model`: the decoder layers that `offload` (an `OffloadConfig`) streams from the host,
-    chosen on the model's shapes (built on the meta device): as many as fit, spread, leaving out the
-    experts that --cpu-moe keeps on the host anyway."""
+def host_placement_planner(offload) -> Callable[[nn.Module], HostPlacement]:
+    """For `load_model`: what `offload` (an `OffloadConfig`) keeps in host memory, chosen on the model's
+    shapes (built on the meta device): the MoE layers' experts --cpu-moe / --n-cpu-moe name, and as many
+    decoder layers as --cpu-offload-gb holds, spread, counted without those experts."""
 
-    def plan(model: nn.Module) -> list[int]:
-        kept = kept_tensors(model, host_experts(model, offload))
+    def plan(model: nn.Module) -> HostPlacement:
+        experts = host_experts(model, offload)
+        if not offload.cpu_offload_gb:
+            return HostPlacement(experts=frozenset(m.layer_index for m in experts))
+        kept = kept_tensors(model, experts)
         sizes = [sum(t.nbytes for t in layer_tensors(layer, kept)) for layer in model_layers(model)]
         chosen = plan_weight_offload(sizes, int(offload.cpu_offload_gb * 2**30))
         if not chosen:
@@ -127,7 +132,7 @@ def host_layer_planner(offload) -> Callable[[nn.Module], list[int]]:
                 offload.cpu_offload_gb,
                 min(sizes),
             )
-        return chosen
+        return HostPlacement(frozenset(chosen), frozenset(m.layer_index for m in experts))
 
     return plan
 
@@ -175,7 +180,7 @@ class StreamedLayers:
             slot, offset, pairs = slots[m % 2], 0, []
             to_device_but_parameters(layers[i], self.device, skip)
             for t in layer_tensors(layers[i], kept):
-                host = t.detach().cpu()  # built there (`host_layer_planner`): no copy
+                host = t.detach().cpu()  # built there (`host_placement_planner`): no copy
                 host = host.pin_memory() if pin else host
                 view = slot[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
                 t.data = view  # the device storage it had is freed
@@ -209,12 +214,15 @@ class StreamedLayers:
 
 
 def run_experts_on_host(moe: FusedMoE, device: torch.device) -> None:
-    """Move `moe`'s experts to the host and have its forward run there: the routed experts on the CPU,
-    the shared experts (an MLP of the device) on the device; the token counters stay on the device."""
-    if isinstance(moe.w13, nn.ModuleList):
+    """Have `moe`'s forward run its routed experts on the host (moved there, if the loader did not build
+    them there) and the shared experts (an MLP of the device) on the device; the token counters stay on
+    the device. Quantized experts (a GGUF file's blocks) run on the CPU block kernels, which take float32
+    activations; dense ones in their own dtype."""
+    quantized = isinstance(moe.w13, nn.ModuleList)
+    if quantized and any(t.device.type != "cpu" for t in moe.buffers() if t is not moe.expert_tokens):
         raise ValueError(
-            f"{moe.prefix}: --cpu-moe / --n-cpu-moe run dense experts; this model's experts are in a "
-            "quantized format whose CPU kernels it was not loaded for"
+            f"{moe.prefix}: --cpu-moe / --n-cpu-moe: quantized experts are built on the host by the loader "
+            "(load_model's plan_host); these were loaded for the device"
         )
     counters = moe.expert_tokens
     moe.to("cpu")
@@ -223,7 +231,8 @@ def run_experts_on_host(moe: FusedMoE, device: torch.device) -> None:
 
     def forward(x, router_logits, correction_bias=None, shared=None, shared_scale=None):
         bias = None if correction_bias is None else correction_bias.to("cpu")
-        out = host_forward(x.to("cpu"), router_logits.to("cpu"), bias).to(device)
+        rows = x.to("cpu", torch.float32) if quantized else x.to("cpu")
+        out = host_forward(rows, router_logits.to("cpu"), bias).to(device, x.dtype)
         if shared is not None:
             always = shared(x)
             out = out + (always if shared_scale is None else shared_scale * always)
@@ -233,17 +242,17 @@ def run_experts_on_host(moe: FusedMoE, device: torch.device) -> None:
 
 
 def apply_offload(
-    model: nn.Module, offload, device: torch.device, streamed: tuple[int, ...] = ()
+    model: nn.Module, offload, device: torch.device, host: HostPlacement = NOTHING
 ) -> StreamedLayers | None:
     """Place the model's weights as `offload` (an `OffloadConfig`) asks: experts on the host, and the
-    decoder layers `streamed` (built in host memory by the loader, as `host_layer_planner` chose them)
-    streamed from there. Returns the streaming (None: none)."""
+    decoder layers `host.layers` (built in host memory by the loader, as `host_placement_planner` chose
+    them) streamed from there. Returns the streaming (None: none)."""
     model_layers(model)  # refuses a model without decoder layers
     on_host = host_experts(model, offload)
     for m in on_host:
         run_experts_on_host(m, device)
     if on_host:
         logger.info("cpu moe: the experts of layers %s run on the host", [m.layer_index for m in on_host])
-    if not streamed:
+    if not host.layers:
         return None
-    return StreamedLayers(model, list(streamed), device, kept_tensors(model, on_host), on_host)
+    return StreamedLayers(model, sorted(host.layers), device, kept_tensors(model, on_host), on_host)
