@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
+import numpy as np
 import pytest
 import torch
 from helpers import all_logits, make_runner, make_tiny_model, write_tiny_gguf
@@ -96,12 +97,27 @@ def test_streamed_layers_give_the_model_s_logits(llama):
     runner = make_runner(loaded)
     layers = list(runner.model.model.layers)
     streamed = apply_offload(runner.model, offload, CPU, loaded.host)
+    runner.model.model.compiled_decode = (None, None)  # make_runner's warm-up built it; ModelRunner places first
     assert sorted(streamed.pairs) == [0, 2, 3]  # three layers fit, spread; two slots between them
     weight = layers[2].self_attn.qkv_proj.weight
     assert weight.isnan().all()  # not resident: only its copy before the layer runs fills it
     for prompt, logits in zip(prompts, expected):  # twice: the slots are reused from step to step
         torch.testing.assert_close(all_logits(runner, prompt), logits, rtol=0, atol=0)
     assert math.isclose(streamed.bytes, 3 * size)
+    # a decode step: layer by layer (a compiled step would run past the layers' hooks), so within rounding
+    # of the reference's compiled step
+    torch.testing.assert_close(
+        _decode_logits(runner, prompts[1]), _decode_logits(reference, prompts[1]), rtol=0, atol=1e-5
+    )
+
+
+def _decode_logits(runner, prompt: list[int]) -> torch.Tensor:
+    """The logits of one decode step of token 7 after `prompt` (prefilled into blocks from 0)."""
+    all_logits(runner, prompt)
+    blocks = [list(range(-(-(len(prompt) + 1) // runner.kv_cache_config.block_size)))]
+    with torch.inference_mode():
+        hidden, _ = runner.forward(np.array([7]), np.array([1]), np.array([len(prompt)]), [blocks])
+        return runner.model.compute_logits(hidden)
 
 
 def test_experts_on_the_host_give_the_model_s_logits(tmp_path):

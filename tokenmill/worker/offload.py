@@ -193,6 +193,7 @@ class StreamedLayers:
         model.register_forward_pre_hook(lambda *_: self._start(None))
         for i in offloaded:
             layers[i].register_forward_pre_hook(functools.partial(self._enter, i))
+            layers[i].decode_parts = lambda: None  # no compiled decode step: it would skip the hook
         self.bytes = sum(t.nbytes for pairs in self.pairs.values() for t, _ in pairs)
         logger.info(
             "cpu offload: %.2f GiB of weights in host memory, decoder layers %s streamed through 2 slots of %.2f GiB",
