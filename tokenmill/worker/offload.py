@@ -3,9 +3,9 @@
 `--cpu-offload-gb N`: about N GiB of whole decoder layers live in pinned host memory. The layers are
 chosen before the model is built (`host_placement_planner`, on the model built on the meta device),
 and built and loaded in host memory (`layers.host_placement`): their weights never touch the device,
-so a model larger than the device starts. Their parameters point into two device slots (each as large as the largest such layer); a layer's weights are copied into
-its slot on a side stream while the layers before it run, and the layer waits for its copy only when it
-starts. The plan and the schedule are pure functions: `plan_weight_offload` spreads the offloaded layers
+so a model larger than the device starts. Their parameters point into two device slots (each as large
+as the largest such layer); a layer's weights are copied into its slot on a side stream while the
+layers before it run, and the layer waits for its copy only when it starts. The plan and the schedule are pure functions: `plan_weight_offload` spreads the offloaded layers
 evenly over the model (a layer kept on the device runs between two streamed ones whenever there are
 enough, and the copy hides behind it); `prefetch_schedule` says which copy starts when — the first
 offloaded layer's at the step's start, each next one's as the one before it starts. Two slots suffice:
@@ -14,9 +14,9 @@ offloaded layers back, included) — the side stream waits for the compute strea
 
 `--cpu-moe` / `--n-cpu-moe N`: the experts of every (or the first N) MoE layers are built and loaded on
 the host and run there with the CPU expert code (a GGUF file's quantized experts keep their blocks and
-run on the CPU block kernels, in float32); the router, attention, shared experts and dense layers stay on the
-device, and each such layer's hidden states and router logits cross to the host and its routed output
-comes back.
+run on the CPU block kernels, in float32); the router, attention, shared experts and dense layers stay
+on the device, and each such layer's hidden states and router logits cross to the host and its routed
+output comes back.
 
 On a CPU "device" (the tests) everything works the same with host tensors on both sides and no streams,
 so the bookkeeping (slots, views, the order of copies) is checked against the model without offload.
@@ -227,7 +227,9 @@ def run_experts_on_host(moe: FusedMoE, device: torch.device) -> None:
         )
     counters = moe.expert_tokens
     moe.to("cpu")
-    moe.expert_tokens = counters  # on the device, read with the other layers' in one copy
+    # on the device (a layer streamed from the host was built with them there), read with the other
+    # layers' in one copy
+    moe.expert_tokens = counters.to(device)
     host_forward = moe.forward
 
     def forward(x, router_logits, correction_bias=None, shared=None, shared_scale=None):
