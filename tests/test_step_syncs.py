@@ -265,3 +265,6 @@ def test_a_forward_from_the_staged_buffer_gives_the_same_logits(llama):
     runner.inputs = StepInputs(torch.device("cpu"), direct=False)
     assert torch.equal(all_logits(runner, prompt), expected)
     assert len(runner.inputs.hosts) == 1  # it went through the staging buffer
+    with torch.inference_mode():
+        _, common = runner.forward(np.array(prompt[:3]), np.array([3]), np.array([0]), [[[0]]])
+    assert common.stage is None  # metadata built from it after the step's copy (a drafter's) goes up on its own

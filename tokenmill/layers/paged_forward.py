@@ -103,6 +103,8 @@ class PagedForward:
         # one backend metadata per (pool, sliding window): each group's layers read theirs
         metas = {key: self.backend.build_metadata(commons[key[0]], key[1]) for key in set(self.group_keys)}
         self.inputs.send()
+        for c in commons:  # metadata built from them later (a drafter's) goes up on its own
+            c.stage = None
         context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)}, lora)
         split = self.backend.token_split(common)  # prefill context parallelism: this rank's tokens only
         if split is not None:
