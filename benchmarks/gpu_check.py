@@ -8,7 +8,8 @@
 prefill and prefix hits against transformers' greedy continuations (float32: token for token), seeded
 sampling (the same tokens alone and in a batch), n-gram speculation with logprobs (the tokens and
 logprobs of the run without it; the host-device synchronizations of each of its steps, aiming at one),
---cpu-offload-gb and --cpu-moe against the resident model (greedy tokens).
+--cpu-offload-gb and --cpu-moe (dense experts, and a GGUF file's quantized ones on the CPU block kernels)
+against the resident model (greedy tokens; on CPU through the same loader plan and placement).
 (b) speed: an 8B-shaped Llama (Llama-3-8B's shapes, random bfloat16 weights built on the device; no
 download): batch-1 decode in ms per token against the bandwidth floor (weight bytes / the measured
 device copy bandwidth), and 64 concurrent requests of 512 prompt / 256 output tokens in output tokens
@@ -259,29 +260,64 @@ def check_engine(hf, path: Path, device: torch.device, eager: bool) -> None:
 
 
 def tiny_moe_model(directory: Path):
-    tiny_hf_model(directory, "MixtralConfig", num_local_experts=4, num_experts_per_tok=2)
+    return tiny_hf_model(directory, "MixtralConfig", num_local_experts=4, num_experts_per_tok=2)
+
+
+def hybrid_engine(model, device: torch.device, offload, loaded=None):
+    """An engine whose weights sit as `offload` places them (loaded by the plan: the host's weights built
+    there, never on the device). On CUDA the engine's own path; on CPU (the dry run), where the config
+    refuses the flags, the same loader plan and `apply_offload` on an engine built without them."""
+    from tokenmill.loader import load_model
+    from tokenmill.worker.offload import apply_offload, host_placement_planner
+
+    if device.type == "cuda":
+        return engine(model, str(device), "float32", eager=True, offload=offload)
+    loaded = load_model(str(model), "float32", device, plan_host=host_placement_planner(offload))
+    core = engine(model, str(device), "float32", eager=True, loaded=loaded)
+    runner = core.executor.runner
+    runner.streamed_layers = apply_offload(runner.model, offload, device, loaded.host)
+    return core
 
 
 def check_hybrid(path: Path, device: torch.device) -> None:
-    """--cpu-offload-gb (every layer streamed) and --cpu-moe give the greedy tokens of the model without."""
+    """--cpu-offload-gb (every layer streamed), --cpu-moe (dense experts, and a GGUF file's Q8_0 / Q4_0
+    experts on the CPU block kernels) give the greedy tokens of the model without."""
     from tokenmill.config import OffloadConfig
     from tokenmill.sampling_params import SamplingParams
 
-    if device.type != "cuda":
-        report("hybrid CPU-GPU (--cpu-offload-gb, --cpu-moe)", "SKIP", "CUDA only")
-        return
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [(5 * i) % 251 + 1 for i in range(40)]]
     moe = path / "moe"
-    tiny_moe_model(moe)
-    for name, model, offload in (
+    moe_hf = tiny_moe_model(moe)
+    cases = [
         ("--cpu-offload-gb (every layer streamed)", path, OffloadConfig(cpu_offload_gb=1.0)),
         ("--cpu-moe", moe, OffloadConfig(cpu_moe=True)),
-    ):
+    ]
+    if missing("gguf"):
+        report("--cpu-moe, GGUF experts on the CPU block kernels", "SKIP", "needs gguf (to write the file)")
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from helpers import write_tiny_gguf
+
+        write_tiny_gguf(
+            moe_hf, path / "moe.gguf", {"ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q8_0"}
+        )
+        cases.append(
+            ("--cpu-moe, GGUF experts on the CPU block kernels", path / "moe.gguf", OffloadConfig(cpu_moe=True))
+        )
+    for name, model, offload in cases:
         plain = engine(model, str(device), "float32", eager=True)
-        hybrid = engine(model, str(device), "float32", eager=True, offload=offload)
+        hybrid = hybrid_engine(model, device, offload)
+        runner = hybrid.executor.runner
+        placed = (
+            runner.streamed_layers is not None if offload.cpu_offload_gb else "forward" in vars(runner.moe_layers[0])
+        )
         want, got = run(plain, prompts, greedy)[0], run(hybrid, prompts, greedy)[0]
-        report(f"{name} = resident", "PASS" if want == got else "FAIL", f"{got[0][:6]}... vs {want[0][:6]}...")
+        report(
+            f"{name} = resident",
+            "PASS" if want == got and placed else "FAIL",
+            f"{got[0][:6]}... vs {want[0][:6]}...{'' if placed else ' (nothing was placed on the host)'}",
+        )
         for c in (plain, hybrid):
             c.executor.close()
 
@@ -308,15 +344,23 @@ def correctness(args) -> None:
 # ---- (b) speed -------------------------------------------------------------------------------------
 
 
-def random_llama(shape: dict, device: torch.device):
-    """A Llama of `shape` with random bfloat16 weights made on the device (no checkpoint)."""
+def random_llama(shape: dict, device: torch.device, offload=None):
+    """A Llama of `shape` with random bfloat16 weights made on the device (no checkpoint); with `offload`
+    (an `OffloadConfig`), the weights it keeps on the host made there, as the loader's plan places them."""
+    from tokenmill.layers.host_placement import NOTHING
     from tokenmill.loader import LoadedModel, build_model
     from tokenmill.loader.source import ModelSource
     from tokenmill.models.registry import config_from_hf_dict
     from tokenmill.quantization.unquantized import UnquantizedConfig
+    from tokenmill.worker.offload import host_placement_planner
 
     config = config_from_hf_dict(dict(shape, architectures=["LlamaForCausalLM"], model_type="llama"))
-    net = build_model(config, UnquantizedConfig(), torch.bfloat16, device)
+    host = NOTHING
+    if offload is not None:
+        host = host_placement_planner(offload)(
+            build_model(config, UnquantizedConfig(), torch.bfloat16, torch.device("meta"))
+        )
+    net = build_model(config, UnquantizedConfig(), torch.bfloat16, device, host=host)
     with torch.no_grad():
         for p in net.parameters():
             p.normal_(0, 0.02)
@@ -324,7 +368,8 @@ def random_llama(shape: dict, device: torch.device):
             if hasattr(module, "quant_method"):
                 module.quant_method.process_after_loading(module)
     net.eval()
-    return LoadedModel(net, config, ModelSource("hf", Path("random"), "random-llama"), torch.bfloat16, device, "none")
+    source = ModelSource("hf", Path("random"), "random-llama")
+    return LoadedModel(net, config, source, torch.bfloat16, device, "none", host)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -447,7 +492,11 @@ def speed(args) -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    offload_speed(loaded, device, weight_bytes, resident_ms)
+    del loaded  # the offloaded run builds its own model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    offload_speed(LLAMA_TINY if dry else LLAMA_8B, device, weight_bytes, resident_ms)
 
 
 def host_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -463,28 +512,40 @@ def host_bandwidth(device: torch.device, nbytes: int) -> float:
     return 3 * nbytes / (time.perf_counter() - start)
 
 
-def offload_speed(loaded, device: torch.device, weight_bytes: int, resident_ms: float) -> None:
-    """Batch-1 decode with a quarter of the weights streamed from the host (--cpu-offload-gb), against the
-    resident run and the floor of the copies (offloaded bytes / pinned host-to-device bandwidth). It
-    moves the model's layers to the host for good: the last run of the speed section."""
+def offload_speed(shape: dict, device: torch.device, weight_bytes: int, resident_ms: float) -> None:
+    """Batch-1 decode with a quarter of the weights streamed from the host (--cpu-offload-gb: a model
+    built with those layers in host memory, as the loader's plan does), against the resident run and the
+    floor of the copies (offloaded bytes / pinned host-to-device bandwidth). On CPU (the dry run) the same
+    plan and streaming, placed on an engine built without the flag (the config refuses it there)."""
     from tokenmill.config import OffloadConfig
     from tokenmill.engine.request import EngineCoreRequest
     from tokenmill.sampling_params import SamplingParams
+    from tokenmill.worker.offload import apply_offload
 
-    if device.type != "cuda":
-        report("batch-1 decode, --cpu-offload-gb", "SKIP", "CUDA only")
-        return
-    gib = weight_bytes / 4 / 2**30
-    core, _ = speed_engine(loaded, device, True, False, OffloadConfig(cpu_offload_gb=gib))
+    gib = weight_bytes / (4 if device.type == "cuda" else 2) / 2**30  # the dry run's: one of its two layers
+    offload = OffloadConfig(cpu_offload_gb=gib)
+    loaded = random_llama(shape, device, offload)
+    on_device = sum(p.nbytes for p in loaded.model.parameters() if p.device == device)
+    if device.type == "cuda":
+        core, _ = speed_engine(loaded, device, True, False, offload)
+    else:
+        core, _ = speed_engine(loaded, device, True, True)
+        runner = core.executor.runner
+        runner.streamed_layers = apply_offload(runner.model, offload, device, loaded.host)
     streamed = core.executor.runner.streamed_layers
-    copy_ms = streamed.bytes / host_bandwidth(device, 2**30) * 1e3
+    if streamed is None:
+        report(f"batch-1 decode, --cpu-offload-gb {gib:.2f}", "FAIL", "no layer was placed on the host")
+        return
+    copy_ms = streamed.bytes / host_bandwidth(device, 2**30) * 1e3 if device.type == "cuda" else None
     core.add_request(EngineCoreRequest("off", list(range(128)), SamplingParams(max_tokens=32, temperature=0)))
     ms = statistics.median(timed_steps(core, device)[1:]) * 1e3
+    copies = f"; copying them takes {copy_ms:.2f} ms a token at the measured pinned bandwidth" if copy_ms else ""
     report(
-        f"batch-1 decode, --cpu-offload-gb {gib:.1f} (eager)",
+        f"batch-1 decode, --cpu-offload-gb {gib:.2f} (eager)",
         "INFO",
-        f"{ms:.2f} ms/token vs {resident_ms:.2f} resident; copying {streamed.bytes / 2**30:.2f} GiB a token "
-        f"takes {copy_ms:.2f} ms at the measured pinned bandwidth",
+        f"{ms:.2f} ms/token vs {resident_ms:.2f} resident; layers {sorted(loaded.host.layers)} "
+        f"({streamed.bytes / 2**30:.2f} GiB) built in host memory, {on_device / 2**30:.2f} GiB of weights on the "
+        f"device at load{copies}",
         ms_per_token=ms,
         copy_floor_ms=copy_ms,
     )

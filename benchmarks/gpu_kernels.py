@@ -8,6 +8,7 @@ under TRITON_INTERPRET=1 (set before Triton is imported), on tiny shapes, to che
 - the int4 block GEMM, one row: split-K (as chosen) vs one slice of K, and a dense bfloat16 matmul;
 - fp8 weights in 128x128 blocks: the Triton GEMM vs dequantizing per call, and `_scaled_mm` (row-wise
   scales) where the GPU has fp8 tensor cores;
+- int4 MoE experts: the grouped block GEMM (one launch per projection) vs the per-expert loop;
 - FlashAttention / FlashInfer decode over the paged cache vs the Triton paged kernel, where installed.
 """
 
@@ -62,6 +63,7 @@ def kernels(args, report) -> None:
         ("gelu*up", lambda: _gelu(report, device, dtype, inter, tokens, repeats)),
         ("int4 GEMM", lambda: _block_gemm(report, device, dtype, hidden, repeats)),
         ("fp8 GEMM", lambda: _fp8(report, device, dtype, hidden, repeats)),
+        ("grouped int4 MoE", lambda: _grouped_moe(report, device, dtype, hidden, inter, tokens, repeats)),
         ("library attention", lambda: _library_attention(report, device, dtype, h, kvh, d, tokens, repeats, dry)),
     ):
         try:  # one kernel's failure is reported, the others still run
@@ -135,6 +137,46 @@ def _block_gemm(report, device, dtype, hidden, repeats) -> None:
             "one slice")  # fmt: skip
     compare(report, f"kernel int4 GEMM 1x{k}x{n} vs dense", want, want, 1.0, lambda: triton_block.matmul(x, w),
             lambda: x @ dense.t(), device, repeats, f"dense {str(dtype).split('.')[-1]}")  # fmt: skip
+
+
+def _grouped_moe(report, device, dtype, hidden, inter, tokens, repeats) -> None:
+    """Block-quantized experts (int4, Mixtral's 8 choose 2): one grouped launch per projection vs the loop
+    over the experts that reads the counts back (the per-layer device sync it removes)."""
+    from tokenmill.kernels import block_quant, triton_block, triton_moe
+    from tokenmill.layers.activation import silu_and_mul
+
+    def experts(n, k):
+        return [
+            block_quant.Blocks(
+                torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device),
+                None,
+                (torch.rand(n, k // 32, device=device) * 0.01).to(torch.float16),
+                None,
+                None,
+                4,
+                8,
+            )
+            for _ in range(8)
+        ]
+
+    w13, w2 = experts(2 * inter, hidden), experts(hidden, inter)
+    stacked13, stacked2 = triton_block.stack(w13), triton_block.stack(w2)
+    counts = torch.bincount(torch.randint(0, 8, (2 * tokens,), device=device), minlength=8)
+    rows = torch.randn(2 * tokens, hidden, dtype=dtype, device=device)
+
+    def grouped():
+        return triton_moe.run_experts(rows, counts, stacked13, stacked2, silu_and_mul)
+
+    def loop():
+        out, start = torch.empty_like(rows), 0
+        for e, n in enumerate(counts.tolist()):
+            part = rows[start : start + n]
+            out[start : start + n] = triton_block.matmul(silu_and_mul(triton_block.matmul(part, w13[e])), w2[e])
+            start += n
+        return out
+
+    compare(report, f"kernel grouped int4 MoE ({2 * tokens} rows, 8 experts, {hidden}/{inter})", grouped(), loop(),
+            2e-2, grouped, loop, device, repeats, "per-expert loop")  # fmt: skip
 
 
 def _fp8(report, device, dtype, hidden, repeats) -> None:

@@ -8,15 +8,20 @@ from __future__ import annotations
 import argparse
 import math
 
+import numpy as np
 import pytest
 import torch
-from helpers import all_logits, make_runner, make_tiny_model
+from helpers import all_logits, make_runner, make_tiny_model, write_tiny_gguf
 
 from tokenmill.config import OffloadConfig
 from tokenmill.engine_args import EngineArgs, add_engine_args
-from tokenmill.loader import load_model
+from tokenmill.layers.host_placement import NOTHING, HostPlacement
+from tokenmill.loader import build_model, load_model, open_checkpoint
+from tokenmill.loader.source import resolve_model
+from tokenmill.quantization.unquantized import UnquantizedConfig
 from tokenmill.worker.offload import (
     apply_offload,
+    host_placement_planner,
     kept_tensors,
     layer_tensors,
     plan_cpu_moe,
@@ -78,19 +83,41 @@ def llama(tmp_path_factory):
     return str(directory)
 
 
+def _layer_bytes(model) -> int:
+    return sum(t.nbytes for t in layer_tensors(model.model.layers[0], kept_tensors(model, [])))
+
+
 def test_streamed_layers_give_the_model_s_logits(llama):
-    runner = make_runner(load_model(llama, dtype="float32"))
+    reference = make_runner(load_model(llama, dtype="float32"))
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
-    expected = [all_logits(runner, p) for p in prompts]
+    expected = [all_logits(reference, p) for p in prompts]
+    size = _layer_bytes(reference.model)
+    offload = OffloadConfig(cpu_offload_gb=3.5 * size / 2**30)
+    loaded = load_model(llama, dtype="float32", plan_host=host_placement_planner(offload))
+    runner = make_runner(loaded)
     layers = list(runner.model.model.layers)
-    size = sum(t.nbytes for t in layer_tensors(layers[0], kept_tensors(runner.model, [])))
-    streamed = apply_offload(runner.model, OffloadConfig(cpu_offload_gb=3.5 * size / 2**30), CPU)
+    streamed = apply_offload(runner.model, offload, CPU, loaded.host)
+    runner.model.model.compiled_decode = (None, None)  # make_runner's warm-up built it; ModelRunner places first
     assert sorted(streamed.pairs) == [0, 2, 3]  # three layers fit, spread; two slots between them
     weight = layers[2].self_attn.qkv_proj.weight
     assert weight.isnan().all()  # not resident: only its copy before the layer runs fills it
     for prompt, logits in zip(prompts, expected):  # twice: the slots are reused from step to step
         torch.testing.assert_close(all_logits(runner, prompt), logits, rtol=0, atol=0)
     assert math.isclose(streamed.bytes, 3 * size)
+    # a decode step: layer by layer (a compiled step would run past the layers' hooks), so within rounding
+    # of the reference's compiled step
+    torch.testing.assert_close(
+        _decode_logits(runner, prompts[1]), _decode_logits(reference, prompts[1]), rtol=0, atol=1e-5
+    )
+
+
+def _decode_logits(runner, prompt: list[int]) -> torch.Tensor:
+    """The logits of one decode step of token 7 after `prompt` (prefilled into blocks from 0)."""
+    all_logits(runner, prompt)
+    blocks = [list(range(-(-(len(prompt) + 1) // runner.kv_cache_config.block_size)))]
+    with torch.inference_mode():
+        hidden, _ = runner.forward(np.array([7]), np.array([1]), np.array([len(prompt)]), [blocks])
+        return runner.model.compute_logits(hidden)
 
 
 def test_experts_on_the_host_give_the_model_s_logits(tmp_path):
@@ -105,3 +132,56 @@ def test_experts_on_the_host_give_the_model_s_logits(tmp_path):
     torch.testing.assert_close(all_logits(runner, prompt), expected, rtol=0, atol=0)
     after = runner.expert_load()
     assert all(sum(after[i]) == 2 * sum(before[i]) for i in after)  # counted on the device as before
+
+
+def test_streamed_layers_are_built_and_loaded_in_host_memory(llama):
+    """With --cpu-offload-gb the streamed layers' weights never touch the device, so a model larger than
+    the device starts: the meta device stands in for a GPU (it holds no values, and the device bytes are
+    the bytes of the tensors on it); the streamed layers are built and loaded on the CPU, with the
+    checkpoint's values, as `load_model` does it."""
+    reference = load_model(llama, dtype="float32").model
+    offload = OffloadConfig(cpu_offload_gb=2.5 * _layer_bytes(reference) / 2**30)
+    ckpt = open_checkpoint(resolve_model(llama))
+    build = lambda host=NOTHING: build_model(
+        ckpt.config, UnquantizedConfig(), torch.float32, torch.device("meta"), None, host
+    )  # noqa: E731
+    host = host_placement_planner(offload)(build())
+    assert host == HostPlacement(layers=frozenset({1, 3}))
+    model = build(host)
+    with torch.no_grad():
+        model.load_weights(ckpt.weights())
+    expected = dict(reference.named_parameters())
+    for name, t in model.named_parameters():
+        on_host = any(name.startswith(f"model.layers.{i}.") for i in host.layers)
+        assert t.device.type == ("cpu" if on_host else "meta"), name
+        if on_host:
+            torch.testing.assert_close(t, expected[name], rtol=0, atol=0)
+    device_bytes = sum(t.nbytes for t in model.parameters() if t.is_meta)
+    assert device_bytes == sum(t.nbytes for t in reference.parameters()) - 2 * _layer_bytes(reference)
+
+
+def test_quantized_experts_on_the_host_run_the_cpu_block_kernels(tmp_path):
+    """--n-cpu-moe on a GGUF file with Q8_0 / Q4_0 experts: the host layer's experts are built in host
+    memory in the file's blocks (not dense, as the device's copy of the model is) and run on the CPU block
+    kernels, giving the logits of the model whose experts are dequantized (float32 activations: the same
+    weights, other sums); the other MoE layer's experts stay dense, and with --cpu-offload-gb beside it
+    that layer (the one whose weights fit) is streamed."""
+    hf = make_tiny_model("mixtral", tmp_path)
+    path = str(tmp_path / "m.gguf")
+    write_tiny_gguf(hf, path, {"ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q8_0"})
+    reference = make_runner(load_model(path, dtype="float32"))
+    second_bytes = sum(t.nbytes for t in reference.model.model.layers[1].parameters())
+    offload = OffloadConfig(cpu_offload_gb=1.01 * second_bytes / 2**30, n_cpu_moe=1)
+    loaded = load_model(path, dtype="float32", plan_host=host_placement_planner(offload))
+    assert loaded.host == HostPlacement(layers=frozenset({1}), experts=frozenset({0}))
+    runner = make_runner(loaded)
+    assert sorted(apply_offload(runner.model, offload, CPU, loaded.host).pairs) == [1]
+    first, second = sorted(runner.moe_layers, key=lambda m: m.layer_index)
+    assert isinstance(first.w13, torch.nn.ModuleList) and first.w13[0].codes.dtype == torch.int8  # Q8_0 / Q4_0 -> 8-bit
+    assert isinstance(second.w13, torch.nn.Parameter)
+    for prompt in ([5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [7]):
+        expected = all_logits(reference, prompt)
+        torch.testing.assert_close(
+            all_logits(runner, prompt), expected, rtol=0, atol=1e-4 * expected.abs().max().item()
+        )
+    assert sum(runner.expert_load()[first.layer_index]) > 0  # counted on the device

@@ -22,14 +22,17 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from helpers import make_core, make_tiny_model
+from helpers import all_logits, make_core, make_runner, make_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from tokenmill.attention.metadata import build_common_metadata
+from tokenmill.attention.triton_paged import TritonPagedBackend
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.layers.paged_forward import StepInputs
+from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
 SHAPE_FROM_DATA = {
@@ -106,11 +109,16 @@ def _to_host(args, kwargs) -> bool:
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory):
+def llama(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama")
     make_tiny_model("llama-gqa-untied", directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def core(llama):
     spec = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=8, min_acceptance=0.0)
-    return make_core(str(directory), num_blocks=64, speculative=spec)
+    return make_core(llama, num_blocks=64, speculative=spec)
 
 
 def _step_kind(sched) -> str:
@@ -185,9 +193,78 @@ def test_step_inputs_fill_one_persistent_device_buffer():
     inputs = StepInputs(torch.device("meta"))
     inputs.reserve(8)
     buffer = inputs.staged
-    ids, positions = inputs.upload([np.arange(3), np.arange(3)])
+    ids, positions = _one_step(inputs, [np.arange(3), np.arange(3)])
     assert ids.device.type == "meta" and ids.shape == (3,) and positions.shape == (3,)
     assert ids._base is buffer and positions._base is buffer  # views of it: no allocation per step
-    *_, slots = inputs.upload([np.arange(5), np.arange(5), np.arange(5)])
+    *_, slots = _one_step(inputs, [np.arange(5), np.arange(5), np.arange(5)])
     assert inputs.capacity == 16 and slots.shape == (5,)
-    assert StepInputs(torch.device("cpu")).upload([np.arange(2)])[0].tolist() == [0, 1]  # CPU: the array itself
+    assert _one_step(StepInputs(torch.device("cpu")), [np.arange(2)])[0].tolist() == [0, 1]  # CPU: the array itself
+
+
+def _one_step(inputs: StepInputs, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+    inputs.begin()
+    staged = inputs.stage(arrays)
+    inputs.send()
+    return staged
+
+
+class Copies(TorchDispatchMode):
+    """Counts tensor copies (`copy_`: what a host-to-device transfer dispatches to) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_s_inputs_and_attention_metadata_go_up_in_one_copy():
+    """The token ids, positions and slots of a step and the Triton backend's metadata of two windows
+    (block table, lengths, tile maps: int32) are written into one staging buffer and reach the device
+    buffer in one copy, as views of it, with the values of the metadata built on its own. The CPU stands
+    in for the device with staging on (`direct=False`): the copy runs and its values arrive."""
+    new, computed = np.array([1, 1, 7, 20]), np.array([5, 40, 0, 33])
+    blocks = [[3], [9, 1, 4], [7], [2, 8, 6, 5]]
+    common, positions = build_common_metadata(new, computed, blocks, 16, torch.device("cpu"))
+    backend = TritonPagedBackend()
+    alone = [backend.build_metadata(common, window) for window in (None, 13)]
+    inputs = StepInputs(torch.device("cpu"), direct=False)
+    inputs.reserve(256)
+    for step in range(2):  # the staging buffer is reused once its copy is done
+        copies = Copies()
+        with copies:
+            inputs.begin()
+            ids, pos = inputs.stage([np.arange(29) + step, positions])
+            common.stage = inputs.stage
+            metas = [backend.build_metadata(common, window) for window in (None, 13)]
+            inputs.send()
+        assert copies.count == 1 and len(inputs.hosts) == 1
+        buffer = inputs.staged.untyped_storage().data_ptr()
+        assert ids.tolist() == list(range(step, 29 + step)) and pos.tolist() == positions.tolist()
+        for meta, expected in zip(metas, alone):
+            for name in ("block_table", "query_start_loc", "seq_lens", "tile_req", "tile_start"):
+                got = getattr(meta, name)
+                assert got.dtype == torch.int32 and got.untyped_storage().data_ptr() == buffer, name
+                assert torch.equal(got, getattr(expected, name)), name
+            assert (meta.block_m, meta.num_splits) == (expected.block_m, expected.num_splits)
+    # a step larger than the reservation: what was staged goes up, the rest into a buffer twice as large
+    inputs.begin()
+    small, large = inputs.stage([np.arange(200), np.arange(300)])
+    inputs.send()
+    assert inputs.capacity == 512 and small.tolist() == list(range(200)) and large.tolist() == list(range(300))
+
+
+def test_a_forward_from_the_staged_buffer_gives_the_same_logits(llama):
+    """The model run on inputs that went up through the staging buffer (`direct=False` on the CPU: the
+    copy runs) gives the logits of the inputs used in place, bit for bit."""
+    runner = make_runner(load_model(llama, dtype="float32"))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3]
+    expected = all_logits(runner, prompt)
+    runner.inputs = StepInputs(torch.device("cpu"), direct=False)
+    assert torch.equal(all_logits(runner, prompt), expected)
+    assert len(runner.inputs.hosts) == 1  # it went through the staging buffer
+    with torch.inference_mode():
+        _, common = runner.forward(np.array(prompt[:3]), np.array([3]), np.array([0]), [[[0]]])
+    assert common.stage is None  # metadata built from it after the step's copy (a drafter's) goes up on its own

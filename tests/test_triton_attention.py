@@ -234,6 +234,38 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
     assert (got - want).abs().max() <= tol * want.abs().max(), (dtype, (got - want).abs().max())
     plain = triton_moe.run_experts(r, counts, a, b, silu_and_mul).float()
     assert plain.shape == want.shape and not plain.isnan().any()
+
+import numpy as np
+from tokenmill.kernels import block_quant, triton_block
+from tokenmill.quantization.gguf import LAYOUTS, pack
+from tokenmill.quantization.fp4 import LAYOUTS as FP4_LAYOUTS, quantize
+
+def expert_blocks(n, k, layout, fp4):
+    weight = torch.randn(n, k) * 0.1
+    codes = quantize(weight, fp4) if fp4 else None
+    if codes is None:  # a GGUF layout's codes, random in its range
+        lo, hi = (-128, 128) if layout.bits == 8 else (-layout.center, 16 - layout.center)
+        rng = np.random.default_rng(n * k + layout.bits)
+        codes = Codes(rng.integers(lo, hi, (n, k)).astype(np.int16), rng.uniform(0.01, 0.1, (n, k // 32)).astype(np.float32),
+                      rng.normal(0, 0.1, (n, k // 32)).astype(np.float32) if layout.offsets else None, 32, layout.bits, layout.center)
+    t = {key: None if v is None else torch.from_numpy(np.ascontiguousarray(v)) for key, v in pack(codes, layout, half=not fp4, round_half=True).items()}
+    if layout.e4m3:  # NVFP4's scale bytes, as its method holds them
+        t["scales"] = t["scales"].view(torch.float8_e4m3fn)
+    return block_quant.Blocks(t["codes"], t["high"], t["scales"], t["offsets"], t["supers"], layout.bits, layout.center)
+
+from tokenmill.quantization.gguf_codes import Codes
+K, I = 96, 64  # K: one whole tile of 64 columns and a masked one
+for layout, fp4 in ((LAYOUTS["Q4_0"], None), (LAYOUTS["Q4_1"], None), (LAYOUTS["Q8_0"], None), (FP4_LAYOUTS["mxfp4"], "mxfp4"), (FP4_LAYOUTS["nvfp4"], "nvfp4")):
+    w13 = [expert_blocks(2 * I, K, layout, fp4) for _ in range(E)]
+    w2 = [expert_blocks(K, I, layout, fp4) for _ in range(E)]
+    x = torch.randn(int(counts.sum()), K)
+    want, start = [], 0
+    for e, n in enumerate(counts.tolist()):  # the per-expert loop on the dequantized weights
+        want.append(silu_and_mul(x[start : start + n] @ block_quant.dequantize(w13[e]).t()) @ block_quant.dequantize(w2[e]).t())
+        start += n
+    want = torch.cat(want)
+    got = triton_moe.run_experts(x, counts, triton_block.stack(w13), triton_block.stack(w2), silu_and_mul)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (layout, (got - want).abs().max())
 print("OK")
 """
 

@@ -106,13 +106,24 @@ for quantization in ("int4", "int8", "nvfp4", "mxfp4"):  # FP4: e2m1 nibbles (MX
     triton = all_logits(make_runner(loaded), ids)
     gguf.runs_triton = lambda x: False
     torch.testing.assert_close(triton, cpp, rtol=0, atol=1e-4 * float(cpp.abs().max()))
+
+make_tiny_model("mixtral", sys.argv[2] + "/moe")  # MXFP4 experts: every expert of a layer in one grouped launch
+loaded = load_model(sys.argv[2] + "/moe", quantization="mxfp4", dtype="float32")
+cpp = all_logits(make_runner(loaded), ids)
+gguf.runs_triton = lambda x: True
+triton = all_logits(make_runner(loaded), ids)
+gguf.runs_triton = lambda x: False
+moe = loaded.model.model.layers[0].mlp.experts
+assert moe.stacked_blocks is not None and moe.w13[1].codes.untyped_storage().data_ptr() == moe.stacked_blocks[0].codes.data_ptr()
+torch.testing.assert_close(triton, cpp, rtol=0, atol=1e-4 * float(cpp.abs().max()))
 print("OK")
 """
 
 
 def test_a_quantized_model_runs_the_triton_path_like_the_cpu_kernels(tmp_path):
     """Every linear layer of a tiny model (int4 with its int8 LM head, int8, NVFP4, MXFP4; biases) through the Triton
-    kernel, in the interpreter: the logits of the C++ kernels on the same blocks."""
+    kernel, in the interpreter: the logits of the C++ kernels on the same blocks. A Mixtral's MXFP4 experts through
+    the grouped kernel (their blocks stacked once, the experts' buffers views of the stack): the same."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run(
         [sys.executable, "-c", _MODEL, str(Path(__file__).parent), str(tmp_path)],

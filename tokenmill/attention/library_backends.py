@@ -48,7 +48,7 @@ class FlashAttnMetadata:
 def flash_attn_metadata(common: CommonAttentionMetadata, sliding_window: int | None = None) -> FlashAttnMetadata:
     cu_k = np.zeros(common.num_reqs + 1, dtype=np.int64)
     np.cumsum(common.seq_lens, out=cu_k[1:])
-    table, cu_q, cu_k = upload([common.block_table, common.query_start_loc, cu_k], common.device)
+    table, cu_q, cu_k = upload([common.block_table, common.query_start_loc, cu_k], common)
     return FlashAttnMetadata(
         common.slot_mapping,
         cu_q,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,9 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long, on the device: block * block_size + offset of each new token
     block_size: int
     device: torch.device
+    # the step's one copy to the device (`layers.paged_forward.StepInputs.stage`): int arrays in, device
+    # tensors out, filled when the step's inputs go up; None: a backend uploads its metadata itself
+    stage: Callable[..., list[torch.Tensor]] | None = None
 
     @property
     def num_reqs(self) -> int:

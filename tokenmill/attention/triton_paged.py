@@ -6,8 +6,8 @@ rotation and the cache write done by one kernel (`kernels/triton_rotary_kv.py`),
 quantized in it; other new K/V (a latent cache's) are written by the KV-write kernel, or by torch ops.
 
 The step's integer metadata (query offsets, lengths, block table, the kernel's tile map) travels to the
-device in one copy: packed into one host buffer (pinned on CUDA) and copied without blocking, then
-sliced on the device.
+device in the step's one copy, with its token ids, positions and slots (`StepInputs`: one persistent
+staging buffer, pinned on CUDA, one copy without blocking), as views of one device buffer.
 """
 
 from __future__ import annotations
@@ -36,12 +36,15 @@ class TritonAttentionMetadata:
     sliding_window: int | None = None
 
 
-def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Int arrays -> int32 tensors on `device` in one copy (one packed host buffer, pinned on CUDA, copied
-    without blocking: the host goes on building the step while it travels)."""
+def upload(arrays: list[np.ndarray], common: CommonAttentionMetadata) -> list[torch.Tensor]:
+    """Int arrays -> int32 tensors on the step's device: in the step's one copy with its inputs when the
+    runner stages them (`common.stage`), else in one copy of their own (one packed host buffer, pinned on
+    CUDA, copied without blocking: the host goes on building the step while it travels)."""
+    if common.stage is not None:
+        return common.stage(arrays, torch.int32)
     packed = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32))
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
+    if common.device.type == "cuda":
+        packed = packed.pin_memory().to(common.device, non_blocking=True)
     tensors, offset = [], 0
     for a in arrays:
         tensors.append(packed[offset : offset + a.size].view(a.shape))
@@ -70,7 +73,7 @@ class TritonPagedBackend(TorchSDPABackend):
             int(common.seq_lens.max()) if sliding_window is None else min(int(common.seq_lens.max()), sliding_window)
         )
         table, qsl_d, lens, req, start = upload(
-            [common.block_table, qsl, common.seq_lens, np.array(tile_req), np.array(tile_start)], common.device
+            [common.block_table, qsl, common.seq_lens, np.array(tile_req), np.array(tile_start)], common
         )
         return TritonAttentionMetadata(
             common.slot_mapping,

@@ -14,6 +14,7 @@ from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.loader import LoadedModel, load_model
 from tokenmill.loader.source import ModelSource
+from tokenmill.worker.offload import host_placement_planner
 
 
 class Executor(ABC):
@@ -91,6 +92,7 @@ def load_configured_model(config: EngineConfig) -> LoadedModel:
             quantization=config.quantization,
             group_size=config.quantization_group_size,
             symmetric=config.quantization_symmetric,
+            plan_host=host_placement_planner(config.offload) if config.offload.active else None,
         )
     if config.parallel.enable_expert_parallel:
         expert_parallel.check_has_experts(loaded.config)

@@ -19,6 +19,7 @@ from tokenmill.kernels import block_quant
 
 E4M3_BYTES = -8  # the kernel's `BITS` for float8 e4m3 weights (the fp8 method's), read as bytes
 SPLIT_K_MIN = 1024  # split-K never leaves a slice of K shorter than this
+GROUPED_BM, GROUPED_BN = 16, 64  # the grouped (MoE) kernel's tile: rows of one expert, output columns
 
 
 def m_bucket(m: int) -> int:
@@ -77,6 +78,43 @@ def fp8_matmul(
     the fp8 method's layout (per channel: group K; per 128x128 block: 128), the scales applied in the K
     loop, the weight never dequantized in memory."""
     return _launch(x, weight.view(torch.uint8), scales, None, scales, E4M3_BYTES, group, 0, 0, split_k)
+
+
+def stack(experts: list[block_quant.Blocks]) -> block_quant.Blocks:
+    """Experts' blocks of one layout as one `Blocks` of [E, ...] tensors, for `grouped_matmul`."""
+    first = experts[0]
+    fields = {
+        name: None if getattr(first, name) is None else torch.stack([getattr(w, name) for w in experts])
+        for name in ("codes", "high", "scales", "offsets", "supers")
+    }
+    return block_quant.Blocks(**fields, bits=first.bits, center=first.center)
+
+
+def grouped_matmul(x: torch.Tensor, w, counts: torch.Tensor, maps) -> torch.Tensor:
+    """x [R, K] (rows grouped by expert, counts[e] rows for expert e) -> [R, N]: each row times its expert's
+    dequantized weight, transposed. `w`: a `block_quant.Blocks` of every expert's blocks stacked ([E, N, ...]
+    each tensor); `maps`: `triton_moe.tile_map(counts, R, GROUPED_BM)`. Nothing waits for the counts."""
+    import triton
+
+    from tokenmill.kernels.triton_block_kernel import grouped_block_matmul
+
+    if not supports(w):
+        raise ValueError(f"the grouped Triton block kernel runs the layouts of `matmul`; got {w.bits}-bit blocks")
+    kind = {torch.uint8: 1, torch.float8_e4m3fn: 2}.get(w.scales.dtype, 0)
+    scales = w.scales.view(torch.uint8) if kind == 2 else w.scales
+    rows = w.supers if kind == 2 else scales
+    offsets = w.offsets if w.offsets is not None else scales
+    x = x.contiguous()
+    (r, k), n = x.shape, w.codes.shape[1]
+    starts, tile_starts, tile_expert, max_tiles = maps
+    out = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    grouped_block_matmul[(max_tiles, triton.cdiv(n, GROUPED_BN))](
+        x, w.codes, scales, offsets, rows, out, counts, starts, tile_starts, tile_expert, n, k, counts.numel(),
+        x.stride(0), w.codes.stride(0), w.codes.stride(1), scales.stride(0), scales.stride(1), rows.stride(0),
+        out.stride(0), BITS=w.bits, BS=k // scales.shape[-1], CENTER=w.center, HAS_OFFSETS=w.offsets is not None,
+        SCALES=kind, IEEE=x.dtype == torch.float32, BM=GROUPED_BM, BN=GROUPED_BN, BK=64,
+    )  # fmt: skip
+    return out
 
 
 def _launch(x, codes, scales, offsets, rows, bits, block, center, scale_kind, split_k):

@@ -5,9 +5,10 @@ Each expert's run of rows is cut into tiles of BLOCK_M rows that never cross int
 last tile is partly masked), so a program reads one expert's weight tile; which expert a tile belongs to
 is worked out on the device from the counts (the grid is sized for the most tiles any split can need:
 rows / BLOCK_M + experts), so nothing waits for the host — unlike a loop over the experts that reads the
-counts back to slice the rows. Dense stacked weights [E, N, K] in the compute dtype; accumulation in
-float32 (IEEE products for float32 inputs). Tested on CPU under TRITON_INTERPRET=1; FusedMoE uses it on
-CUDA for unquantized experts.
+counts back to slice the rows. Dense stacked weights [E, N, K] in the compute dtype, or block-quantized
+experts' blocks stacked (`triton_block.grouped_matmul`: the same tiles, the weights decoded in the K
+loop); accumulation in float32 (IEEE products for float32 inputs). Tested on CPU under
+TRITON_INTERPRET=1; FusedMoE uses it on CUDA for dense and block-quantized experts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import functools
 
 import torch
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
+from tokenmill.kernels import block_quant, triton_block
+
+BLOCK_M, BLOCK_N, BLOCK_K = triton_block.GROUPED_BM, 64, 32  # one tile map for dense and quantized experts
 
 
 @functools.cache
@@ -72,14 +75,19 @@ def tile_map(counts: torch.Tensor, num_rows: int, block_m: int = BLOCK_M):
     return torch.cumsum(counts, 0) - counts, tile_ends - tiles, tile_expert, max_tiles
 
 
-def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, maps=None) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weights, counts: torch.Tensor, maps=None) -> torch.Tensor:
     """x [R, K] (rows grouped by expert, counts[e] rows for expert e) -> [R, N]: each row times its expert's
-    weights[e] [N, K] transposed. `maps`: `tile_map(counts, R)`, to share between the two projections."""
+    weights[e] [N, K] transposed. `weights`: dense [E, N, K], or every expert's blocks stacked (a
+    `block_quant.Blocks` of [E, ...] tensors: `triton_block.grouped_matmul`). `maps`: `tile_map(counts,
+    R)`, to share between the two projections."""
     import triton
 
     r, k = x.shape
+    maps = maps or tile_map(counts, r)
+    if isinstance(weights, block_quant.Blocks):
+        return triton_block.grouped_matmul(x, weights, counts, maps)
     n = weights.shape[1]
-    starts, tile_starts, tile_expert, max_tiles = maps or tile_map(counts, r)
+    starts, tile_starts, tile_expert, max_tiles = maps
     out = torch.empty(r, n, dtype=x.dtype, device=x.device)
     x = x.contiguous()
     _kernel()[(max_tiles, triton.cdiv(n, BLOCK_N))](
@@ -93,13 +101,14 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
 def run_experts(
     rows: torch.Tensor,
     counts: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13,
+    w2,
     activation,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`FusedMoE.run_experts` for dense stacked experts: gate_up, activation, down, two launches."""
+    """`FusedMoE.run_experts` for stacked experts (dense, or their blocks): gate_up, activation, down, two
+    launches."""
     maps = tile_map(counts, rows.shape[0])
     expert_of_row = None
     if w13_bias is not None or w2_bias is not None:

@@ -11,7 +11,9 @@ weight format that quantizes experts (`QuantizationConfig.expert_method`: MXFP4,
 them) keeps each expert's two projections as block-quantized modules of that format instead
 (`ExpertProjection`), dequantized inside the block kernels' matmul. A forward pass sorts the
 (token, expert) pairs by expert and runs, for each expert that received tokens, one matmul pair over
-all of them: the Python loop is over active experts, never over tokens. The gated activation is
+all of them: the Python loop is over active experts, never over tokens; on a GPU every expert runs in
+one grouped Triton launch per projection (`kernels/triton_moe.py`; block-quantized experts with their
+blocks stacked), which reads no counts back to the host. The gated activation is
 SiLU by default (GPT-OSS: its clamped SwiGLU). Outputs are weighted by the routing weights and
 summed per token.
 
@@ -31,9 +33,11 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import expert_parallel, parallel_state
-from tokenmill.kernels import triton_fused, triton_moe
+from tokenmill.kernels import block_quant, triton_block, triton_fused, triton_moe
+from tokenmill.layers import host_placement
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.forward_context import counts_experts
+from tokenmill.quantization import gguf
 from tokenmill.quantization.base import LinearMethod, dense
 
 # checkpoint names of one expert's projections -> (our parameter, shard of it)
@@ -152,6 +156,12 @@ class FusedMoE(nn.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         local, share = len(self.experts), len(range(intermediate_size)[self.columns])
         self.share = share
+        with host_placement.on_host(self.layer_index in host_placement.current().experts):  # --cpu-moe
+            self._create_experts(local, share, hidden_size, bias)
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def _create_experts(self, local: int, share: int, hidden_size: int, bias: bool) -> None:
+        method, prefix = self.method, self.prefix
         if method is None:
             self.w13 = nn.Parameter(torch.empty(local, 2 * share, hidden_size), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(local, hidden_size, share), requires_grad=False)
@@ -164,7 +174,6 @@ class FusedMoE(nn.Module):
             )
         self.w13_bias = nn.Parameter(torch.zeros(local, 2 * share), requires_grad=False) if bias else None
         self.w2_bias = nn.Parameter(torch.zeros(local, hidden_size), requires_grad=False) if bias else None
-        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def inactive_parameters(self) -> int:
         """Expert parameters a token does not use (it runs top_k of the num_experts)."""
@@ -198,9 +207,17 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"has shape {tuple(src.shape)}, expected {want}")
         rows = slice(part * self.share, (part + 1) * self.share) if kind.startswith("w13") else slice(None)
         if kind in ("w13", "w2") and self.method is not None:
-            if expert is None:
-                raise ValueError("holds every expert in one tensor; a quantized expert format loads them one by one")
             src_rows, src_cols = (self.columns, slice(None)) if kind == "w13" else (slice(None), self.columns)
+            if expert is None:  # every expert in one tensor (GGUF): each one's part of it
+                if not hasattr(weight, "expert"):
+                    raise ValueError(
+                        "holds every expert in one tensor; a quantized expert format loads them one by one"
+                    )
+                for e in self.experts:
+                    self.method.load(
+                        getattr(self, kind)[e - self.experts.start], weight.expert(e), rows, src_rows, src_cols
+                    )
+                return
             module = getattr(self, kind)[expert - self.experts.start]
             self.method.load(module, weight, rows, src_rows, src_cols)
             return
@@ -218,10 +235,11 @@ class FusedMoE(nn.Module):
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` grouped by local expert (counts[e] rows for expert e, in expert order) through their expert."""
         down_bias = self.w2_bias is not None and (self.expert_parallel or parallel_state.tp_rank() == 0)
-        if rows.is_cuda and not isinstance(self.w13, nn.ModuleList) and triton_fused.available():
-            # dense experts on CUDA: all of them in one Triton launch per projection, no wait for the counts
+        stacked = self._stacked() if gguf.runs_triton(rows) and triton_fused.available() else None
+        if stacked is not None:
+            # on the GPU: all the experts in one Triton launch per projection, no wait for the counts
             w2_bias = self.w2_bias if down_bias else None
-            return triton_moe.run_experts(rows, counts, self.w13, self.w2, self.activation, self.w13_bias, w2_bias)
+            return triton_moe.run_experts(rows, counts, *stacked, self.activation, self.w13_bias, w2_bias)
         out = torch.empty_like(rows)
         start = 0
         for e, n in enumerate(counts.tolist()):
@@ -235,6 +253,18 @@ class FusedMoE(nn.Module):
                     out[part] += self.w2_bias[e]
                 start += n
         return out
+
+    def _stacked(self) -> tuple | None:
+        """(w13, w2) as the grouped Triton GEMM takes them: the dense stacks, or every expert's blocks
+        stacked into [E, ...] tensors, made once (each expert's buffers then view its part: no second
+        copy); None for a format the kernel lacks."""
+        if not isinstance(self.w13, nn.ModuleList):
+            return self.w13, self.w2
+        if "stacked_blocks" not in vars(self):
+            self.stacked_blocks = None
+            if hasattr(self.method, "blocks") and triton_block.supports(self.method.blocks(self.w13[0])):
+                self.stacked_blocks = tuple(_stack_blocks(self.method, list(ml)) for ml in (self.w13, self.w2))
+        return self.stacked_blocks
 
     @staticmethod
     def _project(weights, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -264,3 +294,13 @@ class FusedMoE(nn.Module):
             always = shared.partial(x) if split else shared(x)
             out = out + (always if shared_scale is None else shared_scale * always)
         return parallel_state.all_reduce(out) if split else out
+
+
+def _stack_blocks(method: LinearMethod, experts: list[nn.Module]) -> block_quant.Blocks:
+    """The experts' blocks as one `Blocks` of [E, ...] tensors; each expert's buffers become views of it."""
+    stacked = triton_block.stack([method.blocks(m) for m in experts])
+    for name in ("codes", "high", "scales", "offsets", "supers"):
+        if getattr(stacked, name) is not None:
+            for e, m in enumerate(experts):
+                setattr(m, name, getattr(stacked, name)[e])
+    return stacked

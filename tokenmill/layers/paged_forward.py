@@ -97,11 +97,15 @@ class PagedForward:
             for pool in range(len(self.kv_cache_config.pool_blocks))
         ]
         (common, positions), commons = commons[0], [c for c, _ in commons]
-        ids, positions, *slots = self.inputs.upload([input_ids, positions, *(c.slot_mapping.numpy() for c in commons)])
+        self.inputs.begin()  # the inputs and the attention metadata go up in one copy
+        ids, positions, *slots = self.inputs.stage([input_ids, positions, *(c.slot_mapping.numpy() for c in commons)])
         for c, slot_mapping in zip(commons, slots):
-            c.slot_mapping, c.device = slot_mapping, self.device
+            c.slot_mapping, c.device, c.stage = slot_mapping, self.device, self.inputs.stage
         # one backend metadata per (pool, sliding window): each group's layers read theirs
         metas = {key: self.backend.build_metadata(commons[key[0]], key[1]) for key in set(self.group_keys)}
+        self.inputs.send()
+        for c in commons:  # metadata built from them later (a drafter's) goes up on its own
+            c.stage = None
         split = self.backend.token_split(common)  # prefill context parallelism: this rank's tokens only
         counted = split is not None or parallel_state.cp_rank() == 0  # each token once over the ranks
         context = ForwardContext({g: metas[key] for g, key in enumerate(self.group_keys)}, lora, count_experts=counted)
@@ -113,32 +117,78 @@ class PagedForward:
 
 
 class StepInputs:
-    """A step's int64 inputs (token ids, positions, every pool's slots) on the device. On CPU the host
-    arrays themselves (no copy is cheapest). On a GPU one persistent device buffer (sized up front by
-    `reserve` for the largest step; grown, rarely, if a step needs more), filled by one copy per step from
-    pinned memory that does not block the host: a copy from pageable memory would wait for the device's
-    queue. The pinned block comes from torch's caching host allocator, which reuses a block only once its
-    copy is done, so the host never waits for an earlier step's copy (a drafter runs several forwards a
-    step). The buffer's readers are on the copy's stream: the next step's copy lands after them."""
+    """A step's integer inputs on the device — token ids, positions, every pool's slots, and the attention
+    backend's metadata (block tables, lengths, tile maps) — in one host-to-device copy. Between `begin` and
+    `send`, `stage` writes host arrays into a host staging buffer and returns views of one persistent device
+    buffer at the same offsets (int64, or int32 packed two to a slot), which `send` fills with one copy.
+    On the CPU (`direct`, the default there) `stage` returns the arrays themselves: no copy is cheapest.
 
-    def __init__(self, device: torch.device) -> None:
+    On a GPU the staging buffers are pinned, so the copy does not block the host (one from pageable
+    memory would wait for the device's queue), and persistent: a staging buffer is reused once its copy
+    is done (an event recorded after it), otherwise another one is taken, so the host never waits for an
+    earlier step's copy (a drafter runs several forwards a step). The device buffer (sized up front by
+    `reserve` for the largest step; grown, rarely, if a step needs more) is read on the copy's stream:
+    the next step's copy lands after its readers."""
+
+    def __init__(self, device: torch.device, direct: bool | None = None) -> None:
         self.device, self.capacity, self.staged = device, 0, None
+        self.direct = device.type == "cpu" if direct is None else direct
+        self.pinned = device.type == "cuda"
+        self.hosts: list[tuple[torch.Tensor, object]] = []  # (staging buffer, the event after its copy)
+        self.host, self.sent, self.used = None, 0, 0
 
     def reserve(self, size: int) -> None:
-        if self.device.type != "cpu" and size > self.capacity:
+        if not self.direct and size > self.capacity:
             self.staged = torch.empty(size, dtype=torch.int64, device=self.device)
-            self.capacity = size
+            self.capacity, self.hosts, self.host = size, [], None
 
-    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        if self.device.type == "cpu":
-            return [torch.from_numpy(a) for a in arrays]
-        sizes = [len(a) for a in arrays]
-        total = sum(sizes)
-        if total > self.capacity:
-            logger.info("step inputs: %d values, more than the %d reserved; growing", total, self.capacity)
-            self.reserve(max(total, 2 * self.capacity))
-        packed = torch.from_numpy(np.concatenate(arrays))
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()
-        self.staged[:total].copy_(packed, non_blocking=True)
-        return list(self.staged[:total].split(sizes))
+    def begin(self) -> None:
+        """A new step's staging: the first staging buffer whose copy is done (a new one if none is)."""
+        if self.direct:
+            return
+        ready = [i for i, (_, event) in enumerate(self.hosts) if event is None or event.query()]
+        if ready:
+            self.host = self.hosts.pop(ready[0])[0]
+        else:
+            self.host = torch.empty(self.capacity, dtype=torch.int64, pin_memory=self.pinned)  # host
+        self.sent = self.used = 0
+
+    def stage(self, arrays: list[np.ndarray], dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
+        """Device tensors (of `dtype`: int64 or int32) holding `arrays` once `send` has run."""
+        if self.direct:
+            return [
+                torch.from_numpy(np.asarray(a, dtype=np.int64 if dtype == torch.int64 else np.int32)) for a in arrays
+            ]
+        per_slot = 8 // dtype.itemsize
+        slots = [-(-a.size // per_slot) for a in arrays]
+        if self.used + sum(slots) > self.capacity:
+            self._grow(sum(slots))
+        out, host = [], self.host.numpy().view(np.int64 if per_slot == 1 else np.int32)
+        for a, n in zip(arrays, slots):
+            start = self.used * per_slot
+            host[start : start + a.size] = a.reshape(-1)
+            view = self.staged[self.used : self.used + n]
+            out.append((view if per_slot == 1 else view.view(dtype)[: a.size]).view(a.shape))
+            self.used += n
+        return out
+
+    def send(self) -> None:
+        """The one copy of everything staged since `begin` (without blocking the host on a GPU)."""
+        if self.direct or self.used == self.sent:
+            return
+        part = slice(self.sent, self.used)
+        self.staged[part].copy_(self.host[part], non_blocking=self.pinned)
+        event = None
+        if self.pinned:
+            event = torch.cuda.Event()
+            event.record()
+        self.hosts.append((self.host, event))
+        self.sent = self.used
+
+    def _grow(self, needed: int) -> None:
+        """More room than `reserve` gave, mid-step: what is staged goes up into the old buffer (its views
+        keep it alive), and staging goes on in buffers of twice the size."""
+        logger.info("step inputs: %d values, more than the %d reserved; growing", needed, self.capacity)
+        self.send()
+        self.reserve(max(needed, 2 * self.capacity))
+        self.begin()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -12,11 +12,14 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig, resolve_device, resolve_dtype
+from tokenmill.kernels import block_quant
+from tokenmill.layers.host_placement import NOTHING, HostPlacement, placing
 from tokenmill.loader.gguf_loader import GGUFCheckpoint
 from tokenmill.loader.hf_loader import HFCheckpoint
 from tokenmill.loader.source import ModelSource, resolve_model
 from tokenmill.models.registry import model_class
 from tokenmill.quantization import QuantizationConfig, get_quantization_config, resolve_quantization
+from tokenmill.quantization.gguf import HostExpertsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantization: str  # what was applied: a name of tokenmill.quantization.QUANTIZATION_METHODS, not "auto"
+    host: HostPlacement = NOTHING  # weights built and loaded in host memory (--cpu-offload-gb, --cpu-moe)
 
 
 def open_checkpoint(source: ModelSource) -> GGUFCheckpoint | HFCheckpoint:
@@ -51,12 +55,14 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int | None = None,
+    host: HostPlacement = NOTHING,
 ) -> nn.Module:
     """The model for `config` with uninitialised storage on `device` (parameters in `dtype`, quantized
-    layers in their own formats); `device` "meta" allocates nothing."""
+    layers in their own formats), but the weights `host` names in host memory; `device` "meta"
+    allocates nothing."""
     cls = model_class(config.architecture)
     quant_config.packed_modules = cls.packed_modules
-    with torch.device(device), default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype), placing(host):
         return cls(config, quant_config, max_positions or config.max_position_embeddings)
 
 
@@ -68,9 +74,13 @@ def load_model(
     quantization: str = "auto",
     group_size: int | None = None,
     symmetric: bool | None = None,
+    plan_host: Callable[[nn.Module], HostPlacement] | None = None,
 ) -> LoadedModel:
     """Load `model` (alias, .gguf file or HF directory) onto `device` in `dtype` with the weight format
-    `quantization` (see `tokenmill.quantization`; `group_size` and `symmetric` for int8/int4)."""
+    `quantization` (see `tokenmill.quantization`; `group_size` and `symmetric` for int8/int4).
+    `plan_host`: given the model built on the meta device (its shapes, no memory), the weights to build
+    and load in host memory instead (--cpu-offload-gb, --cpu-moe: `worker.offload`); a GGUF file's
+    experts placed there keep their blocks, for the CPU block kernels (`gguf.HostExpertsConfig`)."""
     start = time.perf_counter()
     source = resolve_model(model)
     dev = resolve_device(device)
@@ -82,7 +92,13 @@ def load_model(
         quantization, source.kind, dev, torch_dtype, exact, getattr(ckpt, "quant_method", None)
     )
     quant_config = get_quantization_config(method, ckpt, dev, exact, group_size, symmetric, torch_dtype)
-    net = build_model(config, quant_config, torch_dtype, dev, max_positions)
+    host = NOTHING
+    if plan_host is not None:
+        host = plan_host(build_model(config, quant_config, torch_dtype, torch.device("meta"), max_positions))
+    if host.experts and source.kind == "gguf":
+        int8 = not exact and block_quant.load() is not None  # as `resolve_quantization` picks on CPU
+        quant_config = HostExpertsConfig(quant_config, ckpt.tensor_types(), host.experts, int8)
+    net = build_model(config, quant_config, torch_dtype, dev, max_positions, host)
     with torch.no_grad():
         net.load_weights(ckpt.weights())
         for module in net.modules():
@@ -97,4 +113,4 @@ def load_model(
         quant_config.name,
         time.perf_counter() - start,
     )
-    return LoadedModel(net, config, source, torch_dtype, dev, quant_config.name)
+    return LoadedModel(net, config, source, torch_dtype, dev, quant_config.name, host)

@@ -124,6 +124,10 @@ class GGUFWeight:
         layout (a view of the file's map), else dequantized."""
         return self.values if self.values is not None else self.dequantize()
 
+    def expert(self, e: int) -> GGUFWeight:
+        """Expert `e`'s matrix of a tensor stacking every expert of a layer ([E, rows, bytes])."""
+        return GGUFWeight(f"{self.name}[{e}]", self.qtype, self.raw[e])
+
     def codes(self) -> Codes:
         """A quantized tensor's integer codes and per-block scales and offsets, rows in HF order."""
         c = unpack(self.qtype.name, self.raw, self.raw.shape[0])

@@ -27,7 +27,7 @@ from tokenmill.layers.mla import MLAAttention
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, yarn_mscale
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, PreNormDecoderLayer
-from tokenmill.models.utils import load_checkpoint
+from tokenmill.models.utils import decoder_layers, load_checkpoint
 from tokenmill.quantization.base import QuantizationConfig
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -173,10 +173,10 @@ class DeepseekModel(LlamaModel):
         self, config: DeepseekConfig, quant_config: QuantizationConfig, max_positions: int
     ) -> list[nn.Module]:
         rotary, scale = mla_rotary_and_scale(config, max_positions)
-        return [
-            DeepseekDecoderLayer(config, rotary, scale, quant_config, f"model.layers.{i}", i)
-            for i in range(config.num_hidden_layers)
-        ]
+        return decoder_layers(
+            config.num_hidden_layers,
+            lambda i: DeepseekDecoderLayer(config, rotary, scale, quant_config, f"model.layers.{i}", i),
+        )
 
 
 def mla_rotary_and_scale(c: DeepseekConfig, max_positions: int) -> tuple[RotaryEmbedding, float]:

@@ -21,6 +21,7 @@ from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaMLP
+from tokenmill.models.utils import decoder_layers
 from tokenmill.quantization.base import QuantizationConfig, dense
 from tokenmill.quantization.unquantized import load_dense
 
@@ -119,11 +120,14 @@ class GemmaModel(nn.Module):
         local = RotaryEmbedding(config.head_dim, max_positions, config.rope_local_theta)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
+        sliding = [kind == SLIDING for kind in config.layer_types]
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(
-                config, local if kind == SLIDING else full, quant_config, f"model.layers.{i}", kind == SLIDING
+            decoder_layers(
+                len(sliding),
+                lambda i: GemmaDecoderLayer(
+                    config, local if sliding[i] else full, quant_config, f"model.layers.{i}", sliding[i]
+                ),
             )
-            for i, kind in enumerate(config.layer_types)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -30,6 +30,7 @@ from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaModel, PreNormDecoderLayer
+from tokenmill.models.utils import decoder_layers
 from tokenmill.quantization.base import QuantizationConfig
 from tokenmill.quantization.fp4 import e8m0_codes
 from tokenmill.quantization.gguf_codes import Codes
@@ -97,10 +98,9 @@ class GptOssModel(LlamaModel):
         self, config: GptOssConfig, quant_config: QuantizationConfig, max_positions: int
     ) -> list[nn.Module]:
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        return [
-            GptOssDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
-            for i in range(config.num_hidden_layers)
-        ]
+        return decoder_layers(
+            config.num_hidden_layers, lambda i: GptOssDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
+        )
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

@@ -31,7 +31,7 @@ from tokenmill.layers.fused_moe import FusedMoE, Routing, check_expert_counts
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.utils import load_checkpoint
+from tokenmill.models.utils import decoder_layers, load_checkpoint
 from tokenmill.quantization.base import QuantizationConfig
 
 
@@ -289,10 +289,9 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
             int(config.head_dim * config.partial_rotary_factor),
         )
-        return [
-            LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
-            for i in range(config.num_hidden_layers)
-        ]
+        return decoder_layers(
+            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, rotary, quant_config, f"model.layers.{i}", i)
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: IntermediateTensors | None = None

@@ -13,11 +13,12 @@ parameters are copied. Every expected tensor must arrive.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 
 from tokenmill.distributed.pipeline import PPMissingLayer
+from tokenmill.layers import host_placement
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.fused_moe import EXPERT_PROJECTIONS
 from tokenmill.layers.linear import LinearBase
@@ -28,6 +29,17 @@ Target = tuple[str, str, Shard]  # (module name, "weight" / "bias" / parameter n
 
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.(weight|bias)$")
 _ALL_EXPERTS = re.compile(r"(.*\.experts)\.(\w+)\.(weight|bias)$")  # one tensor holding every expert (GGUF)
+
+
+def decoder_layers(num_layers: int, make: Callable[[int], nn.Module]) -> list[nn.Module]:
+    """`make(i)` for every decoder layer, on the device the model is built on, except the layers that
+    --cpu-offload-gb streams (`layers.host_placement`), built in host memory."""
+    host = host_placement.current().layers
+    layers = []
+    for i in range(num_layers):
+        with host_placement.on_host(i in host):
+            layers.append(make(i))
+    return layers
 
 
 def checkpoint_targets(model: nn.Module, name: str) -> Iterator[Target]:

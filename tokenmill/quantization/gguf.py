@@ -355,9 +355,50 @@ class GGUFConfig(QuantizationConfig):
 
     def linear_method(self, prefix: str) -> LinearMethod:
         types = [self.tensor_types.get(name) for name in self.checkpoint_names(prefix)]
-        if not all(t in LAYOUTS for t in types):
-            return UnquantizedLinearMethod()
-        layout = LAYOUTS[types[0]]
-        for t in types[1:]:
-            layout = layout.widest(LAYOUTS[t])
-        return BlockQuantLinearMethod(layout, self.int8_activations, int_scales=len(set(types)) == 1)
+        return block_method(types, self.int8_activations) or UnquantizedLinearMethod()
+
+
+def block_method(types: list[str | None], int8_activations: bool) -> BlockQuantLinearMethod | None:
+    """The method holding tensors of these GGUF types in one layout (the widest of theirs); None when
+    one of them is not a packed type."""
+    if not types or not all(t in LAYOUTS for t in types):
+        return None
+    layout = LAYOUTS[types[0]]
+    for t in types[1:]:
+        layout = layout.widest(LAYOUTS[t])
+    return BlockQuantLinearMethod(layout, int8_activations, int_scales=len(set(types)) == 1)
+
+
+class HostExpertsConfig(QuantizationConfig):
+    """`inner` (the run's format: dense on a GPU), but the routed experts of the decoder layers in
+    `experts` (--cpu-moe / --n-cpu-moe: built in host memory, run there) keep a GGUF file's blocks, for
+    the CPU block kernels: float32 activations, or int8 ones (`int8_activations`, gguf-q8's mode). An
+    expert tensor of an unpacked type (F32, F16) leaves its layer's experts dense."""
+
+    def __init__(
+        self, inner: QuantizationConfig, tensor_types: dict[str, str], experts: frozenset[int], int8_activations: bool
+    ) -> None:
+        self.inner, self.tensor_types, self.experts = inner, tensor_types, experts
+        self.int8_activations = int8_activations
+
+    def __getattr__(self, name: str):  # everything else is the run's format's
+        return getattr(self.__dict__["inner"], name)
+
+    @property
+    def packed_modules(self) -> dict[str, list[str]]:
+        return self.inner.packed_modules
+
+    @packed_modules.setter
+    def packed_modules(self, value: dict[str, list[str]]) -> None:
+        self.inner.packed_modules = value
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        return self.inner.linear_method(prefix)
+
+    def expert_method(self, prefix: str) -> LinearMethod | None:
+        layer = next((int(p) for p in prefix.split(".") if p.isdigit()), -1)  # model.layers.N.…
+        if layer not in self.experts:
+            return self.inner.expert_method(prefix)
+        mine = f"model.layers.{layer}."
+        types = [t for name, t in self.tensor_types.items() if name.startswith(mine) and ".experts." in name]
+        return block_method(types, self.int8_activations) or self.inner.expert_method(prefix)

@@ -63,7 +63,9 @@ class ModelRunner(PagedForward):
             torch.set_flush_denormal(True)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         # hybrid CPU-GPU: experts run on the host, layers streamed from it (CUDA only; the config refuses others)
-        self.streamed_layers = apply_offload(self.model, config.offload, self.device) if config.offload.active else None
+        self.streamed_layers = (
+            apply_offload(self.model, config.offload, self.device, loaded.host) if config.offload.active else None
+        )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # speculative decoding: the one drafter (None without); seeded after it loaded, so that sampling

@@ -1,19 +1,22 @@
 """Hybrid CPU-GPU inference: weights kept in host memory beside a CUDA device (`OffloadConfig`).
 
-`--cpu-offload-gb N`: about N GiB of whole decoder layers live in pinned host memory. Their parameters
-point into two device slots (each as large as the largest such layer); a layer's weights are copied into
-its slot on a side stream while the layers before it run, and the layer waits for its copy only when it
-starts. The plan and the schedule are pure functions: `plan_weight_offload` spreads the offloaded layers
+`--cpu-offload-gb N`: about N GiB of whole decoder layers live in pinned host memory. The layers are
+chosen before the model is built (`host_placement_planner`, on the model built on the meta device),
+and built and loaded in host memory (`layers.host_placement`): their weights never touch the device,
+so a model larger than the device starts. Their parameters point into two device slots (each as large
+as the largest such layer); a layer's weights are copied into its slot on a side stream while the
+layers before it run, and the layer waits for its copy only when it starts. The plan and the schedule are pure functions: `plan_weight_offload` spreads the offloaded layers
 evenly over the model (a layer kept on the device runs between two streamed ones whenever there are
 enough, and the copy hides behind it); `prefetch_schedule` says which copy starts when — the first
 offloaded layer's at the step's start, each next one's as the one before it starts. Two slots suffice:
 the copy into a slot starts only after everything queued before it (the slot's previous user, two
 offloaded layers back, included) — the side stream waits for the compute stream first.
 
-`--cpu-moe` / `--n-cpu-moe N`: the experts of every (or the first N) MoE layers live on the host and run
-there with the CPU expert code; the router, attention, shared experts and dense layers stay on the
-device, and each such layer's hidden states and router logits cross to the host and its routed output
-comes back.
+`--cpu-moe` / `--n-cpu-moe N`: the experts of every (or the first N) MoE layers are built and loaded on
+the host and run there with the CPU expert code (a GGUF file's quantized experts keep their blocks and
+run on the CPU block kernels, in float32); the router, attention, shared experts and dense layers stay
+on the device, and each such layer's hidden states and router logits cross to the host and its routed
+output comes back.
 
 On a CPU "device" (the tests) everything works the same with host tensors on both sides and no streams,
 so the bookkeeping (slots, views, the order of copies) is checked against the model without offload.
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.host_placement import NOTHING, HostPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -109,19 +114,73 @@ class Copier:
             torch.cuda.current_stream().wait_event(done)
 
 
+def host_placement_planner(offload) -> Callable[[nn.Module], HostPlacement]:
+    """For `load_model`: what `offload` (an `OffloadConfig`) keeps in host memory, chosen on the model's
+    shapes (built on the meta device): the MoE layers' experts --cpu-moe / --n-cpu-moe name, and as many
+    decoder layers as --cpu-offload-gb holds, spread, counted without those experts."""
+
+    def plan(model: nn.Module) -> HostPlacement:
+        experts = host_experts(model, offload)
+        if not offload.cpu_offload_gb:
+            return HostPlacement(experts=frozenset(m.layer_index for m in experts))
+        kept = kept_tensors(model, experts)
+        sizes = [sum(t.nbytes for t in layer_tensors(layer, kept)) for layer in model_layers(model)]
+        chosen = plan_weight_offload(sizes, int(offload.cpu_offload_gb * 2**30))
+        if not chosen:
+            logger.warning(
+                "cpu offload: %.2f GiB holds no whole decoder layer (%d bytes the smallest); nothing offloaded",
+                offload.cpu_offload_gb,
+                min(sizes),
+            )
+        return HostPlacement(frozenset(chosen), frozenset(m.layer_index for m in experts))
+
+    return plan
+
+
+def model_layers(model: nn.Module) -> list[nn.Module]:
+    layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
+    if not layers:
+        raise ValueError("cpu_offload_gb, cpu_moe and n_cpu_moe need a model made of decoder layers")
+    return layers
+
+
+def host_experts(model: nn.Module, offload) -> list[FusedMoE]:
+    """The MoE layers whose experts run on the host (--cpu-moe / --n-cpu-moe)."""
+    moe = {m.layer_index: m for m in model.modules() if isinstance(m, FusedMoE)}
+    if (offload.cpu_moe or offload.n_cpu_moe) and not moe:
+        raise ValueError("cpu_moe / n_cpu_moe: the model has no MoE layers")
+    return [moe[i] for i in plan_cpu_moe(list(moe), offload.cpu_moe, offload.n_cpu_moe)]
+
+
+def to_device_but_parameters(layer: nn.Module, device: torch.device, skip: set[int]) -> None:
+    """A layer built in host memory: its buffers and other tensors (a weight format's, counters) to the
+    device, where its forward reads them; the parameters stay, to be streamed, and so do the modules in
+    `skip` (ids: experts that run on the host)."""
+    for module in layer.modules():
+        if id(module) in skip:
+            continue
+        for name, t in list(vars(module).items()) + list(module._buffers.items()):
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device.type != device.type:
+                setattr(module, name, t.to(device))
+
+
 class StreamedLayers:
     """The offloaded layers of a model: host copies, device slots and the hooks that stream them."""
 
-    def __init__(self, model: nn.Module, layers: list[nn.Module], offloaded: list[int], device, kept: set[int]) -> None:
+    def __init__(
+        self, model: nn.Module, offloaded: list[int], device, kept: set[int], on_host: list[nn.Module]
+    ) -> None:
         self.device, self.copier = torch.device(device), Copier(torch.device(device))
+        layers, skip = model_layers(model), {id(m) for host in on_host for m in host.modules()}
         pin = self.device.type == "cuda"
         sizes = [sum(_aligned(t.nbytes) for t in layer_tensors(layers[i], kept)) for i in offloaded]
         slots = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(min(2, len(offloaded)))]
         self.pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for m, i in enumerate(offloaded):
             slot, offset, pairs = slots[m % 2], 0, []
+            to_device_but_parameters(layers[i], self.device, skip)
             for t in layer_tensors(layers[i], kept):
-                host = t.detach().to("cpu", copy=True)
+                host = t.detach().cpu()  # built there (`host_placement_planner`): no copy
                 host = host.pin_memory() if pin else host
                 view = slot[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
                 t.data = view  # the device storage it had is freed
@@ -134,6 +193,7 @@ class StreamedLayers:
         model.register_forward_pre_hook(lambda *_: self._start(None))
         for i in offloaded:
             layers[i].register_forward_pre_hook(functools.partial(self._enter, i))
+            layers[i].decode_parts = lambda: None  # no compiled decode step: it would skip the hook
         self.bytes = sum(t.nbytes for pairs in self.pairs.values() for t, _ in pairs)
         logger.info(
             "cpu offload: %.2f GiB of weights in host memory, decoder layers %s streamed through 2 slots of %.2f GiB",
@@ -155,21 +215,27 @@ class StreamedLayers:
 
 
 def run_experts_on_host(moe: FusedMoE, device: torch.device) -> None:
-    """Move `moe`'s experts to the host and have its forward run there: the routed experts on the CPU,
-    the shared experts (an MLP of the device) on the device; the token counters stay on the device."""
-    if isinstance(moe.w13, nn.ModuleList):
+    """Have `moe`'s forward run its routed experts on the host (moved there, if the loader did not build
+    them there) and the shared experts (an MLP of the device) on the device; the token counters stay on
+    the device. Quantized experts (a GGUF file's blocks) run on the CPU block kernels, which take float32
+    activations; dense ones in their own dtype."""
+    quantized = isinstance(moe.w13, nn.ModuleList)
+    if quantized and any(t.device.type != "cpu" for t in moe.buffers() if t is not moe.expert_tokens):
         raise ValueError(
-            f"{moe.prefix}: --cpu-moe / --n-cpu-moe run dense experts; this model's experts are in a "
-            "quantized format whose CPU kernels it was not loaded for"
+            f"{moe.prefix}: --cpu-moe / --n-cpu-moe: quantized experts are built on the host by the loader "
+            "(load_model's plan_host); these were loaded for the device"
         )
     counters = moe.expert_tokens
     moe.to("cpu")
-    moe.expert_tokens = counters  # on the device, read with the other layers' in one copy
+    # on the device (a layer streamed from the host was built with them there), read with the other
+    # layers' in one copy
+    moe.expert_tokens = counters.to(device)
     host_forward = moe.forward
 
     def forward(x, router_logits, correction_bias=None, shared=None, shared_scale=None):
         bias = None if correction_bias is None else correction_bias.to("cpu")
-        out = host_forward(x.to("cpu"), router_logits.to("cpu"), bias).to(device)
+        rows = x.to("cpu", torch.float32) if quantized else x.to("cpu")
+        out = host_forward(rows, router_logits.to("cpu"), bias).to(device, x.dtype)
         if shared is not None:
             always = shared(x)
             out = out + (always if shared_scale is None else shared_scale * always)
@@ -178,30 +244,18 @@ def run_experts_on_host(moe: FusedMoE, device: torch.device) -> None:
     moe.forward = forward
 
 
-def apply_offload(model: nn.Module, offload, device: torch.device) -> StreamedLayers | None:
-    """Place the model's weights as `offload` (an `OffloadConfig`) asks: experts on the host first, then
-    the streamed layers chosen among what is left on the device. Returns the streaming (None: none)."""
-    layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
-    if not layers:
-        raise ValueError("cpu_offload_gb, cpu_moe and n_cpu_moe need a model made of decoder layers")
-    moe = {m.layer_index: m for m in model.modules() if isinstance(m, FusedMoE)}
-    if (offload.cpu_moe or offload.n_cpu_moe) and not moe:
-        raise ValueError("cpu_moe / n_cpu_moe: the model has no MoE layers")
-    on_host = [moe[i] for i in plan_cpu_moe(list(moe), offload.cpu_moe, offload.n_cpu_moe)]
+def apply_offload(
+    model: nn.Module, offload, device: torch.device, host: HostPlacement = NOTHING
+) -> StreamedLayers | None:
+    """Place the model's weights as `offload` (an `OffloadConfig`) asks: experts on the host, and the
+    decoder layers `host.layers` (built in host memory by the loader, as `host_placement_planner` chose
+    them) streamed from there. Returns the streaming (None: none)."""
+    model_layers(model)  # refuses a model without decoder layers
+    on_host = host_experts(model, offload)
     for m in on_host:
         run_experts_on_host(m, device)
     if on_host:
         logger.info("cpu moe: the experts of layers %s run on the host", [m.layer_index for m in on_host])
-    if not offload.cpu_offload_gb:
+    if not host.layers:
         return None
-    kept = kept_tensors(model, on_host)
-    sizes = [sum(t.nbytes for t in layer_tensors(layer, kept)) for layer in layers]
-    chosen = plan_weight_offload(sizes, int(offload.cpu_offload_gb * 2**30))
-    if not chosen:
-        logger.warning(
-            "cpu offload: %.2f GiB holds no whole decoder layer (%d bytes the smallest); nothing offloaded",
-            offload.cpu_offload_gb,
-            min(sizes),
-        )
-        return None
-    return StreamedLayers(model, layers, chosen, device, kept)
+    return StreamedLayers(model, sorted(host.layers), device, kept_tensors(model, on_host), on_host)
