@@ -9,10 +9,8 @@ import torch
 
 from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig, make_kv_cache_config
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.distributed import expert_parallel
 from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
-from tokenmill.loader import LoadedModel, load_model
 from tokenmill.loader.source import ModelSource
 
 
@@ -77,24 +75,6 @@ class Executor(ABC):
     def close(self) -> None:
         """Release what the executor started (worker processes or actors, the process group); nothing
         for a runner in this process."""
-
-
-def load_configured_model(config: EngineConfig) -> LoadedModel:
-    """The model `config` names, as it asks (dtype, device, weight format), on this process's
-    tensor-parallel rank (its experts, with expert parallelism)."""
-    with expert_parallel.placement(config.parallel.enable_expert_parallel):
-        loaded = load_model(
-            config.model,
-            config.dtype,
-            config.device,
-            max_positions=config.scheduler.fixed_max_model_len,
-            quantization=config.quantization,
-            group_size=config.quantization_group_size,
-            symmetric=config.quantization_symmetric,
-        )
-    if config.parallel.enable_expert_parallel:
-        expert_parallel.check_has_experts(loaded.config)
-    return loaded
 
 
 def size_kv_cache(

@@ -6,9 +6,9 @@ from tokenmill.attention.kv_spec import KVCacheConfig
 from tokenmill.config import EngineConfig
 from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
-from tokenmill.executor.abstract import Executor, load_configured_model, size_kv_cache
+from tokenmill.executor.abstract import Executor, size_kv_cache
 from tokenmill.kv_transfer.base import KVConnectorWorker, worker_connector
-from tokenmill.loader import LoadedModel
+from tokenmill.loader import LoadedModel, load_configured_model
 from tokenmill.worker import memory_profile
 from tokenmill.worker.model_runner import ModelRunner
 

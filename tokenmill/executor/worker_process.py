@@ -17,9 +17,8 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import parallel_state
-from tokenmill.executor.abstract import load_configured_model
 from tokenmill.kv_transfer.base import worker_connector
-from tokenmill.loader import LoadedModel
+from tokenmill.loader import LoadedModel, load_configured_model
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

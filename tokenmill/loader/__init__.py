@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig, resolve_device, resolve_dtype
+from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from tokenmill.distributed import expert_parallel
 from tokenmill.loader.gguf_loader import GGUFCheckpoint
 from tokenmill.loader.hf_loader import HFCheckpoint
 from tokenmill.loader.source import ModelSource, resolve_model
@@ -98,3 +99,21 @@ def load_model(
         time.perf_counter() - start,
     )
     return LoadedModel(net, config, source, torch_dtype, dev, quant_config.name)
+
+
+def load_configured_model(config: EngineConfig) -> LoadedModel:
+    """The model `config` names, as it asks (dtype, device, weight format), on this process's
+    tensor-parallel rank (its experts, with expert parallelism)."""
+    with expert_parallel.placement(config.parallel.enable_expert_parallel):
+        loaded = load_model(
+            config.model,
+            config.dtype,
+            config.device,
+            max_positions=config.scheduler.fixed_max_model_len,
+            quantization=config.quantization,
+            group_size=config.quantization_group_size,
+            symmetric=config.quantization_symmetric,
+        )
+    if config.parallel.enable_expert_parallel:
+        expert_parallel.check_has_experts(loaded.config)
+    return loaded
