@@ -313,11 +313,6 @@ def _finite(x: float | None) -> float | None:
     return max(x, -9999.0)
 
 
-def object_head(request_id: str, kind: str, model: str, created: int) -> dict:
-    """The fields an OpenAI completion object, or a chunk of its stream, starts with (`kind`: its "object")."""
-    return {"id": request_id, "object": kind, "created": created, "model": model, "system_fingerprint": None}
-
-
 def merge_logprobs(a: dict | None, b: dict) -> dict:
     if a is None:
         return b

@@ -25,7 +25,6 @@ from tokenmill.server.serving import (
     ServingContext,
     count_reasoning_tokens,
     engine_error,
-    object_head,
     usage,
     wait_started,
 )
@@ -33,6 +32,7 @@ from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
     choice_chunk_builder,
+    object_head,
     run_until_disconnect,
     sse,
 )

@@ -11,21 +11,14 @@ from starlette.responses import JSONResponse, Response
 
 from tokenmill.server.protocol import CompletionRequest, bad_request
 from tokenmill.server.request_stream import RequestStream, StreamOutput
-from tokenmill.server.serving import (
-    ENGINE_ERRORS,
-    ServingContext,
-    engine_error,
-    merge_logprobs,
-    object_head,
-    usage,
-    wait_started,
-)
+from tokenmill.server.serving import ENGINE_ERRORS, ServingContext, engine_error, merge_logprobs, usage, wait_started
 from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
     choice_chunk_builder,
     gather_or_cancel,
     merge_streams,
+    object_head,
     run_until_disconnect,
     sse,
 )
