@@ -71,42 +71,21 @@ class _Sample:
         p = parent.params
         self.output = CompletionOutput(index, logprobs=[] if p.logprobs is not None else None)
         self.detok = IncrementalDetokenizer(
-            tokenizer, parent.prompt_token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
+            tokenizer, parent.output.prompt_token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
         )
 
 
 class _RequestState:
-    def __init__(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
+    """Per-request state: its parameters, its samples and the output being built (`snapshot` reports it)."""
+
+    def __init__(self, output: RequestOutput, params: SamplingParams) -> None:
+        self.output = output
         self.params = params
         self.samples: list[_Sample] = []
-        self.metrics = RequestMetrics(arrival_time)
-        self.num_cached_tokens = 0
-        self.prompt_logprobs = None
-        self.pooled = None
 
     def snapshot(self) -> RequestOutput:
         outputs = [s.output for s in self.samples]
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            outputs,
-            self.metrics,
-            self.num_cached_tokens,
-            all(o.finished for o in outputs),
-            self.prompt_logprobs,
-            self.pooled,
-        )
+        return dataclasses.replace(self.output, outputs=outputs, finished=all(o.finished for o in outputs))
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -140,7 +119,8 @@ class OutputProcessor:
         cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """Track a request; returns the core requests of its `n` samples (the one place `n` fans out)."""
-        state = _RequestState(request_id, prompt, prompt_token_ids, params, arrival_time)
+        output = RequestOutput(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival_time))
+        state = _RequestState(output, params)
         self.requests[request_id] = state
         children = []
         for i in range(params.n):
@@ -198,24 +178,24 @@ class OutputProcessor:
                 out.logprobs.extend(co.new_logprobs)
                 out.delta_logprobs = co.new_logprobs
             out.delta_text = sample.detok.stream_delta(finished=finish is not None)
-            m = state.metrics
+            m = state.output.metrics
             if out.index == 0:
                 m.first_scheduled_time = co.first_scheduled_time
                 m.finished_time = co.timestamp  # the latest so far; final once the request finished
                 if co.new_token_ids:  # (a scored prompt, or a failure, brings none)
                     m.first_token_time = m.first_token_time or co.timestamp
                     m.token_times.append(co.timestamp)
-            state.num_cached_tokens = co.num_cached_tokens
+            state.output.num_cached_tokens = co.num_cached_tokens
             if co.prompt_logprobs is not None:
-                state.prompt_logprobs = co.prompt_logprobs
+                state.output.prompt_logprobs = co.prompt_logprobs
             if co.pooled is not None:
-                state.pooled = co.pooled
+                state.output.pooled = co.pooled
             if finish is not None:
                 out.finish_reason, out.stop_reason = finish, stop_reason
                 out.error, out.error_param = co.error, co.error_param
                 out.text = sample.detok.output_text
                 self.samples.pop(co.request_id, None)
-            touched[state.request_id] = state
+            touched[state.output.request_id] = state
         results = []
         for rid, state in touched.items():
             result = state.snapshot()

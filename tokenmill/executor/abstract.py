@@ -9,10 +9,9 @@ import torch
 
 from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig, make_kv_cache_config
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.distributed import expert_parallel
 from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
-from tokenmill.loader import LoadedModel, load_model
+from tokenmill.loader import LoadedModel, load_configured_model
 from tokenmill.loader.source import ModelSource
 from tokenmill.worker.offload import host_placement_planner
 
@@ -80,23 +79,12 @@ class Executor(ABC):
         for a runner in this process."""
 
 
-def load_configured_model(config: EngineConfig) -> LoadedModel:
-    """The model `config` names, as it asks (dtype, device, weight format), on this process's
-    tensor-parallel rank (its experts, with expert parallelism)."""
-    with expert_parallel.placement(config.parallel.enable_expert_parallel):
-        loaded = load_model(
-            config.model,
-            config.dtype,
-            config.device,
-            max_positions=config.scheduler.fixed_max_model_len,
-            quantization=config.quantization,
-            group_size=config.quantization_group_size,
-            symmetric=config.quantization_symmetric,
-            plan_host=host_placement_planner(config.offload) if config.offload.active else None,
-        )
-    if config.parallel.enable_expert_parallel:
-        expert_parallel.check_has_experts(loaded.config)
-    return loaded
+def load_target_model(config: EngineConfig) -> LoadedModel:
+    """The model `config` names (`load_configured_model`), with the layers and experts --cpu-offload-gb /
+    --cpu-moe keep in host memory placed there as it loads."""
+    return load_configured_model(
+        config, plan_host=host_placement_planner(config.offload) if config.offload.active else None
+    )
 
 
 def size_kv_cache(

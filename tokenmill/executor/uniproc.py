@@ -6,7 +6,7 @@ from tokenmill.attention.kv_spec import KVCacheConfig
 from tokenmill.config import EngineConfig
 from tokenmill.engine.outputs import ModelRunnerOutput
 from tokenmill.engine.scheduler_output import SchedulerOutput
-from tokenmill.executor.abstract import Executor, load_configured_model, size_kv_cache
+from tokenmill.executor.abstract import Executor, load_target_model, size_kv_cache
 from tokenmill.kv_transfer.base import KVConnectorWorker, worker_connector
 from tokenmill.loader import LoadedModel
 from tokenmill.worker import memory_profile
@@ -22,7 +22,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         if loaded is None:
-            loaded = load_configured_model(config)
+            loaded = load_target_model(config)
         self.model_config, self.source = loaded.config, loaded.source
         self.dtype, self.device, self.quantization = loaded.dtype, loaded.device, loaded.quantization
         self.runner = ModelRunner(loaded, config)

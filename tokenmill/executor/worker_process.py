@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import parallel_state
-from tokenmill.executor.abstract import load_configured_model
+from tokenmill.executor.abstract import load_target_model
 from tokenmill.kv_transfer.base import worker_connector
 from tokenmill.loader import LoadedModel
 from tokenmill.worker.model_runner import ModelRunner
@@ -56,7 +56,7 @@ def join_and_load(
         parallel_state.init_model_parallel(*args)
     else:
         _join_watching(lambda: parallel_state.init_model_parallel(*args), watch, config)
-    loaded = load_configured_model(config)
+    loaded = load_target_model(config)
     if p.pipeline_parallel_size > 1 and not hasattr(loaded.model.model, "stage_layers"):
         raise ValueError(
             f"--pipeline-parallel-size: {type(loaded.model).__name__} does not split into pipeline "

@@ -35,17 +35,23 @@ class LinearBase(nn.Module):
     def __init__(
         self,
         input_size: int,
-        output_sizes: list[int],
-        bias: bool,
-        quant_config: QuantizationConfig | None,
-        prefix: str,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        output_sizes: int | list[int],
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
+        """`tp_rank`, `tp_size`: the rank's place in the tensor-parallel group (default: this
+        process's; a replicated layer always has the whole weight: rank 0 of 1)."""
         super().__init__()
         self.prefix = prefix
-        self.input_size, self.output_sizes = input_size, list(output_sizes)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        if tp_size is None:
+            tp_rank, tp_size = parallel_state.tp_rank(), parallel_state.tp_size()
+        self.tp_rank, self.tp_size = tp_rank or 0, tp_size
+        self._check_split()
         self.input_size_per_partition = self._input_partition()[0]
         self.output_partition_sizes = [self._output_partition(i)[0] for i in range(len(self.output_sizes))]
         self.quant_method = (quant_config or UnquantizedConfig()).linear_method(prefix)
@@ -54,6 +60,9 @@ class LinearBase(nn.Module):
         )
         rows = sum(self.output_partition_sizes)
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
+
+    def _check_split(self) -> None:
+        """Raise, naming the layer, if its weight does not split over the tensor-parallel ranks."""
 
     def _output_partition(self, shard: int) -> tuple[int, int]:
         """(rows this rank holds of shard `shard`, first of them in the checkpoint tensor)."""
@@ -106,33 +115,14 @@ class ReplicatedLinear(LinearBase):
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
-        super().__init__(input_size, [output_size], bias, quant_config, prefix)
-
-
-def _group(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
-    """The given rank and size, else this process's tensor-parallel group's."""
-    if tp_size is None:
-        return parallel_state.tp_rank(), parallel_state.tp_size()
-    return tp_rank or 0, tp_size
+        super().__init__(input_size, output_size, bias, quant_config, prefix, tp_rank=0, tp_size=1)
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(
-        self,
-        input_size: int,
-        output_sizes: int | list[int],
-        bias: bool = False,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
-        tp_rank, tp_size = _group(tp_rank, tp_size)
-        sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
-        for size in sizes:
-            if size % tp_size:
-                raise ValueError(f"{prefix}: {size} output rows do not split over {tp_size} ranks")
-        super().__init__(input_size, sizes, bias, quant_config, prefix, tp_rank, tp_size)
+    def _check_split(self):
+        for size in self.output_sizes:
+            if size % self.tp_size:
+                raise ValueError(f"{self.prefix}: {size} output rows do not split over {self.tp_size} ranks")
 
     def _output_partition(self, shard):
         size = self.output_sizes[shard] // self.tp_size
@@ -159,20 +149,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_rank: int | None = None,
         tp_size: int | None = None,
     ) -> None:
-        tp_rank, tp_size = _group(tp_rank, tp_size)
-        if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
-            raise ValueError(f"{prefix}: {num_heads} query / {num_kv_heads} kv heads do not split over {tp_size} ranks")
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
-        LinearBase.__init__(
-            self,
-            hidden_size,
-            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-            bias,
-            quant_config,
-            prefix,
-            tp_rank,
-            tp_size,
+        kv_size = num_kv_heads * head_dim
+        super().__init__(
+            hidden_size, [num_heads * head_dim, kv_size, kv_size], bias, quant_config, prefix, tp_rank, tp_size
         )
+
+    def _check_split(self):
+        heads, kv_heads, tp = self.num_heads, self.num_kv_heads, self.tp_size
+        if heads % tp or (kv_heads % tp and tp % kv_heads):
+            raise ValueError(f"{self.prefix}: {heads} query / {kv_heads} kv heads do not split over {tp} ranks")
 
     def _output_partition(self, shard):
         if shard == 0:
@@ -185,20 +171,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
-        tp_rank, tp_size = _group(tp_rank, tp_size)
-        if input_size % tp_size:
-            raise ValueError(f"{prefix}: {input_size} input columns do not split over {tp_size} ranks")
-        super().__init__(input_size, [output_size], bias, quant_config, prefix, tp_rank, tp_size)
+    def _check_split(self):
+        if self.input_size % self.tp_size:
+            raise ValueError(f"{self.prefix}: {self.input_size} input columns do not split over {self.tp_size} ranks")
 
     def _input_partition(self):
         cols = self.input_size // self.tp_size

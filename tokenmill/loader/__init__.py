@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig, resolve_device, resolve_dtype
+from tokenmill.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from tokenmill.distributed import expert_parallel
 from tokenmill.kernels import block_quant
 from tokenmill.layers.host_placement import NOTHING, HostPlacement, placing
 from tokenmill.loader.gguf_loader import GGUFCheckpoint
@@ -114,3 +115,24 @@ def load_model(
         time.perf_counter() - start,
     )
     return LoadedModel(net, config, source, torch_dtype, dev, quant_config.name, host)
+
+
+def load_configured_model(
+    config: EngineConfig, plan_host: Callable[[nn.Module], HostPlacement] | None = None
+) -> LoadedModel:
+    """The model `config` names, as it asks (dtype, device, weight format), on this process's
+    tensor-parallel rank (its experts, with expert parallelism); `plan_host` as `load_model` takes it."""
+    with expert_parallel.placement(config.parallel.enable_expert_parallel):
+        loaded = load_model(
+            config.model,
+            config.dtype,
+            config.device,
+            max_positions=config.scheduler.fixed_max_model_len,
+            quantization=config.quantization,
+            group_size=config.quantization_group_size,
+            symmetric=config.quantization_symmetric,
+            plan_host=plan_host,
+        )
+    if config.parallel.enable_expert_parallel:
+        expert_parallel.check_has_experts(loaded.config)
+    return loaded

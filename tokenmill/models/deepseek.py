@@ -21,12 +21,11 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig, rope_type
-from tokenmill.layers.fused_moe import FusedMoE, Routing, check_expert_counts
-from tokenmill.layers.linear import ReplicatedLinear
+from tokenmill.layers.fused_moe import Routing, check_expert_counts
 from tokenmill.layers.mla import MLAAttention
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, yarn_mscale
-from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, PreNormDecoderLayer
+from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, PreNormDecoderLayer, routed_experts
 from tokenmill.models.utils import decoder_layers, load_checkpoint
 from tokenmill.quantization.base import QuantizationConfig
 
@@ -106,19 +105,11 @@ class DeepseekMoE(nn.Module):
 
     def __init__(self, config: DeepseekConfig, quant_config: QuantizationConfig, prefix: str) -> None:
         super().__init__()
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, quant_config, f"{prefix}.gate")
+        self.gate, self.experts = routed_experts(config, config.routing, quant_config, prefix)
         if config.routing_bias:
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False
             )
-        self.experts = FusedMoE(
-            config.num_experts,
-            config.routing,
-            config.hidden_size,
-            config.moe_intermediate_size,
-            f"{prefix}.experts",
-            method=quant_config.expert_method(f"{prefix}.experts"),
-        )
         if config.n_shared_experts:
             self.shared_experts = LlamaMLP(
                 config, quant_config, f"{prefix}.shared_experts", config.moe_intermediate_size * config.n_shared_experts

@@ -185,21 +185,31 @@ class LlamaMLP(nn.Module):
         return self.down_proj.partial(self.act_and_mul(self.gate_up_proj(x)))
 
 
+def routed_experts(
+    config, routing: Routing, quant_config: QuantizationConfig, prefix: str
+) -> tuple[ReplicatedLinear, FusedMoE]:
+    """A MoE block's router (`gate`: a score per expert) and its experts (`experts`), as Qwen-MoE and
+    DeepSeek checkpoints name them; `config` has `hidden_size`, `num_experts` and `moe_intermediate_size`."""
+    gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, quant_config, f"{prefix}.gate")
+    experts = FusedMoE(
+        config.num_experts,
+        routing,
+        config.hidden_size,
+        config.moe_intermediate_size,
+        f"{prefix}.experts",
+        method=quant_config.expert_method(f"{prefix}.experts"),
+    )
+    return gate, experts
+
+
 class LlamaSparseMoeBlock(nn.Module):
     """Each token through its top-k experts (router `gate`), plus a shared expert scaled by
     sigmoid(shared_expert_gate(x)) where the model has one."""
 
     def __init__(self, config: LlamaConfig, quant_config: QuantizationConfig, prefix: str) -> None:
         super().__init__()
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, quant_config, f"{prefix}.gate")
-        self.experts = FusedMoE(
-            config.num_experts,
-            Routing(config.num_experts_per_tok, config.norm_topk_prob),
-            config.hidden_size,
-            config.moe_intermediate_size,
-            f"{prefix}.experts",
-            method=quant_config.expert_method(f"{prefix}.experts"),
-        )
+        routing = Routing(config.num_experts_per_tok, config.norm_topk_prob)
+        self.gate, self.experts = routed_experts(config, routing, quant_config, prefix)
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(
                 config, quant_config, f"{prefix}.shared_expert", config.shared_expert_intermediate_size

@@ -55,11 +55,8 @@ def decode_share(
 ) -> dict:
     """A decode step of `batch` sequences at `context` tokens that took `step_seconds`: the bytes it
     reads (weights once, each sequence's KV), the bandwidth that is, and its share of the machine's."""
-    _held, read, experts = facts.weight_bytes(fmt)
     batch = max(batch, 1)
-    step_bytes = (
-        read + experts * facts.expert_fraction(round(batch)) + batch * facts.kv_bytes_per_sequence(context, kv_dtype)
-    )
+    step_bytes = facts.decode_step_bytes(fmt, batch, context, kv_dtype, round(batch))
     achieved = step_bytes / step_seconds
     return {
         "bytes_per_step": step_bytes,

@@ -102,6 +102,12 @@ class ModelFacts:
             for layer in self.layers
         )
 
+    def decode_step_bytes(self, fmt: str, batch: float, context: int, kv_dtype: str, tokens: int) -> float:
+        """What a decode step of `batch` sequences at `context` tokens reads in weight format `fmt`: the
+        weights once, the share of the routed experts its `tokens` tokens touch, each sequence's KV."""
+        _held, read, experts = self.weight_bytes(fmt)
+        return read + experts * self.expert_fraction(tokens) + batch * self.kv_bytes_per_sequence(context, kv_dtype)
+
     def attention_flops(self, context: int) -> int:
         return sum(layer.attention_flops(context) for layer in self.layers)
 

@@ -48,9 +48,8 @@ def decode_step(
 ) -> Step:
     """One decode step of `batch` sequences at `context` tokens, each with `query_tokens` new tokens (a
     verify step: 1 + drafts); tokens_per_s counts the query tokens."""
-    _, read, experts = facts.weight_bytes(fmt)
     tokens = batch * query_tokens
-    bytes_ = read + experts * facts.expert_fraction(tokens) + batch * facts.kv_bytes_per_sequence(context, kv_dtype)
+    bytes_ = facts.decode_step_bytes(fmt, batch, context, kv_dtype, tokens)
     flops = tokens * (2 * facts.active_matmul_params + facts.attention_flops(context))
     return _step(bytes_, flops, tokens, hw, hw.compute_rate(fmt)[1], devices)
 

@@ -37,6 +37,7 @@ from tokenmill.router.upstream import (
     BROADCAST_PATHS,
     CLIENT_CLOSED,
     add_generation_routes,
+    add_post_routes,
     error_body,
     error_response,
     pinned_replica,
@@ -197,14 +198,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
         answer = next((a for a in answers if a.status_code != 200), answers[0])
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
-    def broadcast_route(path: str):
-        async def route(request: Request) -> Response:
-            return await broadcast(request, path)
-
-        return route
-
-    for path in BROADCAST_PATHS:
-        app.add_api_route(path, broadcast_route(path), methods=["POST"], include_in_schema=False)
+    add_post_routes(app, BROADCAST_PATHS, broadcast)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

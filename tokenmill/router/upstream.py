@@ -70,17 +70,22 @@ ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Ant
 BROADCAST_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
-def add_generation_routes(app, generation: Callable[[Request, str], Awaitable[Response]]) -> None:
-    """POST to each of GENERATION_PATHS, answered by `generation(request, path)`."""
+def add_post_routes(app, paths, answer: Callable[[Request, str], Awaitable[Response]]) -> None:
+    """POST to each of `paths`, answered by `answer(request, path)`."""
 
     def route_for(path: str):
         async def route(request: Request) -> Response:
-            return await generation(request, path)
+            return await answer(request, path)
 
         return route
 
-    for path in GENERATION_PATHS:
+    for path in paths:
         app.add_api_route(path, route_for(path), methods=["POST"], include_in_schema=False)
+
+
+def add_generation_routes(app, generation: Callable[[Request, str], Awaitable[Response]]) -> None:
+    """POST to each of GENERATION_PATHS, answered by `generation(request, path)`."""
+    add_post_routes(app, GENERATION_PATHS, generation)
 
 
 def error_body(status: int, message: str, kind: str, code: str, anthropic: bool = False) -> dict:

@@ -32,6 +32,7 @@ from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
     choice_chunk_builder,
+    object_head,
     run_until_disconnect,
     sse,
 )
@@ -284,11 +285,7 @@ async def create_chat_completion(
     )
     return JSONResponse(
         {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
+            **object_head(request_id, "chat.completion", model, created),
             "choices": choices,
             **extra,
             "usage": usage(
@@ -328,20 +325,13 @@ async def final_output(request: Request, stream: RequestStream, plan: ChatPlan):
     """The request's last output once it finished; None if the client went away first (the request is
     aborted: its stream is closed however this ends)."""
     try:
-        return await run_until_disconnect(request, _last(stream))
+        return await run_until_disconnect(request, stream.last())
     except ClientDisconnected:
         return None
     except ENGINE_ERRORS as e:
         raise engine_error(e, plan.structured_param) from None
     finally:
         stream.close()
-
-
-async def _last(stream: RequestStream):
-    last = None
-    async for out in stream:
-        last = out
-    return last
 
 
 async def _stream(
@@ -355,16 +345,9 @@ async def _stream(
     stream: RequestStream,
     top_n: int,
 ):
-    base = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-    }
+    head = object_head(request_id, "chat.completion.chunk", model, created)
     include_usage = req.include_usage
-
-    chunk = choice_chunk_builder(base, include_usage, "delta")
+    chunk = choice_chunk_builder(head, include_usage, "delta")
 
     parsers = [ChatOutputParser(ctx, plan, req.parallel_tool_calls) for _ in range(req.n)]
     completion_tokens = cached = 0
@@ -391,7 +374,7 @@ async def _stream(
         if include_usage:
             yield sse(
                 dict(
-                    base,
+                    head,
                     choices=[],
                     usage=usage(num_prompt, completion_tokens, cached, reasoning_tokens(ctx, plan, tokens)),
                 )

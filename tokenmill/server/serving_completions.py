@@ -18,6 +18,7 @@ from tokenmill.server.streaming import (
     choice_chunk_builder,
     gather_or_cancel,
     merge_streams,
+    object_head,
     run_until_disconnect,
     sse,
 )
@@ -58,15 +59,15 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     for i, (text, ids) in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         items.append((rid, text, ids, ctx.fit_to_context(len(ids), params, "prompt")))
-    created = int(time.time())
+    head = object_head(request_id, "text_completion", model, int(time.time()))
     streams = ctx.submit_all(items, arrival, req.priority, req.cache_salt)
     structured_param = spec[1] if spec else None
     await wait_started(streams, structured_param)
     if req.stream:
-        events = _stream(ctx, req, request_id, model, created, prompts, streams, structured_param)
+        events = _stream(ctx, req, head, prompts, streams, structured_param)
         return SSEResponse(events, on_close=lambda: [s.close() for s in streams])
     try:
-        finals = await run_until_disconnect(request, gather_or_cancel(*(_last(s) for s in streams)))
+        finals = await run_until_disconnect(request, gather_or_cancel(*(s.last() for s in streams)))
     except ClientDisconnected:
         return Response(status_code=499)
     except ENGINE_ERRORS as e:
@@ -74,22 +75,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     finally:
         for s in streams:
             s.close()
-    return JSONResponse(_response(ctx, req, request_id, model, created, prompts, finals))
-
-
-async def _last(stream: RequestStream) -> StreamOutput:
-    last = None
-    async for out in stream:
-        last = out
-    return last
+    return JSONResponse(_response(ctx, req, head, prompts, finals))
 
 
 def _response(
     ctx: ServingContext,
     req: CompletionRequest,
-    request_id: str,
-    model: str,
-    created: int,
+    head: dict,
     prompts: list[tuple[str, list[int]]],
     finals: list[StreamOutput],
 ) -> dict:
@@ -112,15 +104,7 @@ def _response(
                 generated, _ = ctx.completion_logprobs(o.token_ids, o.logprobs or [], offset)
                 choices[-1]["logprobs"] = merge_logprobs(choices[-1]["logprobs"], generated)
     prompt_tokens = sum(len(ids) for _, ids in prompts)
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
-    }
+    return dict(head, choices=choices, usage=usage(prompt_tokens, completion_tokens, cached))
 
 
 def _prompt_fields(ctx: ServingContext, req: CompletionRequest, ids: list[int], entries: list | None) -> dict:
@@ -137,23 +121,13 @@ def _prompt_fields(ctx: ServingContext, req: CompletionRequest, ids: list[int], 
 async def _stream(
     ctx: ServingContext,
     req: CompletionRequest,
-    request_id: str,
-    model: str,
-    created: int,
+    head: dict,
     prompts: list[tuple[str, list[int]]],
     streams: list[RequestStream],
     structured_param: str | None,
 ):
-    base = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-    }
     include_usage = req.include_usage
-
-    chunk = choice_chunk_builder(base, include_usage, "text")
+    chunk = choice_chunk_builder(head, include_usage, "text")
 
     offsets: dict[int, int] = {}
     completion_tokens = 0
@@ -196,7 +170,7 @@ async def _stream(
                         yield chunk(index, d.text, logprobs, d.finish_reason)
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
-            yield sse(dict(base, choices=[], usage=usage(prompt_tokens, completion_tokens, sum(cached))))
+            yield sse(dict(head, choices=[], usage=usage(prompt_tokens, completion_tokens, sum(cached))))
     except ENGINE_ERRORS as e:  # the same error as a non-streamed request gets (a dead-end grammar: a 400)
         yield sse(engine_error(e, structured_param).to_dict())
     finally:

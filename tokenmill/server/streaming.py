@@ -40,6 +40,11 @@ def sse(data: dict | str, event: str | None = None) -> str:
     return f"data: {payload}\n\n" if event is None else f"event: {event}\ndata: {payload}\n\n"
 
 
+def object_head(request_id: str, kind: str, model: str, created: int) -> dict:
+    """The fields an OpenAI completion object, or a chunk of its stream, starts with (`kind`: its "object")."""
+    return {"id": request_id, "object": kind, "created": created, "model": model, "system_fingerprint": None}
+
+
 def choice_chunk_builder(base: dict, include_usage: bool, content_key: str):
     """`chunk(index, content, logprobs, finish_reason, **extra) -> str`: one streamed choice as an SSE
     event, `content_key` being "text" (completions) or "delta" (chat), `extra` more choice fields;

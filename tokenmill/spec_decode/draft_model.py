@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.config import EngineConfig
-from tokenmill.loader import load_model
+from tokenmill.loader import load_configured_model
 from tokenmill.sample.rejection_sampler import target_probs
 from tokenmill.sample.sampler import random_sample
 from tokenmill.sampling_params import SamplingParams
@@ -51,16 +51,8 @@ class DraftRequest:
 
 class DraftModelDrafter(Drafter):
     def __init__(self, config: EngineConfig, target_vocab_size: int) -> None:
-        c = draft_config = draft_engine_config(config, config.speculative.model)
-        loaded = load_model(
-            c.model,
-            c.dtype,
-            c.device,
-            max_positions=c.scheduler.fixed_max_model_len,
-            quantization=c.quantization,
-            group_size=c.quantization_group_size,
-            symmetric=c.quantization_symmetric,
-        )
+        draft_config = draft_engine_config(config, config.speculative.model)
+        loaded = load_configured_model(draft_config)
         if loaded.config.vocab_size > target_vocab_size:
             raise ValueError(
                 f"speculative_config.model: the draft's vocabulary ({loaded.config.vocab_size}) is "
