@@ -68,9 +68,11 @@ inline float to_float(c10::Half h) {
 #endif
 }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
+inline float to_float(float v) { return v; }
 
 #ifdef TM_SIMD
-// Eight stored scales (float16 or int8) as floats.
+// Eight stored scales (float32, float16 or int8) as floats.
+inline __m256 scale_vec(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 scale_vec(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -1092,7 +1094,9 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
 //          16 + 4j + t (high nibble): one 32-byte load holds values 4j.. and 16 + 4j.. of all eight rows;
 //          5 and 8 bits: uint8 [P, nb, 8, 8, 4], byte (j, r, t) = value 4j + t of row r (8 bits: signed);
 //   scales float32 [P, nb, 2, 8]: the rows' block scales, then their offsets with the codes' center
-//          folded in (Blocks::expand's fold), so that 4-5-bit codes stay unsigned for vpdpbusd.
+//          folded in (Blocks::expand's fold), so that 4-5-bit codes stay unsigned for vpdpbusd; float16
+//          where every one of them is a float16 value (repack_panels in Python: a sixth fewer bytes a
+//          4-bit weight, for the one-row steps that read all of it per token).
 constexpr int64_t kPanel = 8;  // weight rows a panel
 constexpr int64_t panel_block_bytes(int bits) { return (bits == 4 ? 16 : 32) * kPanel; }
 
@@ -1144,9 +1148,9 @@ inline int panel_code(const uint8_t* block, int64_t c, int64_t v) {
 
 // RM activation rows (K apart, natural order; dx, xs: their scales and block sums, nb apart) against
 // one panel: out[r * ldo + c] for its first `cols` rows c.
-template <int BITS, int RM>
+template <int BITS, int RM, typename S>
 inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* codes,
-                       const float* scales, float* out, int64_t ldo, int64_t cols) {
+                       const S* scales, float* out, int64_t ldo, int64_t cols) {
   const int64_t nb = K / 32, bytes = panel_block_bytes(BITS);
   alignas(32) float total[RM][kPanel];
 #ifdef TM_SIMD
@@ -1183,7 +1187,7 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64
         dot(load(j + 1), j + 1, kChains - 1);
       }
     }
-    const __m256 s = _mm256_loadu_ps(scales + b * 2 * kPanel), o = _mm256_loadu_ps(scales + b * 2 * kPanel + kPanel);
+    const __m256 s = scale_vec(scales + b * 2 * kPanel), o = scale_vec(scales + b * 2 * kPanel + kPanel);
     for (int r = 0; r < RM; ++r) {
       const __m256 sum = _mm256_cvtepi32_ps(Sums::total(sums[r]));
       const __m256 scaled = _mm256_mul_ps(sum, _mm256_mul_ps(s, _mm256_set1_ps(dx[r * nb + b])));
@@ -1198,8 +1202,8 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot = 0;
         for (int64_t v = 0; v < 32; ++v) dot += panel_code<BITS>(codes + b * bytes, c, v) * xq[r * K + b * 32 + v];
-        const float* sc = scales + b * 2 * kPanel;
-        sum += static_cast<float>(dot) * (sc[c] * dx[r * nb + b]) + sc[kPanel + c] * xs[r * nb + b];
+        const S* sc = scales + b * 2 * kPanel;
+        sum += static_cast<float>(dot) * (to_float(sc[c]) * dx[r * nb + b]) + to_float(sc[kPanel + c]) * xs[r * nb + b];
       }
       total[r][c] = sum;
     }
@@ -1207,9 +1211,9 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64
   for (int r = 0; r < RM; ++r) std::memcpy(out + r * ldo, total[r], cols * sizeof(float));
 }
 
-template <int BITS, int RM = kPanelRows>
+template <int BITS, int RM = kPanelRows, typename S>
 inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, int64_t K,
-                            const uint8_t* codes, const float* scales, float* out, int64_t ldo, int64_t cols) {
+                            const uint8_t* codes, const S* scales, float* out, int64_t ldo, int64_t cols) {
   if constexpr (RM > 1)
     if (rows < RM) return panel_tile_rows<BITS, RM - 1>(rows, xq, dx, xs, K, codes, scales, out, ldo, cols);
   panel_tile<BITS, RM>(xq, dx, xs, K, codes, scales, out, ldo, cols);
@@ -1218,7 +1222,7 @@ inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const f
 // Every activation row against every panel: per thread, blocks of kRowBlock activation rows (they stay
 // in L2: at 256 rows a call ran at half the speed of 64) against chunks of kChunk panels (their codes stay
 // in L1) against each tile of kPanelRows activation rows in turn.
-template <int BITS>
+template <int BITS, typename S>
 void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            int64_t span, torch::Tensor& out) {
   constexpr int64_t kChunk = 4, kRowBlock = 64, bytes = panel_block_bytes(BITS);
@@ -1229,7 +1233,7 @@ void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, c
   std::vector<float> dx(M * nb), xs(M * nb);
   quantize_rows<32>(x.data_ptr<float>(), M, K, span, xq.data(), dx.data(), xs.data(), nullptr);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
+  const S* sp = scales.data_ptr<S>();
   float* outp = out.data_ptr<float>();
   at::parallel_for(0, P, kChunk, [&](int64_t begin, int64_t end) {
     for (int64_t block = 0; block < M; block += kRowBlock)
@@ -1352,15 +1356,25 @@ void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor>
     TORCH_CHECK(false, "panels hold 4-, 5- or 8-bit codes, not ", bits, "-bit ones");
 }
 
-// block_quant_matmul_q8 on a weight's panels (x: [M, K] float32, rounded per `span` values; out: [M, N]).
+// block_quant_matmul_q8 on a weight's panels (x: [M, K] float32, rounded per `span` values; out: [M, N];
+// scales float32 or float16).
 void block_quant_matmul_q8_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits,
                                   int64_t span, torch::Tensor out) {
-  if (bits == 4)
-    matmul_q8_panels_impl<4>(x, codes, scales, span, out);
-  else if (bits == 5)
-    matmul_q8_panels_impl<5>(x, codes, scales, span, out);
-  else if (bits == 8)
-    matmul_q8_panels_impl<8>(x, codes, scales, span, out);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
+              "panel scales: float32 or float16");
+  auto run = [&](auto scale) {
+    using S = decltype(scale);
+    if (bits == 4)
+      matmul_q8_panels_impl<4, S>(x, codes, scales, span, out);
+    else if (bits == 5)
+      matmul_q8_panels_impl<5, S>(x, codes, scales, span, out);
+    else if (bits == 8)
+      matmul_q8_panels_impl<8, S>(x, codes, scales, span, out);
+    else
+      TORCH_CHECK(false, "panels hold 4-, 5- or 8-bit codes, not ", bits, "-bit ones");
+  };
+  if (scales.scalar_type() == at::kHalf)
+    run(c10::Half());
   else
-    TORCH_CHECK(false, "panels hold 4-, 5- or 8-bit codes, not ", bits, "-bit ones");
+    run(float());
 }

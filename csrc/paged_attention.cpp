@@ -155,6 +155,33 @@ inline void soft_cap(float* s, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
 }
 
+#ifdef TM_ATTN_SIMD
+// out[0, 8 NV) = sum over t of w[t] value_scale(t) value(t)[d0 + ...], NV vectors of 8 dims in registers.
+// NV is a constant so that the sums stay in registers and each row is asked ahead once per cache line.
+template <int NV, typename Row, typename Scale>
+inline void weigh_values(const float* w, int64_t L, Row value, Scale value_scale, int64_t d0, float* out) {
+  constexpr int64_t kLine = 64 / sizeof(*value(0));  // elements a cache line
+  constexpr int64_t kAhead = 32;  // rows asked ahead: about a memory latency of this loop's work
+  __m256 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const __m256 wt = _mm256_set1_ps(w[t] * value_scale(t));
+    const auto* v = value(t) + d0;
+    if (t + kAhead < L)
+      for (int64_t d = 0; d < 8 * NV; d += kLine) __builtin_prefetch(value(t + kAhead) + d0 + d);
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(wt, load8(v + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+template <int NV = 8, typename Row, typename Scale>
+inline void weigh_values(int64_t nv, const float* w, int64_t L, Row value, Scale value_scale, int64_t d0, float* out) {
+  if constexpr (NV > 1)
+    if (nv < NV) return weigh_values<NV - 1>(nv, w, L, value, value_scale, d0, out);
+  weigh_values<NV>(w, L, value, value_scale, d0, out);
+}
+#endif
+
 // One (sequence, kv head): the G query heads that share it attend over L cached tokens.
 // key(t), value(t) point at token t's key row (D features) and value row (DV); key_scale(t),
 // value_scale(t) are the rows' scales (1 unless quantized); s: [G, L] scratch; o: [G, DV] output;
@@ -168,8 +195,8 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
       decltype(key(0)) k[8];
       alignas(32) float ks[8];
       for (int j = 0; j < 8; ++j) k[j] = key(std::min(t0 + j, L - 1)), ks[j] = key_scale(std::min(t0 + j, L - 1));
-      for (int64_t j = t0 + 16; j < std::min(t0 + 24, L); ++j)  // memory-bound: ask for rows ahead
-        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(key(j) + d);
+      for (int64_t j = t0 + 32; j < std::min(t0 + 40, L); ++j)  // memory-bound: ask for rows ahead
+        for (int64_t d = 0; d < D; d += 64 / sizeof(*key(j))) __builtin_prefetch(key(j) + d);
       for (int64_t g = 0; g < G; ++g) {
         __m256 acc[8];
         for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
@@ -207,17 +234,7 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
     }
     for (int64_t g = 0; g < G; ++g)  // weighted values, 64 dims at a time in registers
       for (int64_t d0 = 0; d0 < DV; d0 += 64) {
-        const int64_t nv = std::min<int64_t>(8, (DV - d0) / 8);
-        __m256 acc[8];
-        for (int j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < L; ++t) {
-          const __m256 w = _mm256_set1_ps(s[g * L + t] * value_scale(t));
-          const auto* v = value(t) + d0;
-          if (t + 8 < L)
-            for (int64_t d = 0; d < std::min<int64_t>(64, DV - d0); d += 16) __builtin_prefetch(value(t + 8) + d0 + d);
-          for (int j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
-        }
-        for (int j = 0; j < nv; ++j) _mm256_storeu_ps(o + g * DV + d0 + 8 * j, acc[j]);
+        weigh_values(std::min<int64_t>(8, (DV - d0) / 8), s + g * L, L, value, value_scale, d0, o + g * DV + d0);
       }
     return;
   }
@@ -276,31 +293,37 @@ void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const int64_t splits = std::min<int64_t>(G, std::max<int64_t>(1, (2 * at::get_num_threads() + pairs - 1) / pairs));
   const int64_t per = (G + splits - 1) / splits;
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, row_scales;
+    std::vector<const T*> rows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits / KVH, kvh = task / splits % KVH, g0 = task % splits * per;
       const int64_t heads = std::min(per, G - g0);
       if (heads <= 0) continue;
       const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - start;
       const int64_t* table = tables + b * max_blocks;
-      auto row = [&](const T* cache, int64_t slot_stride, int64_t head_stride) {
-        return [=](int64_t t) {
-          t += start;
-          return cache + (table[t / BS] * BS + t % BS) * slot_stride + kvh * head_stride;
-        };
-      };
-      auto scale_of = [&](const c10::BFloat16* scales) {
-        return [=](int64_t t) {
-          t += start;
-          return scales ? static_cast<float>(scales[(table[t / BS] * BS + t % BS) * KVH + kvh]) : 1.f;
-        };
-      };
+      // every attended token's key and value rows (and scales), found once per task: the loops below
+      // read each row several times (per query head, and ahead), and finding a slot's block per read (a
+      // division by the block size) cost about as much as the products
+      rows.resize(2 * L);
+      row_scales.assign(k_scales ? 2 * L : 0, 1.f);
+      for (int64_t t = 0, block = start / BS, offset = start % BS; t < L; ++t) {
+        const int64_t slot = table[block] * BS + offset;
+        if (++offset == BS) ++block, offset = 0;
+        rows[t] = kp + slot * k_cache.stride(1) + kvh * k_cache.stride(2);
+        rows[L + t] = vp + slot * v_cache.stride(1) + kvh * v_cache.stride(2);
+        if (k_scales) {
+          row_scales[t] = static_cast<float>(k_scales[slot * KVH + kvh]);
+          row_scales[L + t] = static_cast<float>(v_scales[slot * KVH + kvh]);
+        }
+      }
+      auto row = [](const T* const* p) { return [=](int64_t t) { return p[t]; }; };
+      auto scale_of = [](const float* p) { return [=](int64_t t) { return p ? p[t] : 1.f; }; };
+      const float* sk = k_scales ? row_scales.data() : nullptr;
       scores.resize(heads * L);
       const int64_t first = b * H + kvh * G + g0;  // the first query head of this task
       attend(qp + first * D, heads, D, DV, L, static_cast<float>(scale), static_cast<float>(soft_cap_value),
-             row(kp, k_cache.stride(1), k_cache.stride(2)), row(vp, v_cache.stride(1), v_cache.stride(2)),
-             scale_of(k_scales), scale_of(v_scales), scores.data(), op + first * DV,
-             sinks ? sinks + first % H : nullptr);
+             row(rows.data()), row(rows.data() + L), scale_of(sk), scale_of(sk ? sk + L : nullptr), scores.data(),
+             op + first * DV, sinks ? sinks + first % H : nullptr);
     }
   });
 }

@@ -3,6 +3,7 @@ on the dequantized file). On-load int8/int4 and AWQ/GPTQ checkpoints: tests/test
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -154,7 +155,8 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
     run on them (the same rounding as `q8_reference`, within the blocks' kernel's tolerance: N and M
     not multiples of the panel's 8 rows nor the tile's, more rows than one pass's block of 64), one-row
     steps too, and each row's result is the same bits whatever else shares its step (so a request's
-    tokens do not depend on its batch); other layouts and the exact mode keep no panels."""
+    tokens do not depend on its batch) and whether the panels' scales are stored as float16 or float32;
+    other layouts and the exact mode keep no panels."""
     rng = np.random.default_rng(3)
     rows, cols = 83, 512 if qtype.endswith("_K") else 480
     weight, ref = random_gguf_tensor(qtype, rows, cols, rng)
@@ -169,11 +171,15 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
         code_bytes = 128 if layer.quant_method.bits == 4 else 256
         assert layer.panels.codes.shape == (11, cols // 32, code_bytes)
         assert layer.panels.scales.shape == (11, cols // 32, 2, 8)
+        # float16 scales where each is a float16 value (not the K types': products of two scales)
+        assert layer.panels.scales.dtype == (torch.float32 if qtype.endswith("_K") else torch.float16)
+        as_float32 = dataclasses.replace(layer.panels, scales=layer.panels.scales.float())
         blocks = layer.quant_method.blocks(layer)
         for m in (1, 2, 5, 8, 9, 70):  # within fused_max_tokens (8 bits: 128)
             x = torch.randn(m, cols)
             out = layer(x)
             assert torch.equal(out, block_quant.matmul_q8_panels(x, layer.panels))
+            assert torch.equal(out, block_quant.matmul_q8_panels(x, as_float32))
             assert all(torch.equal(out[i : i + 1], layer(x[i : i + 1])) for i in range(m))
             want = q8_reference(x, ref, blocks.activation_span)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))

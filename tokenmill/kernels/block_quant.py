@@ -115,7 +115,9 @@ class Panels:
     """A weight repacked for `matmul_q8_panels` (csrc/block_quant.cpp's panel layout): codes uint8
     [ceil(N / 8), K / 32, 128 (4 bits) or 256 (5, 8 bits)], eight rows' values interleaved per 4;
     scales float32 [.., K / 32, 2, 8], each block's scales and offsets (the codes' center folded in)
-    of the eight rows, exactly as the blocks hold them."""
+    of the eight rows, exactly as the blocks hold them; float16 where every one of them is a float16
+    value (the GGUF types whose scales are float16 and whose center folds exactly: Q4_0/1, Q5_0/1, Q8_0):
+    a one-row step reads the whole weight per token, and a 4-bit one is then a sixth smaller."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -134,7 +136,8 @@ def repack_panels(w: Blocks) -> Panels | None:
     codes = torch.zeros(panels, k // BLOCK, 128 if w.bits == 4 else 256, dtype=torch.uint8)
     scales = torch.zeros(panels, k // BLOCK, 2, 8, dtype=torch.float32)
     load().block_quant_repack_panels(*w.args(), codes, scales)
-    return Panels(codes, scales, w.bits, n, w.activation_span)
+    half = scales.half()
+    return Panels(codes, half if torch.equal(half.float(), scales) else scales, w.bits, n, w.activation_span)
 
 
 def matmul_q8_panels(x: torch.Tensor, w: Panels) -> torch.Tensor:
