@@ -85,6 +85,16 @@ def weight_tile(
     return w
 
 
+@triton.jit
+def accumulate(acc, x_ptrs, x_mask, w, IEEE: tl.constexpr):
+    """`acc` plus this K tile's activations (masked loads as zeros) times the decoded weight tile `w`,
+    in float32 with IEEE products (the exact mode) or in the activations' dtype."""
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    if IEEE:
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+    return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
+
+
 @triton.autotune(
     configs=[
         triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=st)
@@ -130,20 +140,13 @@ def block_matmul(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         rk = k0 + tl.arange(0, BK)
-        x = tl.load(
-            x_ptr + row_offsets(rm, stride_x)[:, None] + rk[None, :],
-            mask=(rm[:, None] < M) & (rk[None, :] < k_hi),
-            other=0.0,
-        )
         wmask = (rn[:, None] < N) & (rk[None, :] < k_hi)
         w = weight_tile(
             codes_ptr, scales_ptr, offsets_ptr, rows_ptr, code_rows, scale_rows, rn, rk, wmask, N,
             BITS, BS, CENTER, HAS_OFFSETS, SCALES,
         )  # fmt: skip
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        x_mask = (rm[:, None] < M) & (rk[None, :] < k_hi)
+        acc = accumulate(acc, x_ptr + row_offsets(rm, stride_x)[:, None] + rk[None, :], x_mask, w, IEEE)
     tl.store(  # split-K: this slice's partial sums, in float32, reduced after
         out_ptr + tl.program_id(2).to(tl.int64) * stride_split + row_offsets(rm, stride_o)[:, None] + rn[None, :],
         acc.to(out_ptr.dtype.element_ty),
@@ -173,20 +176,13 @@ def grouped_block_matmul(
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
-            x = tl.load(
-                x_ptr + row_offsets(rm, stride_x)[:, None] + rk[None, :],
-                mask=row_ok[:, None] & (rk[None, :] < K),
-                other=0.0,
-            )
             w = weight_tile(
                 codes_ptr + e64 * stride_ce, scales_ptr + e64 * stride_se, offsets_ptr + e64 * stride_se,
                 rows_ptr + e64 * stride_re, code_rows, scale_rows, rn, rk, (rn[:, None] < N) & (rk[None, :] < K), N,
                 BITS, BS, CENTER, HAS_OFFSETS, SCALES,
             )  # fmt: skip
-            if IEEE:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            x_mask = row_ok[:, None] & (rk[None, :] < K)
+            acc = accumulate(acc, x_ptr + row_offsets(rm, stride_x)[:, None] + rk[None, :], x_mask, w, IEEE)
         tl.store(
             out_ptr + row_offsets(rm, stride_o)[:, None] + rn[None, :],
             acc.to(out_ptr.dtype.element_ty),
