@@ -39,7 +39,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_server_utils import ServerProcess, free_port, metric_values  # noqa: E402
+from test_server_utils import ServerProcess, free_port, healthy, metric_values  # noqa: E402
 
 PEERS = ROOT / "benchmarks" / "peers"
 
@@ -168,13 +168,6 @@ def llama_agent_server(mode: str, args, tmp: Path):
     finally:
         proc.terminate()
         proc.wait()
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def agent(args) -> None:

@@ -21,7 +21,7 @@ import openai
 import pytest
 from helpers import make_core, make_tiny_model
 from test_router import client_for, kill_tree, needs_model, tiny_model, wait_for  # noqa: F401 - tiny_model: a fixture
-from test_server_utils import ServerProcess, free_port, metric_values
+from test_server_utils import ServerProcess, free_port, healthy, metric_values
 
 from tokenmill.engine.core import EngineCore, RequestRejected
 from tokenmill.engine.request import EngineCoreRequest
@@ -233,21 +233,12 @@ def disaggregated(request, tmp_path_factory, tiny_model):  # noqa: F811 - the im
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(ServerProcess.start, (producer, consumer)))
     proxy = ProxyProcess(producer.url, consumer.url, log_dir)
-    wait_for(lambda: _healthy(proxy.url), 60, proxy.log)
+    wait_for(lambda: healthy(proxy.url), 60, proxy.log)
     yield producer, consumer, proxy
     proxy.proc.terminate()
     proxy.proc.wait(10)
     for server in (producer, consumer):
         server.stop()
-
-
-def _healthy(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _answers(url: str) -> list[str]:

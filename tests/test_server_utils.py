@@ -28,6 +28,14 @@ def model_available() -> bool:
     return True
 
 
+def healthy(url: str) -> bool:
+    """Whether the server at `url` answers /health with 200 now."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,11 +66,8 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"server exited with {self.proc.returncode} during startup:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+            if healthy(self.url):
+                return self
             time.sleep(0.25)
         self.stop()
         pytest.fail(f"server not ready after {STARTUP_TIMEOUT}s:\n{self.log()}")
