@@ -15,9 +15,9 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
-from test_disaggregated import ProxyProcess, _healthy
+from test_disaggregated import ProxyProcess
 from test_router import RouterProcess, wait_for
-from test_server_utils import MODEL, metric_values, model_available, running_server, sse_events
+from test_server_utils import MODEL, healthy, metric_values, model_available, running_server, sse_events
 
 from tokenmill.sampling_params import SEED_END
 
@@ -172,7 +172,7 @@ def fronts(server, tmp_path_factory):
     router = RouterProcess(log_dir, [server.url], "--health-interval", "1").start()
     proxy = ProxyProcess(server.url, server.url, log_dir)
     try:
-        wait_for(lambda: _healthy(proxy.url), 60, proxy.log)
+        wait_for(lambda: healthy(proxy.url), 60, proxy.log)
         yield {"server": server.url, "router": router.url, "proxy": proxy.url}
     finally:
         proxy.proc.terminate()
