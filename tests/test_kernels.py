@@ -152,7 +152,7 @@ def test_a_build_lock_left_by_a_killed_process_is_cleared(tmp_path):
     sources.mkdir()
     (sources / "bindings.cpp").write_text(_TINY_EXTENSION)
     cache = tmp_path / "cache"
-    lock = cache / f"tokenmill_cpu_{kernels._cpu_tag()}" / "lock"
+    lock = cache / kernels.build_name(sources, "native") / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
     code = (

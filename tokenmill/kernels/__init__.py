@@ -79,7 +79,7 @@ def build_from_source(source: Path, march: str, name: str = "cpu"):
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     target = variants.Variant(march, frozenset())
-    full_name = f"tokenmill_{name}_{_cpu_tag()}" + ("" if march == "native" else target.module.removeprefix("_cpu"))
+    full_name = build_name(source, march, name)
     build_dir = _build_root() / full_name
     try:
         from torch.utils.cpp_extension import load
@@ -96,6 +96,13 @@ def build_from_source(source: Path, march: str, name: str = "cpu"):
     except Exception as e:  # no compiler, no ninja, no OpenMP: fall back to torch ops
         logger.warning("CPU kernels unavailable (%s); using torch ops instead", e)
         return None
+
+
+def build_name(source: Path, march: str, name: str = "cpu") -> str:
+    """The cached build's module (and directory) name: this CPU's tag, the sources' hash (so trees with
+    different csrc/ never rebuild over each other) and, for a variant, its name."""
+    suffix = "" if march == "native" else variants.Variant(march, frozenset()).module.removeprefix("_cpu")
+    return f"tokenmill_{name}_{_cpu_tag()}_{variants.sources_hash(source)[:10]}{suffix}"
 
 
 def _build_root() -> Path:
