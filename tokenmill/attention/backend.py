@@ -66,21 +66,10 @@ class AttentionBackend(ABC):
         q: [T, H, D]; k, v: [T, KVH, D]; kv_scales: an int8 / fp8 cache's scales; sinks: [H] float32,
         each head's extra softmax logit with no value. Returns [T, H, D]."""
 
-    def forward_rotary(
-        self,
-        positions: torch.Tensor,
-        rotary,
-        qk: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta,
-        scale: float,
-        soft_cap: float | None = None,
-        kv_scales: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward_rotary(self, positions: torch.Tensor, rotary, qk: torch.Tensor, v: torch.Tensor, *rest) -> torch.Tensor:
         """`forward` after rotating the queries and keys, stacked in `qk` [T, H + KVH, D], with `rotary` (a
-        `layers.rotary.RotaryEmbedding`) at `positions` [T]. Here one rotation then `forward`; a backend
-        with a fused kernel overrides it to rotate and write the cache in one pass (`triton-paged`)."""
+        `layers.rotary.RotaryEmbedding`) at `positions` [T]; `rest`: `forward`'s arguments after `v`
+        (kv_cache, meta, scale, soft_cap, kv_scales, sinks), in its order. Here one rotation then `forward`;
+        a backend with a fused kernel overrides it to rotate and write the cache in one pass (`triton-paged`)."""
         q, k = rotary(positions, qk).split([qk.shape[1] - v.shape[1], v.shape[1]], dim=1)
-        return self.forward(q, k, v, kv_cache, meta, scale, soft_cap, kv_scales, sinks)
+        return self.forward(q, k, v, *rest)

@@ -137,23 +137,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul: shards 0, 1, 2. Each rank holds num_heads / tp query heads
     and max(1, num_kv_heads / tp) key/value heads."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        bias: bool = False,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *args, **kwargs) -> None:
+        """`args`, `kwargs`: `LinearBase`'s after the output sizes (bias, quant_config, prefix, tp_rank,
+        tp_size); the output sizes are those of the q, k and v heads."""
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         kv_size = num_kv_heads * head_dim
-        super().__init__(
-            hidden_size, [num_heads * head_dim, kv_size, kv_size], bias, quant_config, prefix, tp_rank, tp_size
-        )
+        super().__init__(hidden_size, [num_heads * head_dim, kv_size, kv_size], *args, **kwargs)
 
     def _check_split(self):
         heads, kv_heads, tp = self.num_heads, self.num_kv_heads, self.tp_size

@@ -54,6 +54,46 @@ _KV_TIER_METRICS = {
     "capacity_bytes": "The most a tier may hold.",
 }
 _KV_TIER_GAUGES = {"usage_bytes", "capacity_bytes"}
+# counters fed by the core's cumulative stats (`core_process.stats_snapshot`): its key -> (metric, help);
+# each goes up by the change since the last snapshot
+_CORE_COUNTERS = {
+    "num_preemptions": ("num_preemptions", "Requests preempted by the scheduler."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache (of those looked up)."),
+    "grammar_compiles": ("structured_output_compiles", "Structured-output grammars compiled (grammar cache misses)."),
+    "grammar_compile_seconds": (
+        "structured_output_compile_seconds",
+        "Total time spent compiling structured-output grammars.",
+    ),
+    "spec_drafts": ("spec_decode_num_drafts", "Speculative decoding: verify steps of a request."),
+    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Speculative decoding: drafted tokens verified."),
+    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens accepted."),
+    "spec_draft_seconds": (
+        "spec_decode_draft_seconds",
+        "Speculative decoding: time spent drafting (the model runner's drafter).",
+    ),
+    "spec_verify_seconds": (
+        "spec_decode_verify_seconds",
+        "Speculative decoding: time of the engine steps that verified drafts.",
+    ),
+    "kv_transfers": (
+        "kv_transfers",
+        "Disaggregated prefill/decode: prompts whose KV was sent (producer) or received (consumer).",
+    ),
+    "kv_transfer_bytes": ("kv_transfer_bytes", "Disaggregated prefill/decode: KV bytes of those prompts."),
+    "kv_transfer_seconds": (
+        "kv_transfer_seconds",
+        "Disaggregated prefill/decode: producer, time copying KV out; consumer, from asking for it until it is in.",
+    ),
+    "step_failures": (
+        "step_failures",
+        "Engine steps that raised (their requests are retried in halves to find the one at fault).",
+    ),
+    "requests_failed_isolated": (
+        "requests_failed_isolated",
+        "Requests found to make a step fail and finished with an error (the others in the step went on).",
+    ),
+}
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -90,43 +130,12 @@ class ServerMetrics:
         self.total_blocks = gauge("num_kv_blocks", "KV cache blocks in the pool.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (of those looked up).")
-        self.grammar_compiles = counter(
-            "structured_output_compiles", "Structured-output grammars compiled (grammar cache misses)."
-        )
-        self.grammar_compile_seconds = counter(
-            "structured_output_compile_seconds", "Total time spent compiling structured-output grammars."
-        )
-        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verify steps of a request.")
-        self.spec_draft_tokens = counter(
-            "spec_decode_num_draft_tokens", "Speculative decoding: drafted tokens verified."
-        )
-        self.spec_accepted = counter(
-            "spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens accepted."
-        )
-        self.spec_draft_seconds = counter(
-            "spec_decode_draft_seconds", "Speculative decoding: time spent drafting (the model runner's drafter)."
-        )
-        self.spec_verify_seconds = counter(
-            "spec_decode_verify_seconds", "Speculative decoding: time of the engine steps that verified drafts."
-        )
+        self.core_counters = {key: counter(metric, doc) for key, (metric, doc) in _CORE_COUNTERS.items()}
         self.spec_per_position = Counter(
             "tokenmill:spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: drafted tokens accepted, by draft position (0 first).",
             ["model_name", "position"],
             registry=r,
-        )
-        self.kv_transfers = counter(
-            "kv_transfers", "Disaggregated prefill/decode: prompts whose KV was sent (producer) or received (consumer)."
-        )
-        self.kv_transfer_bytes = counter(
-            "kv_transfer_bytes", "Disaggregated prefill/decode: KV bytes of those prompts."
-        )
-        self.kv_transfer_seconds = counter(
-            "kv_transfer_seconds",
-            "Disaggregated prefill/decode: producer, time copying KV out; consumer, from asking for it until it is in.",
         )
         self.kv_tier = {
             key: (Gauge if key in _KV_TIER_GAUGES else Counter)(
@@ -134,13 +143,6 @@ class ServerMetrics:
             )
             for key, doc in _KV_TIER_METRICS.items()
         }
-        self.step_failures = counter(
-            "step_failures", "Engine steps that raised (their requests are retried in halves to find the one at fault)."
-        )
-        self.requests_failed_isolated = counter(
-            "requests_failed_isolated",
-            "Requests found to make a step fail and finished with an error (the others in the step went on).",
-        )
         self.engine_restarts = counter("engine_restarts", "Times the engine core was restarted after it died or hung.")
         self.success = Counter(
             "tokenmill:request_success",
@@ -251,22 +253,9 @@ class ServerMetrics:
         self.kv_usage.set(s.get("kv_cache_usage", 0.0))
         self.free_blocks.set(s.get("num_free_blocks", 0))
         self.total_blocks.set(s.get("num_blocks", 0))
-        self._inc_delta(self.preemptions, s, "num_preemptions")
-        self._inc_delta(self.prefix_queries, s, "prefix_cache_queries")  # cumulative in the core
-        self._inc_delta(self.prefix_hits, s, "prefix_cache_hits")
-        self._inc_delta(self.grammar_compiles, s, "grammar_compiles")
-        self._inc_delta(self.grammar_compile_seconds, s, "grammar_compile_seconds")
-        self._inc_delta(self.spec_drafts, s, "spec_drafts")
-        self._inc_delta(self.spec_draft_tokens, s, "spec_draft_tokens")
-        self._inc_delta(self.spec_accepted, s, "spec_accepted_tokens")
-        self._inc_delta(self.spec_draft_seconds, s, "spec_draft_seconds")
-        self._inc_delta(self.spec_verify_seconds, s, "spec_verify_seconds")
-        self._inc_delta(self.kv_transfers, s, "kv_transfers")
-        self._inc_delta(self.kv_transfer_bytes, s, "kv_transfer_bytes")
-        self._inc_delta(self.kv_transfer_seconds, s, "kv_transfer_seconds")
+        for key, counter in self.core_counters.items():
+            self._inc_delta(counter, s, key)
         self._on_kv_tiers(s.get("kv_tiers") or {}, self._last_stats.get("kv_tiers") or {})
-        self._inc_delta(self.step_failures, s, "step_failures")
-        self._inc_delta(self.requests_failed_isolated, s, "requests_failed_isolated")
         before = self._last_stats.get("spec_accepted_per_position") or []
         for pos, count in enumerate(s.get("spec_accepted_per_position") or []):
             delta = count - (before[pos] if pos < len(before) else 0)

@@ -158,7 +158,7 @@ class ModelRunner(PagedForward):
             return hidden
         result, reads = ModelRunnerOutput(), HostReads()  # every value the host needs: one read at the end
         self._prompt_logprobs(result, hidden, common, states, reads)
-        self._pool(result, hidden, common, states, reads)
+        self._pool(result.pooled, hidden, common, states, reads)
         rows = [
             i
             for i, (r, s, n) in enumerate(zip(req_ids, states, num_new))
@@ -264,7 +264,7 @@ class ModelRunner(PagedForward):
 
     @staticmethod
     def _pool(
-        result: ModelRunnerOutput,
+        pooled: dict[str, list[float]],
         hidden: torch.Tensor,
         common: CommonAttentionMetadata,
         states: list[CachedRequestState],
@@ -272,7 +272,7 @@ class ModelRunner(PagedForward):
     ) -> None:
         """Embedding requests: the final hidden state of the last prompt token, or the mean over the
         prompt (summed chunk by chunk; a request that starts over after preemption starts the sum over),
-        once this step's chunk ends the prompt."""
+        once this step's chunk ends the prompt, into `pooled` (the step's `ModelRunnerOutput.pooled`)."""
         for i, s in enumerate(states):
             if s.params.pooling is None:
                 continue
@@ -284,10 +284,10 @@ class ModelRunner(PagedForward):
                 if done:
                     reads.add(
                         [s.pool_sum / len(s.prompt_token_ids)],
-                        functools.partial(result.pooled.__setitem__, s.request_id),
+                        functools.partial(pooled.__setitem__, s.request_id),
                     )
             elif done:
-                reads.add([hidden[end - 1].float()], functools.partial(result.pooled.__setitem__, s.request_id))
+                reads.add([hidden[end - 1].float()], functools.partial(pooled.__setitem__, s.request_id))
 
     def _prompt_logprobs(
         self,
