@@ -19,6 +19,10 @@ class RouterMetrics:
     def __init__(self, replicas: ReplicaSet, policy: str) -> None:
         self.replicas = replicas
         self.registry = r = CollectorRegistry()
+
+        def per_replica(kind: type[Counter] | type[Gauge], metric: str, doc: str) -> Counter | Gauge:
+            return kind(f"tokenmill:router_{metric}", doc, ["replica"], registry=r)
+
         self.routed = Counter(
             "tokenmill:router_requests",
             "Requests sent to each replica, by the policy's decision "
@@ -26,17 +30,11 @@ class RouterMetrics:
             ["replica", "decision"],
             registry=r,
         )
-        self.retries = Counter(
-            "tokenmill:router_retries",
-            "Requests retried elsewhere after this replica failed before answering.",
-            ["replica"],
-            registry=r,
+        self.retries = per_replica(
+            Counter, "retries", "Requests retried elsewhere after this replica failed before answering."
         )
-        self.failures = Counter(
-            "tokenmill:router_replica_failures",
-            "Requests this replica failed (no connection, or it dropped the connection).",
-            ["replica"],
-            registry=r,
+        self.failures = per_replica(
+            Counter, "replica_failures", "Requests this replica failed (no connection, or it dropped the connection)."
         )
         self.unavailable = Counter(
             "tokenmill:router_unavailable", "Requests answered 503 for want of a healthy replica.", registry=r
@@ -47,18 +45,8 @@ class RouterMetrics:
             registry=r,
             buckets=_MATCH_BUCKETS,
         )
-        self.healthy = Gauge(
-            "tokenmill:router_replica_healthy",
-            "1 if the replica passed its last health check.",
-            ["replica"],
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "tokenmill:router_requests_in_flight",
-            "Requests the router has in flight on the replica.",
-            ["replica"],
-            registry=r,
-        )
+        self.healthy = per_replica(Gauge, "replica_healthy", "1 if the replica passed its last health check.")
+        self.in_flight = per_replica(Gauge, "requests_in_flight", "Requests the router has in flight on the replica.")
         self.info = Gauge("tokenmill:router_info", "The router's policy.", ["policy"], registry=r)
         self.info.labels(policy).set(1)
         self.policy = policy

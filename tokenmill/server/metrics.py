@@ -54,45 +54,33 @@ _KV_TIER_METRICS = {
     "capacity_bytes": "The most a tier may hold.",
 }
 _KV_TIER_GAUGES = {"usage_bytes", "capacity_bytes"}
-# counters fed by the core's cumulative stats (`core_process.stats_snapshot`): its key -> (metric, help);
-# each goes up by the change since the last snapshot
+# the core's cumulative counters (`core_process.stats_snapshot`): stats key -> help. Each metric goes up
+# by the change since the last snapshot; it is named as its key, or as _CORE_COUNTER_NAMES says
 _CORE_COUNTERS = {
-    "num_preemptions": ("num_preemptions", "Requests preempted by the scheduler."),
-    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache (of those looked up)."),
-    "grammar_compiles": ("structured_output_compiles", "Structured-output grammars compiled (grammar cache misses)."),
-    "grammar_compile_seconds": (
-        "structured_output_compile_seconds",
-        "Total time spent compiling structured-output grammars.",
-    ),
-    "spec_drafts": ("spec_decode_num_drafts", "Speculative decoding: verify steps of a request."),
-    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Speculative decoding: drafted tokens verified."),
-    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens accepted."),
-    "spec_draft_seconds": (
-        "spec_decode_draft_seconds",
-        "Speculative decoding: time spent drafting (the model runner's drafter).",
-    ),
-    "spec_verify_seconds": (
-        "spec_decode_verify_seconds",
-        "Speculative decoding: time of the engine steps that verified drafts.",
-    ),
-    "kv_transfers": (
-        "kv_transfers",
-        "Disaggregated prefill/decode: prompts whose KV was sent (producer) or received (consumer).",
-    ),
-    "kv_transfer_bytes": ("kv_transfer_bytes", "Disaggregated prefill/decode: KV bytes of those prompts."),
-    "kv_transfer_seconds": (
-        "kv_transfer_seconds",
-        "Disaggregated prefill/decode: producer, time copying KV out; consumer, from asking for it until it is in.",
-    ),
-    "step_failures": (
-        "step_failures",
-        "Engine steps that raised (their requests are retried in halves to find the one at fault).",
-    ),
-    "requests_failed_isolated": (
-        "requests_failed_isolated",
-        "Requests found to make a step fail and finished with an error (the others in the step went on).",
-    ),
+    "num_preemptions": "Requests preempted by the scheduler.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache (of those looked up).",
+    "grammar_compiles": "Structured-output grammars compiled (grammar cache misses).",
+    "grammar_compile_seconds": "Total time spent compiling structured-output grammars.",
+    "spec_drafts": "Speculative decoding: verify steps of a request.",
+    "spec_draft_tokens": "Speculative decoding: drafted tokens verified.",
+    "spec_accepted_tokens": "Speculative decoding: drafted tokens accepted.",
+    "spec_draft_seconds": "Speculative decoding: time spent drafting (the model runner's drafter).",
+    "spec_verify_seconds": "Speculative decoding: time of the engine steps that verified drafts.",
+    "kv_transfers": "Disaggregated prefill/decode: prompts whose KV was sent (producer) or received (consumer).",
+    "kv_transfer_bytes": "Disaggregated prefill/decode: KV bytes of those prompts.",
+    "kv_transfer_seconds": "Disaggregated prefill/decode: producer, time copying KV out; consumer, from asking for it until it is in.",
+    "step_failures": "Engine steps that raised (their requests are retried in halves to find the one at fault).",
+    "requests_failed_isolated": "Requests found to make a step fail and finished with an error (the others in the step went on).",
+}
+_CORE_COUNTER_NAMES = {
+    "grammar_compiles": "structured_output_compiles",
+    "grammar_compile_seconds": "structured_output_compile_seconds",
+    "spec_drafts": "spec_decode_num_drafts",
+    "spec_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_accepted_tokens": "spec_decode_num_accepted_tokens",
+    "spec_draft_seconds": "spec_decode_draft_seconds",
+    "spec_verify_seconds": "spec_decode_verify_seconds",
 }
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -130,7 +118,9 @@ class ServerMetrics:
         self.total_blocks = gauge("num_kv_blocks", "KV cache blocks in the pool.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.core_counters = {key: counter(metric, doc) for key, (metric, doc) in _CORE_COUNTERS.items()}
+        self.core_counters = {
+            key: counter(_CORE_COUNTER_NAMES.get(key, key), doc) for key, doc in _CORE_COUNTERS.items()
+        }
         self.spec_per_position = Counter(
             "tokenmill:spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: drafted tokens accepted, by draft position (0 first).",
