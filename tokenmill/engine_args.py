@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.fields import from_attributes, same_named
+
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig, SpeculativeConfig
     from tokenmill.kv_transfer.config import KVTransferConfig
@@ -118,7 +120,7 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """From the flags `add_engine_args` added; `--kv-role` with `--kv-transfer-config` where the command has them."""
-        values = {name: getattr(args, name) for name in cls.names() if hasattr(args, name)}
+        values = same_named(cls, args)
         if hasattr(args, "kv_role"):
             from tokenmill.kv_transfer.config import KVTransferConfig
 
@@ -145,47 +147,31 @@ class EngineArgs:
             self.tensor_parallel_size * self.pipeline_parallel_size,
             sized=self.kv_cache_memory is not None or self.num_kv_blocks is not None,
         )
-        return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            device=self.device,
-            seed=self.seed,
-            quantization=self.quantization,
-            quantization_group_size=self.quantization_group_size,
-            quantization_symmetric=self.quantization_symmetric,
-            grammar_timeout=self.grammar_timeout,
-            enforce_eager=self.enforce_eager,
-            attention_backend=self.attention_backend,
+        # each config's fields named as a setting are taken from it (`from_attributes`); the rest given here
+        return from_attributes(
+            EngineConfig,
+            self,
             offload=OffloadConfig(self.cpu_offload_gb, self.cpu_moe, self.n_cpu_moe),
-            cache=CacheConfig(
-                block_size=self.block_size,
+            cache=from_attributes(
+                CacheConfig,
+                self,
                 kv_cache_memory_gib=_or(self.kv_cache_memory, defaults["kv_cache_memory"]),
                 gpu_memory_utilization=_or(self.gpu_memory_utilization, defaults["gpu_memory_utilization"]),
                 num_blocks=self.num_kv_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
-                prefix_cache_hash=self.prefix_cache_hash,
                 cache_dtype=self.kv_cache_dtype,
-                kv_cache_dir=self.kv_cache_dir,
                 kv_disk_size_gib=self.kv_disk_size,
-                kv_disk_min_load_tokens=self.kv_disk_min_load_tokens,
                 kv_offloading_size_gib=self.kv_offloading_size,
             ),
             speculative=_speculative(self.speculative_config),
-            parallel=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                pipeline_parallel_size=self.pipeline_parallel_size,
-                pipeline_layer_partition=_layer_partition(self.pipeline_layer_partition),
-                distributed_executor_backend=self.distributed_executor_backend,
-                enable_expert_parallel=self.enable_expert_parallel,
-                decode_context_parallel_size=self.decode_context_parallel_size,
-                prefill_context_parallel_size=self.prefill_context_parallel_size,
+            parallel=from_attributes(
+                ParallelConfig, self, pipeline_layer_partition=_layer_partition(self.pipeline_layer_partition)
             ),
-            scheduler=SchedulerConfig(
+            scheduler=from_attributes(
+                SchedulerConfig,
+                self,
                 max_num_seqs=_or(self.max_num_seqs, defaults["max_num_seqs"]),
                 max_num_batched_tokens=_or(self.max_num_batched_tokens, defaults["max_num_batched_tokens"]),
-                max_model_len=self.max_model_len,
                 policy=self.scheduling_policy,
-                max_step_ms=self.max_step_ms,
             ),
             kv_transfer=_kv_transfer(self.kv_transfer_config),
             lora=lora,

@@ -13,6 +13,8 @@ import math
 import os
 from pathlib import Path
 
+from tokenmill.fields import from_attributes
+
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 _EPILOG = """\
 examples:
@@ -323,28 +325,17 @@ def _run_options(args: argparse.Namespace, tokenizer):
     from tokenmill.bench.metrics import parse_slo
     from tokenmill.bench.runner import RunOptions
 
-    dataset = DatasetConfig(
+    dataset = from_attributes(  # the flags named as the fields, and these
+        DatasetConfig,
+        args,
         name=args.dataset,
-        num_prompts=args.num_prompts,
-        seed=args.seed,
         input_len=args.random_input_len,
         output_len=args.random_output_len,
         range_ratio=args.random_range_ratio,
-        num_prefixes=args.num_prefixes,
-        prefix_len=args.prefix_len,
-        num_turns=args.num_turns,
-        long_context_len=args.long_context_len,
-        long_context_fraction=args.long_context_fraction,
         path=args.dataset_path,
     )
     dataset.validate()
-    load = LoadConfig(
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        max_duration=args.max_duration,
-        seed=args.seed,
-    )
+    load = from_attributes(LoadConfig, args)
     load.validate()
     if args.num_warmups < 0:
         raise ValueError("--num-warmups must be >= 0")
@@ -380,16 +371,7 @@ def _endpoint(args: argparse.Namespace):
             "type": "json_schema",
             "json_schema": {"name": Path(args.json_schema).stem, "schema": schema},
         }
-    return EndpointConfig(
-        base_url=args.base_url,
-        model=args.model,
-        endpoint=args.endpoint,
-        api_key=args.api_key,
-        temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
-        extra_body=extra_body,
-        timeout=args.timeout,
-    )
+    return from_attributes(EndpointConfig, args, extra_body=extra_body)
 
 
 def _served_model(base_url: str, api_key: str | None) -> str:

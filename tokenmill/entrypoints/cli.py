@@ -16,6 +16,7 @@ from tokenmill.engine_args import (
     add_engine_args,
     engine_config_from_args,
 )
+from tokenmill.fields import from_attributes
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -203,13 +204,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = (
         tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     )
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.sampling_seed,
-    )
+    params = from_attributes(SamplingParams, args, seed=args.sampling_seed)  # the flags named as its fields
     start = time.perf_counter()
     engine.add_request("cli", prompt, params)
     n_out = 0

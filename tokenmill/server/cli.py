@@ -19,6 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.fields import from_attributes
 from tokenmill.router.cli import POLICY_DESTS, add_http_args, add_policy_args
 from tokenmill.server.limits import add_limit_args, limits_from_args
 
@@ -308,16 +309,7 @@ def _run(args: argparse.Namespace) -> int:
         metrics = ServerMetrics(names[0], log_requests=not args.disable_log_requests)
         metrics.set_engine_info(config, info)
         client.metrics = metrics
-        settings = ServerSettings(
-            api_key=args.api_key or None,
-            max_body_bytes=args.max_body_bytes,
-            log_interval=args.log_interval,
-            reasoning_parser=args.reasoning_parser,
-            max_stored_responses=args.max_stored_responses,
-            limits=limits,
-            ui=args.ui,
-            price_per_hour=args.price_per_hour,
-        )
+        settings = from_attributes(ServerSettings, args, api_key=args.api_key or None, limits=limits)
         app = build_app(client, metrics, names, settings)
         uv_config = uvicorn.Config(
             app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5
