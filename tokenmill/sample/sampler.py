@@ -279,21 +279,15 @@ class Sampler:
             logits = apply_penalties(logits, meta)
         return logits
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        meta: SamplingMetadata,
-        allowed_token_mask: torch.Tensor | None = None,
-        allowed_token_rows: torch.Tensor | None = None,
-    ) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, **allowed: torch.Tensor | None) -> SamplerOutput:
         """Sample one token per row. Does not modify ``logits``.
 
-        ``allowed_token_mask`` is the structured-output hook: a bool mask (True =
-        allowed) of shape ``[B, V]``, or ``[R, V]`` applied to rows ``allowed_token_rows``
+        ``allowed`` is the structured-output hook, passed on to `process`: ``allowed_token_mask``, a bool
+        mask (True = allowed) of shape ``[B, V]``, or ``[R, V]`` applied to rows ``allowed_token_rows``
         (long ``[R]``); disallowed tokens get -inf before penalties and sampling.
         """
         raw = logits
-        logits = self.process(logits, meta, allowed_token_mask, allowed_token_rows)
+        logits = self.process(logits, meta, **allowed)
 
         if meta.all_greedy:
             sampled = row_argmax(logits)

@@ -211,18 +211,11 @@ class ServingContext:
             )
         return dataclasses.replace(params)
 
-    def submit(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        arrival: float,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> RequestStream:
+    def submit(self, *request) -> RequestStream:
+        """`EngineClient.generate(*request)` (request id, prompt text, prompt ids, params, arrival, priority,
+        cache_salt), its refusals as the HTTP errors they are."""
         try:
-            return self.client.generate(request_id, prompt, prompt_ids, params, arrival, priority, cache_salt)
+            return self.client.generate(*request)
         except (EngineDeadError, QueueFullError) as e:
             raise engine_error(e) from None
 
