@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request_queue import PriorityQueue
 from tokenmill.engine_args import EngineArgs, add_engine_args
+from tokenmill.fields import from_attributes, same_named
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +222,54 @@ def test_engine_args_defaults_are_the_config_trees_and_the_flags():
     assert EngineArgs.from_cli_args(flags).create_engine_config() == keywords.create_engine_config()
     staged = parser.parse_args(["-pp", "2", "--pipeline-layer-partition", "1,2"])
     assert EngineArgs.from_cli_args(staged).create_engine_config().parallel.pipeline_layer_partition == (1, 2)
+
+
+def test_each_setting_reaches_the_config_fields_of_its_name():
+    """`create_engine_config` takes a setting into every config of the tree with a field of its name
+    (`from_attributes`), the rest as it says: a value other than the default shows up in each."""
+    settings = {  # each other than its default
+        "dtype": "float32",
+        "seed": 7,
+        "quantization": "none",
+        "grammar_timeout": 5.0,
+        "enforce_eager": True,
+        "block_size": 32,
+        "enable_prefix_caching": False,
+        "prefix_cache_hash": "sha256",
+        "kv_cache_dir": "/nowhere",
+        "kv_disk_min_load_tokens": 64,
+        "tensor_parallel_size": 2,
+        "enable_expert_parallel": True,
+        "distributed_executor_backend": "ray",
+        "max_model_len": 256,
+        "max_step_ms": 50.0,
+        "max_num_seqs": 3,
+        "max_num_batched_tokens": 128,
+        "kv_cache_dtype": "int8",
+        "kv_disk_size": 2.0,
+        "scheduling_policy": "priority",
+    }
+    args = EngineArgs(**settings)
+    config = args.create_engine_config()
+    for part in (config, config.cache, config.parallel, config.scheduler):
+        for name, value in same_named(type(part), args).items():
+            assert getattr(part, name) == value, name
+    assert (config.cache.cache_dtype, config.cache.kv_disk_size_gib) == ("int8", 2.0)
+    assert config.scheduler.policy == "priority"
+
+
+@dataclasses.dataclass
+class _Target:
+    a: int = 1
+    b: str = "b"
+    c: list = dataclasses.field(default_factory=list, init=False)
+
+
+def test_from_attributes_takes_same_named_attributes_then_values_then_defaults():
+    source = argparse.Namespace(a=5, c=[9], other=0)
+    assert from_attributes(_Target, source) == _Target(a=5)
+    assert from_attributes(_Target, source, a=6, b="x") == _Target(a=6, b="x")
+    assert from_attributes(_Target, argparse.Namespace()) == _Target()
 
 
 def test_a_wrong_engine_argument_is_named_before_anything_loads():
