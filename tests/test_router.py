@@ -533,3 +533,20 @@ def test_no_healthy_replica_is_a_quick_503(cluster):
     m = metric_values(router.url)
     assert m["tokenmill:router_unavailable_total"] >= 2
     assert sum(v for k, v in m.items() if k.startswith("tokenmill:router_replica_healthy")) == 0
+
+
+def test_replicas_on_one_kv_cache_dir_get_the_shared_tier_policy():
+    """`router --shared-kv-tier` and `serve --data-parallel-size N --kv-cache-dir D` build the prefix policy
+    with the table every replica can load from; without either (or with another policy) there is none."""
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.router.cli import _policy
+
+    def shared(*argv: str):
+        args = build_parser(argv[0]).parse_args(list(argv))
+        return getattr(_policy(args, 2)[0], "shared", None) is not None
+
+    assert shared("router", "--replica", "http://a", "--replica", "http://b", "--shared-kv-tier")
+    assert not shared("router", "--replica", "http://a", "--replica", "http://b")
+    assert shared("serve", "--data-parallel-size", "2", "--kv-cache-dir", "/tmp/kv")
+    assert not shared("serve", "--data-parallel-size", "2")
+    assert not shared("serve", "--data-parallel-size", "2", "--kv-cache-dir", "/tmp/kv", "--policy", "least-load")
