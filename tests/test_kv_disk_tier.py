@@ -51,11 +51,13 @@ def engine(
     ram_gib=None,
     num_blocks=48,
     lora=None,
+    block_size=BLOCK,
 ) -> EngineCore:
     config = EngineConfig(
         model=str(model_dir),
         cache=CacheConfig(
             num_blocks=num_blocks,
+            block_size=block_size,
             cache_dtype=cache_dtype,
             kv_cache_dir=None if cache_dir is None else str(cache_dir),
             kv_disk_size_gib=disk_gib,
@@ -125,6 +127,14 @@ def test_salts_and_models_do_not_share_blocks(models, tmp_path):
     for salt in ("bob", None):
         assert again(core, [PROMPT], salt=salt)[1]["hits"] == 0
     assert again(core, [PROMPT], salt="alice")[1]["hits"] == 5 * BLOCK
+
+
+def test_a_kv_dtype_or_block_size_of_its_own_finds_no_blocks(models, tmp_path):
+    """Both are in the blocks' keys: a server started with another one on the same directory computes."""
+    run(engine(models[0], tmp_path), [PROMPT])
+    assert again(engine(models[0], tmp_path, "int8"), [PROMPT])[1]["hits"] == 0
+    assert again(engine(models[0], tmp_path, block_size=2 * BLOCK), [PROMPT])[1]["hits"] == 0
+    assert again(engine(models[0], tmp_path), [PROMPT])[1]["hits"] == 5 * BLOCK
 
 
 def test_bad_files_are_misses_and_removed(models, cold, tmp_path, caplog):
