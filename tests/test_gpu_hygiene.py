@@ -157,3 +157,25 @@ def test_decode_graph_sizes_and_padding():
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 3 + 32
     assert [padded_size(n, sizes) for n in (1, 3, 5, 9, 250, 256)] == [1, 4, 8, 16, 256, 256]
     assert padded_size(257, sizes) is None  # eager beyond the largest graph
+
+
+def test_cuda_settings_never_ask_for_the_cpu_kernels(monkeypatch):
+    """On CUDA the weight format, the block-kernel check and the attention backend are chosen by the device
+    first: the C++ CPU extension (built from source where no prebuilt variant fits) is never asked for."""
+    from tokenmill.attention.selector import get_attention_backend
+    from tokenmill.kernels import block_quant, decode_step, fp8_matmul, fused_ops, paged_attention
+    from tokenmill.quantization import check_block_kernels, resolve_quantization
+
+    def refuse():
+        raise AssertionError("the C++ CPU kernels were asked for on CUDA")
+
+    for module in (block_quant, decode_step, fp8_matmul, fused_ops, paged_attention):
+        monkeypatch.setattr(module, "cpu_kernels", refuse)
+    cuda = torch.device("cuda")
+    assert resolve_quantization("auto", "gguf", cuda, torch.bfloat16) == "none"
+    assert resolve_quantization("auto", "hf", cuda, torch.float32, exact=True) == "none"
+    check_block_kernels("--quantization int8", cuda, torch.bfloat16)  # Triton's kernel: no CPU one needed
+    monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "auto")
+    assert get_attention_backend(cuda, torch.bfloat16, torch.bfloat16).name == "triton-paged"
+    with pytest.raises(AssertionError, match="asked for"):  # the CPU still asks: the patch is live
+        resolve_quantization("auto", "gguf", torch.device("cpu"), torch.float32)
