@@ -16,7 +16,7 @@ from tokenmill.engine_args import CPU_DEFAULTS, CUDA_DEFAULTS, EngineArgs, devic
 from tokenmill.sample.rejection_sampler import target_probs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import memory_profile
-from tokenmill.worker.cuda_graphs import capture_sizes, padded_size
+from tokenmill.worker.cuda_graphs import capture_sizes, eager_reason, padded_size
 
 ROOT = Path(__file__).resolve().parents[1] / "tokenmill"
 # the code a step runs on the device's tensors
@@ -179,3 +179,36 @@ def test_cuda_settings_never_ask_for_the_cpu_kernels(monkeypatch):
     assert get_attention_backend(cuda, torch.bfloat16, torch.bfloat16).name == "triton-paged"
     with pytest.raises(AssertionError, match="asked for"):  # the CPU still asks: the patch is live
         resolve_quantization("auto", "gguf", torch.device("cpu"), torch.float32)
+
+
+def test_decode_graphs_apply_unless_a_setting_says_why_not():
+    """The gate of `capture_decode_graphs` on a runner standing in for a CUDA one: --enforce-eager turns
+    graphs off, and so does each setting whose step the graphs cannot replay, each named."""
+    from types import SimpleNamespace
+
+    from tokenmill.config import EngineConfig, ParallelConfig, SpeculativeConfig
+
+    def runner(backend="triton-paged", cache=torch.bfloat16, drafter=None, experts=None):
+        return SimpleNamespace(
+            device=torch.device("cuda"),
+            backend=SimpleNamespace(name=backend),
+            kv_cache_config=SimpleNamespace(groups=[SimpleNamespace(spec=SimpleNamespace(dtype=cache))]),
+            drafter=drafter,
+            moe_layers=[SimpleNamespace(w13=torch.nn.Parameter(torch.empty(0)) if experts is None else experts)],
+        )
+
+    def config(**changes):  # an engine config on CUDA, as the runner would have it, with `changes`
+        return SimpleNamespace(**vars(EngineConfig()) | changes)
+
+    assert eager_reason(runner(), config()) is None
+    assert eager_reason(runner(), config(enforce_eager=True)) == "--enforce-eager"
+    assert eager_reason(SimpleNamespace(device=torch.device("cpu")), config()) == "not on CUDA"
+    assert "--cpu-moe" in eager_reason(runner(), config(offload=SimpleNamespace(active=True)))
+    assert eager_reason(runner(), config(parallel=ParallelConfig(tensor_parallel_size=2))) == "several processes"
+    assert eager_reason(runner("torch-sdpa"), config()) == "the torch-sdpa attention backend"
+    assert eager_reason(runner(cache=torch.int8), config()) == "a quantized KV cache"
+    ngram = config(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    assert eager_reason(runner(drafter=object()), ngram) is None  # n-gram drafts on the host
+    eagle = config(speculative=SimpleNamespace(method="eagle3"))
+    assert eager_reason(runner(drafter=object()), eagle) == "a drafter that reads hidden states"
+    assert eager_reason(runner(experts=torch.nn.ModuleList()), config()) == "quantized MoE experts"

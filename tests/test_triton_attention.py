@@ -176,7 +176,6 @@ with torch.inference_mode():
         assert got.shape == want.shape and (got - want).abs().max().item() < 1e-5, step
         assert list(common.query_start_loc) == list(range(len(batch) + 1))
         computed[batch] += 1
-    # the padding rows wrote nowhere: both caches hold the same bytes
     # the padding rows wrote nowhere: block 0 (no request's) still zero, the rest as the eager runner's
     for a, b in zip(eager.kv_caches, graphed.kv_caches):
         assert not b[:, :, 0].any() and torch.allclose(a, b, rtol=0, atol=1e-5)
