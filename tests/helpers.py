@@ -607,3 +607,17 @@ def make_lora_adapter(base, directory, seed: int, **lora_args) -> None:
             p.data.normal_(std=0.2)
     model.save_pretrained(directory)
     model.unload()  # leaves `base` as it was
+
+
+# Prepended to a kernel test's script (a fresh process): every float tensor `torch.empty` / `empty_like`
+# makes is NaN, so an output a kernel allocates and leaves partly unwritten fails the comparison.
+POISONED_EMPTY = r"""
+import torch
+_empty, _empty_like = torch.empty, torch.empty_like
+
+def _nan(t):
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+torch.empty = lambda *a, **k: _nan(_empty(*a, **k))
+torch.empty_like = lambda *a, **k: _nan(_empty_like(*a, **k))
+"""

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -720,3 +721,6 @@ def test_kv_tier_hit_rates_over_a_run():
     assert prometheus.cache_delta(before, after)["kv_tiers"] == {
         "disk": {"queries": 200.0, "hits": 150.0, "hit_rate": 0.75}
     }
+    console = Console(record=True, width=160)  # what `tokenmill bench` prints of it
+    report.print_run({**_result([_record()]), "server_metrics": prometheus.cache_delta(before, after)}, console)
+    assert re.search(r"KV disk tier hit rate \(/metrics\) +│ +75\.0% of 200 tokens", console.export_text())

@@ -74,6 +74,8 @@ def test_same_greedy_text_as_one_process_and_prefix_hits(pair):
     assert prompt_tokens > 64 and cached == 0
     assert cp == one
     assert cp[1] == (text, prompt_tokens, (prompt_tokens - 1) // 16 * 16)  # again, from the prefix cache
+    # the start-up log's KV bytes are one rank's stripe, and say so
+    assert "GiB per rank, 2 ranks)" in pair[1].log() and "per rank" not in pair[0].log()
 
 
 def test_expert_counters_count_each_token_once(pair):

@@ -16,7 +16,7 @@ from tokenmill.engine_args import CPU_DEFAULTS, CUDA_DEFAULTS, EngineArgs, devic
 from tokenmill.sample.rejection_sampler import target_probs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import memory_profile
-from tokenmill.worker.cuda_graphs import capture_sizes, padded_size
+from tokenmill.worker.cuda_graphs import capture_sizes, eager_reason, padded_size
 
 ROOT = Path(__file__).resolve().parents[1] / "tokenmill"
 # the code a step runs on the device's tensors
@@ -157,3 +157,58 @@ def test_decode_graph_sizes_and_padding():
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 3 + 32
     assert [padded_size(n, sizes) for n in (1, 3, 5, 9, 250, 256)] == [1, 4, 8, 16, 256, 256]
     assert padded_size(257, sizes) is None  # eager beyond the largest graph
+
+
+def test_cuda_settings_never_ask_for_the_cpu_kernels(monkeypatch):
+    """On CUDA the weight format, the block-kernel check and the attention backend are chosen by the device
+    first: the C++ CPU extension (built from source where no prebuilt variant fits) is never asked for."""
+    from tokenmill.attention.selector import get_attention_backend
+    from tokenmill.kernels import block_quant, decode_step, fp8_matmul, fused_ops, paged_attention
+    from tokenmill.quantization import check_block_kernels, resolve_quantization
+
+    def refuse():
+        raise AssertionError("the C++ CPU kernels were asked for on CUDA")
+
+    for module in (block_quant, decode_step, fp8_matmul, fused_ops, paged_attention):
+        monkeypatch.setattr(module, "cpu_kernels", refuse)
+    cuda = torch.device("cuda")
+    assert resolve_quantization("auto", "gguf", cuda, torch.bfloat16) == "none"
+    assert resolve_quantization("auto", "hf", cuda, torch.float32, exact=True) == "none"
+    check_block_kernels("--quantization int8", cuda, torch.bfloat16)  # Triton's kernel: no CPU one needed
+    monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "auto")
+    assert get_attention_backend(cuda, torch.bfloat16, torch.bfloat16).name == "triton-paged"
+    with pytest.raises(AssertionError, match="asked for"):  # the CPU still asks: the patch is live
+        resolve_quantization("auto", "gguf", torch.device("cpu"), torch.float32)
+
+
+def test_decode_graphs_apply_unless_a_setting_says_why_not():
+    """The gate of `capture_decode_graphs` on a runner standing in for a CUDA one: --enforce-eager turns
+    graphs off, and so does each setting whose step the graphs cannot replay, each named."""
+    from types import SimpleNamespace
+
+    from tokenmill.config import EngineConfig, ParallelConfig, SpeculativeConfig
+
+    def runner(backend="triton-paged", cache=torch.bfloat16, drafter=None, experts=None):
+        return SimpleNamespace(
+            device=torch.device("cuda"),
+            backend=SimpleNamespace(name=backend),
+            kv_cache_config=SimpleNamespace(groups=[SimpleNamespace(spec=SimpleNamespace(dtype=cache))]),
+            drafter=drafter,
+            moe_layers=[SimpleNamespace(w13=torch.nn.Parameter(torch.empty(0)) if experts is None else experts)],
+        )
+
+    def config(**changes):  # an engine config on CUDA, as the runner would have it, with `changes`
+        return SimpleNamespace(**vars(EngineConfig()) | changes)
+
+    assert eager_reason(runner(), config()) is None
+    assert eager_reason(runner(), config(enforce_eager=True)) == "--enforce-eager"
+    assert eager_reason(SimpleNamespace(device=torch.device("cpu")), config()) == "not on CUDA"
+    assert "--cpu-moe" in eager_reason(runner(), config(offload=SimpleNamespace(active=True)))
+    assert eager_reason(runner(), config(parallel=ParallelConfig(tensor_parallel_size=2))) == "several processes"
+    assert eager_reason(runner("torch-sdpa"), config()) == "the torch-sdpa attention backend"
+    assert eager_reason(runner(cache=torch.int8), config()) == "a quantized KV cache"
+    ngram = config(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    assert eager_reason(runner(drafter=object()), ngram) is None  # n-gram drafts on the host
+    eagle = config(speculative=SimpleNamespace(method="eagle3"))
+    assert eager_reason(runner(drafter=object()), eagle) == "a drafter that reads hidden states"
+    assert eager_reason(runner(experts=torch.nn.ModuleList()), config()) == "quantized MoE experts"

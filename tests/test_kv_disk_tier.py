@@ -2,12 +2,13 @@
 cores on tiny random models: a prompt's blocks written by one engine are loaded by another whose pool
 never saw them, with greedy tokens identical to a cold run (float32 and int8 caches); salts and models
 do not share blocks; a truncated, corrupt or foreign file is a miss and is removed; a size limit evicts
-the least recently used blocks, and one smaller than a block turns writing off without failing a
-request. Blocks evicted from a small pool are loaded back from the RAM tier, then the disk tier, with
+the least recently used blocks, and one smaller than a block, or a full disk, turns writing off without
+failing a request; a KV dtype or block size of its own finds no blocks. Blocks evicted from a small pool are loaded back from the RAM tier, then the disk tier, with
 the cold run's tokens; a block leaving a full RAM tier goes on to disk. Pools are whole after."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -51,11 +52,13 @@ def engine(
     ram_gib=None,
     num_blocks=48,
     lora=None,
+    block_size=BLOCK,
 ) -> EngineCore:
     config = EngineConfig(
         model=str(model_dir),
         cache=CacheConfig(
             num_blocks=num_blocks,
+            block_size=block_size,
             cache_dtype=cache_dtype,
             kv_cache_dir=None if cache_dir is None else str(cache_dir),
             kv_disk_size_gib=disk_gib,
@@ -127,6 +130,14 @@ def test_salts_and_models_do_not_share_blocks(models, tmp_path):
     assert again(core, [PROMPT], salt="alice")[1]["hits"] == 5 * BLOCK
 
 
+def test_a_kv_dtype_or_block_size_of_its_own_finds_no_blocks(models, tmp_path):
+    """Both are in the blocks' keys: a server started with another one on the same directory computes."""
+    run(engine(models[0], tmp_path), [PROMPT])
+    assert again(engine(models[0], tmp_path, "int8"), [PROMPT])[1]["hits"] == 0
+    assert again(engine(models[0], tmp_path, block_size=2 * BLOCK), [PROMPT])[1]["hits"] == 0
+    assert again(engine(models[0], tmp_path), [PROMPT])[1]["hits"] == 5 * BLOCK
+
+
 def test_bad_files_are_misses_and_removed(models, cold, tmp_path, caplog):
     core = engine(models[0], tmp_path)
     run(core, [PROMPT])
@@ -160,6 +171,21 @@ def test_a_size_limit_evicts_the_least_recently_used_blocks_tails_first(models, 
         got == cold[0, "auto"] and disk["errors"] == 1 and disk["dropped_blocks"] == 5 + 5 - 1
     )  # SHARING's blocks are PROMPT's
     assert "writing is off" in caplog.text and not files(tmp_path / "tiny")
+
+
+def test_a_full_disk_turns_writing_off_and_the_requests_go_on(models, cold, tmp_path, caplog, monkeypatch):
+    real_replace = os.replace
+
+    def full_disk(src, dst):  # a block file's rename fails as on a full file system; others go through
+        if str(dst).endswith(SUFFIX):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with caplog.at_level(logging.WARNING):
+        got, disk = run(engine(models[0], tmp_path), [PROMPT, SHARING, OTHER])
+    assert got == cold[0, "auto"] and disk["errors"] == 1 and disk["saved_blocks"] == 0
+    assert "is full" in caplog.text and not files(tmp_path) and not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_sliding_window_model_loads_every_pool_of_its_blocks(tmp_path):

@@ -116,9 +116,13 @@ def test_prefix_policy_with_a_shared_tier_routes_what_every_replica_can_load_by_
     for shared, expected in ((False, (0, AFFINITY)), (True, (1, BALANCED))):
         policy = PrefixPolicy(2, match_threshold=0.5, chunk_chars=8, shared_tier=shared)
         assert policy.choose([0, 1], [0, 0], "E" * 64).replica == 0
+        d = policy.choose([0, 1], [1, 0], "E" * 64 + "same burst")  # not answered yet: where it is computed
+        assert (d.replica, d.kind) == (0, AFFINITY)
+        policy.answered("E" * 64)
         d = policy.choose([0, 1], [3, 0], "E" * 64 + "next turn")  # on disk for both: the idle one
         assert (d.replica, d.kind) == expected
     first = policy.choose([0, 1], [0, 0], "F" * 64).replica  # no record anywhere: in turn
+    policy.answered("F" * 64)
     for _ in range(2):  # loadable by both; a tie of load: the one whose pool has it
         d = policy.choose([0, 1], [0, 0], "F" * 64)
         assert (d.replica, d.kind) == (first, BALANCED)
@@ -421,6 +425,51 @@ def dropping_replica():
     server.server_close()
 
 
+@pytest.fixture
+def answering_replica():
+    """A fake replica: healthy; a completion whose prompt says "fail" gets a 500, any other a canned answer."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self.answer(200, b'{"status": "ok"}')
+
+        def do_POST(self):
+            failed = b"fail" in self.rfile.read(int(self.headers["content-length"]))
+            self.answer(500 if failed else 200, b'{"error": {}}' if failed else b'{"choices": [{"text": "ok"}]}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_shared_tier_record_learns_a_prefix_once_a_replica_answered_it(answering_replica):
+    from starlette.testclient import TestClient
+
+    from tokenmill.router.app import RouterSettings, build_router_app
+
+    policy = PrefixPolicy(1, chunk_chars=8, shared_tier=True)
+    answered, failed = "tool definitions, resent every turn " * 3, "fail " + "x" * 60
+    with TestClient(build_router_app([answering_replica], policy, RouterSettings(ui=False))) as client:
+        for prompt, status in ((failed, 500), (answered, 200)):
+            r = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == status
+    assert policy.shared.match(chunk_keys(answered, 8)) == len(answered) // 8  # on disk for every replica
+    assert policy.shared.match(chunk_keys(failed, 8)) == 0 < policy.tables[0].match(chunk_keys(failed, 8))
+
+
 @needs_model
 def test_a_replica_that_fails_before_answering_is_retried_elsewhere(cluster, dropping_replica, tmp_path):
     _, servers = cluster
@@ -533,3 +582,20 @@ def test_no_healthy_replica_is_a_quick_503(cluster):
     m = metric_values(router.url)
     assert m["tokenmill:router_unavailable_total"] >= 2
     assert sum(v for k, v in m.items() if k.startswith("tokenmill:router_replica_healthy")) == 0
+
+
+def test_replicas_on_one_kv_cache_dir_get_the_shared_tier_policy():
+    """`router --shared-kv-tier` and `serve --data-parallel-size N --kv-cache-dir D` build the prefix policy
+    with the table every replica can load from; without either (or with another policy) there is none."""
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.router.cli import _policy
+
+    def shared(*argv: str):
+        args = build_parser(argv[0]).parse_args(list(argv))
+        return getattr(_policy(args, 2)[0], "shared", None) is not None
+
+    assert shared("router", "--replica", "http://a", "--replica", "http://b", "--shared-kv-tier")
+    assert not shared("router", "--replica", "http://a", "--replica", "http://b")
+    assert shared("serve", "--data-parallel-size", "2", "--kv-cache-dir", "/tmp/kv")
+    assert not shared("serve", "--data-parallel-size", "2")
+    assert not shared("serve", "--data-parallel-size", "2", "--kv-cache-dir", "/tmp/kv", "--policy", "least-load")

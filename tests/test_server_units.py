@@ -377,3 +377,18 @@ def test_engine_failures_become_the_right_errors():
     result.outputs[0].error_param = None
     failed = failure_of(result)
     assert isinstance(failed, RequestFailed) and engine_error(failed).status == 500
+
+
+def test_the_start_up_log_says_whose_kv_bytes_it_counts():
+    """The pool is sized from the driver's specs: one rank's heads or stripe under tensor or context
+    parallelism, every stage's layers (of one tensor-parallel rank) under pipeline parallelism."""
+    from tokenmill.config import ParallelConfig
+
+    def scope(**sizes) -> str:
+        return core_process.kv_cache_scope(ParallelConfig(**sizes))
+
+    assert scope() == ""
+    assert scope(tensor_parallel_size=2) == " per rank, 2 ranks"
+    assert scope(decode_context_parallel_size=2, prefill_context_parallel_size=2) == " per rank, 2 ranks"
+    assert scope(pipeline_parallel_size=2) == " over 2 pipeline stages"
+    assert scope(tensor_parallel_size=2, pipeline_parallel_size=3) == " per tensor-parallel rank over 3 pipeline stages"

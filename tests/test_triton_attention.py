@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import POISONED_EMPTY
 
 pytestmark = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
@@ -176,7 +177,6 @@ with torch.inference_mode():
         assert got.shape == want.shape and (got - want).abs().max().item() < 1e-5, step
         assert list(common.query_start_loc) == list(range(len(batch) + 1))
         computed[batch] += 1
-    # the padding rows wrote nowhere: both caches hold the same bytes
     # the padding rows wrote nowhere: block 0 (no request's) still zero, the rest as the eager runner's
     for a, b in zip(eager.kv_caches, graphed.kv_caches):
         assert not b[:, :, 0].any() and torch.allclose(a, b, rtol=0, atol=1e-5)
@@ -325,8 +325,9 @@ def test_kernels_match_torch():
     MoE GEMM against the per-expert loop (idle experts, partial tiles, biases). The fused rotary + KV write
     against rotation then the torch write, bit for bit: rotate-half and interleaved, partial rotary, GQA /
     MQA, float16, int8 / fp8 caches with their scales, random slots with a padding row, a poisoned cache
-    whose other slots stay as they were. One process: one start-up."""
-    _run(_KERNEL + _FUSED + _MOE + _ROTARY)
+    whose other slots stay as they were. Every float tensor `torch.empty` makes is NaN: the outputs the
+    fused and MoE kernels allocate must be written whole. One process: one start-up."""
+    _run(POISONED_EMPTY + _KERNEL + _FUSED + _MOE + _ROTARY)
 
 
 def test_backend_matches_torch_in_models(tmp_path):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import POISONED_EMPTY
 
 from tokenmill.kernels import block_quant, triton_block
 
@@ -84,9 +85,12 @@ print("OK")
 def test_triton_kernel_matches_the_dequantized_blocks():
     """Every block layout against the dequantized weight: one row (also split over K), many rows, float16;
     fp8 e4m3 weights (every byte decoded, subnormals and the largest values included; per-channel and
-    128-column scales); and the kernel's row offsets in 64 bits at an LM head's rows past 2^31 elements."""
+    128-column scales); and the kernel's row offsets in 64 bits at an LM head's rows past 2^31 elements.
+    Outputs (split-K partials included) start as NaN: every element must be written."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", POISONED_EMPTY + _CHECK], capture_output=True, text=True, env=env, timeout=600
+    )
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
 
 

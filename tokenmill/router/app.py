@@ -70,6 +70,16 @@ class _InFlight:
             self.replica.in_flight -= 1
 
 
+def _then(first, then):
+    """`first()` then `then()`, as one callback."""
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
+
+
 def build_router_app(urls: list[str], policy, settings: RouterSettings | None = None) -> FastAPI:
     settings = settings or RouterSettings()
     replicas = ReplicaSet(urls, on_unhealthy=policy.forget)
@@ -161,6 +171,8 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
                 failure = f"replica {replica.index} answered 503"
                 continue
             on_failure = metrics.failures.labels(replica.url).inc
+            if upstream.status_code == 200 and text:  # once answered, its prompt is in the replica's tiers
+                release = _then(release, lambda: policy.answered(text))
             return await relay(request, upstream, replica.index, release, on_failure, anthropic)
         why = failure or "no replica passed its last health check"
         return unavailable(f"no healthy replica to serve the request ({why})", anthropic)

@@ -14,9 +14,10 @@ a `Decision` naming the replica and why:
   at most `balance_threshold`); otherwise least-load ("balanced"). Either way the text is recorded for
   the chosen replica at once, so a burst of requests sharing a prefix lands on one replica. With a
   shared KV tier (`shared_tier`: the replicas share one `--kv-cache-dir`) a text is also recorded in a
-  table for all of them, since a prefix one replica computed is on disk for every other: only the part
-  of a replica's match beyond that shared record counts for affinity, and a prefix every replica can
-  load goes to the least-loaded one.
+  table for all of them once a replica has answered it (`answered`: its prompt's blocks are then on
+  disk for every other; until then the burst still goes where the prefix is being computed): only the
+  part of a replica's match beyond that shared record counts for affinity, and a prefix every replica
+  can load goes to the least-loaded one.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ class RoundRobinPolicy:
     def forget(self, replica: int) -> None:
         """The replica lost its cache (it failed): nothing to forget for this policy."""
 
+    def answered(self, text: str | None) -> None:
+        """A replica answered a request with this routing text: nothing to learn for this policy."""
+
 
 class LeastLoadPolicy(RoundRobinPolicy):
     name = "least-load"
@@ -149,9 +153,13 @@ class PrefixPolicy(LeastLoadPolicy):
         keys = chunk_keys(text, self.chunk_chars)
         decision = self._affinity(candidates, loads, keys, len(text)) or self._balanced(candidates, loads, keys)
         self.tables[decision.replica].insert(keys)
-        if self.shared is not None:
-            self.shared.insert(keys)
         return decision
+
+    def answered(self, text: str | None) -> None:
+        """A replica answered a request with this routing text: with a shared tier, its prompt's blocks
+        are on disk now, loadable by every replica."""
+        if self.shared is not None and text:
+            self.shared.insert(chunk_keys(text, self.chunk_chars))
 
     def _affinity(
         self, candidates: Sequence[int], loads: Sequence[int], keys: list[int], length: int

@@ -340,7 +340,7 @@ def _print_ready(args, info: dict, names: list[str], start: float, client) -> No
     )
     print(
         f"tokenmill: KV cache {info['num_blocks']} blocks x {info['block_size']} tokens = "
-        f"{info['capacity_tokens']} tokens ({gib:.3f} GiB), prefix caching "
+        f"{info['capacity_tokens']} tokens ({gib:.3f} GiB{info['kv_cache_scope']}), prefix caching "
         f"{'on' if args.enable_prefix_caching else 'off'}; max model len {info['max_model_len']}"
         + (f" (requests limited to {limit} tokens by the KV cache)" if limit < info["max_model_len"] else ""),
         flush=True,

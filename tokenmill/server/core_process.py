@@ -49,6 +49,16 @@ def stats_snapshot(core, num_received: int, fresh: bool = True) -> dict:
     return snap
 
 
+def kv_cache_scope(parallel) -> str:
+    """Whose KV bytes `KVCacheConfig.total_bytes` counts, for the start-up log: the pool is sized from the
+    driver's specs, so under tensor or context parallelism they are one rank's (its heads, its stripe of
+    each block), and under pipeline parallelism one tensor-parallel rank's layers summed over the stages."""
+    if parallel.pipeline_parallel_size > 1:
+        share = " per tensor-parallel rank" if parallel.tensor_parallel_size > 1 else ""
+        return f"{share} over {parallel.pipeline_parallel_size} pipeline stages"
+    return f" per rank, {parallel.world_size} ranks" if parallel.world_size > 1 else ""
+
+
 def _ready_info(core, load_seconds: float) -> dict:
     executor = core.executor
     cfg = executor.model_config
@@ -65,6 +75,7 @@ def _ready_info(core, load_seconds: float) -> dict:
         "block_size": core.kv.block_size,
         "capacity_tokens": core.capacity_tokens,
         "kv_cache_bytes": core.kv_cache_config.total_bytes,
+        "kv_cache_scope": kv_cache_scope(core.config.parallel),
         "load_seconds": load_seconds,
         "pid": os.getpid(),
         "num_threads": _torch_threads(),

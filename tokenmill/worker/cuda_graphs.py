@@ -172,21 +172,34 @@ class DecodeGraphs:
         return self.outputs[size][: len(input_ids)]
 
 
+def eager_reason(runner, config) -> str | None:
+    """Why the runner's decode steps run eagerly (None: they are captured). Graphs apply on CUDA, without
+    --enforce-eager, in one process, on the Triton backend over float caches, for a model whose decode
+    forward has no side inputs or outputs (no drafter that reads hidden states) and never waits for the
+    device (quantized MoE experts run one by one, their token counts read on the host; dense ones run in
+    the Triton grouped GEMM)."""
+    checks = (  # in order, each asked only when those before it pass: a reason, or False
+        lambda: runner.device.type != "cuda" and "not on CUDA",
+        lambda: config.enforce_eager and "--enforce-eager",
+        lambda: config.offload.active and "host work in the step: --cpu-offload-gb / --cpu-moe",
+        lambda: config.parallel.world_size > 1 and "several processes",
+        lambda: runner.backend.name != "triton-paged" and f"the {runner.backend.name} attention backend",
+        lambda: any(is_quantized(g.spec.dtype) for g in runner.kv_cache_config.groups) and "a quantized KV cache",
+        lambda: (
+            runner.drafter is not None and config.speculative.method != "ngram" and "a drafter that reads hidden states"
+        ),
+        lambda: any(isinstance(m.w13, torch.nn.ModuleList) for m in runner.moe_layers) and "quantized MoE experts",
+    )
+    return next((why for check in checks if (why := check())), None)
+
+
 def capture_decode_graphs(runner, config) -> DecodeGraphs | None:
-    """The runner's decode graphs, when they apply: CUDA, not --enforce-eager, one process, the Triton
-    backend over float caches, a model whose decode forward has no side inputs or outputs (no drafter
-    that reads hidden states) and never waits for the device (quantized MoE experts run one by one, their
-    token counts read on the host; dense ones run in the Triton grouped GEMM). A capture that fails anyway leaves the runner eager, saying why."""
-    if (
-        runner.device.type != "cuda"
-        or config.enforce_eager
-        or config.offload.active  # host work in the step: experts on the CPU, layers' copies timed by hooks
-        or config.parallel.world_size > 1
-        or runner.backend.name != "triton-paged"
-        or any(is_quantized(g.spec.dtype) for g in runner.kv_cache_config.groups)
-        or (runner.drafter is not None and config.speculative.method != "ngram")
-        or any(isinstance(m.w13, torch.nn.ModuleList) for m in runner.moe_layers)
-    ):
+    """The runner's decode graphs, when they apply (`eager_reason`, said in the log on CUDA). A capture
+    that fails anyway leaves the runner eager, saying why."""
+    why = eager_reason(runner, config)
+    if why is not None:
+        if runner.device.type == "cuda":
+            logger.info("CUDA graphs: off, decode steps run eagerly (%s)", why)
         return None
     graphs = DecodeGraphs(
         runner,
