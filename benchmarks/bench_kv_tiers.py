@@ -276,20 +276,22 @@ def minload(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("restart")
+    r = sub.add_parser("restart", help="one long prompt cold, then again after a restart onto the same --kv-cache-dir")
     r.add_argument(
-        "--model", default=str(Path.home() / ".cache/tokenmill/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+        "--model",
+        default=str(Path.home() / ".cache/tokenmill/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+        help="a GGUF path or a model name tokenmill resolves",
     )
-    r.add_argument("--tokens", type=int, default=6000)
-    a = sub.add_parser("agent")
-    a.add_argument("--model", default="smollm2-135m-instruct")
-    a.add_argument("--sessions", type=int, default=3)
-    a.add_argument("--turns", type=int, default=4)
-    a.add_argument("--system-tokens", type=int, default=500)
+    r.add_argument("--tokens", type=int, default=6000, help="the prompt's length in tokens")
+    a = sub.add_parser("agent", help="concurrent multi-turn sessions over a KV pool too small for them all")
+    a.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF path or a model name tokenmill resolves")
+    a.add_argument("--sessions", type=int, default=3, help="concurrent sessions")
+    a.add_argument("--turns", type=int, default=4, help="turns per session")
+    a.add_argument("--system-tokens", type=int, default=500, help="the system prompt every session shares")
     a.add_argument("--own-tokens", type=int, default=800, help="each session's own context (files) in its first turn")
-    a.add_argument("--turn-tokens", type=int, default=32)
-    a.add_argument("--answer-tokens", type=int, default=16)
-    a.add_argument("--kv-blocks", type=int, default=112)
+    a.add_argument("--turn-tokens", type=int, default=32, help="the new user tokens of each later turn")
+    a.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per turn")
+    a.add_argument("--kv-blocks", type=int, default=112, help="tokenmill's KV pool, in blocks (too small on purpose)")
     a.add_argument(
         "--modes",
         type=lambda text: text.split(","),
@@ -301,10 +303,10 @@ def main() -> None:
     a.add_argument("--llama-server", help="the llama-server binary (default: benchmarks/peers/build's)")
     a.add_argument("--llama-parallel", type=int, default=1, help="llama-server --parallel (slots sharing -c)")
     a.add_argument("--threads", type=int, default=2, help="llama-server -t")
-    m = sub.add_parser("minload")
-    m.add_argument("--model", default="smollm2-135m-instruct")
-    m.add_argument("--hits", type=int, nargs="+", default=[16, 32, 64, 128, 512])
-    m.add_argument("--repeats", type=int, default=3)
+    m = sub.add_parser("minload", help="loading a prefix from disk against recomputing it, by its length")
+    m.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF path or a model name tokenmill resolves")
+    m.add_argument("--hits", type=int, nargs="+", default=[16, 32, 64, 128, 512], help="prefix lengths, in tokens")
+    m.add_argument("--repeats", type=int, default=3, help="runs per length (the median is reported)")
     args = parser.parse_args()
     {"restart": restart, "agent": agent, "minload": minload}[args.cmd](args)
 
