@@ -24,10 +24,19 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--trials", type=int, default=6)
-    ap.add_argument("--max-step-ms", default="0,250", help="variants, comma-separated (0: no bound)")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model alias or path (default: %(default)s)")
+    ap.add_argument(
+        "--prompt-len",
+        type=int,
+        default=512,
+        help="length in tokens of the long prompt that is aborted (default: %(default)s)",
+    )
+    ap.add_argument("--trials", type=int, default=6, help="aborts per --max-step-ms variant (default: %(default)s)")
+    ap.add_argument(
+        "--max-step-ms",
+        default="0,250",
+        help="step-time bounds to compare, in ms, comma-separated; 0 = no bound (default: %(default)s)",
+    )
     args = ap.parse_args()
 
     from tokenmill import LLM, SamplingParams

@@ -69,10 +69,22 @@ def expected(r: dict, dcp: int, pcp: int, prompt_len: int) -> tuple[float, float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--layouts", default="1x1,2x1,1x2")
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model alias or path (default: %(default)s)")
+    parser.add_argument(
+        "--layouts",
+        default="1x1,2x1,1x2",
+        help="layouts to measure, comma-separated, each DCPxPCP: decode x prefill context-parallel size; "
+        "1x1 = no context parallelism (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=256,
+        help="prompt length in tokens, prefilled in one step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=16, help="tokens decoded after the prefill (default: %(default)s)"
+    )
     args = parser.parse_args()
     print(
         "| DCP x PCP | KV bytes / token / rank | gathered B / prompt token (expected) | "

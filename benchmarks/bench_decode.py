@@ -48,18 +48,18 @@ def hf_decode(model, prompt_ids: list[int], n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens to generate per run")
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="transformers and tokenmill run in each dtype")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model alias or path (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens to generate per run (default: %(default)s)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per row, median printed (default: %(default)s)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes both engines run in (default: %(default)s)")
     ap.add_argument(
         "--quantizations",
         default="auto,none,int8",
         help="tokenmill weight formats to measure in each dtype (see --quantization of "
-        "`tokenmill serve`); a format that does not apply to a dtype is skipped",
+        "`tokenmill serve`); a format that does not apply to a dtype is skipped (default: %(default)s)",
     )
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads for both engines (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -137,7 +137,11 @@ def row(name: str, mode: str, batch: int, r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="tiny,medium", help=f"models, of {', '.join(MODELS)} (default: %(default)s)")
-    ap.add_argument("--batches", default="1,8", help="concurrent requests (default: %(default)s)")
+    ap.add_argument(
+        "--batches",
+        default="1,8",
+        help="concurrent requests per run, comma-separated: one row each (default: %(default)s)",
+    )
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default: %(default)s)")
     ap.add_argument(

@@ -92,11 +92,22 @@ def decode_rate(core, prompts: list[list[int]], tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of (packed, dense) turns; medians are reported")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8, help="concurrent requests of the batched measurement")
-    ap.add_argument("--workdir", default="/tmp/tokenmill-bench-gpt-oss", help="where the checkpoints are written once")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of (packed, dense) turns; medians are reported (default: %(default)s)",
+    )
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default: %(default)s)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
+    ap.add_argument(
+        "--batch", type=int, default=8, help="concurrent requests of the batched measurement (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--workdir",
+        default="/tmp/tokenmill-bench-gpt-oss",
+        help="where the checkpoints are written, once: reused when present (default: %(default)s)",
+    )
     args = ap.parse_args()
 
     from helpers import make_core

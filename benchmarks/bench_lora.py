@@ -86,12 +86,19 @@ def one_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="base model alias or path (default: %(default)s)")
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank of the random adapters (default: %(default)s)")
+    ap.add_argument("--prompts", type=int, default=16, help="requests in each batch (default: %(default)s)")
+    ap.add_argument(
+        "--prompt-len", type=int, default=64, help="random prompt tokens per request (default: %(default)s)"
+    )
+    ap.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: %(default)s)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each variant, alternating; medians reported (default: %(default)s)",
+    )
     args = ap.parse_args()
     llm = LLM(args.model, enable_lora=True, max_loras=ADAPTERS, max_lora_rank=args.rank)
     config = llm.engine.core.model_config

@@ -60,10 +60,19 @@ def tokenmill_decode(directory: str, prompt: list[int], n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="256,1024,2048", help="prompt lengths to decode after")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens to decode per run")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--contexts",
+        default="256,1024,2048",
+        help="prompt lengths in tokens to decode after, comma-separated: one row each (default: %(default)s)",
+    )
+    ap.add_argument("--tokens", type=int, default=32, help="tokens to decode per run (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the random model (default: %(default)s)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per engine and context, median reported (default: %(default)s)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="GGUF path or fetch.sh name (default: %(default)s)")
     ap.add_argument("--passes", type=int, default=5, help="timed passes over the model (default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
     args = ap.parse_args()
     from tokenmill.layers.linear import LinearBase
     from tokenmill.loader import load_model

@@ -59,12 +59,14 @@ def transformers_speeds(path: Path, prompt: list[int], n: int, repeats: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--models", default="gemma-3-270m,qwen2.5-coder-0.5b", help="comma-separated fetch.sh names or .gguf paths"
+        "--models",
+        default="gemma-3-270m,qwen2.5-coder-0.5b",
+        help="comma-separated fetch.sh names or .gguf paths (default: %(default)s)",
     )
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--tokens", type=int, default=64, help="tokens to decode per run")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quantizations", default="auto", help="comma-separated --quantization values to run")
+    ap.add_argument("--prompt-len", type=int, default=512, help="random prompt length in tokens (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens to decode per run (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per row, median reported (default: %(default)s)")
+    ap.add_argument("--quantizations", default="auto", help="tokenmill --quantization values (default: %(default)s)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="tokenmill's --kv-cache-dtype (default: %(default)s)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
