@@ -41,9 +41,13 @@ def run(hash_name: str, prompts: list[list[int]], block_size: int) -> tuple[floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--prompts", type=int, default=200)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=1024, help="tokens per random prompt (default: %(default)s)")
+    ap.add_argument(
+        "--prompts", type=int, default=200, help="prompts keyed and looked up per hash function (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block: one key per full block (default: %(default)s)"
+    )
     args = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(50000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]

@@ -160,21 +160,35 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model of every replica (default: %(default)s)")
-    ap.add_argument("--replicas", type=int, default=2, help="replicas (default: %(default)s)")
-    ap.add_argument("--policies", default="prefix,round-robin", help="comma-separated (default: %(default)s)")
+    ap.add_argument(
+        "--replicas", type=int, default=2, help="tokenmill serve processes behind the router (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--policies",
+        default="prefix,round-robin",
+        help="`tokenmill router --policy` values to compare, comma-separated (default: %(default)s)",
+    )
     ap.add_argument(
         "--dataset",
         default="shared-prefix",
         choices=["shared-prefix", "multi-turn"],
         help="bench workload (default: %(default)s)",
     )
-    ap.add_argument("--num-prompts", type=int, default=48, help="requests (conversations) per policy")
-    ap.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: distinct system prompts")
-    ap.add_argument("--prefix-len", type=int, default=384, help="shared-prefix: tokens per system prompt")
-    ap.add_argument("--input-len", type=int, default=24, help="question (user turn) tokens")
-    ap.add_argument("--output-len", type=int, default=16, help="output tokens per request")
-    ap.add_argument("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
-    ap.add_argument("--max-concurrency", type=int, default=4, help="clients in the closed loop")
+    ap.add_argument(
+        "--num-prompts", type=int, default=48, help="requests (conversations) per policy (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--num-prefixes", type=int, default=8, help="shared-prefix: distinct system prompts (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--prefix-len", type=int, default=384, help="shared-prefix: tokens per system prompt (default: %(default)s)"
+    )
+    ap.add_argument("--input-len", type=int, default=24, help="question (user turn) tokens (default: %(default)s)")
+    ap.add_argument("--output-len", type=int, default=16, help="output tokens per request (default: %(default)s)")
+    ap.add_argument(
+        "--num-turns", type=int, default=3, help="multi-turn: turns per conversation (default: %(default)s)"
+    )
+    ap.add_argument("--max-concurrency", type=int, default=4, help="clients in the closed loop (default: %(default)s)")
     ap.add_argument(
         "--num-kv-blocks",
         type=int,

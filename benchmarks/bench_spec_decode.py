@@ -115,12 +115,33 @@ def run(llm, prompts: list[str], tokens: int, structured: bool = False) -> tuple
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
-    ap.add_argument("--spec", action="append", help="a --speculative-config; repeat to compare several")
-    ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--workloads", default="code-edit,chat,json", help=f"of {', '.join(WORKLOADS)}")
-    ap.add_argument("--rounds", type=int, default=3, help="off / on pairs per batch (medians of their ratios)")
+    ap.add_argument(
+        "--models",
+        default="smollm2-135m,qwen2.5-coder-1.5b",
+        help="fetch.sh names or paths, comma-separated (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--spec",
+        action="append",
+        help="a --speculative-config (JSON); repeat to compare several (default: one ngram drafter of 4 tokens)",
+    )
+    ap.add_argument(
+        "--concurrency",
+        default="1,4,16",
+        help="requests per batch, comma-separated: one row each (default: %(default)s)",
+    )
+    ap.add_argument("--tokens", type=int, default=128, help="output tokens per request (default: %(default)s)")
+    ap.add_argument(
+        "--workloads",
+        default="code-edit,chat,json",
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="off / on pairs per batch (medians of their ratios) (default: %(default)s)",
+    )
     args = ap.parse_args()
     import torch
 

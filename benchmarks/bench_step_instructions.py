@@ -48,10 +48,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
-    ap.add_argument("--steps", type=int, default=30, help="decode steps counted")
-    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model alias or path (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=30, help="decode steps counted (default: %(default)s)")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default: %(default)s)")
     ap.add_argument("--flag", help=argparse.SUPPRESS)  # set in the worker process
     args = ap.parse_args()
     if args.flag:

@@ -19,10 +19,19 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--batch-sizes", default="1,64")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model alias or path (default: %(default)s)")
+    ap.add_argument(
+        "--batch-sizes",
+        default="1,64",
+        help="requests decoding together, comma-separated: one row each (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=30,
+        help="decode steps timed per batch size, medians reported (default: %(default)s)",
+    )
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default: %(default)s)")
     args = ap.parse_args()
 
     from tokenmill import LLM, SamplingParams
