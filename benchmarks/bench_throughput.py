@@ -75,26 +75,26 @@ def run_transformers(model, prompts, output_len: int, batch: int, pad_id: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--num-prompts", type=int, default=128)
-    ap.add_argument("--min-input-len", type=int, default=100)
-    ap.add_argument("--max-input-len", type=int, default=400)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--hf-batch", type=int, default=16, help="transformers static batch size")
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model alias or path (default: %(default)s)")
+    ap.add_argument("--num-prompts", type=int, default=128, help="requests, submitted at once (default: %(default)s)")
+    ap.add_argument("--min-input-len", type=int, default=100, help="shortest prompt in tokens (default: %(default)s)")
+    ap.add_argument("--max-input-len", type=int, default=400, help="longest prompt in tokens (default: %(default)s)")
+    ap.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: %(default)s)")
+    ap.add_argument("--hf-batch", type=int, default=16, help="transformers static batch size (default: %(default)s)")
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="most requests in flight (default: %(default)s)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default: %(default)s)")
     ap.add_argument(
         "--dtypes",
         default="float32,bfloat16",
-        help="tokenmill compute dtypes to measure, one run each (transformers runs in float32)",
+        help="tokenmill compute dtypes to measure, one run each; transformers runs in float32 (default: %(default)s)",
     )
     ap.add_argument(
         "--quantization",
         default="auto",
-        help="tokenmill weight format: auto (a GGUF file's own blocks in float32), none, gguf, int8",
+        help="tokenmill weight format: auto (default: a GGUF file's own blocks in float32), none, gguf, int8",
     )
-    ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--result-file", default=None, help="write the numbers as JSON here")
+    ap.add_argument("--skip-transformers", action="store_true", help="measure tokenmill only")
+    ap.add_argument("--result-file", default=None, help="write the numbers as JSON here (default: not written)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM

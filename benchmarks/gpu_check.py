@@ -595,11 +595,13 @@ def kernels(args) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu with --dry-run (default: cuda)")
-    parser.add_argument("--dry-run", action="store_true", help="tiny sizes: every code path in seconds")
-    parser.add_argument("--skip-correctness", action="store_true")
-    parser.add_argument("--skip-speed", action="store_true")
-    parser.add_argument("--skip-kernels", action="store_true")
-    parser.add_argument("--json", metavar="PATH", help="write every result here")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="tiny sizes: every code path in seconds, the speed numbers meaningless"
+    )
+    parser.add_argument("--skip-correctness", action="store_true", help="skip (a), the correctness checks")
+    parser.add_argument("--skip-speed", action="store_true", help="skip (b), the 8B-shaped speed runs")
+    parser.add_argument("--skip-kernels", action="store_true", help="skip (c), the kernel comparisons")
+    parser.add_argument("--json", metavar="PATH", help="write every result here as JSON (default: only printed)")
     args = parser.parse_args()
     # what importing the engine takes (its loaders' modules, even for weights built on the device), and
     # Triton on CUDA; the correctness section also needs transformers

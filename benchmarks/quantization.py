@@ -140,22 +140,33 @@ def table(name: str, rows: list[tuple[str, str, dict]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b", help="comma-separated model names")
-    ap.add_argument("--ppl-chunks", type=int, default=12, help="corpus chunks (~2,000 characters) to score")
-    ap.add_argument("--out-tokens", type=int, default=128, help="tokens per request in the 16-concurrent run")
+    ap.add_argument(
+        "--models",
+        default="smollm2-135m,qwen2.5-coder-0.5b",
+        help="comma-separated fetch.sh names (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--ppl-chunks",
+        type=int,
+        default=12,
+        help="corpus chunks (~2,000 characters) to score for perplexity (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--out-tokens", type=int, default=128, help="tokens per request in the 16-concurrent run (default: %(default)s)"
+    )
     ap.add_argument("--write", action="store_true", help="put the tables into docs/benchmarks/quantization.md")
     ap.add_argument(
         "--only",
         default=None,
         help="comma-separated words: run only the configurations whose "
-        "weights or KV label contains one (e.g. int8,fp8)",
+        "weights or KV label contains one (e.g. int8,fp8); default: all",
     )
     ap.add_argument(
         "--against",
         metavar="REV",
         default=None,
         help="also run every configuration on this git "
-        "revision and print the speed ratios (not written to BENCHMARKS.md)",
+        "revision and print the speed ratios (not written to BENCHMARKS.md); default: none",
     )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one configuration, JSON
     args = ap.parse_args()

@@ -146,11 +146,23 @@ def run_phase(url: str, model: str, clients: int, seconds: float, share: float, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--clients", type=int, default=6)
-    ap.add_argument("--phase-seconds", type=float, default=40.0)
-    ap.add_argument("--phases", type=int, default=4, help="clean and hostile phases, alternating (even)")
-    ap.add_argument("--hostile", type=float, default=0.05, help="share of hostile requests in the hostile phases")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model the server loads (default: %(default)s)")
+    ap.add_argument("--clients", type=int, default=6, help="client threads sending back to back (default: %(default)s)")
+    ap.add_argument(
+        "--phase-seconds", type=float, default=40.0, help="length of each phase in seconds (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--phases",
+        type=int,
+        default=4,
+        help="clean and hostile phases, alternating, clean first; an even number (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--hostile",
+        type=float,
+        default=0.05,
+        help="share of hostile requests in the hostile phases, 0-1 (default: %(default)s)",
+    )
     ap.add_argument("serve_args", nargs="*", help="extra `tokenmill serve` flags (after --)")
     args = ap.parse_args()
 

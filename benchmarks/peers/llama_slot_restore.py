@@ -50,11 +50,17 @@ def timed(method: str, url: str, body: dict) -> tuple[float, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--model", default="qwen2.5-coder-0.5b", help="a name for ../shared/models/fetch.sh, or a GGUF path"
+        "--model",
+        default="qwen2.5-coder-0.5b",
+        help="a name for ../shared/models/fetch.sh, or a GGUF path (default: %(default)s)",
     )
-    ap.add_argument("--tokens", type=int, default=6000)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--port", type=int, default=8472)
+    ap.add_argument(
+        "--tokens", type=int, default=6000, help="prompt length in tokens (random ids) (default: %(default)s)"
+    )
+    ap.add_argument("--threads", type=int, default=2, help="llama-server threads (-t) (default: %(default)s)")
+    ap.add_argument(
+        "--port", type=int, default=8472, help="port llama-server listens on at 127.0.0.1 (default: %(default)s)"
+    )
     args = ap.parse_args()
     if SERVER is None:
         raise SystemExit("no llama-server: run benchmarks/peers/build_llama_cpp.sh first")
