@@ -19,6 +19,7 @@ UNIT_MODULES = {
     "test_embeddings",
     "test_eval_tasks",
     "test_gpu_hygiene",
+    "test_help_texts",
     "test_import_layers",
     "test_kernels",
     "test_kv_connector",
