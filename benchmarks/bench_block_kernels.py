@@ -101,12 +101,12 @@ def median_times(calls, copies, x, out, repeats: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default="Q4_K,Q5_0,Q6_K,Q8_0", help="comma-separated GGUF types")
+    ap.add_argument("--types", default="Q4_K,Q5_0,Q6_K,Q8_0", help="comma-separated GGUF types (default: %(default)s)")
     ap.add_argument("--shape", default="17920x1536", help="weight rows x columns (default: %(default)s)")
     ap.add_argument("--rows", default="1", help="activation rows per call, comma-separated (default: %(default)s)")
     ap.add_argument("--copies", type=int, default=12, help="weights cycled through (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=9, help="passes over all copies (default: %(default)s)")
-    ap.add_argument("--mode", choices=["q8", "float"], default="q8", help="gguf-q8 or the exact mode's kernel")
+    ap.add_argument("--mode", choices=["q8", "float"], default="q8", help="q8: gguf-q8 (default); float: exact mode")
     ap.add_argument("--against", metavar="REV", help="also time the kernels of this git revision")
     args = ap.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))

@@ -57,10 +57,14 @@ def first_tokens(llm: LLM, batch: list[list[int]]) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model name or path (default: the default model)")
-    ap.add_argument("--prefix-tokens", type=int, default=2500, help="tokens of the shared prefix")
-    ap.add_argument("--suffix-tokens", type=int, default=40, help="tokens each session adds after it")
-    ap.add_argument("--sessions", type=int, default=4, help="sessions submitted at once")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds (medians are reported)")
+    ap.add_argument(
+        "--prefix-tokens", type=int, default=2500, help="tokens of the shared prefix (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--suffix-tokens", type=int, default=40, help="tokens each session adds after it (default: %(default)s)"
+    )
+    ap.add_argument("--sessions", type=int, default=4, help="sessions submitted at once (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (medians are reported) (default: %(default)s)")
     ap.add_argument("extra", nargs="*", help="extra LLM(...) keyword arguments as key=value (ints parsed)")
     args = ap.parse_args()
     kwargs = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in (e.split("=", 1) for e in args.extra)}

@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument(
         "--server-args",
         default="",
-        help="more `tokenmill serve` flags for every server, e.g. '--device cuda --dtype bfloat16'",
+        help="more `tokenmill serve` flags for every server, e.g. '--device cuda --dtype bfloat16' (default: none)",
     )
     ap.add_argument("--log-dir", default=None, help="server logs and bench results (default: a temp dir)")
     args = ap.parse_args()

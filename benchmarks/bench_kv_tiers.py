@@ -280,18 +280,39 @@ def main() -> None:
     r.add_argument(
         "--model",
         default=str(Path.home() / ".cache/tokenmill/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-        help="a GGUF path or a model name tokenmill resolves",
+        help="a GGUF path or a model name tokenmill resolves (default: %(default)s)",
     )
-    r.add_argument("--tokens", type=int, default=6000, help="the prompt's length in tokens")
+    r.add_argument("--tokens", type=int, default=6000, help="the prompt's length in tokens (default: %(default)s)")
     a = sub.add_parser("agent", help="concurrent multi-turn sessions over a KV pool too small for them all")
-    a.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF path or a model name tokenmill resolves")
-    a.add_argument("--sessions", type=int, default=3, help="concurrent sessions")
-    a.add_argument("--turns", type=int, default=4, help="turns per session")
-    a.add_argument("--system-tokens", type=int, default=500, help="the system prompt every session shares")
-    a.add_argument("--own-tokens", type=int, default=800, help="each session's own context (files) in its first turn")
-    a.add_argument("--turn-tokens", type=int, default=32, help="the new user tokens of each later turn")
-    a.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per turn")
-    a.add_argument("--kv-blocks", type=int, default=112, help="tokenmill's KV pool, in blocks (too small on purpose)")
+    a.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="a GGUF path or a model name tokenmill resolves (default: %(default)s)",
+    )
+    a.add_argument("--sessions", type=int, default=3, help="concurrent sessions (default: %(default)s)")
+    a.add_argument("--turns", type=int, default=4, help="turns per session (default: %(default)s)")
+    a.add_argument(
+        "--system-tokens",
+        type=int,
+        default=500,
+        help="tokens of the system prompt every session shares (default: %(default)s)",
+    )
+    a.add_argument(
+        "--own-tokens",
+        type=int,
+        default=800,
+        help="tokens of each session's own context (files) in its first turn (default: %(default)s)",
+    )
+    a.add_argument(
+        "--turn-tokens", type=int, default=32, help="the new user tokens of each later turn (default: %(default)s)"
+    )
+    a.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per turn (default: %(default)s)")
+    a.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=112,
+        help="tokenmill's KV pool, in blocks (too small on purpose) (default: %(default)s)",
+    )
     a.add_argument(
         "--modes",
         type=lambda text: text.split(","),
@@ -299,14 +320,36 @@ def main() -> None:
         help=f"comma-separated, of {', '.join(AGENT_MODES)} (llama: llama-server with its --cache-ram prompt "
         "cache; llama-off: --cache-ram 0) (default: the tokenmill ones)",
     )
-    a.add_argument("--ram-mib", type=int, default=1024, help="tokenmill's RAM tier and llama-server's --cache-ram")
+    a.add_argument(
+        "--ram-mib",
+        type=int,
+        default=1024,
+        help="tokenmill's RAM tier and llama-server's --cache-ram, in MiB (default: %(default)s)",
+    )
     a.add_argument("--llama-server", help="the llama-server binary (default: benchmarks/peers/build's)")
-    a.add_argument("--llama-parallel", type=int, default=1, help="llama-server --parallel (slots sharing -c)")
-    a.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    a.add_argument(
+        "--llama-parallel",
+        type=int,
+        default=1,
+        help="llama-server --parallel (slots sharing -c) (default: %(default)s)",
+    )
+    a.add_argument("--threads", type=int, default=2, help="llama-server -t: its threads (default: %(default)s)")
     m = sub.add_parser("minload", help="loading a prefix from disk against recomputing it, by its length")
-    m.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF path or a model name tokenmill resolves")
-    m.add_argument("--hits", type=int, nargs="+", default=[16, 32, 64, 128, 512], help="prefix lengths, in tokens")
-    m.add_argument("--repeats", type=int, default=3, help="runs per length (the median is reported)")
+    m.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="a GGUF path or a model name tokenmill resolves (default: %(default)s)",
+    )
+    m.add_argument(
+        "--hits",
+        type=int,
+        nargs="+",
+        default=[16, 32, 64, 128, 512],
+        help="prefix lengths, in tokens (default: %(default)s)",
+    )
+    m.add_argument(
+        "--repeats", type=int, default=3, help="runs per length (the median is reported) (default: %(default)s)"
+    )
     args = parser.parse_args()
     {"restart": restart, "agent": agent, "minload": minload}[args.cmd](args)
 

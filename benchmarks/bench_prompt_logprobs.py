@@ -41,7 +41,11 @@ def one_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], ca
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="model alias, .gguf file or HF directory")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="model alias, .gguf file or HF directory (default: %(default)s)",
+    )
     ap.add_argument("--prompts", type=int, default=16, help="prompts per run (default: %(default)s)")
     ap.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="runs of each kind; medians reported (default: %(default)s)")

@@ -59,7 +59,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_a", type=Path, help="an lm-eval --output_path of one backend")
     p.add_argument("run_b", type=Path, help="the same tasks through another backend")
-    p.add_argument("--tolerance", type=float, default=1e-3, help="largest allowed loglikelihood difference")
+    p.add_argument(
+        "--tolerance", type=float, default=1e-3, help="largest allowed loglikelihood difference (default: %(default)s)"
+    )
     args = p.parse_args()
     sys.exit(1 if compare(args.run_a, args.run_b, args.tolerance) else 0)
 

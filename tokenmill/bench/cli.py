@@ -75,7 +75,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
         "--extra-body",
         type=json.loads,
         default={},
-        help="JSON object merged into every request body, e.g. '{\"top_p\": 0.9}'",
+        help="JSON object merged into every request body, e.g. '{\"top_p\": 0.9}' (default: none)",
     )
     g.add_argument(
         "--json-schema",
@@ -210,7 +210,11 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     add_hardware_arg(g)
     g.add_argument("--result-file", default=None, help="write the full result (every request's timings) as JSON")
     g.add_argument("--plot-dir", default=None, help="write PNG charts here (default: next to --result-file, if given)")
-    g.add_argument("--label", default="", help="name of this run in tables and charts")
+    g.add_argument(
+        "--label",
+        default="",
+        help="name of this run in tables and charts (default: none; `bench compare` then uses the file name)",
+    )
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
