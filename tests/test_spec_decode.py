@@ -326,7 +326,8 @@ def test_n_greater_than_one_speculates_per_sample(exact_llm):
 
     code = open(__file__).read()[:1200]
     prompt = f"{code}\nThe same text again:\n{code[:120]}"
-    llm = LLM(MODEL, dtype="float32", speculative_config={"method": "ngram", "min_acceptance": 0.0})
+    spec = {"method": "ngram", "min_acceptance": 0.0}
+    llm = LLM(MODEL, dtype="float32", num_kv_blocks=256, speculative_config=spec)  # 256 blocks: room for n=3
     greedy = SamplingParams(temperature=0, max_tokens=48, n=2)
     got = [o.token_ids for o in llm.generate([prompt], greedy, use_tqdm=False)[0].outputs]
     stats = llm.engine.core.scheduler.spec_stats

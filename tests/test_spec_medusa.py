@@ -153,7 +153,8 @@ def test_trained_heads_learn_and_load_like_published_ones(trained_heads):
     from tokenmill import LLM
     from tokenmill.bench.datasets import corpus_text
 
-    llm = LLM(MODEL, speculative_config={"method": "medusa", "model": path, "min_acceptance": 0.0})
+    spec = {"method": "medusa", "model": path, "min_acceptance": 0.0}
+    llm = LLM(MODEL, num_kv_blocks=256, speculative_config=spec)  # 256 blocks: room for both prompts
     ids = llm.get_tokenizer().encode(corpus_text())
     llm.generate(
         [{"prompt_token_ids": ids[s : s + 48]} for s in (5000, 20000)],
