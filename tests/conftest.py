@@ -85,6 +85,21 @@ def hf_default_model(default_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def exact_llm():
+    """`LLM(...)` on the default model in the exact mode with a 256-block pool, built once for every
+    module that compares with it (test_llm_api, the speculative-decoding references): each build loads
+    the weights, fills a KV pool and warms up. Tests that use it leave its pool whole."""
+    from test_server_utils import MODEL, model_available
+
+    from tokenmill import LLM
+
+    if not model_available():
+        pytest.skip(f"{MODEL} is not installed")
+
+    return LLM(model="smollm2-135m-instruct", num_kv_blocks=256, dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def tiny_chat(tmp_path_factory, tokenizer):
     """The server of the chat APIs' tests (test_messages_api, test_responses_api), started once for both:
     a tiny model as "tiny" with the qwen3 reasoning parser, --api-key TINY_CHAT_KEY (the Messages API's

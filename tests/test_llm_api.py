@@ -17,8 +17,8 @@ from tokenmill.fields import from_attributes, same_named
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(model="smollm2-135m-instruct", num_kv_blocks=256, dtype="float32")  # exact: compared with transformers
+def llm(exact_llm):
+    return exact_llm  # exact: compared with transformers
 
 
 def pool_whole(llm) -> bool:

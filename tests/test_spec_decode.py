@@ -258,12 +258,10 @@ def spec_server(tmp_path_factory):
     )
 
 
-def test_server_speculates_with_the_same_greedy_text_and_reports_it(spec_server):
+def test_server_speculates_with_the_same_greedy_text_and_reports_it(spec_server, exact_llm):
     """The default model through the real server with the official client: the same greedy text as
     without speculation (in-process, exact mode), the acceptance counters in /metrics, and a request
     that opts out drafts nothing."""
-    from tokenmill import LLM
-
     code = open(__file__).read()[:1500]
     prompt = f"Here is a Python file:\n{code}\nThe same file again, unchanged:\n{code[:200]}"
     client = spec_server.openai_client()
@@ -276,12 +274,7 @@ def test_server_speculates_with_the_same_greedy_text_and_reports_it(spec_server)
     ]
     assert accepted and accepted[0] > 0
     assert "tokenmill:spec_decode_num_accepted_tokens_per_pos_total" in metrics
-    want = (
-        LLM(MODEL, dtype="float32")
-        .generate([prompt], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
-        .outputs[0]
-        .text
-    )
+    want = exact_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0].text
     assert got == want
     opted_out = (
         client.completions.create(
@@ -323,7 +316,7 @@ def test_drafts_are_sized_by_acceptance(tmp_path):
         assert s.num_accepted_tokens / s.num_draft_tokens >= a.num_accepted_tokens / a.num_draft_tokens
 
 
-def test_n_greater_than_one_speculates_per_sample():
+def test_n_greater_than_one_speculates_per_sample(exact_llm):
     """Each of an n > 1 request's samples is a request of its own, so each speculates: greedy samples
     equal the output without speculation; seeded sampled ones (seed + i per sample) are reproducible
     and differ from each other; the pool is whole afterwards."""
@@ -333,17 +326,14 @@ def test_n_greater_than_one_speculates_per_sample():
 
     code = open(__file__).read()[:1200]
     prompt = f"{code}\nThe same text again:\n{code[:120]}"
-    llm = LLM(MODEL, dtype="float32", speculative_config={"method": "ngram", "min_acceptance": 0.0})
+    spec = {"method": "ngram", "min_acceptance": 0.0}
+    llm = LLM(MODEL, dtype="float32", num_kv_blocks=256, speculative_config=spec)  # 256 blocks: room for n=3
     greedy = SamplingParams(temperature=0, max_tokens=48, n=2)
     got = [o.token_ids for o in llm.generate([prompt], greedy, use_tqdm=False)[0].outputs]
     stats = llm.engine.core.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
-    want = (
-        LLM(MODEL, dtype="float32")
-        .generate([prompt], SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0]
-        .outputs[0]
-        .token_ids
-    )
+    want = exact_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0].outputs[0]
+    want = want.token_ids
     assert got == [want, want]
     sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=32, n=3)
     first, again = ([o.token_ids for o in llm.generate([prompt], sampled, use_tqdm=False)[0].outputs] for _ in range(2))

@@ -153,7 +153,8 @@ def test_trained_heads_learn_and_load_like_published_ones(trained_heads):
     from tokenmill import LLM
     from tokenmill.bench.datasets import corpus_text
 
-    llm = LLM(MODEL, speculative_config={"method": "medusa", "model": path, "min_acceptance": 0.0})
+    spec = {"method": "medusa", "model": path, "min_acceptance": 0.0}
+    llm = LLM(MODEL, num_kv_blocks=256, speculative_config=spec)  # 256 blocks: room for both prompts
     ids = llm.get_tokenizer().encode(corpus_text())
     llm.generate(
         [{"prompt_token_ids": ids[s : s + 48]} for s in (5000, 20000)],
@@ -174,11 +175,9 @@ def medusa_server(tmp_path_factory, trained_heads):
     )
 
 
-def test_server_with_trained_heads_keeps_the_greedy_text_and_reports_drafting(medusa_server):
+def test_server_with_trained_heads_keeps_the_greedy_text_and_reports_drafting(medusa_server, exact_llm):
     """The real server with the official client: the same greedy text as without speculation
     (in-process, exact mode), drafts verified, drafting and verifying time in /metrics."""
-    from tokenmill import LLM
-
     client = medusa_server.openai_client()
     messages = [{"role": "user", "content": "List the days of the week, one per line."}]
     got = (
@@ -186,12 +185,7 @@ def test_server_with_trained_heads_keeps_the_greedy_text_and_reports_drafting(me
         .choices[0]
         .message.content
     )
-    want = (
-        LLM(MODEL, dtype="float32")
-        .chat(messages, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0]
-        .outputs[0]
-        .text
-    )
+    want = exact_llm.chat(messages, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0].outputs[0].text
     assert got == want
     metrics = httpx.get(f"{medusa_server.url}/metrics").text
 
