@@ -1227,6 +1227,9 @@ inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const f
 // way. Each output lane gets the same integer sums and then the same float operations in the same order
 // as panel_tile's, so a row's result is the same bits whichever tile computes it (threads split the
 // panels anywhere; an odd one runs panel_tile). kPanelRows rows a tile: 16 integer + 8 float sums.
+// Fewer than kPairMinRows rows run panel_tile: with one row a pair's extra shuffle per weight load (and
+// 8-bit codes' extra sign op) cost more than the shared broadcasts save (Q8_0 / Q5_0 at one row: 0.91x).
+constexpr int kPairMinRows = 4;
 
 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
@@ -1294,7 +1297,7 @@ template <int BITS, int RM = kPanelRows, typename S>
 inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, int64_t K,
                                  const uint8_t* codes, int64_t next_codes, const S* scales, int64_t next_scales,
                                  float* out, int64_t ldo, int64_t cols) {
-  if constexpr (RM > 1)
+  if constexpr (RM > kPairMinRows)
     if (rows < RM)
       return panel_pair_tile_rows<BITS, RM - 1>(rows, xq, dx, xs, K, codes, next_codes, scales, next_scales, out,
                                                 ldo, cols);
@@ -1327,7 +1330,7 @@ void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, c
           const int8_t* xr = xq.data() + m0 * K;
           int64_t p = p0;
 #ifdef TM_PANEL_PAIRS
-          for (; p + 1 < p1; p += 2)
+          for (; p + 1 < p1 && rows >= kPairMinRows; p += 2)
             panel_pair_tile_rows<BITS>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, K, cp + p * nb * bytes,
                                        nb * bytes, sp + p * nb * 2 * kPanel, nb * 2 * kPanel,
                                        outp + m0 * N + p * kPanel, N, std::min(2 * kPanel, N - p * kPanel));
