@@ -1219,6 +1219,92 @@ inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const f
   panel_tile<BITS, RM>(xq, dx, xs, K, codes, scales, out, ldo, cols);
 }
 
+#if defined(TM_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
+#define TM_PANEL_PAIRS 1
+// Two neighbouring panels (16 weight rows: output columns 8p..8p+15) as one 512-bit vector per step: one broadcast of 4 activation bytes and one vpdpbusd serve 16 weight rows, where
+// panel_tile spends one of each on 8, and a block's scales, dx and xs broadcasts are shared the same
+// way. Each output lane gets the same integer sums and then the same float operations in the same order
+// as panel_tile's, so a row's result is the same bits whichever tile computes it (threads split the
+// panels anywhere; an odd one runs panel_tile). kPanelRows rows a tile: 16 integer + 8 float sums.
+// Fewer than kPairMinRows rows run panel_tile: with one row a pair's extra shuffle per weight load (and
+// 8-bit codes' extra sign op) cost more than the shared broadcasts save (Q8_0 / Q5_0 at one row: 0.91x).
+constexpr int kPairMinRows = 4;
+
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+inline __m512 scale_pair(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+inline __m512 scale_pair(const c10::Half* a, const c10::Half* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+// RM activation rows against panels p (codes, scales) and p + 1 (`next_codes`, `next_scales` further):
+// out[r * ldo + c] for the pair's first `cols` rows c (9..16).
+template <int BITS, int RM, typename S>
+inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* codes,
+                            int64_t next_codes, const S* scales, int64_t next_scales, float* out, int64_t ldo,
+                            int64_t cols) {
+  const int64_t nb = K / 32, bytes = panel_block_bytes(BITS);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[RM];
+  for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = codes + b * bytes;
+    __m512i sums[RM][2];
+    for (int r = 0; r < RM; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+    // weight vector w (values 4j.. of the sixteen rows) against each row's broadcast x[4j..4j+3], on chain h
+    auto dot = [&](__m512i w, int j, int h) {
+      const __m512i u = BITS == 8 ? _mm512_abs_epi8(w) : w;  // 8 bits: |w| times x of w's sign
+      const __mmask64 negative = BITS == 8 ? _mm512_movepi8_mask(w) : 0;
+      for (int r = 0; r < RM; ++r) {
+        int32_t word;
+        std::memcpy(&word, xq + r * K + b * 32 + 4 * j, 4);
+        __m512i x = _mm512_set1_epi32(word);
+        if (BITS == 8) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+        sums[r][h] = _mm512_dpbusd_epi32(sums[r][h], u, x);
+      }
+    };
+    auto load = [&](int j) { return load_pair(c + 32 * j, c + next_codes + 32 * j); };
+    for (int j = 0; j < (BITS == 4 ? 4 : 8); j += BITS == 4 ? 1 : 2) {
+      if (BITS == 4) {
+        const __m512i raw = load(j);
+        dot(_mm512_and_si512(raw, m4), j, 0);
+        dot(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4), j + 4, 1);
+      } else {
+        dot(load(j), j, 0);
+        dot(load(j + 1), j + 1, 1);
+      }
+    }
+    const S* sb = scales + b * 2 * kPanel;
+    const __m512 s = scale_pair(sb, sb + next_scales), o = scale_pair(sb + kPanel, sb + next_scales + kPanel);
+    for (int r = 0; r < RM; ++r) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r][0], sums[r][1]));
+      const __m512 scaled = _mm512_mul_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nb + b])));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_fmadd_ps(o, _mm512_set1_ps(xs[r * nb + b]), scaled));
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+}
+
+template <int BITS, int RM = kPanelRows, typename S>
+inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, int64_t K,
+                                 const uint8_t* codes, int64_t next_codes, const S* scales, int64_t next_scales,
+                                 float* out, int64_t ldo, int64_t cols) {
+  if constexpr (RM > kPairMinRows)
+    if (rows < RM)
+      return panel_pair_tile_rows<BITS, RM - 1>(rows, xq, dx, xs, K, codes, next_codes, scales, next_scales, out,
+                                                ldo, cols);
+  panel_pair_tile<BITS, RM>(xq, dx, xs, K, codes, next_codes, scales, next_scales, out, ldo, cols);
+}
+#endif
+
 // Every activation row against every panel: per thread, blocks of kRowBlock activation rows (they stay
 // in L2: at 256 rows a call ran at half the speed of 64) against chunks of kChunk panels (their codes stay
 // in L1) against each tile of kPanelRows activation rows in turn.
@@ -1237,13 +1323,24 @@ void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, c
   float* outp = out.data_ptr<float>();
   at::parallel_for(0, P, kChunk, [&](int64_t begin, int64_t end) {
     for (int64_t block = 0; block < M; block += kRowBlock)
-      for (int64_t p0 = begin; p0 < end; p0 += kChunk)
-        for (int64_t m0 = block; m0 < std::min(M, block + kRowBlock); m0 += kPanelRows)
-          for (int64_t p = p0; p < std::min(end, p0 + kChunk); ++p)
-            panel_tile_rows<BITS>(static_cast<int>(std::min<int64_t>(kPanelRows, std::min(M, block + kRowBlock) - m0)),
-                                  xq.data() + m0 * K, dx.data() + m0 * nb, xs.data() + m0 * nb, K,
-                                  cp + p * nb * bytes, sp + p * nb * 2 * kPanel, outp + m0 * N + p * kPanel, N,
+      for (int64_t p0 = begin; p0 < end; p0 += kChunk) {
+        const int64_t p1 = std::min(end, p0 + kChunk), m1 = std::min(M, block + kRowBlock);
+        for (int64_t m0 = block; m0 < m1; m0 += kPanelRows) {
+          const auto rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - m0));
+          const int8_t* xr = xq.data() + m0 * K;
+          int64_t p = p0;
+#ifdef TM_PANEL_PAIRS
+          for (; p + 1 < p1 && rows >= kPairMinRows; p += 2)
+            panel_pair_tile_rows<BITS>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, K, cp + p * nb * bytes,
+                                       nb * bytes, sp + p * nb * 2 * kPanel, nb * 2 * kPanel,
+                                       outp + m0 * N + p * kPanel, N, std::min(2 * kPanel, N - p * kPanel));
+#endif
+          for (; p < p1; ++p)
+            panel_tile_rows<BITS>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, K, cp + p * nb * bytes,
+                                  sp + p * nb * 2 * kPanel, outp + m0 * N + p * kPanel, N,
                                   std::min(kPanel, N - p * kPanel));
+        }
+      }
   });
 }
 

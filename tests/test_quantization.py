@@ -185,6 +185,33 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0"])
+def test_int8_panels_same_bits_whichever_tile_runs_a_panel(qtype):
+    """Threads split the panels anywhere, and a panel runs in a tile of two neighbouring panels or on its
+    own (an odd one at a thread's end, or the last, partial one): one thread and two split 6 panels
+    differently (AVX-512: pairs 0-1, 2-3, 4-5 against 0-1, 2 | 3-4, 5), and every output is the
+    same bits either way, 4-, 5- and 8-bit codes, float16 and float32 scales alike."""
+    if block_quant.load() is None:
+        pytest.skip("no compiled kernels")
+    weight, _ = random_gguf_tensor(qtype, 43, 256, np.random.default_rng(5))
+    config = GGUFConfig({"w.weight": qtype}, int8_activations=True)
+    layer = ReplicatedLinear(256, 43, quant_config=config, prefix="w")
+    layer.weight_loader("weight", weight)
+    layer.quant_method.process_after_loading(layer)
+    x = torch.randn(70, 256)
+    threads = torch.get_num_threads()
+    try:
+        for panels in (layer.panels, dataclasses.replace(layer.panels, scales=layer.panels.scales.float())):
+            torch.set_num_threads(1)
+            alone = block_quant.matmul_q8_panels(x, panels)
+            torch.set_num_threads(2)
+            split = block_quant.matmul_q8_panels(x, panels)
+            assert torch.equal(alone, split)
+            assert torch.equal(alone[9:10], block_quant.matmul_q8_panels(x[9:10], panels))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     "types,bits",
     [(("Q4_K", "Q6_K"), 6), (("Q4_0", "Q5_1"), 5), (("Q6_K", "Q8_0"), 8), (("Q4_0", "Q4_K"), 4), (("Q5_0", "Q6_K"), 6)],
