@@ -286,7 +286,7 @@ inline void merge_spans(const float* part, int64_t spans, int64_t stride, int64_
       sum += w * p[G * DV + G + g];
       for (int64_t d = 0; d < DV; ++d) og[d] += w * p[g * DV + d];
     }
-    const float inv = 1.f / sum;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no token and no sink (an empty context): zeros
     for (int64_t d = 0; d < DV; ++d) og[d] *= inv;
   }
 }
