@@ -182,20 +182,21 @@ inline void weigh_values(int64_t nv, const float* w, int64_t L, Row value, Scale
 }
 #endif
 
-// One (sequence, kv head): the G query heads that share it attend over L cached tokens.
-// key(t), value(t) point at token t's key row (D features) and value row (DV); key_scale(t),
-// value_scale(t) are the rows' scales (1 unless quantized); s: [G, L] scratch; o: [G, DV] output;
-// sinks: the G heads' extra softmax logits (no value), or null.
+// One span of n cached tokens for the G query heads (q: [G, D]) of a kv head: the span's share of their
+// softmax, unnormalised (merged across spans by `merge_spans`): m[g] the largest score, l[g] the sum of
+// e^(score - m[g]), o[g] (DV) the sum of e^(score - m[g]) value. key(t), value(t) point at token t's key
+// row (D features) and value row (DV); key_scale(t), value_scale(t) are the rows' scales (1 unless
+// quantized); s: [G, n] scratch.
 template <typename Row, typename Scale>
-void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float scale, float cap, Row key, Row value,
-            Scale key_scale, Scale value_scale, float* s, float* o, const float* sinks) {
+void attend_span(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, float cap, Row key,
+                 Row value, Scale key_scale, Scale value_scale, float* s, float* m, float* l, float* o) {
 #ifdef TM_ATTN_SIMD
   if (D % 8 == 0 && DV % 8 == 0) {
-    for (int64_t t0 = 0; t0 < L; t0 += 8) {  // scores, eight tokens at a time
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {  // scores, eight tokens at a time, each key row read once per head
       decltype(key(0)) k[8];
       alignas(32) float ks[8];
-      for (int j = 0; j < 8; ++j) k[j] = key(std::min(t0 + j, L - 1)), ks[j] = key_scale(std::min(t0 + j, L - 1));
-      for (int64_t j = t0 + 32; j < std::min(t0 + 40, L); ++j)  // memory-bound: ask for rows ahead
+      for (int j = 0; j < 8; ++j) k[j] = key(std::min(t0 + j, n - 1)), ks[j] = key_scale(std::min(t0 + j, n - 1));
+      for (int64_t j = t0 + 32; j < std::min(t0 + 40, n); ++j)  // memory-bound: ask for rows ahead
         for (int64_t d = 0; d < D; d += 64 / sizeof(*key(j))) __builtin_prefetch(key(j) + d);
       for (int64_t g = 0; g < G; ++g) {
         __m256 acc[8];
@@ -206,64 +207,88 @@ void attend(const float* q, int64_t G, int64_t D, int64_t DV, int64_t L, float s
         }
         alignas(32) float out8[8];
         _mm256_store_ps(out8, _mm256_mul_ps(_mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)), _mm256_load_ps(ks)));
-        for (int64_t j = 0; j < std::min<int64_t>(8, L - t0); ++j) s[g * L + t0 + j] = out8[j];
+        for (int64_t j = 0; j < std::min<int64_t>(8, n - t0); ++j) s[g * n + t0 + j] = out8[j];
       }
     }
-    soft_cap(s, G * L, cap);
-    for (int64_t g = 0; g < G; ++g) {  // softmax
-      float* sg = s + g * L;
-      float m = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+    soft_cap(s, G * n, cap);
+    for (int64_t g = 0; g < G; ++g) {  // e^(score - max), a vector exp
+      float* sg = s + g * n;
+      m[g] = *std::max_element(sg, sg + n);
       __m256 total = _mm256_setzero_ps();
       int64_t t = 0;
-      for (; t + 8 <= L; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m)));
+      for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m[g])));
         _mm256_storeu_ps(sg + t, e);
         total = _mm256_add_ps(total, e);
       }
       alignas(32) float parts[8];
       _mm256_store_ps(parts, total);
-      float sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7] +
-                  (sinks ? std::exp(sinks[g] - m) : 0.f);
-      for (; t < L; ++t) {
-        sg[t] = std::exp(sg[t] - m);
+      float sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7];
+      for (; t < n; ++t) {
+        sg[t] = std::exp(sg[t] - m[g]);
         sum += sg[t];
       }
-      const float inv = 1.f / sum;
-      for (t = 0; t < L; ++t) sg[t] *= inv;
+      l[g] = sum;
     }
     for (int64_t g = 0; g < G; ++g)  // weighted values, 64 dims at a time in registers
-      for (int64_t d0 = 0; d0 < DV; d0 += 64) {
-        weigh_values(std::min<int64_t>(8, (DV - d0) / 8), s + g * L, L, value, value_scale, d0, o + g * DV + d0);
-      }
+      for (int64_t d0 = 0; d0 < DV; d0 += 64)
+        weigh_values(std::min<int64_t>(8, (DV - d0) / 8), s + g * n, n, value, value_scale, d0, o + g * DV + d0);
     return;
   }
 #endif
-  for (int64_t t = 0; t < L; ++t)
+  for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const auto* k = key(t);
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_f32(k[d]);
-      s[g * L + t] = dot * scale * key_scale(t);
+      s[g * n + t] = dot * scale * key_scale(t);
     }
-  soft_cap(s, G * L, cap);
+  soft_cap(s, G * n, cap);
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * L;
-    float m = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-    float sum = sinks ? std::exp(sinks[g] - m) : 0.f;
-    for (int64_t t = 0; t < L; ++t) {
-      sg[t] = std::exp(sg[t] - m);
-      sum += sg[t];
+    float* sg = s + g * n;
+    m[g] = *std::max_element(sg, sg + n);
+    l[g] = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      sg[t] = std::exp(sg[t] - m[g]);
+      l[g] += sg[t];
     }
-    for (int64_t t = 0; t < L; ++t) sg[t] /= sum;
   }
   std::fill(o, o + G * DV, 0.f);
-  for (int64_t t = 0; t < L; ++t)
+  for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g) {
-      const float w = s[g * L + t] * value_scale(t);
+      const float w = s[g * n + t] * value_scale(t);
       for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += w * to_f32(value(t)[d]);
     }
+}
+
+// A task's share of a sequence's context: one span of this many tokens for all the query heads of one
+// kv head. Fixed, so that the spans (and so the result) depend only on the sequence's own length, not
+// on its batch nor on the thread count; short enough that a long context makes tasks for every thread
+// (SmolLM2 at 550 tokens: 5 spans x 3 kv heads) and that a span's 16-bit K and V rows (16 KB each at 64
+// dims) stay in L1 while its query heads read them again.
+constexpr int64_t kSpanTokens = 128;
+
+// Per span c, (m, l, o) of `attend_span` in `part` ([G, DV] o, then G m, then G l; `stride` floats per
+// span) into the G heads' attention out [G, DV], spans in order: with M the largest m (or sink),
+// out = sum_c e^(m_c - M) o_c / (sum_c e^(m_c - M) l_c + e^(sink - M)). sinks: the heads' extra softmax
+// logits (no value), or null.
+inline void merge_spans(const float* part, int64_t spans, int64_t stride, int64_t G, int64_t DV, const float* sinks,
+                        float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float big = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < spans; ++c) big = std::max(big, part[c * stride + G * DV + g]);
+    float sum = sinks ? std::exp(sinks[g] - big) : 0.f;
+    float* og = out + g * DV;
+    std::fill(og, og + DV, 0.f);
+    for (int64_t c = 0; c < spans; ++c) {
+      const float* p = part + c * stride;
+      const float w = std::exp(p[G * DV + g] - big);
+      sum += w * p[G * DV + G + g];
+      for (int64_t d = 0; d < DV; ++d) og[d] += w * p[g * DV + d];
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no token and no sink (an empty context): zeros
+    for (int64_t d = 0; d < DV; ++d) og[d] *= inv;
+  }
 }
 
 // q: [B, H, D]; k_cache: [num_blocks, block_size, KVH, D], v_cache: [num_blocks, block_size, KVH, DV] (rows
@@ -287,43 +312,65 @@ void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
 
-  // Few (sequence, kv head) pairs for the threads (one stream; a latent cache's single kv head): each
-  // pair's query heads are split so that there are at least two tasks per thread to balance.
-  const int64_t pairs = B * KVH;
-  const int64_t splits = std::min<int64_t>(G, std::max<int64_t>(1, (2 * at::get_num_threads() + pairs - 1) / pairs));
+  // the tasks: per sequence b, its kv heads' spans (first[b] .. first[b + 1]: KVH x spans of b)
+  std::vector<int64_t> begins(B), first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    begins[b] = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    first[b + 1] = first[b] + KVH * ((lens[b] - begins[b] + kSpanTokens - 1) / kSpanTokens);
+  }
+  const int64_t stride = G * DV + 2 * G;  // a span's (o, m, l)
+  std::vector<float> parts(first[B] * stride);
+  // Few spans for the threads (one short sequence; a latent cache's single kv head): each span's query
+  // heads are split so that there are at least two tasks per thread to balance (a head's result is the
+  // same whichever task computes it).
+  const int64_t splits = std::min<int64_t>(G, std::max<int64_t>(1, (2 * at::get_num_threads() + first[B] - 1) /
+                                                                       std::max<int64_t>(1, first[B])));
   const int64_t per = (G + splits - 1) / splits;
-  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row_scales;
-    std::vector<const T*> rows;
+  at::parallel_for(0, first[B] * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(per * kSpanTokens), row_scales(k_scales ? 2 * kSpanTokens : 0, 1.f);
+    std::vector<const T*> rows(2 * kSpanTokens);
+    int64_t b = std::upper_bound(first.begin(), first.end(), begin / splits) - first.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / splits / KVH, kvh = task / splits % KVH, g0 = task % splits * per;
-      const int64_t heads = std::min(per, G - g0);
+      const int64_t span = task / splits, g0 = task % splits * per, heads = std::min(per, G - g0);
       if (heads <= 0) continue;
-      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - start;
+      while (span >= first[b + 1]) ++b;
+      const int64_t spans = (first[b + 1] - first[b]) / KVH, kvh = (span - first[b]) / spans;
+      const int64_t from = begins[b] + (span - first[b]) % spans * kSpanTokens;
+      const int64_t n = std::min(kSpanTokens, lens[b] - from);
       const int64_t* table = tables + b * max_blocks;
-      // every attended token's key and value rows (and scales), found once per task: the loops below
-      // read each row several times (per query head, and ahead), and finding a slot's block per read (a
-      // division by the block size) cost about as much as the products
-      rows.resize(2 * L);
-      row_scales.assign(k_scales ? 2 * L : 0, 1.f);
-      for (int64_t t = 0, block = start / BS, offset = start % BS; t < L; ++t) {
+      // the span's key and value rows (and scales), found once: the loops below read each row once per
+      // query head, and finding a slot's block per read (a division by the block size) cost about as much
+      // as the products. Each row is asked for (into L2) as it is found: the span's rows then arrive
+      // while the first ones are read (a span fits L2; the loops' own prefetches reach only 32 rows ahead)
+      for (int64_t t = 0, block = from / BS, offset = from % BS; t < n; ++t) {
         const int64_t slot = table[block] * BS + offset;
         if (++offset == BS) ++block, offset = 0;
         rows[t] = kp + slot * k_cache.stride(1) + kvh * k_cache.stride(2);
-        rows[L + t] = vp + slot * v_cache.stride(1) + kvh * v_cache.stride(2);
+        rows[kSpanTokens + t] = vp + slot * v_cache.stride(1) + kvh * v_cache.stride(2);
+        for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(rows[t] + d, 0, 2);
+        for (int64_t d = 0; d < DV; d += 64 / sizeof(T)) __builtin_prefetch(rows[kSpanTokens + t] + d, 0, 2);
         if (k_scales) {
           row_scales[t] = static_cast<float>(k_scales[slot * KVH + kvh]);
-          row_scales[L + t] = static_cast<float>(v_scales[slot * KVH + kvh]);
+          row_scales[kSpanTokens + t] = static_cast<float>(v_scales[slot * KVH + kvh]);
         }
       }
       auto row = [](const T* const* p) { return [=](int64_t t) { return p[t]; }; };
       auto scale_of = [](const float* p) { return [=](int64_t t) { return p ? p[t] : 1.f; }; };
       const float* sk = k_scales ? row_scales.data() : nullptr;
-      scores.resize(heads * L);
-      const int64_t first = b * H + kvh * G + g0;  // the first query head of this task
-      attend(qp + first * D, heads, D, DV, L, static_cast<float>(scale), static_cast<float>(soft_cap_value),
-             row(rows.data()), row(rows.data() + L), scale_of(sk), scale_of(sk ? sk + L : nullptr), scores.data(),
-             op + first * DV, sinks ? sinks + first % H : nullptr);
+      float* part = parts.data() + span * stride;
+      attend_span(qp + (b * H + kvh * G + g0) * D, heads, D, DV, n, static_cast<float>(scale),
+                  static_cast<float>(soft_cap_value), row(rows.data()), row(rows.data() + kSpanTokens), scale_of(sk),
+                  scale_of(sk ? sk + kSpanTokens : nullptr), scores.data(), part + G * DV + g0,
+                  part + G * DV + G + g0, part + g0 * DV);
+    }
+  });
+  // the merges: inline for a few sequences (a fork would cost more than they do), else across threads
+  const int64_t pairs = B * KVH;
+  at::parallel_for(0, pairs, std::max<int64_t>(1, 16384 / (G * DV)), [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = pair / KVH, kvh = pair % KVH, spans = (first[b + 1] - first[b]) / KVH;
+      merge_spans(parts.data() + (first[b] + kvh * spans) * stride, spans, stride, G, DV,
+                  sinks ? sinks + kvh * G : nullptr, op + (b * H + kvh * G) * DV);
     }
   });
 }

@@ -61,6 +61,28 @@ def test_paged_decode_attention_matches_sdpa(head_dim, group, window, soft_cap, 
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
 
 
+def test_paged_decode_attention_of_a_row_depends_on_neither_its_batch_nor_the_threads():
+    """A long context is cut into spans whose softmax partials merge in order: the spans depend on the
+    sequence's own length, so its result is the same bits alone or in a batch, at 1 or 2 threads."""
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 64, 16, 3, 64).half()
+    lengths = torch.tensor([700, 5, 300])
+    tables = torch.randperm(64)[:60].view(3, 20)
+    q = torch.randn(3, 9, 64)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.125))
+            runs.append(paged_attention.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], lengths[:1], 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    for out in runs[1:]:
+        assert torch.equal(out[0], runs[0][0])
+    assert torch.equal(runs[0], runs[2])
+
+
 @pytest.mark.parametrize("latent, rope", [(32, 8), (20, 4), (512, 64)])
 @pytest.mark.parametrize("lengths", [[1, 9, 40, 130], [130]])
 def test_paged_decode_attention_reads_a_latent_cache(latent, rope, lengths):

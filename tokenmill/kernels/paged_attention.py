@@ -4,10 +4,16 @@ Decode attention reads each sequence's K/V straight from its cache blocks throug
 no gather copy, no padding to the longest sequence; float16 and bfloat16 caches are widened to float32
 as they are read (F16C; half the bytes of a float32 cache), int8 and fp8 (e4m3, e5m2) ones too, one
 byte per value, their per-token scales (`tokenmill.attention.kv_quant`) folded into each token's score
-and value weight: dequantized in registers, never copied. One (sequence, kv head) pair per task, OpenMP
-across tasks (a pair's query heads split into several tasks when there are few pairs per thread). With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector
-exp, and the weighted sum of values keeps 64 output dims in registers (it is memory-bound at large
-batches: every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
+and value weight: dequantized in registers, never copied. A task is one 128-token span of a sequence's
+context for all the query heads of one kv head (GQA: the heads share each K/V read), OpenMP across
+tasks, so one long sequence keeps every thread busy; each span leaves its softmax's partial max, sum
+and weighted values, merged span by span in order. The spans depend on the sequence's own length only,
+so a row's result does not depend on its batch nor on the thread count. A span's rows are asked into L2
+as their slots are found (a step's 30 layers of K/V do not stay in cache). With few spans per thread
+(short contexts; a latent cache's single kv head) a span's query heads are split into several tasks.
+With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector exp, and the
+weighted sum of values keeps 64 output dims in registers (it is memory-bound at large batches: every
+cached K/V byte is read once). A sliding window reads only the last `window` tokens;
 a soft-cap squashes the scores (cap * tanh(s / cap)) before the softmax. Values may be narrower than
 keys and strided (a latent MLA cache: the values are the leading features of the key rows). Without
 the kernels (none prebuilt and no compiler, no OpenMP) `load()` returns None and the torch backend's
