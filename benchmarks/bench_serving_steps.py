@@ -22,10 +22,12 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=200)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument(
+        "--model", default="smollm2-135m-instruct", help="a GGUF path or a model name (default: %(default)s)"
+    )
+    ap.add_argument("--requests", type=int, default=16, help="requests submitted at once (default: %(default)s)")
+    ap.add_argument("--prompt-len", type=int, default=200, help="random prompt tokens each (default: %(default)s)")
+    ap.add_argument("--output-len", type=int, default=128, help="tokens generated each (default: %(default)s)")
     ap.add_argument("--profile", action="store_true", help="print the 20 functions with the most own time")
     args = ap.parse_args()
 
