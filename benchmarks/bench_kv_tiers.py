@@ -72,13 +72,25 @@ def tier(srv: ServerProcess, name: str = "disk") -> dict[str, float]:
     }
 
 
+def written(srv: ServerProcess, cache: Path) -> dict[str, float]:
+    """The disk tier's counters once its writer is done: the worker half reports them after a step, so
+    wait until the block files stop appearing, then run a one-token step to carry the last report."""
+    count, stable = -1, 0
+    while stable < 4:  # unchanged over 2 s
+        now = len(list(cache.glob("*.kv")))
+        count, stable = now, (stable + 1 if now == count else 0)
+        time.sleep(0.5)
+    ttft(srv, [17, 18, 19], max_tokens=1)
+    return tier(srv)
+
+
 def restart(args) -> None:
     prompt = random.Random(0).choices(range(200, 20000), k=args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         cache, flags = Path(tmp) / "kv", ("--kv-cache-dir", str(Path(tmp) / "kv"), "--max-model-len", "8192")
         first, started = start(Path(tmp), args.model, *flags)
         cold, text = ttft(first, prompt)
-        saved = tier(first)
+        saved = written(first, cache)
         first.stop()
         second, restarted = start(Path(tmp), args.model, *flags)
         warm, again = ttft(second, prompt)
