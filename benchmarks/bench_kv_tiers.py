@@ -285,22 +285,20 @@ def minload(args) -> None:
         )
 
 
+def add_model_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--model", default=default, help="a GGUF path or a model name tokenmill resolves (default: %(default)s)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("restart", help="one long prompt cold, then again after a restart onto the same --kv-cache-dir")
-    r.add_argument(
-        "--model",
-        default=str(Path.home() / ".cache/tokenmill/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-        help="a GGUF path or a model name tokenmill resolves (default: %(default)s)",
-    )
+    add_model_flag(r, str(Path.home() / ".cache/tokenmill/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
     r.add_argument("--tokens", type=int, default=6000, help="the prompt's length in tokens (default: %(default)s)")
     a = sub.add_parser("agent", help="concurrent multi-turn sessions over a KV pool too small for them all")
-    a.add_argument(
-        "--model",
-        default="smollm2-135m-instruct",
-        help="a GGUF path or a model name tokenmill resolves (default: %(default)s)",
-    )
+    add_model_flag(a, "smollm2-135m-instruct")
     a.add_argument("--sessions", type=int, default=3, help="concurrent sessions (default: %(default)s)")
     a.add_argument("--turns", type=int, default=4, help="turns per session (default: %(default)s)")
     a.add_argument(
@@ -347,11 +345,7 @@ def main() -> None:
     )
     a.add_argument("--threads", type=int, default=2, help="llama-server -t: its threads (default: %(default)s)")
     m = sub.add_parser("minload", help="loading a prefix from disk against recomputing it, by its length")
-    m.add_argument(
-        "--model",
-        default="smollm2-135m-instruct",
-        help="a GGUF path or a model name tokenmill resolves (default: %(default)s)",
-    )
+    add_model_flag(m, "smollm2-135m-instruct")
     m.add_argument(
         "--hits",
         type=int,
