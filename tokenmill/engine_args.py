@@ -1,6 +1,8 @@
 """`EngineArgs`: the engine's settings as one flat set of fields, shared by every way of starting an
 engine: the flags of `serve`, `generate`, `bench offline` and `eval` (`add_engine_args` / `EngineArgs.from_cli_args`),
-`LLM(**kwargs)` and the draft-head trainers. `create_engine_config()` builds the `EngineConfig` tree
+`LLM(**kwargs)` and the draft-head trainers. Each field declares its flag (`_setting`: help text, type,
+choices), and one loop registers them, so a flag and a keyword cannot drift apart (vLLM's
+`EngineArgs.add_cli_args` does the same). `create_engine_config()` builds the `EngineConfig` tree
 (`tokenmill.config`), whose dataclasses validate every value, so a flag and a keyword are checked by
 the same code and say the same thing when wrong.
 
@@ -52,6 +54,60 @@ PREFIX_CACHE_HASH_CHOICES = _LazyNames("tokenmill.config", "PREFIX_CACHE_HASHES"
 ATTENTION_BACKEND_CHOICES = _LazyNames("tokenmill.config", "ATTENTION_BACKENDS")
 
 
+CPU_DEFAULTS = {
+    "kv_cache_memory": 1.0,
+    "gpu_memory_utilization": None,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 512,
+}
+# a GPU runs a step of thousands of tokens in about the time of a few: larger steps, more sequences, and the
+# KV pool sized from the device's memory (as vLLM's defaults)
+CUDA_DEFAULTS = {
+    "kv_cache_memory": 1.0,
+    "gpu_memory_utilization": 0.9,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+}
+
+
+def device_defaults(device: str, world_size: int = 1, sized: bool = False) -> dict[str, Any]:
+    """The defaults of the settings that depend on the device (`sized`: the KV cache's size was given,
+    so the device's memory does not size it; with several processes it never does: one profiles alone)."""
+    if not device.startswith("cuda"):
+        return CPU_DEFAULTS
+    return dict(CUDA_DEFAULTS, gpu_memory_utilization=None if sized or world_size > 1 else 0.9)
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _max_model_len(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
+
+
+def _context_parallel_help(what: str) -> str:
+    return (
+        f"context parallelism: {what}; N processes holding the whole model, over "
+        "torch.distributed; not with --tensor/--pipeline-parallel-size > 1 (default: %(default)s)"
+    )
+
+
+def _setting(
+    default: Any, help: str, *, section: str | None = None, short: str | None = None, **argparse_kwargs: Any
+) -> Any:
+    """An `EngineArgs` field with a flag (`add_engine_args`): its default, its help text, the help section
+    it opens (the fields after it are in the same one), a short flag (`-tp`) and argparse's other
+    arguments (type, choices, metavar, action, nargs)."""
+    flag = {"help": help, "section": section, "aliases": (short,) if short else (), "argparse": argparse_kwargs}
+    return dataclasses.field(default=default, metadata={"flag": flag})
+
+
 @dataclass
 class EngineArgs:
     """Every engine setting, by the name of its flag (`--kv-cache-memory` is `kv_cache_memory`). The
@@ -59,48 +115,316 @@ class EngineArgs:
     `EngineConfig()`); `speculative_config` and `kv_transfer_config` take a config, a dict of its
     fields or its JSON text."""
 
-    model: str | None = DEFAULT_MODEL  # an alias, a .gguf file or an HF directory (None: the default model)
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    quantization: str = "auto"
-    quantization_group_size: int | None = None
-    quantization_symmetric: bool | None = None
-    max_model_len: int | str | None = None  # "auto": the longest context the KV cache holds
-    kv_cache_memory: float | None = None  # GiB (None: the device's default, `device_defaults`)
-    gpu_memory_utilization: float | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_dtype: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int | None = None  # None: the device's default
-    max_num_batched_tokens: int | None = None  # None: the device's default
-    max_step_ms: float = 1000.0
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
-    cpu_offload_gb: float = 0.0
-    cpu_moe: bool = False
-    n_cpu_moe: int = 0
-    enable_prefix_caching: bool = True
-    prefix_cache_hash: str = "blake2b"
-    kv_cache_dir: str | None = None
-    kv_disk_size: float = 10.0  # GiB
-    kv_disk_min_load_tokens: int = 16
-    kv_offloading_size: float | None = None  # GiB
-    grammar_timeout: float = 30.0
-    speculative_config: SpeculativeConfig | dict | str | None = None
-    tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    pipeline_parallel_size: int = 1
-    pipeline_layer_partition: tuple[int, ...] | str = ()  # layers per stage, or "A,B,..."
-    distributed_executor_backend: str = "mp"
-    decode_context_parallel_size: int = 1  # context parallelism (tokenmill.attention.context_parallel)
-    prefill_context_parallel_size: int = 1
-    scheduling_policy: str = "fcfs"
-    kv_transfer_config: KVTransferConfig | dict | str | None = None  # disaggregated prefill/decode; None: off
-    enable_lora: bool = False  # LoRA adapters on (implied by lora_modules): loaded at run time too
-    lora_modules: dict[str, str] | list[str] | None = None  # name -> PEFT directory, or "name=path" strings
-    max_loras: int = 4
-    max_lora_rank: int = 16
+    # an alias, a .gguf file or an HF directory (None: the default model)
+    model: str | None = _setting(
+        DEFAULT_MODEL,
+        f"model to load: an alias ({DEFAULT_MODEL}), a .gguf file, or an HF checkpoint directory "
+        "with config.json and *.safetensors; never downloaded (default: %(default)s)",
+        section="model",
+    )
+    dtype: str = _setting(
+        "auto",
+        "compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, "
+        "bfloat16 or float16; an explicit float32 also picks the exact GGUF mode (see "
+        "--quantization) (default: %(default)s)",
+    )
+    device: str = _setting("cpu", "torch device: cpu, cuda or cuda:N (default: %(default)s)")
+    quantization: str = _setting(
+        "auto",
+        "weight format: gguf = keep a GGUF file's quantized blocks (Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/"
+        "Q4_K/Q5_K/Q6_K) packed and dequantize inside the matmul (CPU, float32; exactly the file's "
+        "weights, 3-7x fewer bytes per decode step); gguf-q8 = the same with decode activations "
+        "rounded to int8 per 32 values and integer dot products, as llama.cpp (faster decode; not "
+        "exact, and outputs can change with batching and prefix hits); none = dense weights; "
+        "int8 / int4 = quantize a dense HF checkpoint on load (int8 per output row, int4 per "
+        "group, see --quantization-group-size); awq / gptq = an AutoAWQ / AutoGPTQ checkpoint "
+        "(read from its quantization_config); fp8 = float8 e4m3 weights (a dense checkpoint "
+        "quantized on load per output row, or an fp8 checkpoint's own blocks; CPU float32 or CUDA); "
+        "mxfp4 / nvfp4 = quantize a dense HF checkpoint on load to FP4 (e2m1 with a power-of-two "
+        "scale per 32 / an e4m3 scale per 16 values), run like int8; compressed-tensors = an "
+        "llm-compressor checkpoint (fp8, int4/int8, NVFP4, MXFP4 per config group); "
+        "the integer methods run like gguf-q8, or with float32 "
+        "activations (exactly the quantized weights) when --dtype float32 is given; auto = the "
+        "checkpoint's own format: for a GGUF file on CPU gguf-q8 (gguf with --dtype float32), "
+        "awq/gptq/fp8/compressed-tensors for such checkpoints, else none (default: %(default)s)",
+        choices=QUANTIZATION_CHOICES,
+        metavar="METHOD",
+    )
+    quantization_group_size: int | None = _setting(
+        None,
+        "int8 / int4: input columns sharing one scale (default: int4 32, int8 one per output row)",
+        type=int,
+        choices=(32, 64, 128),
+    )
+    quantization_symmetric: bool | None = _setting(
+        None,
+        "int8 / int4: codes symmetric around zero (one scale per group) or asymmetric (a scale and "
+        "a minimum per group, a closer fit for skewed groups) (default: int8 symmetric, int4 "
+        "asymmetric)",
+        action=argparse.BooleanOptionalAction,
+    )
+    seed: int = _setting(0, "global random seed; a request's own 'seed' overrides it (default: %(default)s)", type=int)
+    # "auto": the longest context the KV cache holds
+    max_model_len: int | str | None = _setting(
+        None,
+        "longest prompt + output in tokens; auto = the longest one sequence's KV fits in the cache "
+        "(--kv-cache-memory / --num-kv-blocks, --kv-cache-dtype), at most the model's; a number larger "
+        "than the cache holds is a start-time error (default: the model's context length, requests "
+        "limited by the KV cache)",
+        type=_max_model_len,
+        metavar="TOKENS|auto",
+    )
+    # GiB (None: the device's default, `device_defaults`)
+    kv_cache_memory: float | None = _setting(
+        None,
+        "memory for the paged KV cache in GiB; sets the number of blocks (default: 1, or on CUDA "
+        "sized by --gpu-memory-utilization)",
+        section="KV cache and scheduling",
+        type=float,
+        metavar="GIB",
+    )
+    gpu_memory_utilization: float | None = _setting(
+        None,
+        "CUDA: the fraction of the GPU's memory this engine may use (0-1]; the KV cache gets what "
+        "the weights and a profiling step at the largest batch (--max-num-batched-tokens) leave of it "
+        "(default on CUDA with one process and neither --kv-cache-memory nor --num-kv-blocks: 0.9)",
+        type=float,
+        metavar="FRACTION",
+    )
+    num_kv_blocks: int | None = _setting(
+        None, "exact number of KV cache blocks (overrides --kv-cache-memory)", type=int
+    )
+    kv_cache_dtype: str = _setting(
+        "auto",
+        "dtype the KV cache stores keys and values in: auto (float16 with the default gguf-q8 "
+        "weights, else the compute dtype), float32, bfloat16 or float16; a 16-bit cache under "
+        "float32 compute halves the bytes per token. int8, fp8_e4m3 (alias fp8) and fp8_e5m2 store "
+        "one byte per value plus a scale per token and kv head (about 1.9x the tokens of a 16-bit "
+        "cache at a little accuracy; an MLA latent cache: one scale per token) (default: %(default)s)",
+        choices=KV_CACHE_DTYPE_CHOICES,
+        metavar="DTYPE",
+    )
+    block_size: int = _setting(16, "tokens per KV cache block (default: %(default)s)", type=int)
+    # None: the device's default
+    max_num_seqs: int | None = _setting(
+        None,
+        f"most sequences running in one step (default: {CPU_DEFAULTS['max_num_seqs']} on CPU, "
+        f"{CUDA_DEFAULTS['max_num_seqs']} on CUDA)",
+        type=int,
+    )
+    # None: the device's default
+    max_num_batched_tokens: int | None = _setting(
+        None,
+        "token budget of one step; longer prompts are prefilled in chunks (default: "
+        f"{CPU_DEFAULTS['max_num_batched_tokens']} on CPU, {CUDA_DEFAULTS['max_num_batched_tokens']} on CUDA)",
+        type=int,
+    )
+    enforce_eager: bool = _setting(
+        False,
+        "CUDA: run every step eagerly; by default decode steps replay CUDA graphs captured at start for "
+        "padded batch sizes (default: off)",
+        action="store_true",
+    )
+    attention_backend: str = _setting(
+        "auto",
+        "attention kernels: auto (triton-paged on CUDA, cpu-paged on CPU in float32, else torch-sdpa), "
+        "torch-sdpa, cpu-paged, triton-paged, or on CUDA with their package installed flash-attn "
+        "(FlashAttention 2's paged varlen kernel; --block-size a multiple of 256) or flashinfer (its paged "
+        "prefill/decode wrapper); both 16-bit KV caches only, eager steps (default: %(default)s)",
+        choices=ATTENTION_BACKEND_CHOICES,
+        metavar="NAME",
+    )
+    cpu_offload_gb: float = _setting(
+        0.0,
+        "CUDA: keep this many GiB of decoder layers' weights in pinned host memory and copy each "
+        "layer to the device ahead of its use (the next one streams while one runs): a model larger "
+        "than the GPU's memory runs, slower by the copy time; turns CUDA graphs off (default: %(default)s)",
+        type=float,
+    )
+    cpu_moe: bool = _setting(
+        False,
+        "CUDA: keep every MoE layer's experts in host memory and run them on the CPU (attention and "
+        "dense layers stay on the GPU; each MoE layer's hidden states cross to the host and back) (default: off)",
+        action="store_true",
+    )
+    n_cpu_moe: int = _setting(
+        0,
+        "CUDA: as --cpu-moe for the experts of the first N MoE layers only (default: %(default)s)",
+        type=int,
+        metavar="N",
+    )
+    max_step_ms: float = _setting(
+        1000.0,
+        "time one step should take at most: the step's token budget is lowered below "
+        "--max-num-batched-tokens to what fits in it by the measured step time (a fixed part per step "
+        "plus a time per token; never under 32 tokens, nor so small that the fixed part outweighs the "
+        "tokens), so a long prompt's chunk cannot hold up the running requests, or the blocks of an "
+        "aborted request, for much longer; it never raises the budget, so on hardware fast enough "
+        "--max-num-batched-tokens alone decides, as in vLLM; 0 turns it off (default: %(default)s)",
+        type=float,
+    )
+    enable_prefix_caching: bool = _setting(
+        True,
+        "reuse the KV blocks of identical prompt prefixes across requests (default: on)",
+        action=argparse.BooleanOptionalAction,
+    )
+    prefix_cache_hash: str = _setting(
+        "blake2b",
+        "hash for prefix-cache block keys: blake2b = keyed with a random per-process key "
+        "(collision-resistant, unpredictable), sha256 = the same keys in every process, builtin = "
+        "Python's hash (fastest, 64-bit); a hit always checks the block's tokens and parent too "
+        "(default: %(default)s)",
+        choices=PREFIX_CACHE_HASH_CHOICES,
+        metavar="HASH",
+    )
+    kv_cache_dir: str | None = _setting(
+        None,
+        "the KV cache's disk tier: full prompt blocks are written here in the background and "
+        "loaded back for a later prompt with the same prefix, also after a restart and by other "
+        "servers on the same directory (keyed by model, weights, quantization, KV dtype, block size "
+        "and cache_salt) (default: off)",
+        metavar="PATH",
+    )
+    # GiB
+    kv_disk_size: float = _setting(
+        10.0,
+        "the most the disk tier's files take in GiB; the least recently used blocks are "
+        "removed beyond it (default: %(default)s)",
+        type=float,
+        metavar="GIB",
+    )
+    kv_disk_min_load_tokens: int = _setting(
+        16,
+        "a disk-tier hit shorter than N tokens is recomputed instead of loaded (default: %(default)s)",
+        type=int,
+        metavar="N",
+    )
+    # GiB
+    kv_offloading_size: float | None = _setting(
+        None,
+        "the KV cache's host-RAM tier (vLLM's flag): GiB of host memory (pinned on CUDA) for full "
+        "blocks evicted from the pool, least recently used out first, looked up before the disk tier "
+        "and handed on to it when --kv-cache-dir is set too; on CPU the pool already is RAM, so a larger "
+        "pool is usually the better use of the memory (default: off)",
+        type=float,
+        metavar="GIB",
+    )
+    grammar_timeout: float = _setting(
+        30.0,
+        "seconds a structured-output grammar (JSON schema, regex, EBNF) may take to compile, in "
+        "a worker process that is killed when it runs over; the request is then rejected "
+        "(HTTP 400) (default: %(default)s)",
+        type=float,
+    )
+    speculative_config: SpeculativeConfig | dict | str | None = _setting(
+        None,
+        "speculative decoding, as vLLM's flag: a JSON object with method (ngram: draft the tokens "
+        "that followed the latest earlier match of the last n tokens; medusa: heads on the target's "
+        'last hidden state, from the checkpoint directory in "model", e.g. one written by '
+        'tokenmill train-draft-head; draft_model: a smaller model with the same tokenizer, named in "model", '
+        'drafting on a KV cache of its own; eagle3: an EAGLE-3 drafter checkpoint in "model" '
+        "(published layout, or one written by tokenmill train-draft-head --kind eagle3) fed three of "
+        "the target's layers' hidden states; mtp / deepseek_mtp: the MTP layer of a DeepSeek-V3-style "
+        'target\'s own checkpoint; dflash: a DFlash block drafter checkpoint in "model" (published '
+        "layout, or tokenmill train-draft-head --kind dflash) drafting all k tokens in one forward; dspark: "
+        "a DFlash drafter with a sequential head and a confidence head that verifies fewer drafts when they "
+        "are unlikely or the batch is compute-bound, see min_confidence / compute_bound_tokens), num_speculative_tokens "
+        "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
+        "disable_by_batch_size (draft nothing while more requests run, default 4) and max_verify_tokens "
+        "(decodes + drafts in one step, default 16: two of the CPU int8 kernel's 8-row tiles); the output "
+        "distribution is unchanged (greedy: the same tokens), also with penalties, logit_bias, min_tokens, "
+        "logprobs and structured output (drafts cut where the grammar rejects them, each verified "
+        'position masked); requests with "speculative": false, and constrained ones while '
+        "thinking, decode without it. Default: off",
+        metavar="JSON",
+    )
+    tensor_parallel_size: int = _setting(
+        1,
+        "split every layer over N processes on this host (attention heads, MLP columns and the "
+        "vocabulary; one all-reduce after attention and one after the MLP), joined by "
+        "torch.distributed: gloo on CPU (each rank bound to its share of the cores), NCCL on CUDA "
+        "(one GPU per rank); MoE experts split by their intermediate features, MLA by heads "
+        "(default: %(default)s)",
+        short="-tp",
+        type=int,
+        metavar="N",
+    )
+    enable_expert_parallel: bool = _setting(
+        False,
+        "as vLLM's flag: place whole MoE experts across the --tensor-parallel-size ranks "
+        "(expert e on rank e // (experts / N)) instead of splitting every expert; tokens travel "
+        "to their experts' ranks and back by all-to-all, attention stays tensor-parallel. "
+        "Needs an MoE model whose expert count divides by N (default: off)",
+        action="store_true",
+    )
+    pipeline_parallel_size: int = _setting(
+        1,
+        "split the decoder layers into N consecutive stages, each in its own process(es) (times "
+        "--tensor-parallel-size); the hidden state passes between stages point to point over "
+        "torch.distributed and up to N steps are in flight at once (default: %(default)s)",
+        short="-pp",
+        type=int,
+        metavar="N",
+    )
+    # layers per stage, or "A,B,..."
+    pipeline_layer_partition: tuple[int, ...] | str = _setting(
+        (),
+        "decoder layers per pipeline stage, e.g. 10,12 (must sum to the model's layers; "
+        "default: an even split, which needs the layers to divide by --pipeline-parallel-size)",
+        metavar="A,B,...",
+    )
+    decode_context_parallel_size: int = _setting(
+        1,
+        _context_parallel_help(
+            "stripe each sequence's KV cache by token over N ranks (token t on rank t %% N; each "
+            "rank stores 1/N of the KV and attends its share, outputs merged by log-sum-exp)"
+        ),
+        type=int,
+        metavar="N",
+    )
+    prefill_context_parallel_size: int = _setting(
+        1,
+        _context_parallel_help(
+            "split a prompt chunk's tokens over N ranks (each runs the tokens whose KV it stores; "
+            "queries all-gathered); the KV is striped as --decode-context-parallel-size stripes it"
+        ),
+        type=int,
+        metavar="N",
+    )
+    distributed_executor_backend: str = _setting(
+        "mp",
+        "how the workers of a tensor- or pipeline-parallel engine start: mp (processes spawned "
+        "here) or ray (Ray actors in a placement group of a local Ray cluster on 127.0.0.1, "
+        "started if none runs in this process; needs the ray package) (default: %(default)s)",
+        choices=["mp", "ray"],
+    )
+    scheduling_policy: str = _setting(
+        "fcfs",
+        "order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
+        "first (default: %(default)s)",
+        choices=["fcfs", "priority"],
+    )
+    # disaggregated prefill/decode; None: off (`serve` sets it from --kv-role / --kv-transfer-config)
+    kv_transfer_config: KVTransferConfig | dict | str | None = None
+    # LoRA adapters on (implied by lora_modules): loaded at run time too
+    enable_lora: bool = _setting(
+        False,
+        "serve LoRA adapters (implied by --lora-modules); more are loaded at run time with POST /v1/load_lora_adapter",
+        section="LoRA adapters",
+        action="store_true",
+    )
+    # name -> PEFT directory, or "name=path" strings
+    lora_modules: dict[str, str] | list[str] | None = _setting(
+        None,
+        "LoRA adapters to load at start, each a PEFT directory (adapter_config.json + "
+        "adapter_model.safetensors); a request names one as its model",
+        nargs="+",
+        metavar="NAME=PATH",
+    )
+    max_loras: int = _setting(
+        4, "adapters loaded at once (each takes a slot in every adapted layer) (default: %(default)s)", type=int
+    )
+    max_lora_rank: int = _setting(16, "the highest adapter rank (default: %(default)s)", type=int)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -178,373 +502,20 @@ class EngineArgs:
         )
 
 
-CPU_DEFAULTS = {
-    "kv_cache_memory": 1.0,
-    "gpu_memory_utilization": None,
-    "max_num_seqs": 64,
-    "max_num_batched_tokens": 512,
-}
-# a GPU runs a step of thousands of tokens in about the time of a few: larger steps, more sequences, and the
-# KV pool sized from the device's memory (as vLLM's defaults)
-CUDA_DEFAULTS = {
-    "kv_cache_memory": 1.0,
-    "gpu_memory_utilization": 0.9,
-    "max_num_seqs": 256,
-    "max_num_batched_tokens": 8192,
-}
-
-
-def device_defaults(device: str, world_size: int = 1, sized: bool = False) -> dict[str, Any]:
-    """The defaults of the settings that depend on the device (`sized`: the KV cache's size was given,
-    so the device's memory does not size it; with several processes it never does: one profiles alone)."""
-    if not device.startswith("cuda"):
-        return CPU_DEFAULTS
-    return dict(CUDA_DEFAULTS, gpu_memory_utilization=None if sized or world_size > 1 else 0.9)
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of every field but `kv_transfer_config` (`serve`'s `--kv-role` / `--kv-transfer-config`)."""
-    d = EngineArgs()
-    m = parser.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default=d.model,
-        help=f"model to load: an alias ({DEFAULT_MODEL}), a .gguf file, or an HF checkpoint directory "
-        "with config.json and *.safetensors; never downloaded (default: %(default)s)",
-    )
-    m.add_argument(
-        "--dtype",
-        default=d.dtype,
-        help="compute dtype: auto (float32 on CPU, the checkpoint's 16-bit type on CUDA), float32, "
-        "bfloat16 or float16; an explicit float32 also picks the exact GGUF mode (see "
-        "--quantization) (default: %(default)s)",
-    )
-    m.add_argument("--device", default=d.device, help="torch device: cpu, cuda or cuda:N (default: %(default)s)")
-    m.add_argument(
-        "--quantization",
-        choices=QUANTIZATION_CHOICES,
-        metavar="METHOD",
-        default=d.quantization,
-        help="weight format: gguf = keep a GGUF file's quantized blocks (Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/"
-        "Q4_K/Q5_K/Q6_K) packed and dequantize inside the matmul (CPU, float32; exactly the file's "
-        "weights, 3-7x fewer bytes per decode step); gguf-q8 = the same with decode activations "
-        "rounded to int8 per 32 values and integer dot products, as llama.cpp (faster decode; not "
-        "exact, and outputs can change with batching and prefix hits); none = dense weights; "
-        "int8 / int4 = quantize a dense HF checkpoint on load (int8 per output row, int4 per "
-        "group, see --quantization-group-size); awq / gptq = an AutoAWQ / AutoGPTQ checkpoint "
-        "(read from its quantization_config); fp8 = float8 e4m3 weights (a dense checkpoint "
-        "quantized on load per output row, or an fp8 checkpoint's own blocks; CPU float32 or CUDA); "
-        "mxfp4 / nvfp4 = quantize a dense HF checkpoint on load to FP4 (e2m1 with a power-of-two "
-        "scale per 32 / an e4m3 scale per 16 values), run like int8; compressed-tensors = an "
-        "llm-compressor checkpoint (fp8, int4/int8, NVFP4, MXFP4 per config group); "
-        "the integer methods run like gguf-q8, or with float32 "
-        "activations (exactly the quantized weights) when --dtype float32 is given; auto = the "
-        "checkpoint's own format: for a GGUF file on CPU gguf-q8 (gguf with --dtype float32), "
-        "awq/gptq/fp8/compressed-tensors for such checkpoints, else none (default: %(default)s)",
-    )
-    m.add_argument(
-        "--quantization-group-size",
-        type=int,
-        choices=(32, 64, 128),
-        default=None,
-        help="int8 / int4: input columns sharing one scale (default: int4 32, int8 one per output row)",
-    )
-    m.add_argument(
-        "--quantization-symmetric",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="int8 / int4: codes symmetric around zero (one scale per group) or asymmetric (a scale and "
-        "a minimum per group, a closer fit for skewed groups) (default: int8 symmetric, int4 "
-        "asymmetric)",
-    )
-    m.add_argument(
-        "--seed",
-        type=int,
-        default=d.seed,
-        help="global random seed; a request's own 'seed' overrides it (default: %(default)s)",
-    )
-    m.add_argument(
-        "--max-model-len",
-        type=_max_model_len,
-        default=None,
-        metavar="TOKENS|auto",
-        help="longest prompt + output in tokens; auto = the longest one sequence's KV fits in the cache "
-        "(--kv-cache-memory / --num-kv-blocks, --kv-cache-dtype), at most the model's; a number larger "
-        "than the cache holds is a start-time error (default: the model's context length, requests "
-        "limited by the KV cache)",
-    )
-    c = parser.add_argument_group("KV cache and scheduling")
-    c.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=None,
-        metavar="GIB",
-        help="memory for the paged KV cache in GiB; sets the number of blocks (default: 1, or on CUDA "
-        "sized by --gpu-memory-utilization)",
-    )
-    c.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        metavar="FRACTION",
-        help="CUDA: the fraction of the GPU's memory this engine may use (0-1]; the KV cache gets what "
-        "the weights and a profiling step at the largest batch (--max-num-batched-tokens) leave of it "
-        "(default on CUDA with one process and neither --kv-cache-memory nor --num-kv-blocks: 0.9)",
-    )
-    c.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks (overrides --kv-cache-memory)"
-    )
-    c.add_argument(
-        "--kv-cache-dtype",
-        default=d.kv_cache_dtype,
-        choices=KV_CACHE_DTYPE_CHOICES,
-        metavar="DTYPE",
-        help="dtype the KV cache stores keys and values in: auto (float16 with the default gguf-q8 "
-        "weights, else the compute dtype), float32, bfloat16 or float16; a 16-bit cache under "
-        "float32 compute halves the bytes per token. int8, fp8_e4m3 (alias fp8) and fp8_e5m2 store "
-        "one byte per value plus a scale per token and kv head (about 1.9x the tokens of a 16-bit "
-        "cache at a little accuracy; an MLA latent cache: one scale per token) (default: %(default)s)",
-    )
-    c.add_argument(
-        "--block-size", type=int, default=d.block_size, help="tokens per KV cache block (default: %(default)s)"
-    )
-    c.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=None,
-        help=f"most sequences running in one step (default: {CPU_DEFAULTS['max_num_seqs']} on CPU, "
-        f"{CUDA_DEFAULTS['max_num_seqs']} on CUDA)",
-    )
-    c.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget of one step; longer prompts are prefilled in chunks (default: "
-        f"{CPU_DEFAULTS['max_num_batched_tokens']} on CPU, {CUDA_DEFAULTS['max_num_batched_tokens']} on CUDA)",
-    )
-    c.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="CUDA: run every step eagerly; by default decode steps replay CUDA graphs captured at start for "
-        "padded batch sizes (default: off)",
-    )
-    c.add_argument(
-        "--attention-backend",
-        default=d.attention_backend,
-        choices=ATTENTION_BACKEND_CHOICES,
-        metavar="NAME",
-        help="attention kernels: auto (triton-paged on CUDA, cpu-paged on CPU in float32, else torch-sdpa), "
-        "torch-sdpa, cpu-paged, triton-paged, or on CUDA with their package installed flash-attn "
-        "(FlashAttention 2's paged varlen kernel; --block-size a multiple of 256) or flashinfer (its paged "
-        "prefill/decode wrapper); both 16-bit KV caches only, eager steps (default: %(default)s)",
-    )
-    c.add_argument(
-        "--cpu-offload-gb",
-        type=float,
-        default=d.cpu_offload_gb,
-        help="CUDA: keep this many GiB of decoder layers' weights in pinned host memory and copy each "
-        "layer to the device ahead of its use (the next one streams while one runs): a model larger "
-        "than the GPU's memory runs, slower by the copy time; turns CUDA graphs off (default: %(default)s)",
-    )
-    c.add_argument(
-        "--cpu-moe",
-        action="store_true",
-        help="CUDA: keep every MoE layer's experts in host memory and run them on the CPU (attention and "
-        "dense layers stay on the GPU; each MoE layer's hidden states cross to the host and back) (default: off)",
-    )
-    c.add_argument(
-        "--n-cpu-moe",
-        type=int,
-        default=d.n_cpu_moe,
-        metavar="N",
-        help="CUDA: as --cpu-moe for the experts of the first N MoE layers only (default: %(default)s)",
-    )
-    c.add_argument(
-        "--max-step-ms",
-        type=float,
-        default=d.max_step_ms,
-        help="time one step should take at most: the step's token budget is lowered below "
-        "--max-num-batched-tokens to what fits in it by the measured step time (a fixed part per step "
-        "plus a time per token; never under 32 tokens, nor so small that the fixed part outweighs the "
-        "tokens), so a long prompt's chunk cannot hold up the running requests, or the blocks of an "
-        "aborted request, for much longer; it never raises the budget, so on hardware fast enough "
-        "--max-num-batched-tokens alone decides, as in vLLM; 0 turns it off (default: %(default)s)",
-    )
-    c.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=d.enable_prefix_caching,
-        help="reuse the KV blocks of identical prompt prefixes across requests (default: on)",
-    )
-    c.add_argument(
-        "--prefix-cache-hash",
-        choices=PREFIX_CACHE_HASH_CHOICES,
-        metavar="HASH",
-        default=d.prefix_cache_hash,
-        help="hash for prefix-cache block keys: blake2b = keyed with a random per-process key "
-        "(collision-resistant, unpredictable), sha256 = the same keys in every process, builtin = "
-        "Python's hash (fastest, 64-bit); a hit always checks the block's tokens and parent too "
-        "(default: %(default)s)",
-    )
-    c.add_argument(
-        "--kv-cache-dir",
-        default=None,
-        metavar="PATH",
-        help="the KV cache's disk tier: full prompt blocks are written here in the background and "
-        "loaded back for a later prompt with the same prefix, also after a restart and by other "
-        "servers on the same directory (keyed by model, weights, quantization, KV dtype, block size "
-        "and cache_salt) (default: off)",
-    )
-    c.add_argument(
-        "--kv-disk-size",
-        type=float,
-        default=d.kv_disk_size,
-        metavar="GIB",
-        help="the most the disk tier's files take in GiB; the least recently used blocks are "
-        "removed beyond it (default: %(default)s)",
-    )
-    c.add_argument(
-        "--kv-disk-min-load-tokens",
-        type=int,
-        default=d.kv_disk_min_load_tokens,
-        metavar="N",
-        help="a disk-tier hit shorter than N tokens is recomputed instead of loaded (default: %(default)s)",
-    )
-    c.add_argument(
-        "--kv-offloading-size",
-        type=float,
-        default=None,
-        metavar="GIB",
-        help="the KV cache's host-RAM tier (vLLM's flag): GiB of host memory (pinned on CUDA) for full "
-        "blocks evicted from the pool, least recently used out first, looked up before the disk tier "
-        "and handed on to it when --kv-cache-dir is set too; on CPU the pool already is RAM, so a larger "
-        "pool is usually the better use of the memory (default: off)",
-    )
-    c.add_argument(
-        "--grammar-timeout",
-        type=float,
-        default=d.grammar_timeout,
-        help="seconds a structured-output grammar (JSON schema, regex, EBNF) may take to compile, in "
-        "a worker process that is killed when it runs over; the request is then rejected "
-        "(HTTP 400) (default: %(default)s)",
-    )
-    c.add_argument(
-        "--speculative-config",
-        default=None,
-        metavar="JSON",
-        help="speculative decoding, as vLLM's flag: a JSON object with method (ngram: draft the tokens "
-        "that followed the latest earlier match of the last n tokens; medusa: heads on the target's "
-        'last hidden state, from the checkpoint directory in "model", e.g. one written by '
-        'tokenmill train-draft-head; draft_model: a smaller model with the same tokenizer, named in "model", '
-        'drafting on a KV cache of its own; eagle3: an EAGLE-3 drafter checkpoint in "model" '
-        "(published layout, or one written by tokenmill train-draft-head --kind eagle3) fed three of "
-        "the target's layers' hidden states; mtp / deepseek_mtp: the MTP layer of a DeepSeek-V3-style "
-        'target\'s own checkpoint; dflash: a DFlash block drafter checkpoint in "model" (published '
-        "layout, or tokenmill train-draft-head --kind dflash) drafting all k tokens in one forward; dspark: "
-        "a DFlash drafter with a sequential head and a confidence head that verifies fewer drafts when they "
-        "are unlikely or the batch is compute-bound, see min_confidence / compute_bound_tokens), num_speculative_tokens "
-        "(default 4), prompt_lookup_min / prompt_lookup_max (n, default 2 / 4) and "
-        "disable_by_batch_size (draft nothing while more requests run, default 4) and max_verify_tokens "
-        "(decodes + drafts in one step, default 16: two of the CPU int8 kernel's 8-row tiles); the output "
-        "distribution is unchanged (greedy: the same tokens), also with penalties, logit_bias, min_tokens, "
-        "logprobs and structured output (drafts cut where the grammar rejects them, each verified "
-        'position masked); requests with "speculative": false, and constrained ones while '
-        "thinking, decode without it. Default: off",
-    )
-    c.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=d.tensor_parallel_size,
-        metavar="N",
-        help="split every layer over N processes on this host (attention heads, MLP columns and the "
-        "vocabulary; one all-reduce after attention and one after the MLP), joined by "
-        "torch.distributed: gloo on CPU (each rank bound to its share of the cores), NCCL on CUDA "
-        "(one GPU per rank); MoE experts split by their intermediate features, MLA by heads "
-        "(default: %(default)s)",
-    )
-    c.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="as vLLM's flag: place whole MoE experts across the --tensor-parallel-size ranks "
-        "(expert e on rank e // (experts / N)) instead of splitting every expert; tokens travel "
-        "to their experts' ranks and back by all-to-all, attention stays tensor-parallel. "
-        "Needs an MoE model whose expert count divides by N (default: off)",
-    )
-    c.add_argument(
-        "--pipeline-parallel-size",
-        "-pp",
-        type=int,
-        default=d.pipeline_parallel_size,
-        metavar="N",
-        help="split the decoder layers into N consecutive stages, each in its own process(es) (times "
-        "--tensor-parallel-size); the hidden state passes between stages point to point over "
-        "torch.distributed and up to N steps are in flight at once (default: %(default)s)",
-    )
-    c.add_argument(
-        "--pipeline-layer-partition",
-        default=d.pipeline_layer_partition,
-        metavar="A,B,...",
-        help="decoder layers per pipeline stage, e.g. 10,12 (must sum to the model's layers; "
-        "default: an even split, which needs the layers to divide by --pipeline-parallel-size)",
-    )
-    cp_help = {
-        "decode": "stripe each sequence's KV cache by token over N ranks (token t on rank t %% N; each "
-        "rank stores 1/N of the KV and attends its share, outputs merged by log-sum-exp)",
-        "prefill": "split a prompt chunk's tokens over N ranks (each runs the tokens whose KV it stores; "
-        "queries all-gathered); the KV is striped as --decode-context-parallel-size stripes it",
-    }
-    for kind, what in cp_help.items():
-        c.add_argument(
-            f"--{kind}-context-parallel-size",
-            type=int,
-            default=getattr(d, f"{kind}_context_parallel_size"),
-            metavar="N",
-            help=f"context parallelism: {what}; N processes holding the whole model, over "
-            "torch.distributed; not with --tensor/--pipeline-parallel-size > 1 (default: %(default)s)",
-        )
-    c.add_argument(
-        "--distributed-executor-backend",
-        choices=["mp", "ray"],
-        default=d.distributed_executor_backend,
-        help="how the workers of a tensor- or pipeline-parallel engine start: mp (processes spawned "
-        "here) or ray (Ray actors in a placement group of a local Ray cluster on 127.0.0.1, "
-        "started if none runs in this process; needs the ray package) (default: %(default)s)",
-    )
-    c.add_argument(
-        "--scheduling-policy",
-        choices=["fcfs", "priority"],
-        default=d.scheduling_policy,
-        help="order of waiting requests: arrival (fcfs), or the request's 'priority' field, lower "
-        "first (default: %(default)s)",
-    )
-    lo = parser.add_argument_group("LoRA adapters")
-    lo.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="serve LoRA adapters (implied by --lora-modules); more are loaded at run time with "
-        "POST /v1/load_lora_adapter",
-    )
-    lo.add_argument(
-        "--lora-modules",
-        nargs="+",
-        metavar="NAME=PATH",
-        help="LoRA adapters to load at start, each a PEFT directory (adapter_config.json + "
-        "adapter_model.safetensors); a request names one as its model",
-    )
-    lo.add_argument(
-        "--max-loras",
-        type=int,
-        default=d.max_loras,
-        help="adapters loaded at once (each takes a slot in every adapted layer) (default: %(default)s)",
-    )
-    lo.add_argument(
-        "--max-lora-rank", type=int, default=d.max_lora_rank, help="the highest adapter rank (default: %(default)s)"
-    )
+    """A flag for every `EngineArgs` field declared with `_setting`, in field order and help sections:
+    `--name-with-dashes`, the field's default and the help, type, choices, ... of its declaration. So a
+    flag and an `LLM(...)` keyword cannot drift apart (`kv_transfer_config` has none: `serve` adds
+    `--kv-role` / `--kv-transfer-config`)."""
+    group = parser
+    for f in dataclasses.fields(EngineArgs):
+        if "flag" not in f.metadata:
+            continue
+        flag = f.metadata["flag"]
+        if flag["section"] is not None:
+            group = parser.add_argument_group(flag["section"])
+        names = ["--" + f.name.replace("_", "-"), *flag["aliases"]]
+        group.add_argument(*names, default=f.default, help=flag["help"], **flag["argparse"])
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -565,15 +536,6 @@ def _kv_transfer(value: KVTransferConfig | dict | str | None) -> KVTransferConfi
     if value is None or isinstance(value, KVTransferConfig):
         return value
     return KVTransferConfig.from_args(None, value if isinstance(value, str) else json.dumps(value))
-
-
-def _max_model_len(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
 
 
 def _lora_modules(value: dict[str, str] | list[str] | None) -> dict[str, str]:
