@@ -502,20 +502,29 @@ class EngineArgs:
         )
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """A flag for every `EngineArgs` field declared with `_setting`, in field order and help sections:
-    `--name-with-dashes`, the field's default and the help, type, choices, ... of its declaration. So a
-    flag and an `LLM(...)` keyword cannot drift apart (`kv_transfer_config` has none: `serve` adds
+    """A flag for every `EngineArgs` field declared with `_setting`, in field order and help sections.
+    So a flag and an `LLM(...)` keyword cannot drift apart (`kv_transfer_config` has none: `serve` adds
     `--kv-role` / `--kv-transfer-config`)."""
     group = parser
-    for f in dataclasses.fields(EngineArgs):
+    for name, f in _FIELDS.items():
         if "flag" not in f.metadata:
             continue
-        flag = f.metadata["flag"]
-        if flag["section"] is not None:
-            group = parser.add_argument_group(flag["section"])
-        names = ["--" + f.name.replace("_", "-"), *flag["aliases"]]
-        group.add_argument(*names, default=f.default, help=flag["help"], **flag["argparse"])
+        if f.metadata["flag"]["section"] is not None:
+            group = parser.add_argument_group(f.metadata["flag"]["section"])
+        add_engine_arg(group, name)
+
+
+def add_engine_arg(parser, name: str, help: str | None = None) -> None:
+    """The flag of the `EngineArgs` field `name`: `--name-with-dashes`, the field's default and the type,
+    choices, ... of its declaration; `help` in place of its own for a command that uses the setting
+    otherwise (`tokenmill info` reports for it, `tokenmill plan` plans for it)."""
+    flag = _FIELDS[name].metadata["flag"]
+    names = ["--" + name.replace("_", "-"), *flag["aliases"]]
+    parser.add_argument(*names, default=_FIELDS[name].default, help=help or flag["help"], **flag["argparse"])
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -10,12 +10,11 @@ import argparse
 import json
 import logging
 import math
-import os
 from pathlib import Path
 
+from tokenmill.cli_args import add_hardware_arg, add_server_args, quiet_http_logs
 from tokenmill.fields import from_attributes
 
-DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 _EPILOG = """\
 examples:
   tokenmill bench serve --base-url http://127.0.0.1:8000 --model smollm2-135m-instruct \\
@@ -28,38 +27,6 @@ examples:
 
 
 # ---------------------------------------------------------------------------------------------- flags
-
-
-def add_server_args(g, sender: str) -> None:
-    """--base-url, --endpoint, --model, --api-key: the server that a client command (bench, doctor) sends
-    its requests to; `sender` names what sends them, in the help."""
-    g.add_argument(
-        "--base-url", default=DEFAULT_BASE_URL, help="server root URL, with or without /v1 (default: %(default)s)"
-    )
-    g.add_argument(
-        "--endpoint",
-        default="/v1/completions",
-        choices=["/v1/completions", "/v1/chat/completions"],
-        help=f"API {sender} drives; chat sends message lists (default: %(default)s)",
-    )
-    g.add_argument("--model", default=None, help="model name to send (default: the first of the server's /v1/models)")
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help=f"bearer token for {sender}'s requests (default: $OPENAI_API_KEY; never written to a result file)",
-    )
-
-
-def add_hardware_arg(g) -> None:
-    """--hardware: the machine whose roofline the measured rates are set against (bench, doctor)."""
-    g.add_argument(
-        "--hardware",
-        default="cached",
-        help="the roofline line: each figure as a share of this machine's measured bandwidth (decode) or "
-        "compute (prefill, all tokens). cached = the record `tokenmill plan` measured here, if any; "
-        "auto = measure it now if missing; none; or a `tokenmill plan` hardware name for a server "
-        "elsewhere (default: %(default)s)",
-    )
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -307,12 +274,6 @@ def _add_subcommands(bench: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------- commands
 
 
-def _quiet_http_logs() -> None:
-    """httpx logs every request at INFO: thousands of lines in a benchmark."""
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
-
-
 def _config(args: argparse.Namespace) -> dict:
     """The flags worth recording (JSON-able, no secrets)."""
     skip = {"func", "api_key"}
@@ -439,7 +400,7 @@ def _add_server_roofline(result: dict, args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> dict:
     from tokenmill.bench.runner import run_serve
 
-    _quiet_http_logs()
+    quiet_http_logs()
     endpoint = _endpoint(args)
     result = run_serve(endpoint, _run_options(args, _tokenizer(args)), server_pid=args.server_pid)
     _add_server_roofline(result, args)
@@ -452,7 +413,7 @@ def cmd_sweep(args: argparse.Namespace) -> dict:
 
     if not 0 < args.slo_attainment <= 1:
         raise ValueError("--slo-attainment must be in (0, 1]")
-    _quiet_http_logs()
+    quiet_http_logs()
     endpoint = _endpoint(args)
     opts = _run_options(args, _tokenizer(args))
     sweep_by, loads = (

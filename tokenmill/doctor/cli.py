@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import time
 
-from tokenmill.bench.cli import add_hardware_arg, add_server_args
+from tokenmill.cli_args import add_hardware_arg, add_server_args, quiet_http_logs, require_positive
 
 
 def add_doctor_parser(sub) -> None:
@@ -75,12 +74,10 @@ def cmd_doctor(args: argparse.Namespace) -> dict:
     from tokenmill.doctor.rules import Evidence, diagnose
     from tokenmill.doctor.window import MetricsWindow
 
-    for flag in ("concurrency", "probe_seconds", "probe_output_tokens", "probe_long_prompt", "window", "slo_ttft"):
-        value = getattr(args, flag)
-        if value is not None and not value > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    require_positive(
+        args, "concurrency", "probe_seconds", "probe_output_tokens", "probe_long_prompt", "window", "slo_ttft"
+    )
+    quiet_http_logs()
     ev = Evidence(slo_ttft=args.slo_ttft)
     with MetricsWindow(metrics_url(args.base_url)) as window:
         if args.probe:

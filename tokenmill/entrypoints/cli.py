@@ -9,39 +9,19 @@ import logging
 import sys
 import time
 
-from tokenmill.engine_args import (
-    DEFAULT_MODEL,
-    KV_CACHE_DTYPE_CHOICES,
-    QUANTIZATION_CHOICES,
-    add_engine_args,
-    engine_config_from_args,
-)
+from tokenmill.engine_args import DEFAULT_MODEL, add_engine_arg, add_engine_args, engine_config_from_args
 from tokenmill.fields import from_attributes
 
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"model: an alias ({DEFAULT_MODEL}), a .gguf file or an HF checkpoint directory (default: %(default)s)",
-    )
-    parser.add_argument("--dtype", default="auto", help="compute dtype to report for (default: %(default)s)")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N] (default: %(default)s)")
-    parser.add_argument(
-        "--quantization",
-        default="auto",
-        choices=QUANTIZATION_CHOICES,
-        metavar="METHOD",
-        help="weight format to report for, resolved as `serve` resolves it (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPE_CHOICES,
-        metavar="DTYPE",
-        help="KV cache dtype to report sizes for, as `serve` takes it (int8 / fp8_e4m3 / fp8_e5m2: "
-        "quantized, with scales); auto as `serve` resolves it (default: %(default)s)",
-    )
+# `tokenmill info`'s engine flags (their defaults and choices are the engine's), with help saying what info
+# does with each
+INFO_FLAGS = {
+    "model": f"model: an alias ({DEFAULT_MODEL}), a .gguf file or an HF checkpoint directory (default: %(default)s)",
+    "dtype": "compute dtype to report for (default: %(default)s)",
+    "device": "torch device: cpu or cuda[:N] (default: %(default)s)",
+    "quantization": "weight format to report for, resolved as `serve` resolves it (default: %(default)s)",
+    "kv_cache_dtype": "KV cache dtype to report sizes for, as `serve` takes it (int8 / fp8_e4m3 / fp8_e5m2: "
+    "quantized, with scales); auto as `serve` resolves it (default: %(default)s)",
+}
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -246,19 +226,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="show a model's architecture, size and KV cache cost",
         description="Show a model's architecture, size and KV cache cost without loading weights.",
     )
-    add_model_args(info)
+    for name, text in INFO_FLAGS.items():
+        add_engine_arg(info, name, text)
     info.add_argument(
         "--load",
         action="store_true",
         help="also load the weights: load time, bytes used from the file's memory map vs copied or "
         "repacked, resident memory after load",
     )
-    info.add_argument(
-        "--decode-context-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="also show each rank's KV bytes per token when sequences are striped over N ranks (default: %(default)s)",
+    add_engine_arg(
+        info,
+        "decode_context_parallel_size",
+        "also show each rank's KV bytes per token when sequences are striped over N ranks (default: %(default)s)",
     )
     info.set_defaults(func=cmd_info)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
+from tokenmill.cli_args import quiet_http_logs
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.eval.tasks import KINDS
 
@@ -73,7 +73,7 @@ def run_eval(args: argparse.Namespace) -> None:
         kind, items = load_task(args.task, args.kind)
     items = items[: args.limit] if args.limit else items
     if args.base_url:
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scored text
+        quiet_http_logs()  # not a line per scored text
         scorer = ServerScorer(args.base_url, args.served_model, args.api_key)
     else:
         from tokenmill import LLM

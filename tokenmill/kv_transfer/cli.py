@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.router.cli import add_http_args
+from tokenmill.cli_args import add_http_args, bind_or_exit, quiet_http_logs
 
 
 def add_proxy_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,14 +36,13 @@ def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.kv_transfer.proxy import build_proxy_app
-    from tokenmill.router.cli import _bind, _quiet_http_logs
 
     for flag in ("prefill", "decode"):
         url = getattr(args, flag)
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--{flag} must be an http(s) URL, got {url!r}")
-    _quiet_http_logs()
-    sock = _bind(args)
+    quiet_http_logs()
+    sock = bind_or_exit(args)
     app = build_proxy_app(args.prefill, args.decode)
     config = uvicorn.Config(
         app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=10

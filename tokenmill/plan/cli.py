@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tokenmill.loader.source import DEFAULT_MODEL
+from tokenmill.engine_args import add_engine_arg
 from tokenmill.plan.hardware import HARDWARE
 from tokenmill.plan.model_facts import KV_DTYPE_BYTES
 
@@ -18,7 +18,7 @@ def add_plan_parser(sub) -> None:
         "sequences fit, decode and prefill rooflines, and what quantization, a quantized KV cache, "
         "speculative decoding or tensor parallelism would change.",
     )
-    plan.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file or HF directory (default: %(default)s)")
+    add_engine_arg(plan, "model", "alias, .gguf file or HF directory (default: %(default)s)")
     plan.add_argument(
         "--hardware",
         default="auto",

@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from tokenmill.cli_args import add_http_args, bind_or_exit, quiet_http_logs
+
 logger = logging.getLogger("tokenmill.router")
 
 POLICY_DESTS = ("policy", "prefix_match_threshold", "balance_threshold", "health_interval")
@@ -94,20 +96,6 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def add_http_args(group) -> None:
-    """--host, --port, --uvicorn-log-level of a front (the router, the disaggregated-serving proxy)."""
-    group.add_argument(
-        "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)"
-    )
-    group.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
-    group.add_argument(
-        "--uvicorn-log-level",
-        default="warning",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="log level of the uvicorn HTTP server (default: %(default)s)",
-    )
-
-
 def _policy(args: argparse.Namespace, num_replicas: int):
     from tokenmill.router.app import RouterSettings
     from tokenmill.router.policy import make_policy
@@ -121,18 +109,12 @@ def _policy(args: argparse.Namespace, num_replicas: int):
     return policy, RouterSettings(health_interval=args.health_interval, ui=getattr(args, "ui", True))
 
 
-def _quiet_http_logs() -> None:
-    """httpx logs every request at INFO: the health checks alone would fill the log."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("httpcore").setLevel(logging.WARNING)
-
-
 def _serve_router(args: argparse.Namespace, urls: list[str], sock, note: str = "") -> None:
     import uvicorn
 
     from tokenmill.router.app import build_router_app
 
-    _quiet_http_logs()
+    quiet_http_logs()
     policy, settings = _policy(args, len(urls))
     app = build_router_app(urls, policy, settings)
     config = uvicorn.Config(
@@ -150,15 +132,6 @@ def _serve_router(args: argparse.Namespace, urls: list[str], sock, note: str = "
         flush=True,
     )
     server.run(sockets=[sock])
-
-
-def _bind(args: argparse.Namespace):
-    from tokenmill.server.cli import _bind as bind
-
-    try:
-        return bind(args.host, args.port)
-    except OSError as e:
-        raise SystemExit(f"tokenmill: error: cannot listen on {args.host}:{args.port}: {e}") from None
 
 
 def _raise_exit(signum, frame) -> None:
@@ -182,7 +155,7 @@ def _serve_until_signal(args: argparse.Namespace, urls: list[str], sock, note: s
 def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _policy(args, len(args.replica))  # flag errors before binding
-    sock = _bind(args)
+    sock = bind_or_exit(args)
     previous = {s: signal.signal(s, _raise_exit) for s in _STOP_SIGNALS}
     try:
         _serve_until_signal(args, args.replica, sock)
@@ -203,14 +176,14 @@ def serve_data_parallel(args: argparse.Namespace, data_parallel_dests: tuple[str
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    _quiet_http_logs()
+    quiet_http_logs()
     n = args.data_parallel_size
     try:
         _policy(args, n)  # flag errors before anything starts
     except ValueError as e:
         print(f"tokenmill serve: error: {e}", file=sys.stderr)
         return 2
-    sock = _bind(args)
+    sock = bind_or_exit(args)
     if args.price_per_hour:  # the machine's price, shared by its replicas
         args = argparse.Namespace(**{**vars(args), "price_per_hour": args.price_per_hour / n})
     argv = serve_argv(args, skip={"host", "port", "api_key", *data_parallel_dests})

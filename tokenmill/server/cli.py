@@ -11,16 +11,16 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 import uvicorn
 
+from tokenmill.cli_args import add_http_args, listening_socket, require_positive
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.fields import from_attributes
-from tokenmill.router.cli import POLICY_DESTS, add_http_args, add_policy_args
+from tokenmill.router.cli import POLICY_DESTS, add_policy_args
 from tokenmill.server.limits import add_limit_args, limits_from_args
 
 logger = logging.getLogger("tokenmill.server")
@@ -208,21 +208,6 @@ def read_chat_template(value: str | None) -> str | None:
     return value
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind before loading the model, so a busy port fails in a second, not after the load."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 def _on_sigterm_during_startup(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
@@ -271,10 +256,7 @@ def _run(args: argparse.Namespace) -> int:
         chat_template = read_chat_template(args.chat_template)
         if args.max_queue is not None and args.max_queue < 1:
             raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
-        for flag in ("request_timeout", "shutdown_timeout", "watchdog_timeout"):
-            value = getattr(args, flag)
-            if value is not None and not value > 0:
-                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+        require_positive(args, "request_timeout", "shutdown_timeout", "watchdog_timeout")
         if args.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
         if args.price_per_hour is not None and not args.price_per_hour >= 0:
@@ -285,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"tokenmill serve: error: {e}", file=sys.stderr)
         return 2
     try:
-        sock = _bind(args.host, args.port)
+        sock = listening_socket(args.host, args.port)
     except OSError as e:
         print(f"tokenmill serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

@@ -350,7 +350,7 @@ _OPTION_FLAGS = (
 
 
 def add_train_head_parser(sub) -> None:
-    from tokenmill.engine_args import DEFAULT_MODEL
+    from tokenmill.engine_args import add_engine_arg
 
     p = sub.add_parser(
         "train-draft-head",
@@ -365,10 +365,8 @@ def add_train_head_parser(sub) -> None:
         "prints the held-out accuracy per head (dflash / dspark: acceptance per draft position).",
     )
     d = TrainOptions()
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="the target: an alias, a .gguf file or an HF checkpoint directory (default: %(default)s)",
+    add_engine_arg(
+        p, "model", "the target: an alias, a .gguf file or an HF checkpoint directory (default: %(default)s)"
     )
     p.add_argument(
         "--output",
@@ -382,7 +380,7 @@ def add_train_head_parser(sub) -> None:
         help="medusa: heads on the last hidden state; eagle3: an EAGLE-3 drafter; dflash: a block drafter; "
         "dspark: a block drafter with sequential and confidence heads (default: %(default)s)",
     )
-    p.add_argument("--dtype", default="auto", help="the target's compute dtype while generating (default: %(default)s)")
+    add_engine_arg(p, "dtype", "the target's compute dtype while generating (default: %(default)s)")
     p.add_argument(
         "--corpus",
         default=None,
