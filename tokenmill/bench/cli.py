@@ -66,8 +66,9 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-# numeric workload flags: (flag, type, default, help)
+# the numeric flags of the workload and of the load: (flag, type, default, help)
 _WORKLOAD_SIZES = [
+    ("--num-prompts", int, 1000, "requests to measure (conversations for multi-turn)"),
     (
         "--random-input-len",
         int,
@@ -83,6 +84,36 @@ _WORKLOAD_SIZES = [
     ("--long-context-len", int, 4096, "long-context: tokens of the long prompts"),
     ("--long-context-fraction", float, 0.1, "long-context: fraction of prompts that are long, at least one"),
 ]
+_LOAD = [
+    (
+        "--request-rate",
+        float,
+        math.inf,
+        "requests (conversations) started per second, gamma-distributed gaps; inf: all at once",
+    ),
+    ("--burstiness", float, 1.0, "gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 more regular"),
+    (
+        "--max-concurrency",
+        int,
+        None,
+        "most requests in flight; with an infinite rate, a closed loop of this many clients",
+    ),
+    ("--num-warmups", int, 0, "requests sent before measuring, not counted"),
+    (
+        "--max-duration",
+        float,
+        None,
+        "stop the run after this many seconds: requests in flight count as failed, the rest are not sent",
+    ),
+]
+
+
+def _add_numbers(g, flags: list[tuple]) -> None:
+    """One flag per (flag, type, default, help) of `flags`; the help says the default where there is one."""
+    for flag, kind, default, text in flags:
+        g.add_argument(
+            flag, type=kind, default=default, help=text if default is None else f"{text} (default: %(default)s)"
+        )
 
 
 def _add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
@@ -105,48 +136,13 @@ def _add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         help='jsonl file: one object per line, {"prompt": "..."} or {"messages": [...]}, optionally '
         'with "output_len"; cycled to --num-prompts',
     )
-    g.add_argument(
-        "--num-prompts",
-        type=int,
-        default=1000,
-        help="requests to measure (conversations for multi-turn) (default: %(default)s)",
-    )
-    for flag, kind, default, text in _WORKLOAD_SIZES:
-        g.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
+    _add_numbers(g, _WORKLOAD_SIZES)
     if seed:
         g.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals (default: %(default)s)")
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("load")
-    g.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="requests (conversations) started per second, gamma-distributed gaps; inf: all at once "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        help="gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 more regular (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=None,
-        help="most requests in flight; with an infinite rate, a closed loop of this many clients",
-    )
-    g.add_argument(
-        "--num-warmups", type=int, default=0, help="requests sent before measuring, not counted (default: %(default)s)"
-    )
-    g.add_argument(
-        "--max-duration",
-        type=float,
-        default=None,
-        help="stop the run after this many seconds: requests in flight count as failed, the rest are not sent",
-    )
+    _add_numbers(p.add_argument_group("load"), _LOAD)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

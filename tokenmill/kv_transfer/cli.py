@@ -1,4 +1,5 @@
-"""`tokenmill disagg-proxy`'s flags and entry point (the app is `proxy.py`, imported when it runs)."""
+"""`tokenmill disagg-proxy`'s flags and entry point (the app is `proxy.py`, imported when it runs), and the
+flags that make `tokenmill serve` one side of a disaggregated pair (`add_kv_role_args`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,29 @@ def add_proxy_parser(subparsers) -> argparse.ArgumentParser:
     add_http_args(p.add_argument_group("HTTP"))
     p.set_defaults(func=run_proxy)
     return p
+
+
+def add_kv_role_args(group) -> None:
+    """--kv-role and --kv-transfer-config of `serve` (`KVTransferConfig.from_args` reads them)."""
+    group.add_argument(
+        "--kv-role",
+        choices=["producer", "consumer"],
+        default=None,
+        help="producer: a prefill server (a request with kv_transfer_params runs its prompt, samples "
+        "one token and sends the prompt's KV blocks to the consumer); consumer: a decode server "
+        "(such a request receives its prompt's KV from the producer, then decodes). Both need the "
+        "same model and KV cache flags (default: neither, a plain server)",
+    )
+    group.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='the transfer as a JSON object: {"kv_connector": "TorchDistributedConnector" (send/recv '
+        'over torch.distributed: gloo on CPU, NCCL on CUDA) or "SharedMemoryConnector" (one host), '
+        '"kv_rank": 0 producer / 1 consumer (default: from --kv-role), "kv_parallel_size": 2, '
+        '"kv_ip": the producer\'s address (default 127.0.0.1), "kv_port": its rendezvous TCPStore '
+        'port (default 14579), "kv_timeout": seconds a transfer may take (default 30)}',
+    )
 
 
 def run_proxy(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ import uvicorn
 from tokenmill.cli_args import add_http_args, listening_socket, require_positive
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.fields import from_attributes
+from tokenmill.kv_transfer.cli import add_kv_role_args
 from tokenmill.router.cli import POLICY_DESTS, add_policy_args
 from tokenmill.server.limits import add_limit_args, limits_from_args
 
@@ -158,25 +159,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_policy_args(dp)  # the router's flags, used with N > 1
     pd = p.add_argument_group("disaggregated prefill/decode (see also `tokenmill disagg-proxy`)")
-    pd.add_argument(
-        "--kv-role",
-        choices=["producer", "consumer"],
-        default=None,
-        help="producer: a prefill server (a request with kv_transfer_params runs its prompt, samples "
-        "one token and sends the prompt's KV blocks to the consumer); consumer: a decode server "
-        "(such a request receives its prompt's KV from the producer, then decodes). Both need the "
-        "same model and KV cache flags (default: neither, a plain server)",
-    )
-    pd.add_argument(
-        "--kv-transfer-config",
-        default=None,
-        metavar="JSON",
-        help='the transfer as a JSON object: {"kv_connector": "TorchDistributedConnector" (send/recv '
-        'over torch.distributed: gloo on CPU, NCCL on CUDA) or "SharedMemoryConnector" (one host), '
-        '"kv_rank": 0 producer / 1 consumer (default: from --kv-role), "kv_parallel_size": 2, '
-        '"kv_ip": the producer\'s address (default 127.0.0.1), "kv_port": its rendezvous TCPStore '
-        'port (default 14579), "kv_timeout": seconds a transfer may take (default 30)}',
-    )
+    add_kv_role_args(pd)
     p.set_defaults(func=run_server)
     return p
 
