@@ -72,7 +72,7 @@ def compute_share(facts: ModelFacts, hw: Hardware, fmt: str, tokens_per_s: float
     `context` / 2 earlier tokens on average: the FLOP/s that is and its share of the matmul rate the
     engine runs this format at (`Hardware.compute_rate`)."""
     kind, rate = hw.compute_rate(fmt if fmt in WEIGHT_BITS else "int8")
-    flops_per_token = 2 * facts.active_matmul_params + facts.attention_flops(context) / 2
+    flops_per_token = facts.flops_per_token(context, prefill=True)
     achieved = tokens_per_s * flops_per_token
     return {
         "flops_per_token": flops_per_token,

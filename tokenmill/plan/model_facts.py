@@ -111,6 +111,12 @@ class ModelFacts:
     def attention_flops(self, context: int) -> int:
         return sum(layer.attention_flops(context) for layer in self.layers)
 
+    def flops_per_token(self, context: int, prefill: bool = False) -> float:
+        """One token's FLOPs: its matmuls and attention over `context` cached tokens, or, in a prefill of
+        `context` tokens, over the causal half of them on average (the roofline's and the measured share's)."""
+        attention = self.attention_flops(context)
+        return 2 * self.active_matmul_params + (attention / 2 if prefill else attention)
+
     def weight_bytes(self, fmt: str) -> tuple[float, float, float]:
         """(bytes held, bytes a batch-1 decode step reads apart from experts, all routed experts' bytes)
         in weight format `fmt`: projections and experts at its bits a weight, the head at HEAD_BITS,

@@ -50,14 +50,14 @@ def decode_step(
     verify step: 1 + drafts); tokens_per_s counts the query tokens."""
     tokens = batch * query_tokens
     bytes_ = facts.decode_step_bytes(fmt, batch, context, kv_dtype, tokens)
-    flops = tokens * (2 * facts.active_matmul_params + facts.attention_flops(context))
+    flops = tokens * facts.flops_per_token(context)
     return _step(bytes_, flops, tokens, hw, hw.compute_rate(fmt)[1], devices)
 
 
 def prefill(facts: ModelFacts, hw: Hardware, fmt: str, tokens: int) -> Step:
     """A prompt of `tokens` in one pass: attention over the causal half of the prompt on average."""
     _held, read, experts = facts.weight_bytes(fmt)
-    flops = tokens * (2 * facts.active_matmul_params + facts.attention_flops(tokens) / 2)
+    flops = tokens * facts.flops_per_token(tokens, prefill=True)
     return _step(read + experts * facts.expert_fraction(tokens), flops, tokens, hw, hw.compute_rate(fmt)[1])
 
 
