@@ -291,12 +291,13 @@ class BlockQuantLinearMethod(LinearMethod):
                 dest[rows].copy_(src)
 
     def process_after_loading(self, layer):
-        """Under int8 activations, weights of 4-, 5- and 8-bit codes in blocks of 32 are also repacked
+        """Under int8 activations, weights of 4-, 5- and 8-bit codes in blocks of 32, and Q6_K's, are also repacked
         into panels (`block_quant.repack_panels`, which `decode_operands` passes on too) for every step up to
         `fused_max_tokens` rows, one-row steps included: a row's result on the panels does not depend on how
         many rows share its step, so a request's tokens do not depend on its batch (the blocks' one-row and
         multi-row kernels round differently). Steps past `fused_max_tokens` read the blocks. The copy holds
-        0.75 bytes a weight (4-bit codes) or 1.25 (5, 8 bits); $TOKENMILL_INT8_PANELS=0 keeps only the blocks."""
+        0.75 bytes a weight (4-bit codes), 1.07 (Q6_K) or 1.25 (5, 8 bits); $TOKENMILL_INT8_PANELS=0 keeps
+        only the blocks."""
         wanted = self.int8_activations and os.environ.get("TOKENMILL_INT8_PANELS", "1") != "0"
         layer.panels = block_quant.repack_panels(self.blocks(layer)) if wanted else None
 
