@@ -1,7 +1,7 @@
 """gguf-q8's int8 kernel for several activation rows, per linear layer of a model: the row-at-a-time
 register tiles on the blocks as loaded (`block_quant.matmul_q8`), the tiles on the weight repacked into
 panels of eight interleaved rows (`block_quant.matmul_q8_panels`), and dequantize + float32 GEMM on the
-rounded activations (what steps past a layer's `fused_max_tokens` run), taking turns pass by pass in one run.
+rounded activations (what steps past a layer's `max_tokens` run), taking turns pass by pass in one run.
 
     .venv/bin/python benchmarks/bench_int8_panels.py [--rows 1,16,64,256] [--repeats 9] [--threads 1]
 
@@ -68,7 +68,7 @@ def gemm(x: torch.Tensor, layer: ReplicatedLinear) -> torch.Tensor:
 
 
 def step_kernel(layer: ReplicatedLinear, rows: int) -> str:
-    limit = layer.quant_method.fused_max_tokens
+    limit = layer.quant_method.max_tokens(layer)
     if limit is not None and rows > limit:
         return "gemm"
     return "panels" if layer.panels is not None else "blocks"
@@ -80,12 +80,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9, help="timed passes (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: %(default)s)")
     ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated (default: %(default)s)")
+    ap.add_argument("--types", help="only the layers of these comma-separated GGUF types (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {torch.get_num_threads()} threads; G MAC/s of the blocks' tiles, the panels' tiles, dequantize + GEMM")
     print(f"{'model':14s} {'layer':8s} {'type':5s} {'rows':>5s} {'blocks':>7s} {'panels':>7s} {'gemm':>7s}  step")
     for model in args.models.split(","):
         for name, qtype, n, k in SHAPES[model]:
+            if args.types and qtype not in args.types.split(","):
+                continue
             layer = layer_of(qtype, n, k)
             blocks = layer.quant_method.blocks(layer)
             calls = {

@@ -26,7 +26,7 @@ from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.loader import load_model
 from tokenmill.loader.gguf_loader import GGUFWeight
 from tokenmill.quantization import resolve_quantization
-from tokenmill.quantization.gguf import FUSED_MAX_TOKENS, BlockQuantLinearMethod, GGUFConfig
+from tokenmill.quantization.gguf import BF16_MIN_TOKENS, FUSED_MAX_TOKENS, BlockQuantLinearMethod, GGUFConfig
 from tokenmill.sampling_params import SamplingParams
 
 # a mix of block types per tensor, as llama.cpp's mixed quantizations do; ffn_gate and ffn_up differ
@@ -188,7 +188,11 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
             assert layer.panels.scales.dtype == (torch.float32 if qtype.endswith("_K") else torch.float16)
         as_float32 = panel_scales_as_float32(layer.panels)
         blocks = layer.quant_method.blocks(layer)
-        for m in (1, 2, 5, 8, 9, 70):  # within fused_max_tokens (8 bits: 128)
+        # steps of any size run on the panels (past fused_max_tokens, 128 for 6-8 bits, too), but on AMX CPUs
+        # whose bfloat16 GEMM takes steps past 128 tokens
+        limit = layer.quant_method.max_tokens(layer)
+        assert limit == (BF16_MIN_TOKENS if layer.quant_method.bf16_gemm else None)
+        for m in (1, 2, 5, 8, 9, 70) + ((200,) if limit is None else ()):
             x = torch.randn(m, cols)
             out = layer(x)
             assert torch.equal(out, block_quant.matmul_q8_panels(x, layer.panels))
