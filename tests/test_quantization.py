@@ -188,11 +188,7 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
             assert layer.panels.scales.dtype == (torch.float32 if qtype.endswith("_K") else torch.float16)
         as_float32 = panel_scales_as_float32(layer.panels)
         blocks = layer.quant_method.blocks(layer)
-        # steps of any size run on the panels (past fused_max_tokens, 128 for 6-8 bits, too), but on AMX CPUs
-        # whose bfloat16 GEMM takes steps past 128 tokens
-        limit = layer.quant_method.max_tokens(layer)
-        assert limit == (BF16_MIN_TOKENS if layer.quant_method.bf16_gemm else None)
-        for m in (1, 2, 5, 8, 9, 70) + ((200,) if limit is None else ()):
+        for m in (1, 2, 5, 8, 9, 70):  # within fused_max_tokens (8 bits: 128)
             x = torch.randn(m, cols)
             out = layer(x)
             assert torch.equal(out, block_quant.matmul_q8_panels(x, layer.panels))
@@ -201,6 +197,15 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
             assert all(torch.equal(out[i : i + 1], layer(x[i : i + 1])) for i in range(m))
             want = q8_reference(x, ref, blocks.activation_span)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+        # steps of any size run on the panels (past fused_max_tokens too: 128 for 6-8 bits), but on AMX CPUs,
+        # whose bfloat16 GEMM takes steps past 128 tokens
+        limit = layer.quant_method.max_tokens(layer)
+        assert limit == (BF16_MIN_TOKENS if layer.quant_method.bf16_gemm else None)
+        if limit is None:
+            x = torch.randn(200, cols)
+            out = layer(x)
+            assert torch.equal(out, block_quant.matmul_q8_panels(x, layer.panels))
+            assert torch.equal(out[150:151], layer(x[150:151]))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0", "Q6_K"])
