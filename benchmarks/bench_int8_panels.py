@@ -1,14 +1,16 @@
-"""gguf-q8's int8 kernel for several activation rows: the row-at-a-time register tiles on the blocks as
-loaded (`block_quant.matmul_q8`) against the tiles on the weight repacked into panels of eight
-interleaved rows (`block_quant.matmul_q8_panels`), the two taking turns pass by pass in one run.
+"""gguf-q8's int8 kernel for several activation rows, per linear layer of a model: the row-at-a-time
+register tiles on the blocks as loaded (`block_quant.matmul_q8`), the tiles on the weight repacked into
+panels of eight interleaved rows (`block_quant.matmul_q8_panels`), and dequantize + float32 GEMM on the
+rounded activations (what steps past a layer's `max_tokens` run), taking turns pass by pass in one run.
 
     .venv/bin/python benchmarks/bench_int8_panels.py [--rows 1,16,64,256] [--repeats 9] [--threads 1]
 
 Shapes and types: the linear layers of SmolLM2-135M-Instruct Q4_1 (qkv, o, gate_up, down) and of
-Qwen2.5-Coder-0.5B Q4_K_M that take panels (qkv in Q8_0 as its v is, o and gate_up in Q5_0; its down
-is Q6_K, blocks of 16: no panels), random blocks as the tests build them. Medians of --repeats passes
-over all of a model's layers; G MAC/s = weights x rows / time, summed over them. At one row the
-blocks run their one-row kernel, which one-row steps keep (they do not take panels).
+Qwen2.5-Coder-0.5B Q4_K_M (qkv in Q8_0 as its v is in half the layers, else Q5_0; o and gate_up in
+Q5_0; down in Q4_K in half the layers, Q6_K in the others), random blocks as the tests build them.
+Medians of --repeats passes; G MAC/s = weights x rows / time ("-": no panels for that type). `step`
+names the kernel a step of that many rows runs (`BlockQuantLinearMethod.apply`). At one row the
+blocks run their one-row kernel.
 """
 
 from __future__ import annotations
@@ -31,10 +33,22 @@ from tokenmill.kernels import block_quant  # noqa: E402
 from tokenmill.layers.linear import ReplicatedLinear  # noqa: E402
 from tokenmill.quantization.gguf import GGUFConfig  # noqa: E402
 
-# (type, rows, columns) of the layers
+# (layer, type, rows, columns) of the layers
 SHAPES = {
-    "SmolLM2-135M": [("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536)],
-    "Qwen2.5-0.5B": [("Q8_0", 1152, 896), ("Q5_0", 896, 896), ("Q5_0", 9728, 896)],
+    "SmolLM2-135M": [
+        ("qkv", "Q4_1", 960, 576),
+        ("o", "Q4_1", 576, 576),
+        ("gate_up", "Q4_1", 3072, 576),
+        ("down", "Q4_1", 576, 1536),
+    ],
+    "Qwen2.5-0.5B": [
+        ("qkv", "Q8_0", 1152, 896),
+        ("qkv", "Q5_0", 1152, 896),
+        ("o", "Q5_0", 896, 896),
+        ("gate_up", "Q5_0", 9728, 896),
+        ("down", "Q4_K", 896, 4864),
+        ("down", "Q6_K", 896, 4864),
+    ],
 }
 
 
@@ -46,34 +60,53 @@ def layer_of(qtype: str, n: int, k: int) -> ReplicatedLinear:
     return layer
 
 
+def gemm(x: torch.Tensor, layer: ReplicatedLinear) -> torch.Tensor:
+    """Dequantize + float32 GEMM on the rounded activations (the large-step path without AMX)."""
+    w = layer.quant_method.blocks(layer)
+    weight = block_quant.dequantize(w, out=block_quant.workspace(*w.shape))
+    return block_quant.round_activations(x, w.activation_span) @ weight.t()
+
+
+def step_kernel(layer: ReplicatedLinear, rows: int) -> str:
+    limit = layer.quant_method.max_tokens(layer)
+    if limit is not None and rows > limit:
+        return "gemm"
+    return "panels" if layer.panels is not None else "blocks"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,64,256", help="activation rows per call (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=9, help="timed passes (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: %(default)s)")
+    ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated (default: %(default)s)")
+    ap.add_argument("--types", help="only the layers of these comma-separated GGUF types (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"# {torch.get_num_threads()} threads; G MAC/s of the blocks' tiles, the panels' tiles, and their ratio")
-    print(f"{'model':14s} {'rows':>5s} {'blocks':>8s} {'panels':>8s} {'ratio':>6s}")
-    for model, shapes in SHAPES.items():
-        layers = [layer_of(qtype, n, k) for qtype, n, k in shapes]
-        macs = sum(n * k for _, n, k in shapes)
-        for rows in map(int, args.rows.split(",")):
-            xs = [torch.randn(rows, k) for _, _, k in shapes]
-            calls = [
-                lambda x, layer: block_quant.matmul_q8(x, layer.quant_method.blocks(layer)),
-                lambda x, layer: block_quant.matmul_q8_panels(x, layer.panels),
-            ]
-            times = [[], []]
-            for _ in range(args.repeats + 1):  # the first pass warms up; the kernels take turns
-                for call, own in zip(calls, times):
-                    start = time.perf_counter()
-                    for x, layer in zip(xs, layers):
-                        call(x, layer)
-                    own.append(time.perf_counter() - start)
-            old, new = (statistics.median(t[1:]) for t in times)
-            rate = macs * rows / 1e9
-            print(f"{model:14s} {rows:5d} {rate / old:8.1f} {rate / new:8.1f} {old / new:5.2f}x", flush=True)
+    print(f"# {torch.get_num_threads()} threads; G MAC/s of the blocks' tiles, the panels' tiles, dequantize + GEMM")
+    print(f"{'model':14s} {'layer':8s} {'type':5s} {'rows':>5s} {'blocks':>7s} {'panels':>7s} {'gemm':>7s}  step")
+    for model in args.models.split(","):
+        for name, qtype, n, k in SHAPES[model]:
+            if args.types and qtype not in args.types.split(","):
+                continue
+            layer = layer_of(qtype, n, k)
+            blocks = layer.quant_method.blocks(layer)
+            calls = {
+                "blocks": lambda x: block_quant.matmul_q8(x, blocks),
+                "panels": (lambda x: block_quant.matmul_q8_panels(x, layer.panels)) if layer.panels else None,
+                "gemm": lambda x: gemm(x, layer),
+            }
+            for rows in map(int, args.rows.split(",")):
+                x = torch.randn(rows, k)
+                times = {kind: [] for kind, call in calls.items() if call is not None}
+                for _ in range(args.repeats + 1):  # the first pass warms up; the kernels take turns
+                    for kind in times:
+                        start = time.perf_counter()
+                        calls[kind](x)
+                        times[kind].append(time.perf_counter() - start)
+                rate = {kind: n * k * rows / statistics.median(t[1:]) / 1e9 for kind, t in times.items()}
+                cells = " ".join(f"{rate[kind]:7.1f}" if kind in rate else f"{'-':>7s}" for kind in calls)
+                print(f"{model:14s} {name:8s} {qtype:5s} {rows:5d} {cells}  {step_kernel(layer, rows)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1307,11 +1307,31 @@ inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, co
 
 // Every activation row against every panel: per thread, blocks of kRowBlock activation rows (they stay
 // in L2: at 256 rows a call ran at half the speed of 64) against chunks of kChunk panels (their codes stay
-// in L1) against each tile of kPanelRows activation rows in turn.
+// in L1) against each tile of kPanelRows activation rows in turn: tile(m0, rows, p, pair) computes rows
+// m0.. against panel p, or (pair, AVX-512) panels p and p + 1 at once.
+template <typename Tile>
+void for_each_panel_tile(int64_t M, int64_t P, const Tile& tile) {
+  constexpr int64_t kChunk = 4, kRowBlock = 64;
+  at::parallel_for(0, P, kChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t block = 0; block < M; block += kRowBlock)
+      for (int64_t p0 = begin; p0 < end; p0 += kChunk) {
+        const int64_t p1 = std::min(end, p0 + kChunk), m1 = std::min(M, block + kRowBlock);
+        for (int64_t m0 = block; m0 < m1; m0 += kPanelRows) {
+          const auto rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - m0));
+          int64_t p = p0;
+#ifdef TM_PANEL_PAIRS
+          for (; p + 1 < p1 && rows >= kPairMinRows; p += 2) tile(m0, rows, p, true);
+#endif
+          for (; p < p1; ++p) tile(m0, rows, p, false);
+        }
+      }
+  });
+}
+
 template <int BITS, typename S>
 void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            int64_t span, torch::Tensor& out) {
-  constexpr int64_t kChunk = 4, kRowBlock = 64, bytes = panel_block_bytes(BITS);
+  constexpr int64_t bytes = panel_block_bytes(BITS);
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32, N = out.size(1), P = codes.size(0);
   TORCH_CHECK(K % span == 0 && codes.size(1) == nb && codes.size(2) == bytes && P == (N + kPanel - 1) / kPanel,
               "panels do not fit x, out");
@@ -1321,27 +1341,237 @@ void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, c
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const S* sp = scales.data_ptr<S>();
   float* outp = out.data_ptr<float>();
-  at::parallel_for(0, P, kChunk, [&](int64_t begin, int64_t end) {
-    for (int64_t block = 0; block < M; block += kRowBlock)
-      for (int64_t p0 = begin; p0 < end; p0 += kChunk) {
-        const int64_t p1 = std::min(end, p0 + kChunk), m1 = std::min(M, block + kRowBlock);
-        for (int64_t m0 = block; m0 < m1; m0 += kPanelRows) {
-          const auto rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - m0));
-          const int8_t* xr = xq.data() + m0 * K;
-          int64_t p = p0;
+  for_each_panel_tile(M, P, [&](int64_t m0, int rows, int64_t p, bool pair) {
+    const int8_t* xr = xq.data() + m0 * K;
 #ifdef TM_PANEL_PAIRS
-          for (; p + 1 < p1 && rows >= kPairMinRows; p += 2)
-            panel_pair_tile_rows<BITS>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, K, cp + p * nb * bytes,
-                                       nb * bytes, sp + p * nb * 2 * kPanel, nb * 2 * kPanel,
-                                       outp + m0 * N + p * kPanel, N, std::min(2 * kPanel, N - p * kPanel));
+    if (pair)
+      return panel_pair_tile_rows<BITS>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, K, cp + p * nb * bytes,
+                                        nb * bytes, sp + p * nb * 2 * kPanel, nb * 2 * kPanel,
+                                        outp + m0 * N + p * kPanel, N, std::min(2 * kPanel, N - p * kPanel));
 #endif
-          for (; p < p1; ++p)
-            panel_tile_rows<BITS>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, K, cp + p * nb * bytes,
-                                  sp + p * nb * 2 * kPanel, outp + m0 * N + p * kPanel, N,
-                                  std::min(kPanel, N - p * kPanel));
-        }
-      }
+    (void)pair;
+    panel_tile_rows<BITS>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, K, cp + p * nb * bytes,
+                          sp + p * nb * 2 * kPanel, outp + m0 * N + p * kPanel, N, std::min(kPanel, N - p * kPanel));
   });
+}
+
+// --- Q6_K on panels. The codes lie as the 5- and 8-bit panels hold theirs (a byte a value: Q6_K's
+// unsigned 0..63, the center 32 not taken, so that vpdpbusd / maddubs take them as they are); in place
+// of float scales per 32 values, the file's own integers: per panel and super-block of 256 values,
+// kQ6PanelBytes bytes: the 16 sub-block scales (int8, one per 16 values) of the eight rows, sub-block k
+// of row r at byte 8k + r, then the rows' super-block scales d as float16 (bytes 128..143). A row's sum
+// over a super-block stays an integer to its end, as row_dot_q8_super keeps it: per 16 values, (q . x -
+// 32 * sum x) times the sub-block scale, then one float multiply-add of that sum times d times the
+// activations' scale (one a super-block: span 256). 8.56 bits a weight, where float32 scales and offsets
+// per 16 values would take 12; and per row and 32 values 8 integer dot steps and 6 integer ops, where
+// float scales per 16 would take 10 float ops.
+constexpr int64_t kQ6Center = 32, kQ6PanelBytes = 16 * kPanel + 2 * kPanel;
+
+#ifdef TM_SIMD
+// The vectors of one panel (8 int32 / float lanes: its rows) for q6_panel_tile; next: unused.
+struct OnePanel {
+  using I = __m256i;
+  using F = __m256;
+  static I codes(const uint8_t* c, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)); }
+  static I words(int32_t w) { return _mm256_set1_epi32(w); }
+  // Four weight vectors against four broadcast activation words: per lane, its 16 products summed (codes
+  // below 64: dot4x2's int16 pair sums fit).
+  static I dot16(const I* w, const I* x) {
+    return _mm256_add_epi32(dot4x2(w[0], x[0], w[1], x[1]), dot4x2(w[2], x[2], w[3], x[3]));
+  }
+  static I sub_scales(const uint8_t* s, int64_t) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
+  }
+  static F supers(const uint8_t* s, int64_t) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F set1(float a) { return _mm256_set1_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static void store(float* out, F v, int64_t cols) {
+    alignas(32) float lane[kPanel];
+    _mm256_store_ps(lane, v);
+    std::memcpy(out, lane, cols * sizeof(float));
+  }
+};
+
+#ifdef TM_PANEL_PAIRS
+// Two neighbouring panels (the second `next` bytes further) as 16 lanes: the same integer and float
+// operations per lane as OnePanel's, so that a row's result is the same bits in either tile.
+struct PanelPair {
+  using I = __m512i;
+  using F = __m512;
+  static I codes(const uint8_t* c, int64_t next) { return load_pair(c, c + next); }
+  static I words(int32_t w) { return _mm512_set1_epi32(w); }
+  static I dot16(const I* w, const I* x) {
+    I s = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) s = _mm512_dpbusd_epi32(s, w[j], x[j]);
+    return s;
+  }
+  static I sub_scales(const uint8_t* s, int64_t next) {
+    return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)),
+                                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + next))));
+  }
+  static F supers(const uint8_t* s, int64_t next) {
+    return scale_pair(reinterpret_cast<const c10::Half*>(s), reinterpret_cast<const c10::Half*>(s + next));
+  }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F set1(float a) { return _mm512_set1_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static void store(float* out, F v, int64_t cols) {
+    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << cols) - 1), v);
+  }
+};
+#endif
+
+// RM activation rows (K apart, natural order; dx their scales per 32 values, nb apart; xc their sums
+// times the center per 16 values, K / 16 apart) against one panel (V = OnePanel) or a pair (PanelPair,
+// the second panel's codes and scales next_codes, next_scales bytes further): out[r * ldo + c] for the
+// first `cols` rows c. The integer sums are exact (per 16 values at most 16 x 32 x 127 in magnitude, times
+// a scale of at most 128, 16 of them a super-block: below 2^28).
+template <typename V, int RM>
+inline void q6_panel_tile(const int8_t* xq, const float* dx, const int32_t* xc, int64_t K, const uint8_t* codes,
+                          int64_t next_codes, const uint8_t* scales, int64_t next_scales, float* out, int64_t ldo,
+                          int64_t cols) {
+  using I = typename V::I;
+  const int64_t nb = K / 32, subs = K / 16;
+  typename V::F acc[RM];
+  for (int r = 0; r < RM; ++r) acc[r] = V::fzero();
+  for (int64_t q = 0; q < K / kSuper; ++q) {
+    const uint8_t* sq = scales + q * kQ6PanelBytes;
+    I isum[RM];
+    for (int r = 0; r < RM; ++r) isum[r] = V::izero();
+    for (int64_t k = 0; k < kSuper / 16; ++k) {  // the super-block's sub-blocks of 16 values
+      const int64_t i = q * (kSuper / 16) + k;
+      const uint8_t* c = codes + (i / 2) * panel_block_bytes(8) + (i % 2) * panel_block_bytes(8) / 2;
+      I w[4];
+      for (int j = 0; j < 4; ++j) w[j] = V::codes(c + 32 * j, next_codes);
+      const I sc = V::sub_scales(sq + kPanel * k, next_scales);
+      for (int r = 0; r < RM; ++r) {
+        I x[4];
+        for (int j = 0; j < 4; ++j) {
+          int32_t word;
+          std::memcpy(&word, xq + r * K + i * 16 + 4 * j, 4);
+          x[j] = V::words(word);
+        }
+        isum[r] = V::add(isum[r], V::mullo(V::sub(V::dot16(w, x), V::words(xc[r * subs + i])), sc));
+      }
+    }
+    const typename V::F d = V::supers(sq + 16 * kPanel, next_scales);
+    for (int r = 0; r < RM; ++r) acc[r] = V::fma(V::cvt(isum[r]), V::mul(d, V::set1(dx[r * nb + q * 8])), acc[r]);
+  }
+  for (int r = 0; r < RM; ++r) V::store(out + r * ldo, acc[r], cols);
+}
+
+// q6_panel_tile for any rows from kMin to kPanelRows.
+template <typename V, int kMin, int RM = kPanelRows>
+inline void q6_panel_tile_rows(int rows, const int8_t* xq, const float* dx, const int32_t* xc, int64_t K,
+                               const uint8_t* codes, int64_t next_codes, const uint8_t* scales, int64_t next_scales,
+                               float* out, int64_t ldo, int64_t cols) {
+  if constexpr (RM > kMin)
+    if (rows < RM)
+      return q6_panel_tile_rows<V, kMin, RM - 1>(rows, xq, dx, xc, K, codes, next_codes, scales, next_scales, out,
+                                                 ldo, cols);
+  q6_panel_tile<V, RM>(xq, dx, xc, K, codes, next_codes, scales, next_scales, out, ldo, cols);
+}
+#else
+// q6_panel_tile without vectors: the same integer sums, and per row the same float operations in order.
+inline void q6_panel_tile_rows(int rows, const int8_t* xq, const float* dx, const int32_t* xc, int64_t K,
+                               const uint8_t* codes, const uint8_t* scales, float* out, int64_t ldo, int64_t cols) {
+  const int64_t nb = K / 32, subs = K / 16;
+  for (int r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      float acc = 0.f;
+      for (int64_t q = 0; q < K / kSuper; ++q) {
+        const uint8_t* sq = scales + q * kQ6PanelBytes;
+        int32_t isum = 0;
+        for (int64_t k = 0; k < kSuper / 16; ++k) {
+          const int64_t i = q * (kSuper / 16) + k;
+          int32_t dot = 0;
+          for (int64_t v = 0; v < 16; ++v)
+            dot += panel_code<6>(codes + (i / 2) * panel_block_bytes(8), c, (i % 2) * 16 + v) * xq[r * K + i * 16 + v];
+          isum += (dot - xc[r * subs + i]) * static_cast<int8_t>(sq[kPanel * k + c]);
+        }
+        c10::Half d;
+        std::memcpy(&d, sq + 16 * kPanel + 2 * c, 2);
+        acc = std::fma(static_cast<float>(isum), to_float(d) * dx[r * nb + q * 8], acc);
+      }
+      out[r * ldo + c] = acc;
+    }
+}
+#endif
+
+// block_quant_matmul_q8_panels on Q6_K's panels (the layout above): the activations rounded per
+// super-block (span 256), their integer sums per 16 values times the center subtracted per sub-block.
+void matmul_q8_q6_panels(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                         torch::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32, subs = K / 16, N = out.size(1), P = codes.size(0);
+  const int64_t bytes = panel_block_bytes(8), supers = K / kSuper;
+  TORCH_CHECK(K % kSuper == 0 && codes.size(1) == nb && codes.size(2) == bytes && P == (N + kPanel - 1) / kPanel &&
+                  scales.numel() == P * supers * kQ6PanelBytes,
+              "Q6_K panels do not fit x, out");
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * nb), xs(M * subs);
+  std::vector<int16_t> xsum(M * subs);
+  quantize_rows<16>(x.data_ptr<float>(), M, K, kSuper, xq.data(), dx.data(), xs.data(), xsum.data());
+  std::vector<int32_t> xc(M * subs);
+  for (int64_t i = 0; i < M * subs; ++i) xc[i] = kQ6Center * xsum[i];
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  float* outp = out.data_ptr<float>();
+  const int64_t panel_codes = nb * bytes, panel_scales = supers * kQ6PanelBytes;
+  for_each_panel_tile(M, P, [&](int64_t m0, int rows, int64_t p, bool pair) {
+    const int8_t* xr = xq.data() + m0 * K;
+    const float* dr = dx.data() + m0 * nb;
+    const int32_t* cr = xc.data() + m0 * subs;
+    float* o = outp + m0 * N + p * kPanel;
+#ifdef TM_SIMD
+#ifdef TM_PANEL_PAIRS
+    if (pair)
+      return q6_panel_tile_rows<PanelPair, kPairMinRows>(rows, xr, dr, cr, K, cp + p * panel_codes, panel_codes,
+                                                         sp + p * panel_scales, panel_scales, o, N,
+                                                         std::min(2 * kPanel, N - p * kPanel));
+#endif
+    (void)pair;
+    q6_panel_tile_rows<OnePanel, 1>(rows, xr, dr, cr, K, cp + p * panel_codes, 0, sp + p * panel_scales, 0, o, N,
+                                    std::min(kPanel, N - p * kPanel));
+#else
+    (void)pair;
+    q6_panel_tile_rows(rows, xr, dr, cr, K, cp + p * panel_codes, sp + p * panel_scales, o, N,
+                       std::min(kPanel, N - p * kPanel));
+#endif
+  });
+}
+
+// Row n's codes into its place r in its panel's blocks `panel` (the layout above matmul_q8_panels_impl;
+// 6 bits: a byte a value, as 5 and 8).
+template <int BITS>
+void repack_row_codes(const Blocks& w, int64_t n, int64_t r, uint8_t* panel) {
+  constexpr int64_t bytes = panel_block_bytes(BITS == 6 ? 8 : BITS);
+  const uint8_t* row = w.codes + n * w.code_bytes;
+  const uint8_t* high = w.high ? w.high + n * w.high_bytes : nullptr;
+  for (int64_t b = 0; b < w.K / 32; ++b) {
+    uint8_t* cb = panel + b * bytes;
+    for (int64_t v = 0; v < 32; ++v) {
+      const auto code = static_cast<uint8_t>(code_at<BITS>(row, high, b * 32 + v));
+      if (BITS != 4)
+        cb[v / 4 * 32 + r * 4 + v % 4] = code;
+      else
+        cb[(v % 16) / 4 * 32 + r * 4 + v % 4] |= v < 16 ? code : code << 4;
+    }
+  }
 }
 
 // The panels of a weight of 4-, 5- or 8-bit codes in blocks of 32 into codes, scales (zeros, shaped as
@@ -1359,21 +1589,37 @@ void repack_panels_impl(const Blocks& w, torch::Tensor& codes, torch::Tensor& sc
       for (int64_t r = 0; r < kPanel && p * kPanel + r < w.N; ++r) {
         const int64_t n = p * kPanel + r;
         const bool offsets = w.expand(n, true, nullptr, nullptr, s.data(), o.data(), nullptr);
-        const uint8_t* row = w.codes + n * w.code_bytes;
-        const uint8_t* high = w.high ? w.high + n * w.high_bytes : nullptr;
         for (int64_t b = 0; b < nb; ++b) {
           float* sb = sp + (p * nb + b) * 2 * kPanel;
           sb[r] = s[b];
           sb[kPanel + r] = offsets ? o[b] : 0.f;
-          uint8_t* cb = cp + (p * nb + b) * bytes;
-          for (int64_t v = 0; v < 32; ++v) {
-            const auto code = static_cast<uint8_t>(code_at<BITS>(row, high, b * 32 + v));
-            if (BITS != 4)
-              cb[v / 4 * 32 + r * 4 + v % 4] = code;
-            else
-              cb[(v % 16) / 4 * 32 + r * 4 + v % 4] |= v < 16 ? code : code << 4;
-          }
         }
+        repack_row_codes<BITS>(w, n, r, cp + p * nb * bytes);
+      }
+  });
+}
+
+// Q6_K's panels (the layout above q6_panel_tile) into codes, scales (zeros: uint8 [P, K/32, 256] and
+// [P, K/256, kQ6PanelBytes]).
+void repack_q6_panels(const Blocks& w, torch::Tensor& codes, torch::Tensor& scales) {
+  const int64_t P = (w.N + kPanel - 1) / kPanel, nb = w.K / 32, supers = w.K / kSuper;
+  TORCH_CHECK(w.bs == 16 && w.scales8 && w.supers && !w.offsets8 && w.center == kQ6Center && w.K % kSuper == 0,
+              "6-bit panels hold Q6_K's blocks (int8 sub-block scales per 16, float16 super-block scales, center 32)");
+  TORCH_CHECK(codes.numel() == P * nb * panel_block_bytes(8) && scales.numel() == P * supers * kQ6PanelBytes,
+              "panels of other sizes");
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  uint8_t* sp = scales.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r = 0; r < kPanel && p * kPanel + r < w.N; ++r) {
+        const int64_t n = p * kPanel + r;
+        for (int64_t q = 0; q < supers; ++q) {
+          uint8_t* sq = sp + (p * supers + q) * kQ6PanelBytes;
+          for (int64_t k = 0; k < kSuper / 16; ++k)
+            sq[kPanel * k + r] = static_cast<uint8_t>(w.scales8[n * w.nb + q * (kSuper / 16) + k]);
+          std::memcpy(sq + 16 * kPanel + 2 * r, w.supers + (n * w.supers_per_row + q) * 2, 2);
+        }
+        repack_row_codes<6>(w, n, r, cp + p * nb * panel_block_bytes(8));
       }
   });
 }
@@ -1438,7 +1684,8 @@ void block_quant_dequantize(torch::Tensor codes, c10::optional<torch::Tensor> hi
 
 // A weight's panels for block_quant_matmul_q8_panels, into panel_codes and panel_scales (zeros: uint8
 // [P, K/32, 128] for 4-bit codes, [P, K/32, 256] for 5- and 8-bit ones, and float32 [P, K/32, 2, 8],
-// P = ceil(N / 8); the layout above matmul_q8_panels_impl).
+// P = ceil(N / 8); the layout above matmul_q8_panels_impl; Q6_K: [P, K/32, 256] and uint8 [P, K/256, 144],
+// the layout above q6_panel_tile).
 void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
                                c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
                                int64_t block, int64_t center, torch::Tensor panel_codes, torch::Tensor panel_scales) {
@@ -1449,14 +1696,20 @@ void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor>
     repack_panels_impl<5>(w, panel_codes, panel_scales);
   else if (bits == 8)
     repack_panels_impl<8>(w, panel_codes, panel_scales);
+  else if (bits == 6)
+    repack_q6_panels(w, panel_codes, panel_scales);
   else
-    TORCH_CHECK(false, "panels hold 4-, 5- or 8-bit codes, not ", bits, "-bit ones");
+    TORCH_CHECK(false, "panels hold 4-, 5-, 6- or 8-bit codes, not ", bits, "-bit ones");
 }
 
 // block_quant_matmul_q8 on a weight's panels (x: [M, K] float32, rounded per `span` values; out: [M, N];
-// scales float32 or float16).
+// scales float32 or float16; Q6_K's, bits 6: uint8).
 void block_quant_matmul_q8_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits,
                                   int64_t span, torch::Tensor out) {
+  if (bits == 6) {  // Q6_K's: its integer sub-block scales and float16 super-block scales as bytes
+    TORCH_CHECK(scales.scalar_type() == at::kByte && span == kSuper, "Q6_K panel scales: uint8, span 256");
+    return matmul_q8_q6_panels(x, codes, scales, out);
+  }
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
               "panel scales: float32 or float16");
   auto run = [&](auto scale) {

@@ -26,7 +26,7 @@ from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.loader import load_model
 from tokenmill.loader.gguf_loader import GGUFWeight
 from tokenmill.quantization import resolve_quantization
-from tokenmill.quantization.gguf import FUSED_MAX_TOKENS, BlockQuantLinearMethod, GGUFConfig
+from tokenmill.quantization.gguf import BF16_MIN_TOKENS, FUSED_MAX_TOKENS, BlockQuantLinearMethod, GGUFConfig
 from tokenmill.sampling_params import SamplingParams
 
 # a mix of block types per tensor, as llama.cpp's mixed quantizations do; ffn_gate and ffn_up differ
@@ -146,19 +146,28 @@ def test_int8_activation_kernel_matches_its_torch_reference(qtype, wide):
         assert ((out - exact).norm() / exact.norm()).item() < 0.02
 
 
-PANELED = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K"]  # gguf-q8 repacks them at load (blocks of 32)
+PANELED = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]  # gguf-q8 repacks them at load
+
+
+def panel_scales_as_float32(panels: block_quant.Panels) -> block_quant.Panels | None:
+    """The same panels with float32 scales, or None where they hold integers (Q6_K's)."""
+    if panels.scales.dtype == torch.uint8:
+        return None
+    return dataclasses.replace(panels, scales=panels.scales.float())
 
 
 @pytest.mark.parametrize("qtype", PACKED)
 def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
-    """gguf-q8 repacks 4-, 5- and 8-bit weights once loaded into panels of eight interleaved rows; multi-row steps
+    """gguf-q8 repacks 4-, 5- and 8-bit weights in blocks of 32, and Q6_K's, once loaded into panels of eight
+    interleaved rows; multi-row steps
     run on them (the same rounding as `q8_reference`, within the blocks' kernel's tolerance: N and M
     not multiples of the panel's 8 rows nor the tile's, more rows than one pass's block of 64), one-row
     steps too, and each row's result is the same bits whatever else shares its step (so a request's
     tokens do not depend on its batch) and whether the panels' scales are stored as float16 or float32;
     other layouts and the exact mode keep no panels."""
     rng = np.random.default_rng(3)
-    rows, cols = 83, 512 if qtype.endswith("_K") else 480
+    # K-quants: 3 super-blocks (an odd count)
+    rows, cols = 83, 768 if qtype.endswith("_K") else 480
     weight, ref = random_gguf_tensor(qtype, rows, cols, rng)
     for int8_activations in (True, False):
         config = GGUFConfig({"w.weight": qtype}, int8_activations=int8_activations)
@@ -170,27 +179,41 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
             continue
         code_bytes = 128 if layer.quant_method.bits == 4 else 256
         assert layer.panels.codes.shape == (11, cols // 32, code_bytes)
-        assert layer.panels.scales.shape == (11, cols // 32, 2, 8)
-        # float16 scales where each is a float16 value (not the K types': products of two scales)
-        assert layer.panels.scales.dtype == (torch.float32 if qtype.endswith("_K") else torch.float16)
-        as_float32 = dataclasses.replace(layer.panels, scales=layer.panels.scales.float())
+        if qtype == "Q6_K":  # the file's integer sub-block scales and float16 super-block scales, as bytes
+            assert layer.panels.scales.shape == (11, cols // 256, block_quant.Q6_K_PANEL_BYTES)
+            assert layer.panels.scales.dtype == torch.uint8
+        else:
+            assert layer.panels.scales.shape == (11, cols // 32, 2, 8)
+            # float16 scales where each is a float16 value (not the K types': products of two scales)
+            assert layer.panels.scales.dtype == (torch.float32 if qtype.endswith("_K") else torch.float16)
+        as_float32 = panel_scales_as_float32(layer.panels)
         blocks = layer.quant_method.blocks(layer)
         for m in (1, 2, 5, 8, 9, 70):  # within fused_max_tokens (8 bits: 128)
             x = torch.randn(m, cols)
             out = layer(x)
             assert torch.equal(out, block_quant.matmul_q8_panels(x, layer.panels))
-            assert torch.equal(out, block_quant.matmul_q8_panels(x, as_float32))
+            if as_float32 is not None:
+                assert torch.equal(out, block_quant.matmul_q8_panels(x, as_float32))
             assert all(torch.equal(out[i : i + 1], layer(x[i : i + 1])) for i in range(m))
             want = q8_reference(x, ref, blocks.activation_span)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+        # steps of any size run on the panels (past fused_max_tokens too: 128 for 6-8 bits), but on AMX CPUs,
+        # whose bfloat16 GEMM takes steps past 128 tokens
+        limit = layer.quant_method.max_tokens(layer)
+        assert limit == (BF16_MIN_TOKENS if layer.quant_method.bf16_gemm else None)
+        if limit is None:
+            x = torch.randn(200, cols)
+            out = layer(x)
+            assert torch.equal(out, block_quant.matmul_q8_panels(x, layer.panels))
+            assert torch.equal(out[150:151], layer(x[150:151]))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0", "Q6_K"])
 def test_int8_panels_same_bits_whichever_tile_runs_a_panel(qtype):
     """Threads split the panels anywhere, and a panel runs in a tile of two neighbouring panels or on its
     own (an odd one at a thread's end, or the last, partial one): one thread and two split 6 panels
     differently (AVX-512: pairs 0-1, 2-3, 4-5 against 0-1, 2 | 3-4, 5), and every output is the
-    same bits either way, 4-, 5- and 8-bit codes, float16 and float32 scales alike."""
+    same bits either way, 4-, 5-, 6- (Q6_K) and 8-bit codes, float16, float32 and integer scales alike."""
     if block_quant.load() is None:
         pytest.skip("no compiled kernels")
     weight, _ = random_gguf_tensor(qtype, 43, 256, np.random.default_rng(5))
@@ -201,7 +224,7 @@ def test_int8_panels_same_bits_whichever_tile_runs_a_panel(qtype):
     x = torch.randn(70, 256)
     threads = torch.get_num_threads()
     try:
-        for panels in (layer.panels, dataclasses.replace(layer.panels, scales=layer.panels.scales.float())):
+        for panels in filter(None, (layer.panels, panel_scales_as_float32(layer.panels))):
             torch.set_num_threads(1)
             alone = block_quant.matmul_q8_panels(x, panels)
             torch.set_num_threads(2)

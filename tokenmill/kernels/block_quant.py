@@ -32,8 +32,8 @@ Layout (`Blocks`), per weight row of K values:
 `matmul_q8` (int8 activations: a scale per 32 values, per 256 for K-quants) takes one row as a
 memory-bound pass (K-quants summed in integers to the end of each super-block) and more as register tiles of 8 rows against each weight row (fast
 at every batch size for 4-5-bit codes); `matmul_q8_panels` does the same for several rows on a 4-, 5- or 8-bit
-weight repacked once at load (`repack_panels`: eight weight rows interleaved per 4 values, so that one
-broadcast activation word feeds eight rows' dot products); `dequantize` writes the
+weight, or a Q6_K one, repacked once at load (`repack_panels`: eight weight rows interleaved per 4 values, so
+that one broadcast activation word feeds eight rows' dot products); `dequantize` writes the
 float32 weight for large batches, which then go to torch's GEMM. The C++ is csrc/block_quant.cpp.
 """
 
@@ -107,17 +107,20 @@ def matmul_q8(x: torch.Tensor, w: Blocks) -> torch.Tensor:
     return out
 
 
-PANEL_BITS = (4, 5, 8)  # the codes panels hold (in blocks of 32)
+PANEL_BITS = (4, 5, 8)  # the codes panels hold in blocks of 32 (and Q6_K's: `is_q6_k`)
+Q6_K_PANEL_BYTES = 144  # per panel and super-block: 16 sub-block scales of 8 rows, 8 float16 super-block scales
 
 
 @dataclass(frozen=True)
 class Panels:
     """A weight repacked for `matmul_q8_panels` (csrc/block_quant.cpp's panel layout): codes uint8
-    [ceil(N / 8), K / 32, 128 (4 bits) or 256 (5, 8 bits)], eight rows' values interleaved per 4;
+    [ceil(N / 8), K / 32, 128 (4 bits) or 256 (5, 6, 8 bits)], eight rows' values interleaved per 4;
     scales float32 [.., K / 32, 2, 8], each block's scales and offsets (the codes' center folded in)
     of the eight rows, exactly as the blocks hold them; float16 where every one of them is a float16
     value (the GGUF types whose scales are float16 and whose center folds exactly: Q4_0/1, Q5_0/1, Q8_0):
-    a one-row step reads the whole weight per token, and a 4-bit one is then a sixth smaller."""
+    a one-row step reads the whole weight per token, and a 4-bit one is then a sixth smaller. Q6_K
+    (bits 6): scales uint8 [.., K / 256, Q6_K_PANEL_BYTES], the file's own integers (int8 scales per 16
+    values, float16 super-block scales) of the eight rows, which the kernel applies to integer sums."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -126,14 +129,30 @@ class Panels:
     activation_span: int  # Blocks.activation_span of the weight it was packed from
 
 
+def is_q6_k(w: Blocks) -> bool:
+    """Whether `w` holds Q6_K's blocks as the file does: 6-bit codes centered on 32 in blocks of 16, int8
+    sub-block scales under float16 super-block scales, no offsets."""
+    return (
+        (w.bits, w.block, w.center) == (6, 16, 32)
+        and w.scales.dtype == torch.int8
+        and w.supers is not None
+        and w.offsets is None
+    )
+
+
 def repack_panels(w: Blocks) -> Panels | None:
-    """`w` as panels, or None where they do not apply (codes of other bits or blocks of 16, weights off
-    the CPU, or no compiled kernels here)."""
-    if w.bits not in PANEL_BITS or w.block != BLOCK or w.codes.device.type != "cpu" or load() is None:
+    """`w` as panels, or None where they do not apply (codes of other bits or blocks of 16 but Q6_K's,
+    weights off the CPU, or no compiled kernels here)."""
+    paneled = (w.bits in PANEL_BITS and w.block == BLOCK) or is_q6_k(w)
+    if not paneled or w.codes.device.type != "cpu" or load() is None:
         return None
     n, k = w.shape
     panels = -(-n // 8)
     codes = torch.zeros(panels, k // BLOCK, 128 if w.bits == 4 else 256, dtype=torch.uint8)
+    if w.bits == 6:
+        scales = torch.zeros(panels, k // 256, Q6_K_PANEL_BYTES, dtype=torch.uint8)
+        load().block_quant_repack_panels(*w.args(), codes, scales)
+        return Panels(codes, scales, w.bits, n, w.activation_span)
     scales = torch.zeros(panels, k // BLOCK, 2, 8, dtype=torch.float32)
     load().block_quant_repack_panels(*w.args(), codes, scales)
     half = scales.half()

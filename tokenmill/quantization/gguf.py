@@ -291,14 +291,24 @@ class BlockQuantLinearMethod(LinearMethod):
                 dest[rows].copy_(src)
 
     def process_after_loading(self, layer):
-        """Under int8 activations, weights of 4-, 5- and 8-bit codes in blocks of 32 are also repacked
+        """Under int8 activations, weights of 4-, 5- and 8-bit codes in blocks of 32, and Q6_K's, are also repacked
         into panels (`block_quant.repack_panels`, which `decode_operands` passes on too) for every step up to
-        `fused_max_tokens` rows, one-row steps included: a row's result on the panels does not depend on how
+        `max_tokens` rows, one-row steps included: a row's result on the panels does not depend on how
         many rows share its step, so a request's tokens do not depend on its batch (the blocks' one-row and
-        multi-row kernels round differently). Steps past `fused_max_tokens` read the blocks. The copy holds
-        0.75 bytes a weight (4-bit codes) or 1.25 (5, 8 bits); $TOKENMILL_INT8_PANELS=0 keeps only the blocks."""
+        multi-row kernels round differently). Steps past `max_tokens` (AMX CPUs) read the blocks. The copy holds
+        0.75 bytes a weight (4-bit codes), 1.07 (Q6_K) or 1.25 (5, 8 bits); $TOKENMILL_INT8_PANELS=0 keeps
+        only the blocks."""
         wanted = self.int8_activations and os.environ.get("TOKENMILL_INT8_PANELS", "1") != "0"
         layer.panels = block_quant.repack_panels(self.blocks(layer)) if wanted else None
+
+    def max_tokens(self, layer) -> int | None:
+        """The most tokens a step of `layer` runs through the fused kernel (None: any number):
+        `fused_max_tokens`, but any number on panels, which beat dequantize + float32 GEMM at 256 and 512
+        rows for 6- and 8-bit codes too (Qwen2.5-0.5B's Q6_K down and Q8_0 qkv, AVX-512 VNNI and AVX2 builds:
+        `benchmarks/bench_int8_panels.py`, BENCHMARKS.md), unless AMX's bfloat16 GEMM takes the large steps."""
+        if getattr(layer, "panels", None) is not None and not self.bf16_gemm:
+            return None
+        return self.fused_max_tokens
 
     def blocks(self, layer) -> block_quant.Blocks:
         return block_quant.Blocks(
@@ -310,7 +320,7 @@ class BlockQuantLinearMethod(LinearMethod):
         w = self.blocks(layer)
         if runs_triton(flat):  # GPUs: the Triton kernel on the same blocks, activations as they are
             out = triton_block.matmul(flat, w)
-        elif self.fused_max_tokens is None or flat.shape[0] <= self.fused_max_tokens:
+        elif (limit := self.max_tokens(layer)) is None or flat.shape[0] <= limit:
             panels = getattr(layer, "panels", None)  # set by process_after_loading
             if panels is not None:
                 out = block_quant.matmul_q8_panels(flat, panels)
@@ -336,7 +346,7 @@ class BlockQuantLinearMethod(LinearMethod):
             self.layout.center,
             [layer.codes, layer.high, layer.scales, layer.offsets, layer.supers]
             + ([panels.codes, panels.scales] if panels is not None else [None, None]),
-            self.fused_max_tokens,
+            self.max_tokens(layer),
         )
 
 
