@@ -60,10 +60,8 @@ inline bool splits_by_panels(const Linear& l) {
   return l.kind == 2 && l.panel_codes.numel() && !l.lora && (!l.bias.numel() || l.bias.scalar_type() == at::kFloat);
 }
 
-// Thread t's share (of n) of `linear`: the output columns of panels [P t / n, P (t + 1) / n), and the bias
-// added to them as `out += bias` adds it.
-void linear_share(const Linear& l, const torch::Tensor& x, torch::Tensor& out, int t, int n) {
-  const int64_t P = l.panel_codes.size(0), first = P * t / n, last = P * (t + 1) / n;
+// The output columns of panels [first, last) of `l`, and the bias added to them as `out += bias` adds it.
+void linear_panels(const Linear& l, const torch::Tensor& x, torch::Tensor& out, int64_t first, int64_t last) {
   block_quant_matmul_q8_panels_range(x, l.panel_codes, l.panel_scales, l.bits, activation_span(l), out, first, last);
   if (!l.bias.numel()) return;
   const int64_t N = out.size(1), end = std::min(N, 8 * last);
@@ -74,10 +72,17 @@ void linear_share(const Linear& l, const torch::Tensor& x, torch::Tensor& out, i
   }
 }
 
+// Thread t's share (of n) of `l`: panels [P t / n, P (t + 1) / n).
+void linear_share(const Linear& l, const torch::Tensor& x, torch::Tensor& out, int t, int n) {
+  const int64_t P = l.panel_codes.size(0);
+  linear_panels(l, x, out, P * t / n, P * (t + 1) / n);
+}
+
 // The layers in one OpenMP parallel region: a step pays one fork and join, not one per kernel (about 150
 // a token for SmolLM2's 30 layers). The products and the attention's spans are split over the threads,
 // barriers between the ops; the small ops (norms, rotary, the KV write, SiLU) run on the calling thread
-// (the master), the one that also makes every torch call: the same kernels on the same inputs as
+// (the master), the one that also makes every torch call, but SiLU * up, which each thread applies to the
+// columns whose gate and up it computed: the same kernels on the same inputs as
 // the op-by-op loop, so the same bits. Buffers are made once a step: the residual stream alternates
 // between `hidden` (the input, then the down projection's output) and the o projection's output.
 std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
@@ -136,10 +141,12 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
         res = o;
       }
 #pragma omp barrier
-      linear_share(l[2], normed, gate_up, t, n);
-#pragma omp barrier
-#pragma omp master
-      silu_and_mul(gate_up, act);
+      {  // gate and up (I / 8 panels each) over the same columns of act, then SiLU * up on those columns
+        const int64_t G = I / 8, first = G * t / n, last = G * (t + 1) / n;
+        linear_panels(l[2], normed, gate_up, first, last);
+        linear_panels(l[2], normed, gate_up, G + first, G + last);
+        silu_and_mul_columns(gate_up, act, 8 * first, 8 * last);
+      }
 #pragma omp barrier
       linear_share(l[3], act, down, t, n);
 #pragma omp barrier
@@ -182,7 +189,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<tor
       const torch::Tensor* factors = segments ? lora.data() + kLoRA * i + 3 * j : nullptr;
       linears.push_back(Linear{l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], k[0], k[1], k[2], factors});
     }
-  if (std::all_of(linears.begin(), linears.end(), decode_step::splits_by_panels))
+  bool one_region = std::all_of(linears.begin(), linears.end(), decode_step::splits_by_panels);
+  for (size_t i = 0; i < layers; ++i) one_region = one_region && linears[4 * i + 2].w.size(0) % 16 == 0;  // 8 | I
+  if (one_region)
     return decode_step::layers_in_one_region(hidden, residual, positions, slots, block_tables, context_lens, cos_sin,
                                              linears, tensors, num_heads, num_kv_heads, head_dim, eps, scale);
   torch::Tensor res = residual ? *residual : torch::Tensor();
