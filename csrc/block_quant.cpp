@@ -1308,11 +1308,11 @@ inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, co
 // Every activation row against every panel: per thread, blocks of kRowBlock activation rows (they stay
 // in L2: at 256 rows a call ran at half the speed of 64) against chunks of kChunk panels (their codes stay
 // in L1) against each tile of kPanelRows activation rows in turn: tile(m0, rows, p, pair) computes rows
-// m0.. against panel p, or (pair, AVX-512) panels p and p + 1 at once.
+// m0.. against panel p, or (pair, AVX-512) panels p and p + 1 at once. Panels [first, last) only.
 template <typename Tile>
-void for_each_panel_tile(int64_t M, int64_t P, const Tile& tile) {
+void for_each_panel_tile(int64_t M, int64_t first, int64_t last, const Tile& tile) {
   constexpr int64_t kChunk = 4, kRowBlock = 64;
-  at::parallel_for(0, P, kChunk, [&](int64_t begin, int64_t end) {
+  at::parallel_for(first, last, kChunk, [&](int64_t begin, int64_t end) {
     for (int64_t block = 0; block < M; block += kRowBlock)
       for (int64_t p0 = begin; p0 < end; p0 += kChunk) {
         const int64_t p1 = std::min(end, p0 + kChunk), m1 = std::min(M, block + kRowBlock);
@@ -1330,7 +1330,7 @@ void for_each_panel_tile(int64_t M, int64_t P, const Tile& tile) {
 
 template <int BITS, typename S>
 void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           int64_t span, torch::Tensor& out) {
+                           int64_t span, torch::Tensor& out, int64_t first, int64_t last) {
   constexpr int64_t bytes = panel_block_bytes(BITS);
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32, N = out.size(1), P = codes.size(0);
   TORCH_CHECK(K % span == 0 && codes.size(1) == nb && codes.size(2) == bytes && P == (N + kPanel - 1) / kPanel,
@@ -1341,7 +1341,7 @@ void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, c
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const S* sp = scales.data_ptr<S>();
   float* outp = out.data_ptr<float>();
-  for_each_panel_tile(M, P, [&](int64_t m0, int rows, int64_t p, bool pair) {
+  for_each_panel_tile(M, first, last < 0 ? P : last, [&](int64_t m0, int rows, int64_t p, bool pair) {
     const int8_t* xr = xq.data() + m0 * K;
 #ifdef TM_PANEL_PAIRS
     if (pair)
@@ -1516,7 +1516,7 @@ inline void q6_panel_tile_rows(int rows, const int8_t* xq, const float* dx, cons
 // block_quant_matmul_q8_panels on Q6_K's panels (the layout above): the activations rounded per
 // super-block (span 256), their integer sums per 16 values times the center subtracted per sub-block.
 void matmul_q8_q6_panels(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                         torch::Tensor& out) {
+                         torch::Tensor& out, int64_t first, int64_t last) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32, subs = K / 16, N = out.size(1), P = codes.size(0);
   const int64_t bytes = panel_block_bytes(8), supers = K / kSuper;
   TORCH_CHECK(K % kSuper == 0 && codes.size(1) == nb && codes.size(2) == bytes && P == (N + kPanel - 1) / kPanel &&
@@ -1532,7 +1532,7 @@ void matmul_q8_q6_panels(const torch::Tensor& x, const torch::Tensor& codes, con
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   float* outp = out.data_ptr<float>();
   const int64_t panel_codes = nb * bytes, panel_scales = supers * kQ6PanelBytes;
-  for_each_panel_tile(M, P, [&](int64_t m0, int rows, int64_t p, bool pair) {
+  for_each_panel_tile(M, first, last < 0 ? P : last, [&](int64_t m0, int rows, int64_t p, bool pair) {
     const int8_t* xr = xq.data() + m0 * K;
     const float* dr = dx.data() + m0 * nb;
     const int32_t* cr = xc.data() + m0 * subs;
@@ -1706,20 +1706,29 @@ void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor>
 // scales float32 or float16; Q6_K's, bits 6: uint8).
 void block_quant_matmul_q8_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits,
                                   int64_t span, torch::Tensor out) {
+  block_quant_matmul_q8_panels_range(x, codes, scales, bits, span, out, 0, -1);
+}
+
+// Its output columns of panels [first, last) only (8 first .. 8 last; last < 0: to the end), for callers
+// that split a product over threads of their own (the compiled decode step): inside a parallel region it
+// runs on the calling thread.
+void block_quant_matmul_q8_panels_range(const torch::Tensor& x, const torch::Tensor& codes,
+                                        const torch::Tensor& scales, int64_t bits, int64_t span, torch::Tensor& out,
+                                        int64_t first, int64_t last) {
   if (bits == 6) {  // Q6_K's: its integer sub-block scales and float16 super-block scales as bytes
     TORCH_CHECK(scales.scalar_type() == at::kByte && span == kSuper, "Q6_K panel scales: uint8, span 256");
-    return matmul_q8_q6_panels(x, codes, scales, out);
+    return matmul_q8_q6_panels(x, codes, scales, out, first, last);
   }
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
               "panel scales: float32 or float16");
   auto run = [&](auto scale) {
     using S = decltype(scale);
     if (bits == 4)
-      matmul_q8_panels_impl<4, S>(x, codes, scales, span, out);
+      matmul_q8_panels_impl<4, S>(x, codes, scales, span, out, first, last);
     else if (bits == 5)
-      matmul_q8_panels_impl<5, S>(x, codes, scales, span, out);
+      matmul_q8_panels_impl<5, S>(x, codes, scales, span, out, first, last);
     else if (bits == 8)
-      matmul_q8_panels_impl<8, S>(x, codes, scales, span, out);
+      matmul_q8_panels_impl<8, S>(x, codes, scales, span, out, first, last);
     else
       TORCH_CHECK(false, "panels hold 4-, 5- or 8-bit codes, not ", bits, "-bit ones");
   };

@@ -1,8 +1,12 @@
 #include "decode_step.h"
 
+#include <algorithm>
+#include <memory>
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <omp.h>
 
 #include "block_quant.h"
 #include "fused_ops.h"
@@ -25,6 +29,10 @@ inline c10::optional<torch::Tensor> present(const torch::Tensor& t) {
   return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
+inline int64_t activation_span(const Linear& l) {  // block_quant.cpp's activation_span
+  return l.scales.scalar_type() == at::kChar && l.supers.numel() ? 256 : 32;
+}
+
 // As the Python path: F.linear for dense weights; the block kernel, then `out += bias`; then the
 // adapters' deltas (LoRAWeights.add_to).
 // `segments`: the step's (seg_starts, seg_slots, seg_scales), or null.
@@ -36,8 +44,7 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x, const torch::Tenso
     out = torch::empty({x.size(0), l.w.size(0)}, x.options());
     const int64_t block = l.w.size(1) * (l.bits == 8 ? 1 : 2) / l.scales.size(1);
     if (l.kind == 2 && l.panel_codes.numel()) {  // as BlockQuantLinearMethod.apply
-      const int64_t span = l.scales.scalar_type() == at::kChar && l.supers.numel() ? 256 : 32;  // activation_span
-      block_quant_matmul_q8_panels(x, l.panel_codes, l.panel_scales, l.bits, span, out);
+      block_quant_matmul_q8_panels(x, l.panel_codes, l.panel_scales, l.bits, activation_span(l), out);
     } else {
       auto kernel = l.kind == 1 ? block_quant_matmul : block_quant_matmul_q8;
       kernel(x, l.w, present(l.high), l.scales, present(l.offsets), present(l.supers), l.bits, block, l.center, out);
@@ -46,6 +53,108 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x, const torch::Tenso
   }
   if (l.lora) lora_add(x.contiguous(), l.lora[0], l.lora[1], l.lora[2], segments[0], segments[1], segments[2], out);
   return out;
+}
+
+// Whether the parallel region below runs this layer: int8 activations on panels, no adapter.
+inline bool splits_by_panels(const Linear& l) {
+  return l.kind == 2 && l.panel_codes.numel() && !l.lora && (!l.bias.numel() || l.bias.scalar_type() == at::kFloat);
+}
+
+// The output columns of panels [first, last) of `l`, and the bias added to them as `out += bias` adds it.
+void linear_panels(const Linear& l, const torch::Tensor& x, torch::Tensor& out, int64_t first, int64_t last) {
+  block_quant_matmul_q8_panels_range(x, l.panel_codes, l.panel_scales, l.bits, activation_span(l), out, first, last);
+  if (!l.bias.numel()) return;
+  const int64_t N = out.size(1), end = std::min(N, 8 * last);
+  const float* b = l.bias.data_ptr<float>();
+  for (int64_t r = 0; r < out.size(0); ++r) {
+    float* row = out.data_ptr<float>() + r * N;
+    for (int64_t c = 8 * first; c < end; ++c) row[c] += b[c];
+  }
+}
+
+// Thread t's share (of n) of `l`: panels [P t / n, P (t + 1) / n).
+void linear_share(const Linear& l, const torch::Tensor& x, torch::Tensor& out, int t, int n) {
+  const int64_t P = l.panel_codes.size(0);
+  linear_panels(l, x, out, P * t / n, P * (t + 1) / n);
+}
+
+// The layers in one OpenMP parallel region: a step pays one fork and join, not one per kernel (about 150
+// a token for SmolLM2's 30 layers). The products and the attention's spans are split over the threads,
+// barriers between the ops; the small ops (norms, rotary, the KV write, SiLU) run on the calling thread
+// (the master), the one that also makes every torch call, but SiLU * up, which each thread applies to the
+// columns whose gate and up it computed: the same kernels on the same inputs as
+// the op-by-op loop, so the same bits. Buffers are made once a step: the residual stream alternates
+// between `hidden` (the input, then the down projection's output) and the o projection's output.
+std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
+                                                const torch::Tensor& positions, const torch::Tensor& slots,
+                                                const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                                                const torch::Tensor& cos_sin, const std::vector<Linear>& linears,
+                                                const std::vector<torch::Tensor>& tensors, int64_t H, int64_t KVH,
+                                                int64_t D, double eps, double scale) {
+  constexpr size_t kTensors = 6 + 4 * 8;
+  const size_t layers = linears.size() / 4;
+  const int64_t T = hidden.size(0), I = linears[2].w.size(0) / 2;  // gate_up: 2I outputs
+  auto make = [&](int64_t width) { return torch::empty({T, width}, hidden.options()); };
+  torch::Tensor normed = make(hidden.size(1)), qkv = make(linears[0].w.size(0)), q = make(H * D), attn = make(H * D),
+                o = make(hidden.size(1)), gate_up = make(2 * I), act = make(I), down = make(hidden.size(1));
+  const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D});
+  torch::Tensor res = residual ? *residual : torch::Tensor(), x = hidden;
+  std::unique_ptr<DecodeAttention> attention;
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    auto split = [&](int64_t total, auto&& run) { run(total * t / n, total * (t + 1) / n); };
+    for (size_t i = 0; i < layers; ++i) {
+      const torch::Tensor* w = tensors.data() + kTensors * i;
+      const Linear* l = linears.data() + 4 * i;
+#pragma omp master
+      {
+        add_rms_norm(x, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, w[0], eps, normed);
+        res = x;
+      }
+#pragma omp barrier
+      linear_share(l[0], normed, qkv, t, n);
+#pragma omp barrier
+#pragma omp master
+      {
+        rotary_inplace(heads.narrow(1, 0, H + KVH), positions, cos_sin);
+        if (w[4].numel())
+          write_kv_quantized(heads.narrow(1, H, KVH), heads.narrow(1, H + KVH, KVH), w[2], w[3], w[4], w[5], slots);
+        else
+          write_kv(heads.narrow(1, H, KVH), heads.narrow(1, H + KVH, KVH), w[2], w[3], slots);
+        q.view({T, H, D}).copy_(heads.narrow(1, 0, H));
+        torch::Tensor out = attn.view({T, H, D});
+        attention = std::make_unique<DecodeAttention>(q.view({T, H, D}), w[2], w[3], block_tables, context_lens, scale,
+                                                      0, 0.0, out, present(w[4]), present(w[5]), c10::nullopt, n);
+      }
+#pragma omp barrier
+      split(attention->tasks(), [&](int64_t a, int64_t b) { attention->run_tasks(a, b); });
+#pragma omp barrier
+      split(attention->merges(), [&](int64_t a, int64_t b) { attention->run_merges(a, b); });
+#pragma omp barrier
+      linear_share(l[1], attn, o, t, n);
+#pragma omp barrier
+#pragma omp master
+      {
+        add_rms_norm(o, res, w[1], eps, normed);
+        res = o;
+      }
+#pragma omp barrier
+      {  // gate and up (I / 8 panels each) over the same columns of act, then SiLU * up on those columns
+        const int64_t G = I / 8, first = G * t / n, last = G * (t + 1) / n;
+        linear_panels(l[2], normed, gate_up, first, last);
+        linear_panels(l[2], normed, gate_up, G + first, G + last);
+        silu_and_mul_columns(gate_up, act, 8 * first, 8 * last);
+      }
+#pragma omp barrier
+      linear_share(l[3], act, down, t, n);
+#pragma omp barrier
+#pragma omp master
+      x = down;
+    }
+  }
+  return {x, res};
 }
 
 }  // namespace decode_step
@@ -72,16 +181,24 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<tor
   TORCH_CHECK(lora.empty() || lora.size() == kLoRA * layers, "decode_layers: 12 LoRA tensors per layer, or none");
   TORCH_CHECK(lora_segments.empty() || lora_segments.size() == 3, "decode_layers: 3 LoRA segment tensors, or none");
   const torch::Tensor* segments = lora.empty() || lora_segments.empty() ? nullptr : lora_segments.data();
+  std::vector<Linear> linears;
+  for (size_t i = 0; i < layers; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const torch::Tensor* l = tensors.data() + kTensors * i + 6 + 8 * j;
+      const int64_t* k = ints.data() + kInts * i + 3 * j;
+      const torch::Tensor* factors = segments ? lora.data() + kLoRA * i + 3 * j : nullptr;
+      linears.push_back(Linear{l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], k[0], k[1], k[2], factors});
+    }
+  bool one_region = std::all_of(linears.begin(), linears.end(), decode_step::splits_by_panels);
+  for (size_t i = 0; i < layers; ++i) one_region = one_region && linears[4 * i + 2].w.size(0) % 16 == 0;  // 8 | I
+  if (one_region)
+    return decode_step::layers_in_one_region(hidden, residual, positions, slots, block_tables, context_lens, cos_sin,
+                                             linears, tensors, num_heads, num_kv_heads, head_dim, eps, scale);
   torch::Tensor res = residual ? *residual : torch::Tensor();
   for (size_t i = 0; i < layers; ++i) {
     const torch::Tensor* t = tensors.data() + kTensors * i;
-    const int64_t* k = ints.data() + kInts * i;
-    auto make = [&](int j) {
-      const torch::Tensor* l = t + 6 + 8 * j;
-      const torch::Tensor* factors = segments ? lora.data() + kLoRA * i + 3 * j : nullptr;
-      return Linear{l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], k[3 * j], k[3 * j + 1], k[3 * j + 2], factors};
-    };
-    const Linear qkv_proj = make(0), o_proj = make(1), gate_up_proj = make(2), down_proj = make(3);
+    const Linear &qkv_proj = linears[4 * i], &o_proj = linears[4 * i + 1], &gate_up_proj = linears[4 * i + 2],
+                 &down_proj = linears[4 * i + 3];
 
     auto normed = torch::empty_like(hidden);
     add_rms_norm(hidden, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, t[0], eps, normed);

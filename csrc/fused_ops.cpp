@@ -57,7 +57,10 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_
 }
 
 // gate_up: [T, 2I] contiguous -> out [T, I] = silu(gate) * up.
-void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
+void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) { silu_and_mul_columns(gate_up, out, 0, out.size(1)); }
+
+// Its columns [first, last) of out only (for callers that split it over threads of their own).
+void silu_and_mul_columns(const torch::Tensor& gate_up, torch::Tensor& out, int64_t first, int64_t last) {
   const int64_t T = out.size(0), I = out.size(1);
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -67,7 +70,7 @@ void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
       const float* u = g + I;
       float* o = op + t * I;
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (int64_t i = first; i < last; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
 }

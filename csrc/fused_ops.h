@@ -7,3 +7,4 @@ void add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch:
                   torch::Tensor out);
 void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin);
 void silu_and_mul(torch::Tensor gate_up, torch::Tensor out);
+void silu_and_mul_columns(const torch::Tensor& gate_up, torch::Tensor& out, int64_t first, int64_t last);

@@ -297,36 +297,52 @@ inline void merge_spans(const float* part, int64_t spans, int64_t stride, int64_
 // dims contiguous; k_scales, v_scales (int8 / fp8): [num_blocks, block_size, KVH] bfloat16, else null.
 // window > 0: only the last `window` tokens are attended; soft_cap > 0: scores are soft-capped; sinks:
 // [H] float32 logits that join each head's softmax without a value, or null.
+// The work as tasks (a span of one kv head for some of its query heads), then merges (one per sequence and
+// kv head, its spans in order): the parts of `DecodeAttention`.
 template <typename T>
-void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                       int64_t window, double soft_cap_value, torch::Tensor& out, const c10::BFloat16* k_scales,
-                       const c10::BFloat16* v_scales, const float* sinks) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), DV = v_cache.size(3);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
-  const int64_t max_blocks = block_tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+struct DecodeTasks final : DecodeAttention::Work {
+  const int64_t B, H, D, DV, BS, KVH, G, max_blocks, k_row, k_head, v_row, v_head;  // (k_row: a slot's stride)
+  const float scale, cap;
+  const float* qp;
+  const T *kp, *vp;
+  const int64_t *tables, *lens;
+  float* op;
+  const c10::BFloat16 *k_scales, *v_scales;
+  const float* sinks;
+  std::vector<int64_t> begins, first;  // per sequence b: its first token, its spans first[b] .. first[b + 1]
+  int64_t stride, splits, per;
+  std::vector<float> parts;
 
-  // the tasks: per sequence b, its kv heads' spans (first[b] .. first[b + 1]: KVH x spans of b)
-  std::vector<int64_t> begins(B), first(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) {
-    begins[b] = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-    first[b + 1] = first[b] + KVH * ((lens[b] - begins[b] + kSpanTokens - 1) / kSpanTokens);
+  DecodeTasks(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+              const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale_, int64_t window,
+              double soft_cap_value, torch::Tensor& out, const c10::BFloat16* k_scales_,
+              const c10::BFloat16* v_scales_, const float* sinks_, int64_t threads)
+      : B(q.size(0)), H(q.size(1)), D(q.size(2)), DV(v_cache.size(3)), BS(k_cache.size(1)), KVH(k_cache.size(2)),
+        G(H / KVH), max_blocks(block_tables.size(1)), k_row(k_cache.stride(1)), k_head(k_cache.stride(2)),
+        v_row(v_cache.stride(1)), v_head(v_cache.stride(2)), scale(static_cast<float>(scale_)),
+        cap(static_cast<float>(soft_cap_value)), qp(q.data_ptr<float>()), kp(k_cache.data_ptr<T>()),
+        vp(v_cache.data_ptr<T>()), tables(block_tables.data_ptr<int64_t>()),
+        lens(context_lens.data_ptr<int64_t>()), op(out.data_ptr<float>()), k_scales(k_scales_),
+        v_scales(v_scales_), sinks(sinks_), begins(B), first(B + 1, 0) {
+    for (int64_t b = 0; b < B; ++b) {
+      begins[b] = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      first[b + 1] = first[b] + KVH * ((lens[b] - begins[b] + kSpanTokens - 1) / kSpanTokens);
+    }
+    stride = G * DV + 2 * G;  // a span's (o, m, l)
+    parts.resize(first[B] * stride);
+    // Few spans for the threads (one short sequence; a latent cache's single kv head): each span's query
+    // heads are split so that there are at least two tasks per thread to balance (a head's result is the
+    // same whichever task computes it).
+    splits = std::min<int64_t>(
+        G, std::max<int64_t>(1, (2 * threads + first[B] - 1) / std::max<int64_t>(1, first[B])));
+    per = (G + splits - 1) / splits;
+    tasks = first[B] * splits;
+    merges = B * KVH;
+    merge_floats = G * DV;
   }
-  const int64_t stride = G * DV + 2 * G;  // a span's (o, m, l)
-  std::vector<float> parts(first[B] * stride);
-  // Few spans for the threads (one short sequence; a latent cache's single kv head): each span's query
-  // heads are split so that there are at least two tasks per thread to balance (a head's result is the
-  // same whichever task computes it).
-  const int64_t splits = std::min<int64_t>(G, std::max<int64_t>(1, (2 * at::get_num_threads() + first[B] - 1) /
-                                                                       std::max<int64_t>(1, first[B])));
-  const int64_t per = (G + splits - 1) / splits;
-  at::parallel_for(0, first[B] * splits, 1, [&](int64_t begin, int64_t end) {
+
+  void run_tasks(int64_t begin, int64_t end) override {
+    if (begin >= end) return;
     std::vector<float> scores(per * kSpanTokens), row_scales(k_scales ? 2 * kSpanTokens : 0, 1.f);
     std::vector<const T*> rows(2 * kSpanTokens);
     int64_t b = std::upper_bound(first.begin(), first.end(), begin / splits) - first.begin() - 1;
@@ -345,8 +361,8 @@ void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, con
       for (int64_t t = 0, block = from / BS, offset = from % BS; t < n; ++t) {
         const int64_t slot = table[block] * BS + offset;
         if (++offset == BS) ++block, offset = 0;
-        rows[t] = kp + slot * k_cache.stride(1) + kvh * k_cache.stride(2);
-        rows[kSpanTokens + t] = vp + slot * v_cache.stride(1) + kvh * v_cache.stride(2);
+        rows[t] = kp + slot * k_row + kvh * k_head;
+        rows[kSpanTokens + t] = vp + slot * v_row + kvh * v_head;
         for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(rows[t] + d, 0, 2);
         for (int64_t d = 0; d < DV; d += 64 / sizeof(T)) __builtin_prefetch(rows[kSpanTokens + t] + d, 0, 2);
         if (k_scales) {
@@ -358,27 +374,27 @@ void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, con
       auto scale_of = [](const float* p) { return [=](int64_t t) { return p ? p[t] : 1.f; }; };
       const float* sk = k_scales ? row_scales.data() : nullptr;
       float* part = parts.data() + span * stride;
-      attend_span(qp + (b * H + kvh * G + g0) * D, heads, D, DV, n, static_cast<float>(scale),
-                  static_cast<float>(soft_cap_value), row(rows.data()), row(rows.data() + kSpanTokens), scale_of(sk),
-                  scale_of(sk ? sk + kSpanTokens : nullptr), scores.data(), part + G * DV + g0,
-                  part + G * DV + G + g0, part + g0 * DV);
+      attend_span(qp + (b * H + kvh * G + g0) * D, heads, D, DV, n, scale, cap, row(rows.data()),
+                  row(rows.data() + kSpanTokens), scale_of(sk), scale_of(sk ? sk + kSpanTokens : nullptr),
+                  scores.data(), part + G * DV + g0, part + G * DV + G + g0, part + g0 * DV);
     }
-  });
-  // the merges: inline for a few sequences (a fork would cost more than they do), else across threads
-  const int64_t pairs = B * KVH;
-  at::parallel_for(0, pairs, std::max<int64_t>(1, 16384 / (G * DV)), [&](int64_t begin, int64_t end) {
+  }
+
+  void run_merges(int64_t begin, int64_t end) override {
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / KVH, kvh = pair % KVH, spans = (first[b + 1] - first[b]) / KVH;
       merge_spans(parts.data() + (first[b] + kvh * spans) * stride, spans, stride, G, DV,
                   sinks ? sinks + kvh * G : nullptr, op + (b * H + kvh * G) * DV);
     }
-  });
-}
+  }
+};
 
-void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor context_lens, double scale, int64_t window, double soft_cap_value,
-                            torch::Tensor out, c10::optional<torch::Tensor> k_scales,
-                            c10::optional<torch::Tensor> v_scales, c10::optional<torch::Tensor> sinks) {
+DecodeAttention::DecodeAttention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                                 int64_t window, double soft_cap_value, torch::Tensor& out,
+                                 const c10::optional<torch::Tensor>& k_scales,
+                                 const c10::optional<torch::Tensor>& v_scales,
+                                 const c10::optional<torch::Tensor>& sinks, int64_t threads) {
   const bool quantized = k_cache.element_size() == 1;
   TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()), "scales come with int8 / fp8 caches only");
   const c10::BFloat16* ks = nullptr;
@@ -392,23 +408,40 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
                 "sinks: contiguous float32, one per query head");
   const float* sp = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  auto run = [&](auto element) {
-    paged_decode_impl<decltype(element)>(q, k_cache, v_cache, block_tables, context_lens, scale, window, soft_cap_value,
-                                         out, ks, vs, sp);
+  auto make = [&](auto element) -> std::unique_ptr<Work> {
+    return std::make_unique<DecodeTasks<decltype(element)>>(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                             window, soft_cap_value, out, ks, vs, sp, threads);
   };
   switch (k_cache.scalar_type()) {
     case at::kHalf:
-      return run(c10::Half());
+      work_ = make(c10::Half());
+      break;
     case at::kBFloat16:
-      return run(c10::BFloat16());
+      work_ = make(c10::BFloat16());
+      break;
     case at::kChar:
-      return run(int8_t());
+      work_ = make(int8_t());
+      break;
     case at::ScalarType::Float8_e4m3fn:
-      return run(c10::Float8_e4m3fn());
+      work_ = make(c10::Float8_e4m3fn());
+      break;
     case at::ScalarType::Float8_e5m2:
-      return run(c10::Float8_e5m2());
+      work_ = make(c10::Float8_e5m2());
+      break;
     default:
       TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "paged_decode_attention: unsupported cache dtype");
-      return run(float());
+      work_ = make(float());
   }
+}
+
+void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                            torch::Tensor context_lens, double scale, int64_t window, double soft_cap_value,
+                            torch::Tensor out, c10::optional<torch::Tensor> k_scales,
+                            c10::optional<torch::Tensor> v_scales, c10::optional<torch::Tensor> sinks) {
+  DecodeAttention attention(q, k_cache, v_cache, block_tables, context_lens, scale, window, soft_cap_value, out,
+                            k_scales, v_scales, sinks, at::get_num_threads());
+  at::parallel_for(0, attention.tasks(), 1, [&](int64_t begin, int64_t end) { attention.run_tasks(begin, end); });
+  // the merges: inline for a few sequences (a fork would cost more than they do), else across threads
+  at::parallel_for(0, attention.merges(), std::max<int64_t>(1, 16384 / attention.merge_floats()),
+                   [&](int64_t begin, int64_t end) { attention.run_merges(begin, end); });
 }

@@ -17,6 +17,12 @@ calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything 
 norms, experts, other activations, tensor parallelism) keeps the model's own forward. KV caches
 may be float32, float16, bfloat16, or int8 / fp8 with their scales (written by `write_kv_quantized`,
 bit for bit the torch path's quantizer, and read by the same decode kernel).
+
+When every linear layer runs int8 activations on panels and no adapter (GGUF models, the small ones
+whose tokens are short), the layers run inside one OpenMP parallel region instead of one per kernel:
+about 150 fork/joins a token fewer for SmolLM2. The products are split over the threads by panels,
+the attention by its span tasks, barriers between the ops; each output element is still computed by
+the same code on the same inputs, so the bits do not change.
 """
 
 from __future__ import annotations

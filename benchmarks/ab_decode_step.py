@@ -1,0 +1,82 @@
+"""The compiled decode step of two builds of the CPU kernels in one process, taking turns call by call
+on one real step's inputs (SmolLM2 by default, after a 512-token prompt and 63 decode steps): the
+median time of each and their ratio, the two results asserted bit-identical. On a shared machine this
+is steadier than two processes in turn; at one thread it times the engine thread's CPU, not the wall.
+
+    PYTHONPATH=TREE .venv/bin/python benchmarks/ab_decode_step.py BASE_SO [--threads 1] [--seconds 20]
+
+BASE_SO: the other build's extension module file (e.g. a checkout's tokenmill/kernels/_cpu_*.so, built
+from its sources); TREE's own build is the one `tokenmill.kernels.cpu_kernels()` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import cpu_kernels, decode_step
+
+
+def load_module(path: str):
+    """The extension module in `path` (its init function is named after the file's first part)."""
+    name = re.sub(r"\..*", "", Path(path).name)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("base", help="the other build's extension module file (.so)")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model alias or path (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the timed calls (default: %(default)s)")
+    ap.add_argument("--seconds", type=float, default=20.0, help="how long the two take turns (default: %(default)s)")
+    args = ap.parse_args()
+    base, new = load_module(args.base), cpu_kernels()
+    llm = LLM(args.model)
+    captured = {}
+    call = decode_step.CompiledDecode.__call__
+
+    def capture(step, *a, **k):
+        captured["step"] = (step, a)
+        return call(step, *a, **k)
+
+    decode_step.CompiledDecode.__call__ = capture
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm.generate({"prompt_token_ids": list(range(1000, 1512))}, params, use_tqdm=False)
+    decode_step.CompiledDecode.__call__ = call
+    step, (positions, hidden, residual, meta, _) = captured["step"]
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+
+    def run(module):  # a fresh copy of the stream each call: the step adds to it in place
+        return module.decode_layers(
+            hidden.clone(), None if residual is None else residual.clone(), positions, meta.slot_mapping,
+            meta.decode_block_tables, meta.decode_context_lens, step.rotary.table(hidden), step.tensors, step.ints,
+            step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale, step.lora, [],
+        )  # fmt: skip
+
+    a, b = run(base), run(new)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "the two builds' results differ"
+    times = {base: [], new: []}
+    end = time.perf_counter() + args.seconds
+    while time.perf_counter() < end:
+        for module in (base, new):
+            start = clock()
+            run(module)
+            times[module].append(clock() - start)
+    old, now = (statistics.median(times[m]) * 1e3 for m in (base, new))
+    print(f"STEP threads {args.threads}: base {old:.3f} ms, this tree {now:.3f} ms, base/this {old / now:.3f} "
+          f"({len(times[new])} calls each, identical results)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
