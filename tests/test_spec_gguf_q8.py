@@ -15,12 +15,15 @@ from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 
-# 4-, 5- and 8-bit codes in blocks of 32: the types gguf-q8 repacks into panels at load
+# 4- and 5-bit codes in blocks of 32 in the decoder layers: gguf-q8 runs them on panels at every step
+# size. 8-bit ones (Q8_0) stay out of them: past 128 rows a step dequantizes 6-8-bit weights for a float
+# GEMM (`quantization/gguf.fused_max_tokens`), whose rows round otherwise, so a row's bits would depend
+# on whether it shares a step with a prompt chunk. The head only ever sees a few rows here.
 TYPES = {
     "attn_q": "Q4_1",
     "attn_k": "Q4_1",
     "attn_v": "Q4_0",
-    "attn_output": "Q8_0",
+    "attn_output": "Q4_1",
     "ffn_gate": "Q5_0",
     "ffn_up": "Q5_0",
     "ffn_down": "Q4_0",
@@ -38,18 +41,20 @@ def gguf_q8(tmp_path_factory):
     return str(directory / "m.gguf"), loaded
 
 
+ARRIVAL = 8  # the step at which the other requests arrive
+
+
 def generate(core, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[tuple[int, float]]]:
-    """Each request's (token, logprob) pairs. Half the requests arrive two steps after the others, so
-    their prompts are prefilled in steps that also verify the first half's drafts (those steps run the
-    layers one by one, not the compiled decode step)."""
+    """Each request's (token, logprob) pairs. The first request runs alone for its first steps (decodes
+    of one row, verify steps of several), then the others arrive: their prompts are prefilled in a step
+    that also decodes or verifies the first (run layer by layer, not by the compiled decode step), and
+    the steps after it hold several requests' decode and verify rows."""
     out: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
-    late = len(prompts) // 2
-    for i, prompt in enumerate(prompts[:late]):
-        core.add_request(EngineCoreRequest(str(i), prompt, params))
+    core.add_request(EngineCoreRequest("0", prompts[0], params))
     steps = 0
-    while core.has_unfinished() or steps < 2:
-        if steps == 2:
-            for i, prompt in enumerate(prompts[late:], late):
+    while core.has_unfinished() or steps <= ARRIVAL:
+        if steps == ARRIVAL:
+            for i, prompt in enumerate(prompts[1:], 1):
                 core.add_request(EngineCoreRequest(str(i), prompt, params))
         for o in core.step():
             out[o.request_id] += [(t, lp[t].logprob) for t, lp in zip(o.new_token_ids, o.new_logprobs)]
