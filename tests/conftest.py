@@ -42,6 +42,7 @@ UNIT_MODULES = {
     "test_step_syncs",
     "test_server_units",
     "test_spec_dflash",
+    "test_spec_gguf_q8",
     "test_spec_mtp",
     "test_step_contract",
     "test_structured_units",

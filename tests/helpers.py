@@ -249,7 +249,10 @@ def make_core(
     cache_dtype: str = "auto",
     speculative=None,
     tokenizer_data=None,
+    max_step_ms: float = 1000.0,
 ) -> EngineCore:
+    """`max_step_ms`: the step budget's time bound (0: every step may take max_num_batched_tokens, so that
+    where prompts are cut into chunks does not depend on how fast the machine ran the steps before)."""
     config = EngineConfig(
         model=model,
         cache=CacheConfig(
@@ -260,6 +263,7 @@ def make_core(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             policy=policy,
+            max_step_ms=max_step_ms,
         ),
         speculative=speculative,
     )
