@@ -6,6 +6,7 @@ are the dataclasses of `tokenmill.server.messages`.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import os
@@ -125,6 +126,7 @@ def run_engine_core(config: EngineConfig, inputs, outputs, progress=None) -> Non
     except BaseException as e:  # noqa: BLE001
         outputs.put(CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     _flush(outputs)
+    gc.freeze()  # see `tokenmill.server.cli.run_server`: the front end waits for this process to end
 
 
 def _wait_for_init(inputs) -> tuple[list[int], object] | None:
