@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 UNIT_MODULES = {
     "test_doctor_units",
     "test_api_conversions",
+    "test_core_start",
     "test_attention_backends",
     "test_engine",
     "test_embeddings",

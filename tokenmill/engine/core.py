@@ -126,6 +126,14 @@ class EngineCore:
         for name, path in (config.lora.modules if config.lora is not None else {}).items():
             self.load_lora(name, path)
 
+    def set_tokenizer(self, eos_token_ids: set[int], tokenizer_data=None) -> None:
+        """The tokenizer's facts for an engine built without them (the server's core process builds its
+        engine while the front end loads the tokenizer). Not while requests run: they keep the ids they began with."""
+        if self.requests:
+            raise RuntimeError("set_tokenizer while requests are in flight")
+        self.eos_token_ids = set(eos_token_ids)
+        self._tokenizer_data = tokenizer_data
+
     def load_lora(self, name: str, path: str) -> None:
         """Load a PEFT adapter that requests then name as their model (`lora.peft.LoRAError` naming the
         field at fault if it cannot be)."""

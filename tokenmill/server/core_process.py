@@ -6,6 +6,7 @@ are the dataclasses of `tokenmill.server.messages`.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import os
@@ -103,18 +104,19 @@ def run_engine_core(config: EngineConfig, inputs, outputs, progress=None) -> Non
 
         heartbeat.attach(progress)
         start = time.monotonic()
+        # the front end loads the tokenizer meanwhile: the weights, the KV cache and the warm-up do not wait for it
         executor = executor_for(config)  # loads the model
-        init = _wait_for_init(inputs)  # the front end loads the tokenizer while we load weights
-        if init is None:
-            return
-        eos_token_ids, tokenizer_data = init
-        # no grammar compiler yet: EngineCore makes one at the first constrained request, which costs its step
-        # loop nothing (xgrammar and the compile worker processes start on the compiler's own threads), so
-        # neither the start nor the first plain requests share the CPU with them
-        core = EngineCore(config, executor, set(eos_token_ids), tokenizer_data)
+        core = EngineCore(config, executor, set())
         unfit = core.max_model_len_error()
         if unfit:
             raise ValueError(unfit)
+        init = _wait_for_init(inputs)
+        if init is None:
+            return
+        # no grammar compiler yet: EngineCore makes one at the first constrained request, which costs its step
+        # loop nothing (xgrammar and the compile worker processes start on the compiler's own threads), so
+        # neither the start nor the first plain requests share the CPU with them
+        core.set_tokenizer(*init)
         outputs.put(CoreReady(_ready_info(core, time.monotonic() - start)))
     except BaseException as e:  # noqa: BLE001 - report every load failure, then exit
         outputs.put(LoadFailed(f"{type(e).__name__}: {e}"))
@@ -125,6 +127,7 @@ def run_engine_core(config: EngineConfig, inputs, outputs, progress=None) -> Non
     except BaseException as e:  # noqa: BLE001
         outputs.put(CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     _flush(outputs)
+    gc.freeze()  # see `tokenmill.server.cli.run_server`: the front end waits for this process to end
 
 
 def _wait_for_init(inputs) -> tuple[list[int], object] | None:

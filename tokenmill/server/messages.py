@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class InitCore:
-    """First: what the core needs from the front end's tokenizer (loaded while the core loads weights).
+    """First: what the core needs from the front end's tokenizer (loaded while the core loads the weights,
+    fills its KV cache and warms up).
     `tokenizer_data`: a `structured.backend.TokenizerData`, or None (structured output off)."""
 
     eos_token_ids: list[int]
