@@ -60,6 +60,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Torch in this process (the references, the in-process runners) runs on one thread: the tiny
+    models' ops are too small to split. On an idle 2-core machine that is as fast (the default model
+    too) for 40% less CPU time; on a busy one, where a thread waits at every OpenMP barrier for its
+    partner to be scheduled, 4-6x faster (test_models' flat-batch cases: 39 s -> 6.5 s). Servers and
+    parallel ranks are other processes and keep the product's choice (every core they may use);
+    tests of multi-threaded kernels set the count themselves."""
+    import torch
+
+    from tokenmill.worker import model_runner
+
+    threads, patch = torch.get_num_threads(), pytest.MonkeyPatch()
+    torch.set_num_threads(1)
+    patch.setattr(model_runner, "cpu_threads", lambda: 1)
+    yield
+    patch.undo()
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """SmolLM2-135M-Instruct in the exact mode (float32 activations on its GGUF blocks: the reference

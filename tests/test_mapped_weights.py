@@ -13,8 +13,7 @@ import pytest
 import torch
 from helpers import (
     all_logits,
-    assert_same_greedy,
-    greedy_reference,
+    assert_greedy_of,
     make_core,
     make_runner,
     make_tiny_model,
@@ -62,7 +61,7 @@ def check_answers_as_reference(hf, loaded, path) -> None:
     )
     ours = run_core(make_core(str(path), loaded=loaded), PROMPTS, GREEDY)
     for i, ids in enumerate(PROMPTS):
-        assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, GREEDY.max_tokens))
+        assert_greedy_of(hf, ids, ours[str(i)], GREEDY.max_tokens)
 
 
 def test_safetensors_weights_are_views_of_the_file_and_answer_as_the_reference(tiny):

@@ -12,8 +12,7 @@ import torch
 from helpers import (
     TINY_MODELS,
     all_logits,
-    assert_same_greedy,
-    greedy_reference,
+    assert_greedy_of,
     make_core,
     make_runner,
     make_tiny_model,
@@ -59,8 +58,7 @@ def test_greedy_matches_transformers_in_one_flat_batch(tiny):
     batch = prompts(hf.config.vocab_size, seed=1)
     ours = run_core(make_core(directory), batch, GREEDY)
     for i, ids in enumerate(batch):
-        ref, ref_logits = greedy_reference(hf, ids, 32)
-        assert_same_greedy(ours[str(i)], ref, ref_logits)
+        assert_greedy_of(hf, ids, ours[str(i)], 32)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "deepseek-v3"])
@@ -81,7 +79,7 @@ def test_torch_fallback_matches_transformers(tmp_path, monkeypatch, name):
         assert (all_logits(runner, ids) - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
     ours = run_core(make_core(str(tmp_path)), batch, GREEDY)
     for i, ids in enumerate(batch):
-        assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 32))
+        assert_greedy_of(hf, ids, ours[str(i)], 32)
 
 
 def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
@@ -229,8 +227,7 @@ def test_smollm2_gguf_matches_transformers(default_model, tokenizer, hf_default_
     del runner
     ours = run_core(make_core("smollm2-135m-instruct", num_blocks=64, loaded=default_model), batch, GREEDY)
     for i, ids in enumerate(batch):
-        ref, ref_logits = greedy_reference(hf_default_model, ids, 32)
-        assert_same_greedy(ours[str(i)], ref, ref_logits)
+        assert_greedy_of(hf_default_model, ids, ours[str(i)], 32)
 
 
 # --- clear errors ---
@@ -414,7 +411,7 @@ def test_gguf_files_of_each_family_match_transformers(tmp_path, name):
         assert (all_logits(runner, ids) - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
     ours = run_core(make_core(str(tmp_path / "m.gguf"), loaded=loaded), batch, GREEDY)
     for i, ids in enumerate(batch):
-        assert_same_greedy(ours[str(i)], *greedy_reference(hf, ids, 32))
+        assert_greedy_of(hf, ids, ours[str(i)], 32)
 
 
 @pytest.mark.parametrize("name", ["qwen2-moe", "mixtral"])
@@ -443,7 +440,7 @@ def test_blocks_out_of_the_window_return_to_the_pool(tmp_path, name):
     prompt = prompts(hf.config.vocab_size, seed=4)[-1]  # 300 tokens, far past the window
     out = run_core(core, [prompt], GREEDY, on_step=lambda c: peak.append(sum(c.kv.num_live_blocks("0"))))
     assert max(peak) <= (window + chunk) // block + 2 < len(prompt) // block
-    assert_same_greedy(out["0"], *greedy_reference(hf, prompt, 32))
+    assert_greedy_of(hf, prompt, out["0"], 32)
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
@@ -494,7 +491,7 @@ def test_hybrid_models_free_only_their_window_layers_blocks(tmp_path):
     out = run_core(core, [prompt], GREEDY, on_step=lambda c: live.append(c.kv.num_live_blocks("0")))
     assert max(full for full, _ in live) == -(-(len(prompt) + 31) // block)  # the last token is never fed
     assert max(windowed for _, windowed in live) <= (window + chunk) // block + 2
-    assert_same_greedy(out["0"], *greedy_reference(hf, prompt, 32))
+    assert_greedy_of(hf, prompt, out["0"], 32)
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
@@ -540,10 +537,9 @@ def test_mla_chunked_prefill_and_prefix_hits_match_transformers(tmp_path, name):
     hf = make_tiny_model(name, tmp_path)
     core = make_core(str(tmp_path), num_blocks=96, max_num_batched_tokens=32)
     batch = prompts(hf.config.vocab_size, seed=7)[-3:]  # 64, 150, 300 tokens
-    refs = [greedy_reference(hf, ids, 32) for ids in batch]
     for _ in range(2):
         out = run_core(core, batch, GREEDY)
-        for i, ref in enumerate(refs):
-            assert_same_greedy(out[str(i)], *ref)
+        for i, ids in enumerate(batch):
+            assert_greedy_of(hf, ids, out[str(i)], 32)
     assert core.kv.prefix_hits > 0
     assert core.kv.num_free_blocks == core.kv.num_blocks

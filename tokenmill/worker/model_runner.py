@@ -46,6 +46,13 @@ logger = logging.getLogger(__name__)
 WARM_UP_ID = "__warmup__"  # the throwaway request of `warm_up`
 
 
+def cpu_threads() -> int:
+    """The intra-op threads a CPU runner uses: every core this process may use (a rank's share under
+    -tp/-pp, see `executor.worker_process`). A function of its own so that the test suite, whose tiny
+    models run fastest on one thread, can choose for its in-process runners (tests/conftest.py)."""
+    return len(os.sched_getaffinity(0))
+
+
 class ModelRunner(PagedForward):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, loaded.dtype, loaded.quantization)
@@ -57,7 +64,7 @@ class ModelRunner(PagedForward):
         self.config = config
         self.dtype = loaded.dtype
         if self.device.type == "cpu":
-            torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core we may use, for intra-op work
+            torch.set_num_threads(cpu_threads())
             # denormal floats (they appear in hidden states and attention) run ~100x slower on x86;
             # flushing them to zero changes nothing measurable and keeps every op at full speed
             torch.set_flush_denormal(True)
