@@ -1,6 +1,8 @@
 #include "decode_step.h"
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
 #include <memory>
 
 #include <ATen/ops/empty.h>
@@ -101,6 +103,20 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
   torch::Tensor res = residual ? *residual : torch::Tensor(), x = hidden;
   std::unique_ptr<DecodeAttention> attention;
   const int threads = at::get_num_threads();
+  // An exception must not leave the parallel region (that ends the process): the first one is kept, every
+  // thread skips the work after it but still meets every barrier, and it is rethrown once the region ends.
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  auto guard = [&](auto&& work) {
+    if (failed.load()) return;
+    try {
+      work();
+    } catch (...) {
+#pragma omp critical(decode_step_error)
+      if (!error) error = std::current_exception();
+      failed.store(true);
+    }
+  };
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -109,15 +125,15 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
       const torch::Tensor* w = tensors.data() + kTensors * i;
       const Linear* l = linears.data() + 4 * i;
 #pragma omp master
-      {
+      guard([&] {
         add_rms_norm(x, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, w[0], eps, normed);
         res = x;
-      }
+      });
 #pragma omp barrier
-      linear_share(l[0], normed, qkv, t, n);
+      guard([&] { linear_share(l[0], normed, qkv, t, n); });
 #pragma omp barrier
 #pragma omp master
-      {
+      guard([&] {
         rotary_inplace(heads.narrow(1, 0, H + KVH), positions, cos_sin);
         if (w[4].numel())
           write_kv_quantized(heads.narrow(1, H, KVH), heads.narrow(1, H + KVH, KVH), w[2], w[3], w[4], w[5], slots);
@@ -127,33 +143,34 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
         torch::Tensor out = attn.view({T, H, D});
         attention = std::make_unique<DecodeAttention>(q.view({T, H, D}), w[2], w[3], block_tables, context_lens, scale,
                                                       0, 0.0, out, present(w[4]), present(w[5]), c10::nullopt, n);
-      }
+      });
 #pragma omp barrier
-      split(attention->tasks(), [&](int64_t a, int64_t b) { attention->run_tasks(a, b); });
+      guard([&] { split(attention->tasks(), [&](int64_t a, int64_t b) { attention->run_tasks(a, b); }); });
 #pragma omp barrier
-      split(attention->merges(), [&](int64_t a, int64_t b) { attention->run_merges(a, b); });
+      guard([&] { split(attention->merges(), [&](int64_t a, int64_t b) { attention->run_merges(a, b); }); });
 #pragma omp barrier
-      linear_share(l[1], attn, o, t, n);
+      guard([&] { linear_share(l[1], attn, o, t, n); });
 #pragma omp barrier
 #pragma omp master
-      {
+      guard([&] {
         add_rms_norm(o, res, w[1], eps, normed);
         res = o;
-      }
+      });
 #pragma omp barrier
-      {  // gate and up (I / 8 panels each) over the same columns of act, then SiLU * up on those columns
+      guard([&] {  // gate and up (I / 8 panels each) over the same columns of act, then SiLU * up on those columns
         const int64_t G = I / 8, first = G * t / n, last = G * (t + 1) / n;
         linear_panels(l[2], normed, gate_up, first, last);
         linear_panels(l[2], normed, gate_up, G + first, G + last);
         silu_and_mul_columns(gate_up, act, 8 * first, 8 * last);
-      }
+      });
 #pragma omp barrier
-      linear_share(l[3], act, down, t, n);
+      guard([&] { linear_share(l[3], act, down, t, n); });
 #pragma omp barrier
 #pragma omp master
       x = down;
     }
   }
+  if (error) std::rethrow_exception(error);
   return {x, res};
 }
 
