@@ -22,9 +22,11 @@ browser:
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
 	else echo "make: no chromium (as root: apt-get install chromium): tests/test_web_ui.py will skip"; fi
 
-# the whole suite (CI runs it)
+# the whole suite (CI runs it), one file per worker process (pytest-xdist): the tests' own process runs torch
+# on one thread (tests/conftest.py), so two workers fill two cores (11m17s here against 13m54s serially)
+TEST_WORKERS ?= 2
 test: $(STAMP) browser
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # the inner loop: unit tests only, no server processes (about 2 minutes)
 test-fast: $(STAMP)
