@@ -156,29 +156,175 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 }
 
 #ifdef TM_ATTN_SIMD
-// out[0, 8 NV) = sum over t of w[t] value_scale(t) value(t)[d0 + ...], NV vectors of 8 dims in registers.
-// NV is a constant so that the sums stay in registers and each row is asked ahead once per cache line.
-template <int NV, typename Row, typename Scale>
-inline void weigh_values(const float* w, int64_t L, Row value, Scale value_scale, int64_t d0, float* out) {
-  constexpr int64_t kLine = 64 / sizeof(*value(0));  // elements a cache line
-  constexpr int64_t kAhead = 32;  // rows asked ahead: about a memory latency of this loop's work
-  __m256 acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
-    const __m256 wt = _mm256_set1_ps(w[t] * value_scale(t));
-    const auto* v = value(t) + d0;
-    if (t + kAhead < L)
-      for (int64_t d = 0; d < 8 * NV; d += kLine) __builtin_prefetch(value(t + kAhead) + d0 + d);
-    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(wt, load8(v + 8 * j), acc[j]);
+// The vectors the kernel is written over: 8 float32 lanes (AVX2), or 16 (AVX-512, below). load() reads
+// kLanes cache elements as float32; sums(a) (a: kLanes vectors) is the vector whose lane j is the sum of
+// a[j]'s lanes.
+struct Ymm {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V a) { _mm256_storeu_ps(p, a); }
+  template <typename T>
+  static V load(const T* p) {
+    return load8(p);
   }
-  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+  static V sums(const V a[8]) { return hsum8(a); }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+struct Zmm {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
+  template <typename T>  // fp8: two halves of eight
+  static V load(const T* p) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(load8(p)), load8(p + 8), 1);
+  }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V load(const c10::BFloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static V load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // A transpose by halving: pairs of vectors add their interleaved lanes (32-bit, then 64-bit pairs within
+  // each 128-bit quarter), which leaves four vectors of four tokens' sums per quarter; their quarters are
+  // then transposed and added.
+  static V sums(const V a[16]) {
+    V x[8], y[4];
+    for (int i = 0; i < 8; ++i)
+      x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+      const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
+      const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
+      y[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    const V y01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xee));
+    const V y23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xdd));
+  }
+};
+#define TM_ATTN_AVX512 1
+#endif
+
+// The scores of a span's n tokens for G query heads (q: [G, D]) into s [G, n]: score * scale * key scale,
+// kLanes tokens a tile. A tile's key rows are converted to float32 once for all G heads, into `tile`
+// ([D / kLanes][kLanes tokens][kLanes dims], L1-resident): a dims chunk's kLanes token vectors are then
+// neighbours, at constant offsets from one pointer.
+template <typename Vec, typename Row, typename Scale>
+void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, Row key, Scale key_scale,
+                 float* tile, float* s) {
+  constexpr int W = Vec::kLanes;
+  using T = std::remove_const_t<std::remove_pointer_t<decltype(key(0))>>;
+  alignas(64) float ks[W];
+  std::fill(ks, ks + W, 1.f);
+  for (int64_t t0 = 0; t0 < n; t0 += W) {
+    const int64_t tokens = std::min<int64_t>(W, n - t0);  // a short last tile's other lanes are left over
+    for (int64_t j = 0; j < tokens; ++j) {
+      ks[j] = key_scale(t0 + j);
+      for (int64_t d = 0; d < D; d += W) Vec::store(tile + d * W + j * W, Vec::load(key(t0 + j) + d));
+    }
+    for (int64_t j = t0 + 32; j < std::min<int64_t>(t0 + 32 + W, n); ++j)  // memory-bound: ask for rows ahead
+      for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(key(j) + d);
+    for (int64_t g = 0; g < G; ++g) {
+      typename Vec::V acc[W];
+      for (int j = 0; j < W; ++j) acc[j] = Vec::zero();
+      for (int64_t d = 0; d < D; d += W) {
+        const auto qv = Vec::load(q + g * D + d);
+        for (int j = 0; j < W; ++j) acc[j] = Vec::fma(qv, Vec::load(tile + d * W + j * W), acc[j]);
+      }
+      const auto scores = Vec::mul(Vec::mul(Vec::sums(acc), Vec::set1(scale)), Vec::load(ks));
+      if (tokens == W) {
+        Vec::store(s + g * n + t0, scores);
+      } else {
+        alignas(64) float out[W];
+        Vec::store(out, scores);
+        std::copy(out, out + tokens, s + g * n + t0);
+      }
+    }
+  }
 }
 
-template <int NV = 8, typename Row, typename Scale>
-inline void weigh_values(int64_t nv, const float* w, int64_t L, Row value, Scale value_scale, int64_t d0, float* out) {
-  if constexpr (NV > 1)
-    if (nv < NV) return weigh_values<NV - 1>(nv, w, L, value, value_scale, d0, out);
-  weigh_values<NV>(w, L, value, value_scale, d0, out);
+// o[h] dims [d0, d0 + NV kLanes) = the sum over t of w[h n + t] value_scale(t) value(t) for HG
+// heads (o: [HG, DV]): each value row's dims are read and converted once for all HG heads, whose sums stay
+// in registers (HG and NV constants). ask_ahead: this pass asks for the rows ahead (the first one over them).
+template <typename Vec, int HG, int NV, typename Row, typename Scale>
+inline void weigh_values(const float* w, int64_t n, Row value, Scale value_scale, int64_t d0, int64_t DV,
+                         bool ask_ahead, float* o) {
+  constexpr int W = Vec::kLanes;
+  constexpr int64_t kLine = 64 / sizeof(*value(0));  // elements a cache line
+  constexpr int64_t kAhead = 32;  // rows asked ahead: about a memory latency of this loop's work
+  typename Vec::V acc[HG][NV];
+  for (int h = 0; h < HG; ++h)
+    for (int c = 0; c < NV; ++c) acc[h][c] = Vec::zero();
+  for (int64_t t = 0; t < n; ++t) {
+    if (ask_ahead && t + kAhead < n)
+      for (int64_t d = 0; d < DV; d += kLine) __builtin_prefetch(value(t + kAhead) + d);
+    typename Vec::V x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = Vec::load(value(t) + d0 + c * W);
+    const float vs = value_scale(t);
+    for (int h = 0; h < HG; ++h) {
+      const auto wt = Vec::set1(w[h * n + t] * vs);
+      for (int c = 0; c < NV; ++c) acc[h][c] = Vec::fma(wt, x[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < HG; ++h)
+    for (int c = 0; c < NV; ++c) Vec::store(o + h * DV + d0 + c * W, acc[h][c]);
+}
+
+// The weighted values of `heads` (1 .. 8) heads, DV / kLanes vectors each: as many vectors a pass as the
+// registers hold (HG heads' sums, the row's NV vectors and a weight).
+template <typename Vec, int HG = 8, typename Row, typename Scale>
+inline void weigh_heads(int64_t heads, const float* w, int64_t n, Row value, Scale value_scale, int64_t DV,
+                        bool ask_ahead, float* o) {
+  if constexpr (HG > 1)
+    if (heads < HG) return weigh_heads<Vec, HG - 1>(heads, w, n, value, value_scale, DV, ask_ahead, o);
+  constexpr int kRegisters = Vec::kLanes == 16 ? 31 : 15;
+  constexpr int NV = std::max(1, std::min(4, kRegisters / (HG + 1)));
+  const int64_t chunks = DV / Vec::kLanes;
+  int64_t c = 0;
+  for (; c + NV <= chunks; c += NV)
+    weigh_values<Vec, HG, NV>(w, n, value, value_scale, c * Vec::kLanes, DV, ask_ahead && c == 0, o);
+  for (; c < chunks; ++c) weigh_values<Vec, HG, 1>(w, n, value, value_scale, c * Vec::kLanes, DV, false, o);
+}
+
+// attend_span's vector path: D and DV multiples of kLanes; tile: [kLanes, D] scratch.
+template <typename Vec, typename Row, typename Scale>
+void attend_span_simd(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, float cap, Row key,
+                      Row value, Scale key_scale, Scale value_scale, float* tile, float* s, float* m, float* l,
+                      float* o) {
+  span_scores<Vec>(q, G, D, n, scale, key, key_scale, tile, s);
+  soft_cap(s, G * n, cap);
+  for (int64_t g = 0; g < G; ++g) {  // e^(score - max), a vector exp
+    float* sg = s + g * n;
+    m[g] = *std::max_element(sg, sg + n);
+    __m256 total = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m[g])));
+      _mm256_storeu_ps(sg + t, e);
+      total = _mm256_add_ps(total, e);
+    }
+    alignas(32) float parts[8];
+    _mm256_store_ps(parts, total);
+    float sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7];
+    for (; t < n; ++t) {
+      sg[t] = std::exp(sg[t] - m[g]);
+      sum += sg[t];
+    }
+    l[g] = sum;
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += 8)  // weighted values, eight heads at a time
+    weigh_heads<Vec>(std::min<int64_t>(8, G - g0), s + g0 * n, n, value, value_scale, DV, g0 == 0, o + g0 * DV);
 }
 #endif
 
@@ -186,55 +332,17 @@ inline void weigh_values(int64_t nv, const float* w, int64_t L, Row value, Scale
 // softmax, unnormalised (merged across spans by `merge_spans`): m[g] the largest score, l[g] the sum of
 // e^(score - m[g]), o[g] (DV) the sum of e^(score - m[g]) value. key(t), value(t) point at token t's key
 // row (D features) and value row (DV); key_scale(t), value_scale(t) are the rows' scales (1 unless
-// quantized); s: [G, n] scratch.
+// quantized); tile: [16, D] scratch, s: [G, n] scratch.
 template <typename Row, typename Scale>
 void attend_span(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, float cap, Row key,
-                 Row value, Scale key_scale, Scale value_scale, float* s, float* m, float* l, float* o) {
+                 Row value, Scale key_scale, Scale value_scale, float* tile, float* s, float* m, float* l, float* o) {
+#ifdef TM_ATTN_AVX512
+  if (D % 16 == 0 && DV % 16 == 0)
+    return attend_span_simd<Zmm>(q, G, D, DV, n, scale, cap, key, value, key_scale, value_scale, tile, s, m, l, o);
+#endif
 #ifdef TM_ATTN_SIMD
-  if (D % 8 == 0 && DV % 8 == 0) {
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {  // scores, eight tokens at a time, each key row read once per head
-      decltype(key(0)) k[8];
-      alignas(32) float ks[8];
-      for (int j = 0; j < 8; ++j) k[j] = key(std::min(t0 + j, n - 1)), ks[j] = key_scale(std::min(t0 + j, n - 1));
-      for (int64_t j = t0 + 32; j < std::min(t0 + 40, n); ++j)  // memory-bound: ask for rows ahead
-        for (int64_t d = 0; d < D; d += 64 / sizeof(*key(j))) __builtin_prefetch(key(j) + d);
-      for (int64_t g = 0; g < G; ++g) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 qv = _mm256_loadu_ps(q + g * D + d);
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
-        }
-        alignas(32) float out8[8];
-        _mm256_store_ps(out8, _mm256_mul_ps(_mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)), _mm256_load_ps(ks)));
-        for (int64_t j = 0; j < std::min<int64_t>(8, n - t0); ++j) s[g * n + t0 + j] = out8[j];
-      }
-    }
-    soft_cap(s, G * n, cap);
-    for (int64_t g = 0; g < G; ++g) {  // e^(score - max), a vector exp
-      float* sg = s + g * n;
-      m[g] = *std::max_element(sg, sg + n);
-      __m256 total = _mm256_setzero_ps();
-      int64_t t = 0;
-      for (; t + 8 <= n; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m[g])));
-        _mm256_storeu_ps(sg + t, e);
-        total = _mm256_add_ps(total, e);
-      }
-      alignas(32) float parts[8];
-      _mm256_store_ps(parts, total);
-      float sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7];
-      for (; t < n; ++t) {
-        sg[t] = std::exp(sg[t] - m[g]);
-        sum += sg[t];
-      }
-      l[g] = sum;
-    }
-    for (int64_t g = 0; g < G; ++g)  // weighted values, 64 dims at a time in registers
-      for (int64_t d0 = 0; d0 < DV; d0 += 64)
-        weigh_values(std::min<int64_t>(8, (DV - d0) / 8), s + g * n, n, value, value_scale, d0, o + g * DV + d0);
-    return;
-  }
+  if (D % 8 == 0 && DV % 8 == 0)
+    return attend_span_simd<Ymm>(q, G, D, DV, n, scale, cap, key, value, key_scale, value_scale, tile, s, m, l, o);
 #endif
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g) {
@@ -343,7 +451,7 @@ struct DecodeTasks final : DecodeAttention::Work {
 
   void run_tasks(int64_t begin, int64_t end) override {
     if (begin >= end) return;
-    std::vector<float> scores(per * kSpanTokens), row_scales(k_scales ? 2 * kSpanTokens : 0, 1.f);
+    std::vector<float> scores(per * kSpanTokens), tile(16 * D), row_scales(k_scales ? 2 * kSpanTokens : 0, 1.f);
     std::vector<const T*> rows(2 * kSpanTokens);
     int64_t b = std::upper_bound(first.begin(), first.end(), begin / splits) - first.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
@@ -376,7 +484,7 @@ struct DecodeTasks final : DecodeAttention::Work {
       float* part = parts.data() + span * stride;
       attend_span(qp + (b * H + kvh * G + g0) * D, heads, D, DV, n, scale, cap, row(rows.data()),
                   row(rows.data() + kSpanTokens), scale_of(sk), scale_of(sk ? sk + kSpanTokens : nullptr),
-                  scores.data(), part + G * DV + g0, part + G * DV + G + g0, part + g0 * DV);
+                  tile.data(), scores.data(), part + G * DV + g0, part + G * DV + G + g0, part + g0 * DV);
     }
   }
 
