@@ -221,8 +221,8 @@ struct Zmm {
 // ([D / kLanes][kLanes tokens][kLanes dims], L1-resident): a dims chunk's kLanes token vectors are then
 // neighbours, at constant offsets from one pointer.
 template <typename Vec, typename Row, typename Scale>
-void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, Row key, Scale key_scale,
-                 float* tile, float* s) {
+void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, Row key, Scale key_scale, float* tile,
+                 float* s) {
   constexpr int W = Vec::kLanes;
   using T = std::remove_const_t<std::remove_pointer_t<decltype(key(0))>>;
   alignas(64) float ks[W];
