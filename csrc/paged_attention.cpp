@@ -372,8 +372,8 @@ void attend_span(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, fl
 // A task's share of a sequence's context: one span of this many tokens for all the query heads of one
 // kv head. Fixed, so that the spans (and so the result) depend only on the sequence's own length, not
 // on its batch nor on the thread count; short enough that a long context makes tasks for every thread
-// (SmolLM2 at 550 tokens: 5 spans x 3 kv heads) and that a span's 16-bit K and V rows (16 KB each at 64
-// dims) stay in L1 while its query heads read them again.
+// (SmolLM2 at 550 tokens: 5 spans x 3 kv heads) and that a span's 16-bit V rows (16 KB at 64 dims) stay
+// in L1 while the value passes (`weigh_heads`) read them again.
 constexpr int64_t kSpanTokens = 128;
 
 // Per span c, (m, l, o) of `attend_span` in `part` ([G, DV] o, then G m, then G l; `stride` floats per

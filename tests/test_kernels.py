@@ -17,7 +17,7 @@ from tokenmill.kernels import fused_ops, paged_attention, variants
 
 
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 72])
-@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("group", [1, 3, 7, 16])  # 7, 16: heads weighed in groups of up to 8 and a tail
 @pytest.mark.parametrize(
     "window, soft_cap, sinks",
     [(None, None, False), (24, None, False), (None, 2.0, False), (9, 1.5, False), (None, None, True), (9, None, True)],

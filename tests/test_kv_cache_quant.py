@@ -56,7 +56,7 @@ def quantized_cache(dtype, num_blocks, block_size, kv_heads, head_dim, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", QUANTIZED.values())
-@pytest.mark.parametrize("head_dim, group", [(16, 1), (20, 3), (64, 3)])
+@pytest.mark.parametrize("head_dim, group", [(16, 1), (20, 3), (64, 3), (64, 7), (24, 16)])
 @pytest.mark.parametrize("window, soft_cap", [(None, None), (9, 1.5)])
 def test_kernel_matches_the_torch_path_on_quantized_blocks(dtype, head_dim, group, window, soft_cap):
     """The compiled decode kernel and the torch backend's gather + dequantize + SDPA, on the same blocks."""

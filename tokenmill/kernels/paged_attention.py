@@ -11,9 +11,10 @@ and weighted values, merged span by span in order. The spans depend on the seque
 so a row's result does not depend on its batch nor on the thread count. A span's rows are asked into L2
 as their slots are found (a step's 30 layers of K/V do not stay in cache). With few spans per thread
 (short contexts; a latent cache's single kv head) a span's query heads are split into several tasks.
-With AVX2 the scores are computed eight tokens at a time, the softmax uses a vector exp, and the
-weighted sum of values keeps 64 output dims in registers (it is memory-bound at large batches: every
-cached K/V byte is read once). A sliding window reads only the last `window` tokens;
+Each K and V row is widened to float32 once for all of its kv head's query heads:
+a tile of keys (8 tokens with AVX2, 16 with AVX-512's 512-bit vectors) is converted into an L1 scratch
+the heads' dot products read, and the values are weighed for up to 8 heads per pass with their sums in
+registers; the softmax uses a vector exp (every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
 a soft-cap squashes the scores (cap * tanh(s / cap)) before the softmax. Values may be narrower than
 keys and strided (a latent MLA cache: the values are the leading features of the key rows). Without
 the kernels (none prebuilt and no compiler, no OpenMP) `load()` returns None and the torch backend's
