@@ -217,10 +217,13 @@ struct Zmm {
 #endif
 
 // The scores of a span's n tokens for G query heads (q: [G, D]) into s [G, n]: score * scale * key scale,
-// kLanes tokens a tile. A tile's key rows are converted to float32 once for all G heads, into `tile`
-// ([D / kLanes][kLanes tokens][kLanes dims], L1-resident): a dims chunk's kLanes token vectors are then
-// neighbours, at constant offsets from one pointer.
-template <typename Vec, typename Row, typename Scale>
+// kLanes tokens a tile. Staged: a tile's key rows are converted to float32 once for all G heads, into
+// `tile` ([D / kLanes][kLanes tokens][kLanes dims], L1-resident, a dims chunk's token vectors at constant
+// offsets from one pointer); else each head converts them as it reads them. Staging costs a store and a
+// load per element and saves G - 1 conversions: measured on this project's Zen 4 host, a loss at 3 query
+// heads per kv head (SmolLM2), a gain at 7 (Qwen2.5), at 8 and at 16 lanes alike.
+constexpr int64_t kStagedHeads = 4;
+template <typename Vec, bool Staged, typename Row, typename Scale>
 void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, Row key, Scale key_scale, float* tile,
                  float* s) {
   constexpr int W = Vec::kLanes;
@@ -229,9 +232,13 @@ void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, R
   std::fill(ks, ks + W, 1.f);
   for (int64_t t0 = 0; t0 < n; t0 += W) {
     const int64_t tokens = std::min<int64_t>(W, n - t0);  // a short last tile's other lanes are left over
-    for (int64_t j = 0; j < tokens; ++j) {
+    const T* k[W];
+    for (int64_t j = 0; j < W; ++j) {
+      k[j] = key(t0 + std::min(j, tokens - 1));
+      if (j >= tokens) continue;
       ks[j] = key_scale(t0 + j);
-      for (int64_t d = 0; d < D; d += W) Vec::store(tile + d * W + j * W, Vec::load(key(t0 + j) + d));
+      if constexpr (Staged)
+        for (int64_t d = 0; d < D; d += W) Vec::store(tile + d * W + j * W, Vec::load(k[j] + d));
     }
     for (int64_t j = t0 + 32; j < std::min<int64_t>(t0 + 32 + W, n); ++j)  // memory-bound: ask for rows ahead
       for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(key(j) + d);
@@ -240,7 +247,8 @@ void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, R
       for (int j = 0; j < W; ++j) acc[j] = Vec::zero();
       for (int64_t d = 0; d < D; d += W) {
         const auto qv = Vec::load(q + g * D + d);
-        for (int j = 0; j < W; ++j) acc[j] = Vec::fma(qv, Vec::load(tile + d * W + j * W), acc[j]);
+        for (int j = 0; j < W; ++j)
+          acc[j] = Vec::fma(qv, Staged ? Vec::load(tile + d * W + j * W) : Vec::load(k[j] + d), acc[j]);
       }
       const auto scores = Vec::mul(Vec::mul(Vec::sums(acc), Vec::set1(scale)), Vec::load(ks));
       if (tokens == W) {
@@ -254,12 +262,11 @@ void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, R
   }
 }
 
-// o[h] dims [d0, d0 + NV kLanes) = the sum over t of w[h n + t] value_scale(t) value(t) for HG
-// heads (o: [HG, DV]): each value row's dims are read and converted once for all HG heads, whose sums stay
-// in registers (HG and NV constants). ask_ahead: this pass asks for the rows ahead (the first one over them).
-template <typename Vec, int HG, int NV, typename Row, typename Scale>
-inline void weigh_values(const float* w, int64_t n, Row value, Scale value_scale, int64_t d0, int64_t DV,
-                         bool ask_ahead, float* o) {
+// o[h] dims [d0, d0 + NV kLanes) = the sum over t of w[h n + t] value(t) for HG heads (o: [HG, DV]):
+// each value row's dims are read and converted once for all HG heads, whose sums stay in registers (HG and
+// NV constants). ask_ahead: this pass asks for the rows ahead (the first one over them).
+template <typename Vec, int HG, int NV, typename Row>
+inline void weigh_values(const float* w, int64_t n, Row value, int64_t d0, int64_t DV, bool ask_ahead, float* o) {
   constexpr int W = Vec::kLanes;
   constexpr int64_t kLine = 64 / sizeof(*value(0));  // elements a cache line
   constexpr int64_t kAhead = 32;  // rows asked ahead: about a memory latency of this loop's work
@@ -271,9 +278,8 @@ inline void weigh_values(const float* w, int64_t n, Row value, Scale value_scale
       for (int64_t d = 0; d < DV; d += kLine) __builtin_prefetch(value(t + kAhead) + d);
     typename Vec::V x[NV];
     for (int c = 0; c < NV; ++c) x[c] = Vec::load(value(t) + d0 + c * W);
-    const float vs = value_scale(t);
     for (int h = 0; h < HG; ++h) {
-      const auto wt = Vec::set1(w[h * n + t] * vs);
+      const auto wt = Vec::set1(w[h * n + t]);
       for (int c = 0; c < NV; ++c) acc[h][c] = Vec::fma(wt, x[c], acc[h][c]);
     }
   }
@@ -283,18 +289,17 @@ inline void weigh_values(const float* w, int64_t n, Row value, Scale value_scale
 
 // The weighted values of `heads` (1 .. 8) heads, DV / kLanes vectors each: as many vectors a pass as the
 // registers hold (HG heads' sums, the row's NV vectors and a weight).
-template <typename Vec, int HG = 8, typename Row, typename Scale>
-inline void weigh_heads(int64_t heads, const float* w, int64_t n, Row value, Scale value_scale, int64_t DV,
-                        bool ask_ahead, float* o) {
+template <typename Vec, int HG = 8, typename Row>
+inline void weigh_heads(int64_t heads, const float* w, int64_t n, Row value, int64_t DV, bool ask_ahead, float* o) {
   if constexpr (HG > 1)
-    if (heads < HG) return weigh_heads<Vec, HG - 1>(heads, w, n, value, value_scale, DV, ask_ahead, o);
+    if (heads < HG) return weigh_heads<Vec, HG - 1>(heads, w, n, value, DV, ask_ahead, o);
   constexpr int kRegisters = Vec::kLanes == 16 ? 31 : 15;
   constexpr int NV = std::max(1, std::min(4, kRegisters / (HG + 1)));
   const int64_t chunks = DV / Vec::kLanes;
   int64_t c = 0;
   for (; c + NV <= chunks; c += NV)
-    weigh_values<Vec, HG, NV>(w, n, value, value_scale, c * Vec::kLanes, DV, ask_ahead && c == 0, o);
-  for (; c < chunks; ++c) weigh_values<Vec, HG, 1>(w, n, value, value_scale, c * Vec::kLanes, DV, false, o);
+    weigh_values<Vec, HG, NV>(w, n, value, c * Vec::kLanes, DV, ask_ahead && c == 0, o);
+  for (; c < chunks; ++c) weigh_values<Vec, HG, 1>(w, n, value, c * Vec::kLanes, DV, false, o);
 }
 
 // attend_span's vector path: D and DV multiples of kLanes; tile: [kLanes, D] scratch.
@@ -302,7 +307,11 @@ template <typename Vec, typename Row, typename Scale>
 void attend_span_simd(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, float cap, Row key,
                       Row value, Scale key_scale, Scale value_scale, float* tile, float* s, float* m, float* l,
                       float* o) {
-  span_scores<Vec>(q, G, D, n, scale, key, key_scale, tile, s);
+  using T = std::remove_const_t<std::remove_pointer_t<decltype(key(0))>>;
+  if (G >= kStagedHeads && !std::is_same<T, float>::value)
+    span_scores<Vec, true>(q, G, D, n, scale, key, key_scale, tile, s);
+  else
+    span_scores<Vec, false>(q, G, D, n, scale, key, key_scale, tile, s);
   soft_cap(s, G * n, cap);
   for (int64_t g = 0; g < G; ++g) {  // e^(score - max), a vector exp
     float* sg = s + g * n;
@@ -322,9 +331,10 @@ void attend_span_simd(const float* q, int64_t G, int64_t D, int64_t DV, int64_t 
       sum += sg[t];
     }
     l[g] = sum;
+    for (t = 0; t < n; ++t) sg[t] *= value_scale(t);  // the weights of the values, once (not once a pass)
   }
   for (int64_t g0 = 0; g0 < G; g0 += 8)  // weighted values, eight heads at a time
-    weigh_heads<Vec>(std::min<int64_t>(8, G - g0), s + g0 * n, n, value, value_scale, DV, g0 == 0, o + g0 * DV);
+    weigh_heads<Vec>(std::min<int64_t>(8, G - g0), s + g0 * n, n, value, DV, g0 == 0, o + g0 * DV);
 }
 #endif
 
