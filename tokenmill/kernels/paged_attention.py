@@ -11,10 +11,11 @@ and weighted values, merged span by span in order. The spans depend on the seque
 so a row's result does not depend on its batch nor on the thread count. A span's rows are asked into L2
 as their slots are found (a step's 30 layers of K/V do not stay in cache). With few spans per thread
 (short contexts; a latent cache's single kv head) a span's query heads are split into several tasks.
-Each K and V row is widened to float32 once for all of its kv head's query heads:
-a tile of keys (8 tokens with AVX2, 16 with AVX-512's 512-bit vectors) is converted into an L1 scratch
-the heads' dot products read, and the values are weighed for up to 8 heads per pass with their sums in
-registers; the softmax uses a vector exp (every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
+The scores are computed a tile of tokens at a time (8 with AVX2, 16 with AVX-512's
+512-bit vectors), with 4+ query heads per kv head from a tile of keys widened to float32 once into an L1
+scratch (fewer heads widen them as they read them: cheaper than the scratch's store and load); the values
+are weighed for up to 8 heads per pass, each row widened once per pass, the sums in registers; the
+softmax uses a vector exp (every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
 a soft-cap squashes the scores (cap * tanh(s / cap)) before the softmax. Values may be narrower than
 keys and strided (a latent MLA cache: the values are the leading features of the key rows). Without
 the kernels (none prebuilt and no compiler, no OpenMP) `load()` returns None and the torch backend's
