@@ -1,25 +1,25 @@
 """A C++ paged-attention kernel for decode on CPU (csrc/paged_attention.cpp; built as `tokenmill.kernels` says).
 
-Decode attention reads each sequence's K/V straight from its cache blocks through the block table:
-no gather copy, no padding to the longest sequence; float16 and bfloat16 caches are widened to float32
-as they are read (F16C; half the bytes of a float32 cache), int8 and fp8 (e4m3, e5m2) ones too, one
-byte per value, their per-token scales (`tokenmill.attention.kv_quant`) folded into each token's score
-and value weight: dequantized in registers, never copied. A task is one 128-token span of a sequence's
+Decode attention reads each sequence's K/V straight from its cache blocks through the block table: no
+gather copy, no padding to the longest sequence; float16 and bfloat16 caches are widened to float32 as
+they are read (F16C; half the bytes of a float32 cache), int8 and fp8 (e4m3, e5m2) ones too, one byte
+per value, their per-token scales (`tokenmill.attention.kv_quant`) folded into each token's score and
+value weight: dequantized in registers, never copied. A task is one 128-token span of a sequence's
 context for all the query heads of one kv head (GQA: the heads share each K/V read), OpenMP across
-tasks, so one long sequence keeps every thread busy; each span leaves its softmax's partial max, sum
-and weighted values, merged span by span in order. The spans depend on the sequence's own length only,
-so a row's result does not depend on its batch nor on the thread count. A span's rows are asked into L2
-as their slots are found (a step's 30 layers of K/V do not stay in cache). With few spans per thread
-(short contexts; a latent cache's single kv head) a span's query heads are split into several tasks.
-The scores are computed a tile of tokens at a time (8 with AVX2, 16 with AVX-512's
-512-bit vectors), with 4+ query heads per kv head from a tile of keys widened to float32 once into an L1
-scratch (fewer heads widen them as they read them: cheaper than the scratch's store and load); the values
-are weighed for up to 8 heads per pass, each row widened once per pass, the sums in registers; the
-softmax uses a vector exp (every cached K/V byte is read once). A sliding window reads only the last `window` tokens;
-a soft-cap squashes the scores (cap * tanh(s / cap)) before the softmax. Values may be narrower than
-keys and strided (a latent MLA cache: the values are the leading features of the key rows). Without
-the kernels (none prebuilt and no compiler, no OpenMP) `load()` returns None and the torch backend's
-gather + SDPA path is used.
+tasks, so one long sequence keeps every thread busy; each span leaves its softmax's partial max, sum and
+weighted values, merged span by span in order. The spans depend on the sequence's own length only, so a
+row's result does not depend on its batch nor on the thread count. A span's rows are asked into L2 as
+their slots are found (a step's 30 layers of K/V do not stay in cache). With few spans per thread (short
+contexts; a latent cache's single kv head) a span's query heads are split into several tasks. The scores
+are computed a tile of tokens at a time (8 with AVX2, 16 with AVX-512's 512-bit vectors), with 4+ query
+heads per kv head from a tile of keys widened to float32 once into an L1 scratch (fewer heads widen them
+as they read them: cheaper than the scratch's store and load); the values are weighed for up to 8 heads
+per pass, each row widened once per pass, the sums in registers; the softmax uses a vector exp (every
+cached K/V byte is read once). A sliding window reads only the last `window` tokens; a soft-cap squashes
+the scores (cap * tanh(s / cap)) before the softmax. Values may be narrower than keys and strided (a
+latent MLA cache: the values are the leading features of the key rows). Without the kernels (none
+prebuilt and no compiler, no OpenMP) `load()` returns None and the torch backend's gather + SDPA path is
+used.
 """
 
 from __future__ import annotations
