@@ -1092,13 +1092,20 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
 // Panel layout (repack_panels), per panel p of rows 8p..8p+7 (zeros past N) and block b of 32 values:
 //   codes  4 bits: uint8 [P, nb, 4, 8, 4], byte (j, r, t) = value 4j + t of row r (low nibble) | value
 //          16 + 4j + t (high nibble): one 32-byte load holds values 4j.. and 16 + 4j.. of all eight rows;
-//          5 and 8 bits: uint8 [P, nb, 8, 8, 4], byte (j, r, t) = value 4j + t of row r (8 bits: signed);
+//          5 bits: the same 128 bytes of low nibbles, then a plane of their fifth bits, uint8 [8, 4]:
+//          bit k of byte (r, t) = the fifth bit of value 4k + t of row r, so that the vector of values
+//          4k.. takes its fifth bits from the one plane load with a shift by 4 - k and an and (160 bytes
+//          a block: 5 bits a weight, where a byte a code read 8; a one-row step reads all of it a token);
+//          8 bits: uint8 [P, nb, 8, 8, 4], byte (j, r, t) = value 4j + t of row r (signed);
 //   scales float32 [P, nb, 2, 8]: the rows' block scales, then their offsets with the codes' center
 //          folded in (Blocks::expand's fold), so that 4-5-bit codes stay unsigned for vpdpbusd; float16
 //          where every one of them is a float16 value (repack_panels in Python: a sixth fewer bytes a
 //          4-bit weight, for the one-row steps that read all of it per token).
 constexpr int64_t kPanel = 8;  // weight rows a panel
-constexpr int64_t panel_block_bytes(int bits) { return (bits == 4 ? 16 : 32) * kPanel; }
+constexpr int64_t kNibbleBytes = 16 * kPanel;  // a block's low nibbles (4 and 5 bits); 5 bits: the plane next
+constexpr int64_t panel_block_bytes(int bits) {
+  return bits == 4 ? kNibbleBytes : bits == 5 ? kNibbleBytes + 4 * kPanel : 32 * kPanel;
+}
 
 #ifdef TM_SIMD
 #ifdef __AVX512F__
@@ -1131,6 +1138,13 @@ struct PanelSums {
   }
 #endif
 };
+
+// 5 bits: the low nibbles `low` of values 4k.. of the eight rows (k = 0..7) with their fifth bits from
+// the block's plane: bit k of each byte to bit 4 (16-bit shifts: the and drops what crossed bytes).
+inline __m256i with_fifth_bits(__m256i low, __m256i plane, int k) {
+  const __m256i bit = k < 4 ? _mm256_slli_epi16(plane, 4 - k) : _mm256_srli_epi16(plane, k - 4);
+  return _mm256_or_si256(low, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+}
 #else
 constexpr int kPanelRows = 4;
 #endif
@@ -1138,12 +1152,13 @@ constexpr int kPanelRows = 4;
 // Value v (0..31) of panel row c in a block's codes.
 template <int BITS>
 inline int panel_code(const uint8_t* block, int64_t c, int64_t v) {
-  if (BITS != 4) {
+  if (BITS != 4 && BITS != 5) {
     const uint8_t byte = block[v / 4 * 32 + c * 4 + v % 4];
     return BITS == 8 ? static_cast<int8_t>(byte) : byte;
   }
   const uint8_t byte = block[(v % 16) / 4 * 32 + c * 4 + v % 4];
-  return v < 16 ? byte & 0x0F : byte >> 4;
+  const int low = v < 16 ? byte & 0x0F : byte >> 4;
+  return BITS == 5 ? low | ((block[kNibbleBytes + c * 4 + v % 4] >> (v / 4)) & 1) << 4 : low;
 }
 
 // RM activation rows (K apart, natural order; dx, xs: their scales and block sums, nb apart) against
@@ -1177,11 +1192,14 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64
     };
     // two weight vectors a step, one per chain (a chain's index must be a constant: sums stay in registers)
     auto load = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j)); };
-    for (int j = 0; j < (BITS == 4 ? 4 : 8); j += BITS == 4 ? 1 : 2) {
-      if (BITS == 4) {
+    const __m256i plane = BITS == 5 ? load(kNibbleBytes / 32) : _mm256_setzero_si256();
+    for (int j = 0; j < (BITS == 8 ? 8 : 4); j += BITS == 8 ? 2 : 1) {
+      if (BITS != 8) {
         const __m256i raw = load(j);
-        dot(_mm256_and_si256(raw, m4), j, 0);
-        dot(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), j + 4, kChains - 1);
+        __m256i low = _mm256_and_si256(raw, m4), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        if (BITS == 5) low = with_fifth_bits(low, plane, j), high = with_fifth_bits(high, plane, j + 4);
+        dot(low, j, 0);
+        dot(high, j + 4, kChains - 1);
       } else {
         dot(load(j), j, 0);
         dot(load(j + 1), j + 1, kChains - 1);
@@ -1235,6 +1253,10 @@ inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
+inline __m512i with_fifth_bits(__m512i low, __m512i plane, int k) {  // as with_fifth_bits above
+  const __m512i bit = k < 4 ? _mm512_slli_epi16(plane, 4 - k) : _mm512_srli_epi16(plane, k - 4);
+  return _mm512_ternarylogic_epi32(low, bit, _mm512_set1_epi8(0x10), 0xF8);  // low | (bit & 0x10)
+}
 inline __m512 scale_pair(const float* a, const float* b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
 }
@@ -1271,11 +1293,14 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
       }
     };
     auto load = [&](int j) { return load_pair(c + 32 * j, c + next_codes + 32 * j); };
-    for (int j = 0; j < (BITS == 4 ? 4 : 8); j += BITS == 4 ? 1 : 2) {
-      if (BITS == 4) {
+    const __m512i plane = BITS == 5 ? load(kNibbleBytes / 32) : _mm512_setzero_si512();
+    for (int j = 0; j < (BITS == 8 ? 8 : 4); j += BITS == 8 ? 2 : 1) {
+      if (BITS != 8) {
         const __m512i raw = load(j);
-        dot(_mm512_and_si512(raw, m4), j, 0);
-        dot(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4), j + 4, 1);
+        __m512i low = _mm512_and_si512(raw, m4), high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        if (BITS == 5) low = with_fifth_bits(low, plane, j), high = with_fifth_bits(high, plane, j + 4);
+        dot(low, j, 0);
+        dot(high, j + 4, 1);
       } else {
         dot(load(j), j, 0);
         dot(load(j + 1), j + 1, 1);
@@ -1355,7 +1380,7 @@ void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, c
   });
 }
 
-// --- Q6_K on panels. The codes lie as the 5- and 8-bit panels hold theirs (a byte a value: Q6_K's
+// --- Q6_K on panels. The codes lie as the 8-bit panels hold theirs (a byte a value: Q6_K's
 // unsigned 0..63, the center 32 not taken, so that vpdpbusd / maddubs take them as they are); in place
 // of float scales per 32 values, the file's own integers: per panel and super-block of 256 values,
 // kQ6PanelBytes bytes: the 16 sub-block scales (int8, one per 16 values) of the eight rows, sub-block k
@@ -1556,7 +1581,7 @@ void matmul_q8_q6_panels(const torch::Tensor& x, const torch::Tensor& codes, con
 }
 
 // Row n's codes into its place r in its panel's blocks `panel` (the layout above matmul_q8_panels_impl;
-// 6 bits: a byte a value, as 5 and 8).
+// 6 bits: a byte a value, as 8).
 template <int BITS>
 void repack_row_codes(const Blocks& w, int64_t n, int64_t r, uint8_t* panel) {
   constexpr int64_t bytes = panel_block_bytes(BITS == 6 ? 8 : BITS);
@@ -1566,10 +1591,12 @@ void repack_row_codes(const Blocks& w, int64_t n, int64_t r, uint8_t* panel) {
     uint8_t* cb = panel + b * bytes;
     for (int64_t v = 0; v < 32; ++v) {
       const auto code = static_cast<uint8_t>(code_at<BITS>(row, high, b * 32 + v));
-      if (BITS != 4)
+      if (BITS != 4 && BITS != 5) {
         cb[v / 4 * 32 + r * 4 + v % 4] = code;
-      else
-        cb[(v % 16) / 4 * 32 + r * 4 + v % 4] |= v < 16 ? code : code << 4;
+        continue;
+      }
+      cb[(v % 16) / 4 * 32 + r * 4 + v % 4] |= v < 16 ? code & 0x0F : (code & 0x0F) << 4;
+      if (BITS == 5) cb[kNibbleBytes + r * 4 + v % 4] |= (code >> 4) << (v / 4);
     }
   }
 }
@@ -1683,9 +1710,9 @@ void block_quant_dequantize(torch::Tensor codes, c10::optional<torch::Tensor> hi
 }
 
 // A weight's panels for block_quant_matmul_q8_panels, into panel_codes and panel_scales (zeros: uint8
-// [P, K/32, 128] for 4-bit codes, [P, K/32, 256] for 5- and 8-bit ones, and float32 [P, K/32, 2, 8],
-// P = ceil(N / 8); the layout above matmul_q8_panels_impl; Q6_K: [P, K/32, 256] and uint8 [P, K/256, 144],
-// the layout above q6_panel_tile).
+// [P, K/32, 128] for 4-bit codes, [P, K/32, 160] for 5-bit ones, [P, K/32, 256] for 8-bit ones, and
+// float32 [P, K/32, 2, 8], P = ceil(N / 8); the layout above matmul_q8_panels_impl; Q6_K: [P, K/32, 256]
+// and uint8 [P, K/256, 144], the layout above q6_panel_tile).
 void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
                                c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
                                int64_t block, int64_t center, torch::Tensor panel_codes, torch::Tensor panel_scales) {
