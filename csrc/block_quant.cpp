@@ -1109,9 +1109,10 @@ constexpr int64_t panel_block_bytes(int bits) {
 }
 
 // A panel's codes lie block after block, a thread's panels one after another: the tiles ask for the
-// lines kPrefetchBytes past the block they start (as the row loops do; the expanded copies stay in L1/L2).
-// Without it a 16-row tile on Qwen's gate_up ran at a third of its speed once the codes came from memory.
-// The scales' stream too (a line a block: their block's 32 or 64 bytes share it or the next's).
+// lines kPrefetchBytes past the block they start, as the row loops do (the expanded copies stay in L1/L2),
+// and a line of the scales' stream a block (their block's 32 or 64 bytes share it or the next's). With
+// the weights from memory a 16-row tile runs at a third of its speed in cache (Qwen's gate_up); this
+// moved that within the noise of a shared machine (docs/benchmarks/round-3.md, session 7).
 inline void prefetch_panel_ahead(const void* block, int64_t bytes) {
   const char* ahead = static_cast<const char*>(block) + kPrefetchBytes;
   for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(ahead + line);
