@@ -7,10 +7,12 @@ rounded activations (what steps past a layer's `max_tokens` run), taking turns p
 
 Shapes and types: the linear layers of SmolLM2-135M-Instruct Q4_1 (qkv, o, gate_up, down) and of
 Qwen2.5-Coder-0.5B Q4_K_M (qkv in Q8_0 as its v is in half the layers, else Q5_0; o and gate_up in
-Q5_0; down in Q4_K in half the layers, Q6_K in the others), random blocks as the tests build them.
+Q5_0; down in Q4_K in half the layers, Q6_K in the others; the LM head in Q8_0), random blocks as the
+tests build them (`--layers lm_head` alone: the LM head's 145 MB take a while to build).
 Medians of --repeats passes; G MAC/s = weights x rows / time ("-": no panels for that type). `step`
 names the kernel a step of that many rows runs (`BlockQuantLinearMethod.apply`). At one row the
-blocks run their one-row kernel.
+blocks run their one-row kernel. A layer's weights stay in cache from pass to pass unless --copies N
+gives each call N copies in turn (past the L3: from memory, as a model's layers come).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ SHAPES = {
         ("gate_up", "Q5_0", 9728, 896),
         ("down", "Q4_K", 896, 4864),
         ("down", "Q6_K", 896, 4864),
+        ("lm_head", "Q8_0", 151936, 896),  # output.weight: every decode step's rows against 136 M weights
     ],
 }
 
@@ -81,6 +84,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: %(default)s)")
     ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated (default: %(default)s)")
     ap.add_argument("--types", help="only the layers of these comma-separated GGUF types (default: all)")
+    ap.add_argument("--layers", help="only these comma-separated layers, e.g. gate_up,lm_head (default: all)")
+    ap.add_argument("--copies", type=int, default=1, help="copies of each weight a call runs through (default: 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {torch.get_num_threads()} threads; G MAC/s of the blocks' tiles, the panels' tiles, dequantize + GEMM")
@@ -89,12 +94,17 @@ def main() -> None:
         for name, qtype, n, k in SHAPES[model]:
             if args.types and qtype not in args.types.split(","):
                 continue
-            layer = layer_of(qtype, n, k)
-            blocks = layer.quant_method.blocks(layer)
+            if args.layers and name not in args.layers.split(","):
+                continue
+            layers = [layer_of(qtype, n, k) for _ in range(args.copies)]
+            layer = layers[0]
+            blocks = [each.quant_method.blocks(each) for each in layers]
             calls = {
-                "blocks": lambda x: block_quant.matmul_q8(x, blocks),
-                "panels": (lambda x: block_quant.matmul_q8_panels(x, layer.panels)) if layer.panels else None,
-                "gemm": lambda x: gemm(x, layer),
+                "blocks": lambda x: [block_quant.matmul_q8(x, w) for w in blocks],
+                "panels": (lambda x: [block_quant.matmul_q8_panels(x, each.panels) for each in layers])
+                if layer.panels
+                else None,
+                "gemm": lambda x: [gemm(x, each) for each in layers],
             }
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, k)
@@ -104,7 +114,7 @@ def main() -> None:
                         start = time.perf_counter()
                         calls[kind](x)
                         times[kind].append(time.perf_counter() - start)
-                rate = {kind: n * k * rows / statistics.median(t[1:]) / 1e9 for kind, t in times.items()}
+                rate = {kind: args.copies * n * k * rows / statistics.median(t[1:]) / 1e9 for kind, t in times.items()}
                 cells = " ".join(f"{rate[kind]:7.1f}" if kind in rate else f"{'-':>7s}" for kind in calls)
                 print(f"{model:14s} {name:8s} {qtype:5s} {rows:5d} {cells}  {step_kernel(layer, rows)}", flush=True)
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -1092,13 +1093,30 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
 // Panel layout (repack_panels), per panel p of rows 8p..8p+7 (zeros past N) and block b of 32 values:
 //   codes  4 bits: uint8 [P, nb, 4, 8, 4], byte (j, r, t) = value 4j + t of row r (low nibble) | value
 //          16 + 4j + t (high nibble): one 32-byte load holds values 4j.. and 16 + 4j.. of all eight rows;
-//          5 and 8 bits: uint8 [P, nb, 8, 8, 4], byte (j, r, t) = value 4j + t of row r (8 bits: signed);
+//          5 bits: the same 128 bytes of low nibbles, then a plane of their fifth bits, uint8 [8, 4]:
+//          bit k of byte (r, t) = the fifth bit of value 4k + t of row r, so that the vector of values
+//          4k.. takes its fifth bits from the one plane load with a shift by 4 - k and an and (160 bytes
+//          a block: 5 bits a weight, where a byte a code read 8; a one-row step reads all of it a token);
+//          8 bits: uint8 [P, nb, 8, 8, 4], byte (j, r, t) = value 4j + t of row r (signed);
 //   scales float32 [P, nb, 2, 8]: the rows' block scales, then their offsets with the codes' center
 //          folded in (Blocks::expand's fold), so that 4-5-bit codes stay unsigned for vpdpbusd; float16
 //          where every one of them is a float16 value (repack_panels in Python: a sixth fewer bytes a
 //          4-bit weight, for the one-row steps that read all of it per token).
 constexpr int64_t kPanel = 8;  // weight rows a panel
-constexpr int64_t panel_block_bytes(int bits) { return (bits == 4 ? 16 : 32) * kPanel; }
+constexpr int64_t kNibbleBytes = 16 * kPanel;  // a block's low nibbles (4 and 5 bits); 5 bits: the plane next
+constexpr int64_t panel_block_bytes(int bits) {
+  return bits == 4 ? kNibbleBytes : bits == 5 ? kNibbleBytes + 4 * kPanel : 32 * kPanel;
+}
+
+// A panel's codes lie block after block, a thread's panels one after another: the tiles ask for the
+// lines kPrefetchBytes past the block they start, as the row loops do (the expanded copies stay in L1/L2),
+// and a line of the scales' stream a block (their block's 32 or 64 bytes share it or the next's). With
+// the weights from memory a 16-row tile runs at a third of its speed in cache (Qwen's gate_up); this
+// moved that within the noise of a shared machine (docs/benchmarks/round-3.md, session 7).
+inline void prefetch_panel_ahead(const void* block, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(block) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(ahead + line);
+}
 
 #ifdef TM_SIMD
 #ifdef __AVX512F__
@@ -1114,10 +1132,12 @@ template <int BITS>
 struct PanelSums {
 #ifdef TM_VNNI
   static constexpr int kChains = 2;
+  static constexpr bool kBiased8 = true;  // 8 bits: codes + 128 against x, less 128 x's sum (xc) per block
   static __m256i add(__m256i acc, __m256i u, __m256i s) { return dpbusd(acc, u, s); }
   static __m256i total(const __m256i* sums) { return _mm256_add_epi32(sums[0], sums[1]); }
 #else
   static constexpr int kChains = BITS == 5 ? 2 : 1;
+  static constexpr bool kBiased8 = false;  // maddubs' int16 pair sums would not hold (code + 128) x
   static __m256i add(__m256i acc, __m256i u, __m256i s) {
     const __m256i pairs = _mm256_maddubs_epi16(u, s);
     return BITS == 8 ? _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
@@ -1131,6 +1151,32 @@ struct PanelSums {
   }
 #endif
 };
+
+// 5 bits: the low nibbles `low` of values 4k.. of the eight rows (k = 0..7) with their fifth bits from
+// the block's plane: bit k of each byte to bit 4 (16-bit shifts: the and drops what crossed bytes).
+inline __m256i with_fifth_bits(__m256i low, __m256i plane, int k) {
+  const __m256i bit = k < 4 ? _mm256_slli_epi16(plane, 4 - k) : _mm256_srli_epi16(plane, k - 4);
+  return _mm256_or_si256(low, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+}
+
+// `blocks` blocks of 5-bit panels (packed) a byte a code into `bytes` (256 a block: the 8-bit panels'
+// layout, the codes unsigned), for tiles that read each block's codes more than once.
+inline void expand_panels5(const uint8_t* packed, int64_t blocks, uint8_t* bytes) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  auto store = [](uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); };
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* c = packed + b * panel_block_bytes(5);
+    prefetch_panel_ahead(c, panel_block_bytes(5));
+    uint8_t* e = bytes + b * panel_block_bytes(8);
+    const __m256i plane = load(c + kNibbleBytes);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = load(c + 32 * j);
+      store(e + 32 * j, with_fifth_bits(_mm256_and_si256(raw, m4), plane, j));
+      store(e + 32 * (j + 4), with_fifth_bits(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), plane, j + 4));
+    }
+  }
+}
 #else
 constexpr int kPanelRows = 4;
 #endif
@@ -1138,20 +1184,23 @@ constexpr int kPanelRows = 4;
 // Value v (0..31) of panel row c in a block's codes.
 template <int BITS>
 inline int panel_code(const uint8_t* block, int64_t c, int64_t v) {
-  if (BITS != 4) {
+  if (BITS != 4 && BITS != 5) {
     const uint8_t byte = block[v / 4 * 32 + c * 4 + v % 4];
     return BITS == 8 ? static_cast<int8_t>(byte) : byte;
   }
   const uint8_t byte = block[(v % 16) / 4 * 32 + c * 4 + v % 4];
-  return v < 16 ? byte & 0x0F : byte >> 4;
+  const int low = v < 16 ? byte & 0x0F : byte >> 4;
+  return BITS == 5 ? low | ((block[kNibbleBytes + c * 4 + v % 4] >> (v / 4)) & 1) << 4 : low;
 }
 
 // RM activation rows (K apart, natural order; dx, xs: their scales and block sums, nb apart) against
-// one panel: out[r * ldo + c] for its first `cols` rows c.
-template <int BITS, int RM, typename S>
-inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* codes,
-                       const S* scales, float* out, int64_t ldo, int64_t cols) {
-  const int64_t nb = K / 32, bytes = panel_block_bytes(BITS);
+// one panel: out[r * ldo + c] for its first `cols` rows c. 5 bits, not PACKED: the codes a byte each
+// (expand_panels5), as 8-bit panels hold theirs.
+template <int BITS, int RM, bool PACKED, typename S>
+inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const int32_t* xc, int64_t K,
+                       const uint8_t* codes, const S* scales, float* out, int64_t ldo, int64_t cols) {
+  const int64_t nb = K / 32, bytes = PACKED ? panel_block_bytes(BITS) : panel_block_bytes(8);
+  constexpr bool kNibbles = BITS == 4 || (BITS == 5 && PACKED);
   alignas(32) float total[RM][kPanel];
 #ifdef TM_SIMD
   using Sums = PanelSums<BITS>;
@@ -1161,27 +1210,33 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64
   for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = codes + b * bytes;
+    if (PACKED) prefetch_panel_ahead(c, bytes), prefetch_panel_ahead(scales + b * 2 * kPanel, 1);
     __m256i sums[RM][kChains];
     for (int r = 0; r < RM; ++r)
       for (int h = 0; h < kChains; ++h) sums[r][h] = _mm256_setzero_si256();
     // weight vector w (values 4j.. of the eight rows) against each row's broadcast x[4j..4j+3], on chain h
+    // 8 bits: w + 128 (vpdpbusd), or |w| times x of w's sign (maddubs)
+    constexpr bool kBiased = BITS == 8 && Sums::kBiased8;
     auto dot = [&](__m256i w, int j, int h) {
-      const __m256i u = BITS == 8 ? _mm256_sign_epi8(w, w) : w;  // 8 bits: |w| times x of w's sign
+      const __m256i u = BITS != 8 ? w : kBiased ? _mm256_xor_si256(w, _mm256_set1_epi8(-128)) : _mm256_sign_epi8(w, w);
       for (int r = 0; r < RM; ++r) {
         int32_t word;
         std::memcpy(&word, xq + r * K + b * 32 + 4 * j, 4);
         __m256i x = _mm256_set1_epi32(word);
-        if (BITS == 8) x = _mm256_sign_epi8(x, w);
+        if (BITS == 8 && !kBiased) x = _mm256_sign_epi8(x, w);
         sums[r][h] = Sums::add(sums[r][h], u, x);
       }
     };
     // two weight vectors a step, one per chain (a chain's index must be a constant: sums stay in registers)
     auto load = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j)); };
-    for (int j = 0; j < (BITS == 4 ? 4 : 8); j += BITS == 4 ? 1 : 2) {
-      if (BITS == 4) {
+    const __m256i plane = BITS == 5 && kNibbles ? load(kNibbleBytes / 32) : _mm256_setzero_si256();
+    for (int j = 0; j < (kNibbles ? 4 : 8); j += kNibbles ? 1 : 2) {
+      if (kNibbles) {
         const __m256i raw = load(j);
-        dot(_mm256_and_si256(raw, m4), j, 0);
-        dot(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), j + 4, kChains - 1);
+        __m256i low = _mm256_and_si256(raw, m4), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        if (BITS == 5) low = with_fifth_bits(low, plane, j), high = with_fifth_bits(high, plane, j + 4);
+        dot(low, j, 0);
+        dot(high, j + 4, kChains - 1);
       } else {
         dot(load(j), j, 0);
         dot(load(j + 1), j + 1, kChains - 1);
@@ -1189,7 +1244,9 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64
     }
     const __m256 s = scale_vec(scales + b * 2 * kPanel), o = scale_vec(scales + b * 2 * kPanel + kPanel);
     for (int r = 0; r < RM; ++r) {
-      const __m256 sum = _mm256_cvtepi32_ps(Sums::total(sums[r]));
+      __m256i total = Sums::total(sums[r]);
+      if (kBiased) total = _mm256_sub_epi32(total, _mm256_set1_epi32(xc[r * nb + b]));
+      const __m256 sum = _mm256_cvtepi32_ps(total);
       const __m256 scaled = _mm256_mul_ps(sum, _mm256_mul_ps(s, _mm256_set1_ps(dx[r * nb + b])));
       acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(o, _mm256_set1_ps(xs[r * nb + b]), scaled));
     }
@@ -1211,12 +1268,13 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, int64
   for (int r = 0; r < RM; ++r) std::memcpy(out + r * ldo, total[r], cols * sizeof(float));
 }
 
-template <int BITS, int RM = kPanelRows, typename S>
-inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, int64_t K,
-                            const uint8_t* codes, const S* scales, float* out, int64_t ldo, int64_t cols) {
+template <int BITS, bool PACKED, int RM = kPanelRows, typename S>
+inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, const int32_t* xc,
+                            int64_t K, const uint8_t* codes, const S* scales, float* out, int64_t ldo, int64_t cols) {
   if constexpr (RM > 1)
-    if (rows < RM) return panel_tile_rows<BITS, RM - 1>(rows, xq, dx, xs, K, codes, scales, out, ldo, cols);
-  panel_tile<BITS, RM>(xq, dx, xs, K, codes, scales, out, ldo, cols);
+    if (rows < RM)
+      return panel_tile_rows<BITS, PACKED, RM - 1>(rows, xq, dx, xs, xc, K, codes, scales, out, ldo, cols);
+  panel_tile<BITS, RM, PACKED>(xq, dx, xs, xc, K, codes, scales, out, ldo, cols);
 }
 
 #if defined(TM_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
@@ -1227,13 +1285,19 @@ inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const f
 // way. Each output lane gets the same integer sums and then the same float operations in the same order
 // as panel_tile's, so a row's result is the same bits whichever tile computes it (threads split the
 // panels anywhere; an odd one runs panel_tile). kPanelRows rows a tile: 16 integer + 8 float sums.
-// Fewer than kPairMinRows rows run panel_tile: with one row a pair's extra shuffle per weight load (and
-// 8-bit codes' extra sign op) cost more than the shared broadcasts save (Q8_0 / Q5_0 at one row: 0.91x).
+// Fewer than kPairMinRows rows run panel_tile: with one row a pair's extra shuffle per weight load costs
+// more than the shared broadcasts save (Q8_0 / Q5_0 at one row: 0.91x, measured before 8-bit codes took
+// +128 in place of a sign op per row). 8-bit codes: w + 128 against x, then x's sum times 128 (xc) taken
+// from the block's integer sum: the same integers as |w| against x of w's sign, one op a vector, not a row.
 constexpr int kPairMinRows = 4;
 
 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+inline __m512i with_fifth_bits(__m512i low, __m512i plane, int k) {  // as with_fifth_bits above
+  const __m512i bit = k < 4 ? _mm512_slli_epi16(plane, 4 - k) : _mm512_srli_epi16(plane, k - 4);
+  return _mm512_ternarylogic_epi32(low, bit, _mm512_set1_epi8(0x10), 0xF8);  // low | (bit & 0x10)
 }
 inline __m512 scale_pair(const float* a, const float* b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
@@ -1245,37 +1309,42 @@ inline __m512 scale_pair(const c10::Half* a, const c10::Half* b) {
 }
 
 // RM activation rows against panels p (codes, scales) and p + 1 (`next_codes`, `next_scales` further):
-// out[r * ldo + c] for the pair's first `cols` rows c (9..16).
-template <int BITS, int RM, typename S>
-inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* codes,
-                            int64_t next_codes, const S* scales, int64_t next_scales, float* out, int64_t ldo,
-                            int64_t cols) {
-  const int64_t nb = K / 32, bytes = panel_block_bytes(BITS);
+// out[r * ldo + c] for the pair's first `cols` rows c (9..16); PACKED as panel_tile's.
+template <int BITS, int RM, bool PACKED, typename S>
+inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, const int32_t* xc, int64_t K,
+                            const uint8_t* codes, int64_t next_codes, const S* scales, int64_t next_scales, float* out,
+                            int64_t ldo, int64_t cols) {
+  const int64_t nb = K / 32, bytes = PACKED ? panel_block_bytes(BITS) : panel_block_bytes(8);
+  constexpr bool kNibbles = BITS == 4 || (BITS == 5 && PACKED);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[RM];
   for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = codes + b * bytes;
+    if (PACKED) {
+      prefetch_panel_ahead(c, bytes), prefetch_panel_ahead(c + next_codes, bytes);
+      prefetch_panel_ahead(scales + b * 2 * kPanel, 1), prefetch_panel_ahead(scales + b * 2 * kPanel + next_scales, 1);
+    }
     __m512i sums[RM][2];
     for (int r = 0; r < RM; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
     // weight vector w (values 4j.. of the sixteen rows) against each row's broadcast x[4j..4j+3], on chain h
     auto dot = [&](__m512i w, int j, int h) {
-      const __m512i u = BITS == 8 ? _mm512_abs_epi8(w) : w;  // 8 bits: |w| times x of w's sign
-      const __mmask64 negative = BITS == 8 ? _mm512_movepi8_mask(w) : 0;
+      const __m512i u = BITS == 8 ? _mm512_xor_si512(w, _mm512_set1_epi8(-128)) : w;  // 8 bits: w + 128
       for (int r = 0; r < RM; ++r) {
         int32_t word;
         std::memcpy(&word, xq + r * K + b * 32 + 4 * j, 4);
-        __m512i x = _mm512_set1_epi32(word);
-        if (BITS == 8) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-        sums[r][h] = _mm512_dpbusd_epi32(sums[r][h], u, x);
+        sums[r][h] = _mm512_dpbusd_epi32(sums[r][h], u, _mm512_set1_epi32(word));
       }
     };
     auto load = [&](int j) { return load_pair(c + 32 * j, c + next_codes + 32 * j); };
-    for (int j = 0; j < (BITS == 4 ? 4 : 8); j += BITS == 4 ? 1 : 2) {
-      if (BITS == 4) {
+    const __m512i plane = BITS == 5 && kNibbles ? load(kNibbleBytes / 32) : _mm512_setzero_si512();
+    for (int j = 0; j < (kNibbles ? 4 : 8); j += kNibbles ? 1 : 2) {
+      if (kNibbles) {
         const __m512i raw = load(j);
-        dot(_mm512_and_si512(raw, m4), j, 0);
-        dot(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4), j + 4, 1);
+        __m512i low = _mm512_and_si512(raw, m4), high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        if (BITS == 5) low = with_fifth_bits(low, plane, j), high = with_fifth_bits(high, plane, j + 4);
+        dot(low, j, 0);
+        dot(high, j + 4, 1);
       } else {
         dot(load(j), j, 0);
         dot(load(j + 1), j + 1, 1);
@@ -1284,7 +1353,9 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
     const S* sb = scales + b * 2 * kPanel;
     const __m512 s = scale_pair(sb, sb + next_scales), o = scale_pair(sb + kPanel, sb + next_scales + kPanel);
     for (int r = 0; r < RM; ++r) {
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r][0], sums[r][1]));
+      __m512i total = _mm512_add_epi32(sums[r][0], sums[r][1]);
+      if (BITS == 8) total = _mm512_sub_epi32(total, _mm512_set1_epi32(xc[r * nb + b]));  // less 128 x's sum
+      const __m512 sum = _mm512_cvtepi32_ps(total);
       const __m512 scaled = _mm512_mul_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nb + b])));
       acc[r] = _mm512_add_ps(acc[r], _mm512_fmadd_ps(o, _mm512_set1_ps(xs[r * nb + b]), scaled));
     }
@@ -1293,15 +1364,15 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
   for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
 }
 
-template <int BITS, int RM = kPanelRows, typename S>
-inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, int64_t K,
-                                 const uint8_t* codes, int64_t next_codes, const S* scales, int64_t next_scales,
-                                 float* out, int64_t ldo, int64_t cols) {
+template <int BITS, bool PACKED, int RM = kPanelRows, typename S>
+inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, const int32_t* xc,
+                                 int64_t K, const uint8_t* codes, int64_t next_codes, const S* scales,
+                                 int64_t next_scales, float* out, int64_t ldo, int64_t cols) {
   if constexpr (RM > kPairMinRows)
     if (rows < RM)
-      return panel_pair_tile_rows<BITS, RM - 1>(rows, xq, dx, xs, K, codes, next_codes, scales, next_scales, out,
-                                                ldo, cols);
-  panel_pair_tile<BITS, RM>(xq, dx, xs, K, codes, next_codes, scales, next_scales, out, ldo, cols);
+      return panel_pair_tile_rows<BITS, PACKED, RM - 1>(rows, xq, dx, xs, xc, K, codes, next_codes, scales,
+                                                        next_scales, out, ldo, cols);
+  panel_pair_tile<BITS, RM, PACKED>(xq, dx, xs, xc, K, codes, next_codes, scales, next_scales, out, ldo, cols);
 }
 #endif
 
@@ -1309,13 +1380,18 @@ inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, co
 // in L2: at 256 rows a call ran at half the speed of 64) against chunks of kChunk panels (their codes stay
 // in L1) against each tile of kPanelRows activation rows in turn: tile(m0, rows, p, pair) computes rows
 // m0.. against panel p, or (pair, AVX-512) panels p and p + 1 at once. Panels [first, last) only.
-template <typename Tile>
-void for_each_panel_tile(int64_t M, int64_t first, int64_t last, const Tile& tile) {
+// prepare(p0, p1, rows) runs on the tile's thread before a chunk's tiles of a row block of `rows` rows.
+struct NoPrepare {
+  void operator()(int64_t, int64_t, int64_t) const {}
+};
+template <typename Tile, typename Prepare = NoPrepare>
+void for_each_panel_tile(int64_t M, int64_t first, int64_t last, const Tile& tile, const Prepare& prepare = {}) {
   constexpr int64_t kChunk = 4, kRowBlock = 64;
   at::parallel_for(first, last, kChunk, [&](int64_t begin, int64_t end) {
     for (int64_t block = 0; block < M; block += kRowBlock)
       for (int64_t p0 = begin; p0 < end; p0 += kChunk) {
         const int64_t p1 = std::min(end, p0 + kChunk), m1 = std::min(M, block + kRowBlock);
+        prepare(p0, p1, m1 - block);
         for (int64_t m0 = block; m0 < m1; m0 += kPanelRows) {
           const auto rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - m0));
           int64_t p = p0;
@@ -1337,25 +1413,59 @@ void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, c
               "panels do not fit x, out");
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * nb), xs(M * nb);
-  quantize_rows<32>(x.data_ptr<float>(), M, K, span, xq.data(), dx.data(), xs.data(), nullptr);
+  std::vector<int16_t> xsum(BITS == 8 ? M * nb : 0);
+  quantize_rows<32>(x.data_ptr<float>(), M, K, span, xq.data(), dx.data(), xs.data(),
+                    BITS == 8 ? xsum.data() : nullptr);
+  std::vector<int32_t> xc(xsum.size());  // 8 bits: 128 x's sum per block (the tiles' codes + 128 repaid)
+  for (size_t i = 0; i < xsum.size(); ++i) xc[i] = 128 * xsum[i];
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const S* sp = scales.data_ptr<S>();
   float* outp = out.data_ptr<float>();
-  for_each_panel_tile(M, first, last < 0 ? P : last, [&](int64_t m0, int rows, int64_t p, bool pair) {
+  // 5 bits: a row block of several tiles meets each block's codes once a tile, so its chunk's codes are
+  // expanded to a byte each once first (this thread's `expanded`, from panel `expanded_from`; -1: none)
+  static thread_local std::vector<uint8_t> expanded;
+  static thread_local int64_t expanded_from = -1;
+  auto prepare = [&](int64_t p0, int64_t p1, int64_t rows) {
+    expanded_from = -1;
+#ifdef TM_SIMD
+    if (BITS != 5 || rows <= kPanelRows) return;
+    expanded.resize((p1 - p0) * nb * panel_block_bytes(8));
+    expand_panels5(cp + p0 * nb * bytes, (p1 - p0) * nb, expanded.data());
+    expanded_from = p0;
+#else
+    (void)p0, (void)p1, (void)rows;
+#endif
+  };
+  // rows m0.. against panel p (pair: and p + 1), its codes at `c`, a panel's `stride` bytes apart
+  auto run = [&](auto packed, int64_t m0, int rows, int64_t p, bool pair, const uint8_t* c, int64_t stride) {
+    constexpr bool kPacked = decltype(packed)::value;
     const int8_t* xr = xq.data() + m0 * K;
 #ifdef TM_PANEL_PAIRS
     if (pair)
-      return panel_pair_tile_rows<BITS>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, K, cp + p * nb * bytes,
-                                        nb * bytes, sp + p * nb * 2 * kPanel, nb * 2 * kPanel,
-                                        outp + m0 * N + p * kPanel, N, std::min(2 * kPanel, N - p * kPanel));
+      return panel_pair_tile_rows<BITS, kPacked>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb,
+                                                 xc.data() + (xc.empty() ? 0 : m0 * nb), K, c, stride,
+                                                 sp + p * nb * 2 * kPanel, nb * 2 * kPanel,
+                                                 outp + m0 * N + p * kPanel, N, std::min(2 * kPanel, N - p * kPanel));
 #endif
     (void)pair;
-    panel_tile_rows<BITS>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, K, cp + p * nb * bytes,
-                          sp + p * nb * 2 * kPanel, outp + m0 * N + p * kPanel, N, std::min(kPanel, N - p * kPanel));
-  });
+    panel_tile_rows<BITS, kPacked>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb,
+                                   xc.data() + (xc.empty() ? 0 : m0 * nb), K, c,
+                                   sp + p * nb * 2 * kPanel, outp + m0 * N + p * kPanel, N,
+                                   std::min(kPanel, N - p * kPanel));
+  };
+  for_each_panel_tile(
+      M, first, last < 0 ? P : last,
+      [&](int64_t m0, int rows, int64_t p, bool pair) {
+        if constexpr (BITS == 5)
+          if (expanded_from >= 0)
+            return run(std::false_type(), m0, rows, p, pair,
+                       expanded.data() + (p - expanded_from) * nb * panel_block_bytes(8), nb * panel_block_bytes(8));
+        run(std::true_type(), m0, rows, p, pair, cp + p * nb * bytes, nb * bytes);
+      },
+      prepare);
 }
 
-// --- Q6_K on panels. The codes lie as the 5- and 8-bit panels hold theirs (a byte a value: Q6_K's
+// --- Q6_K on panels. The codes lie as the 8-bit panels hold theirs (a byte a value: Q6_K's
 // unsigned 0..63, the center 32 not taken, so that vpdpbusd / maddubs take them as they are); in place
 // of float scales per 32 values, the file's own integers: per panel and super-block of 256 values,
 // kQ6PanelBytes bytes: the 16 sub-block scales (int8, one per 16 values) of the eight rows, sub-block k
@@ -1556,7 +1666,7 @@ void matmul_q8_q6_panels(const torch::Tensor& x, const torch::Tensor& codes, con
 }
 
 // Row n's codes into its place r in its panel's blocks `panel` (the layout above matmul_q8_panels_impl;
-// 6 bits: a byte a value, as 5 and 8).
+// 6 bits: a byte a value, as 8).
 template <int BITS>
 void repack_row_codes(const Blocks& w, int64_t n, int64_t r, uint8_t* panel) {
   constexpr int64_t bytes = panel_block_bytes(BITS == 6 ? 8 : BITS);
@@ -1566,10 +1676,12 @@ void repack_row_codes(const Blocks& w, int64_t n, int64_t r, uint8_t* panel) {
     uint8_t* cb = panel + b * bytes;
     for (int64_t v = 0; v < 32; ++v) {
       const auto code = static_cast<uint8_t>(code_at<BITS>(row, high, b * 32 + v));
-      if (BITS != 4)
+      if (BITS != 4 && BITS != 5) {
         cb[v / 4 * 32 + r * 4 + v % 4] = code;
-      else
-        cb[(v % 16) / 4 * 32 + r * 4 + v % 4] |= v < 16 ? code : code << 4;
+        continue;
+      }
+      cb[(v % 16) / 4 * 32 + r * 4 + v % 4] |= v < 16 ? code & 0x0F : (code & 0x0F) << 4;
+      if (BITS == 5) cb[kNibbleBytes + r * 4 + v % 4] |= (code >> 4) << (v / 4);
     }
   }
 }
@@ -1683,9 +1795,9 @@ void block_quant_dequantize(torch::Tensor codes, c10::optional<torch::Tensor> hi
 }
 
 // A weight's panels for block_quant_matmul_q8_panels, into panel_codes and panel_scales (zeros: uint8
-// [P, K/32, 128] for 4-bit codes, [P, K/32, 256] for 5- and 8-bit ones, and float32 [P, K/32, 2, 8],
-// P = ceil(N / 8); the layout above matmul_q8_panels_impl; Q6_K: [P, K/32, 256] and uint8 [P, K/256, 144],
-// the layout above q6_panel_tile).
+// [P, K/32, 128] for 4-bit codes, [P, K/32, 160] for 5-bit ones, [P, K/32, 256] for 8-bit ones, and
+// float32 [P, K/32, 2, 8], P = ceil(N / 8); the layout above matmul_q8_panels_impl; Q6_K: [P, K/32, 256]
+// and uint8 [P, K/256, 144], the layout above q6_panel_tile).
 void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor> high, torch::Tensor scales,
                                c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> supers, int64_t bits,
                                int64_t block, int64_t center, torch::Tensor panel_codes, torch::Tensor panel_scales) {

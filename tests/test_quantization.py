@@ -176,7 +176,7 @@ def test_int8_activation_kernel_on_panels_repacked_at_load(qtype):
         if not (int8_activations and qtype in PANELED and block_quant.load() is not None):
             assert layer.panels is None
             continue
-        code_bytes = 128 if layer.quant_method.bits == 4 else 256
+        code_bytes = {4: 128, 5: 160}.get(layer.quant_method.bits, 256)  # 5 bits: nibbles and a plane
         assert layer.panels.codes.shape == (11, cols // 32, code_bytes)
         if qtype == "Q6_K":  # the file's integer sub-block scales and float16 super-block scales, as bytes
             assert layer.panels.scales.shape == (11, cols // 256, block_quant.Q6_K_PANEL_BYTES)
@@ -232,6 +232,40 @@ def test_int8_panels_same_bits_whichever_tile_runs_a_panel(qtype):
             assert torch.equal(alone[9:10], block_quant.matmul_q8_panels(x[9:10], panels))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q8_0", "Q4_0"])
+def test_int8_panels_integer_sums_exact_for_every_code(qtype):
+    """The panels' integer sums are the codes' exact dot products, every code value at every place of a
+    block (5 bits: the low nibble and the fifth bit from its plane): scales 1 and integer activations
+    whose blocks reach 127 round to themselves, so each output is an integer the float sums hold exactly,
+    on one-row tiles, single panels and pairs (75 rows: 10 panels, the last partial)."""
+    if block_quant.load() is None:
+        pytest.skip("no compiled kernels")
+    size, values, scale_at = _FORMAT[qtype]
+    rng = np.random.default_rng(11)
+    rows, cols = 75, 512
+    raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    for at in scale_at:
+        raw[..., at : at + 2] = np.full((rows, cols // values, 1), 1.0, dtype=np.float16).view(np.uint8)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind = GGMLQuantizationType[qtype]
+    ref = dequantize(raw.reshape(rows, -1), kind).reshape(rows, cols)
+    codes = {"Q5_0": 32, "Q5_1": 32, "Q4_0": 16}.get(qtype)  # Q8_0: most of its 256 values a place
+    for position in range(32 if codes else 0):  # every code value lies at every place of a block somewhere
+        assert len(np.unique(ref.reshape(rows, -1, 32)[..., position])) == codes
+    layer = ReplicatedLinear(
+        cols, rows, quant_config=GGUFConfig({"w.weight": qtype}, int8_activations=True), prefix="w"
+    )
+    layer.weight_loader("weight", GGUFWeight("w", kind, raw.reshape(rows, -1)))
+    layer.quant_method.process_after_loading(layer)
+    for m in (1, 3, 9, 70):
+        x = torch.randint(-127, 128, (m, cols), dtype=torch.float32)
+        x[:, ::32] = 127.0  # each block's scale 127 / 127: rounding keeps x
+        want = (x.double() @ torch.from_numpy(ref).double().T).float()
+        assert torch.equal(block_quant.matmul_q8_panels(x, layer.panels), want)
 
 
 @pytest.mark.parametrize(

@@ -108,13 +108,15 @@ def matmul_q8(x: torch.Tensor, w: Blocks) -> torch.Tensor:
 
 
 PANEL_BITS = (4, 5, 8)  # the codes panels hold in blocks of 32 (and Q6_K's: `is_q6_k`)
+PANEL_BLOCK_BYTES = {4: 128, 5: 160, 6: 256, 8: 256}  # a panel's codes per block of 32 values, by bits
 Q6_K_PANEL_BYTES = 144  # per panel and super-block: 16 sub-block scales of 8 rows, 8 float16 super-block scales
 
 
 @dataclass(frozen=True)
 class Panels:
     """A weight repacked for `matmul_q8_panels` (csrc/block_quant.cpp's panel layout): codes uint8
-    [ceil(N / 8), K / 32, 128 (4 bits) or 256 (5, 6, 8 bits)], eight rows' values interleaved per 4;
+    [ceil(N / 8), K / 32, PANEL_BLOCK_BYTES[bits]], eight rows' values interleaved per 4 (4 and 5 bits as
+    nibbles, 5 bits' fifth bits in a plane after them: a one-row step reads 5 bits a weight, not 8);
     scales float32 [.., K / 32, 2, 8], each block's scales and offsets (the codes' center folded in)
     of the eight rows, exactly as the blocks hold them; float16 where every one of them is a float16
     value (the GGUF types whose scales are float16 and whose center folds exactly: Q4_0/1, Q5_0/1, Q8_0):
@@ -148,7 +150,7 @@ def repack_panels(w: Blocks) -> Panels | None:
         return None
     n, k = w.shape
     panels = -(-n // 8)
-    codes = torch.zeros(panels, k // BLOCK, 128 if w.bits == 4 else 256, dtype=torch.uint8)
+    codes = torch.zeros(panels, k // BLOCK, PANEL_BLOCK_BYTES[w.bits], dtype=torch.uint8)
     if w.bits == 6:
         scales = torch.zeros(panels, k // 256, Q6_K_PANEL_BYTES, dtype=torch.uint8)
         load().block_quant_repack_panels(*w.args(), codes, scales)

@@ -296,8 +296,8 @@ class BlockQuantLinearMethod(LinearMethod):
         `max_tokens` rows, one-row steps included: a row's result on the panels does not depend on how
         many rows share its step, so a request's tokens do not depend on its batch (the blocks' one-row and
         multi-row kernels round differently). Steps past `max_tokens` (AMX CPUs) read the blocks. The copy holds
-        0.75 bytes a weight (4-bit codes), 1.07 (Q6_K) or 1.25 (5, 8 bits); $TOKENMILL_INT8_PANELS=0 keeps
-        only the blocks."""
+        0.75 bytes a weight (4-bit codes), 0.875 (5 bits), 1.07 (Q6_K) or 1.25 (8 bits), 0.125 less with
+        float16 scales; $TOKENMILL_INT8_PANELS=0 keeps only the blocks."""
         wanted = self.int8_activations and os.environ.get("TOKENMILL_INT8_PANELS", "1") != "0"
         layer.panels = block_quant.repack_panels(self.blocks(layer)) if wanted else None
 
