@@ -89,7 +89,13 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
   auto make = [&](int64_t width) { return torch::empty({T, width}, hidden.options()); };
   torch::Tensor normed = make(hidden.size(1)), qkv = make(linears[0].w.size(0)), q = make(H * D), attn = make(H * D),
                 o = make(hidden.size(1)), gate_up = make(2 * I), act = make(I), down = make(hidden.size(1));
-  const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D});
+  // the views the layers take of the buffers, made once a step too (each costs a tensor's construction)
+  const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D}), rotated = heads.narrow(1, 0, H + KVH),
+                      keys = heads.narrow(1, H, KVH), values = heads.narrow(1, H + KVH, KVH),
+                      queries = heads.narrow(1, 0, H), q_heads = q.view({T, H, D});
+  // one token's queries are contiguous where they are (the attention reads them in place), more are copied out
+  const bool queries_in_place = queries.is_contiguous();
+  torch::Tensor attn_heads = attn.view({T, H, D});
   torch::Tensor res = residual ? *residual : torch::Tensor(), x = hidden;
   std::unique_ptr<DecodeAttention> attention;
   const int threads = at::get_num_threads();
@@ -124,15 +130,15 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
 #pragma omp barrier
 #pragma omp master
       guard([&] {
-        rotary_inplace(heads.narrow(1, 0, H + KVH), positions, cos_sin);
+        rotary_inplace(rotated, positions, cos_sin);
         if (w[4].numel())
-          write_kv_quantized(heads.narrow(1, H, KVH), heads.narrow(1, H + KVH, KVH), w[2], w[3], w[4], w[5], slots);
+          write_kv_quantized(keys, values, w[2], w[3], w[4], w[5], slots);
         else
-          write_kv(heads.narrow(1, H, KVH), heads.narrow(1, H + KVH, KVH), w[2], w[3], slots);
-        q.view({T, H, D}).copy_(heads.narrow(1, 0, H));
-        torch::Tensor out = attn.view({T, H, D});
-        attention = std::make_unique<DecodeAttention>(q.view({T, H, D}), w[2], w[3], block_tables, context_lens, scale,
-                                                      0, 0.0, out, present(w[4]), present(w[5]), c10::nullopt, n);
+          write_kv(keys, values, w[2], w[3], slots);
+        if (!queries_in_place) q_heads.copy_(queries);
+        attention = std::make_unique<DecodeAttention>(queries_in_place ? queries : q_heads, w[2], w[3], block_tables,
+                                                      context_lens, scale, 0, 0.0, attn_heads, present(w[4]),
+                                                      present(w[5]), c10::nullopt, n);
       });
 #pragma omp barrier
       guard([&] { split(attention->tasks(), [&](int64_t a, int64_t b) { attention->run_tasks(a, b); }); });
