@@ -57,11 +57,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
 
+    def runner(module):  # a build's step: built once (`DecodeStep`), or the weights passed each call (before it)
+        if hasattr(module, "DecodeStep"):
+            built = module.DecodeStep(
+                step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
+                step.lora,
+            )  # fmt: skip
+            return lambda *args: built.run(*args, [])
+        return lambda *args: module.decode_layers(
+            *args, step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
+            step.lora, [],
+        )  # fmt: skip
+
+    steps = {base: runner(base), new: runner(new)}
+
     def run(module):  # a fresh copy of the stream each call: the step adds to it in place
-        return module.decode_layers(
+        return steps[module](
             hidden.clone(), None if residual is None else residual.clone(), positions, meta.slot_mapping,
-            meta.decode_block_tables, meta.decode_context_lens, step.rotary.table(hidden), step.tensors, step.ints,
-            step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale, step.lora, [],
+            meta.decode_block_tables, meta.decode_context_lens, step.rotary.table(hidden),
         )  # fmt: skip
 
     a, b = run(base), run(new)

@@ -2,7 +2,7 @@
 output tokens, all at once) driven in-process with the server's defaults, timed, and with --profile
 the time per kernel and Python function (cProfile: the C++ kernels are built-in calls, so each shows
 on its own line: the int8 GEMM `block_quant_matmul_q8_panels`, the compiled decode step
-`decode_layers`, torch's `scaled_dot_product_attention` for prompt chunks, ...).
+`DecodeStep.run`, torch's `scaled_dot_product_attention` for prompt chunks, ...).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_serving_steps.py [--output-len 128] [--profile]
 

@@ -28,10 +28,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TM_DEF(paged_decode_attention);
   TM_DEF(write_kv);
   TM_DEF(write_kv_quantized);
-  TM_DEF(decode_layers);
   TM_DEF(fp8_matmul);
   TM_DEF(fp8_dequantize);
   TM_DEF(lora_add);
+  pybind11::class_<DecodeStep, std::shared_ptr<DecodeStep>>(m, "DecodeStep")
+      .def(pybind11::init(torch::wrap_pybind_function(
+          [](std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
+             int64_t head_dim, double eps, double scale, std::vector<torch::Tensor> lora) {
+            return std::make_shared<DecodeStep>(std::move(tensors), std::move(ints), num_heads, num_kv_heads, head_dim,
+                                                eps, scale, std::move(lora));
+          })))
+      .def("run", torch::wrap_pybind_function(&DecodeStep::run));
   // Which sources it was built from (a digest given by the build): a stale prebuilt module is not loaded.
   m.attr("sources_hash") = TM_STRING(TM_SOURCES_HASH);
 }

@@ -17,16 +17,6 @@
 
 namespace decode_step {
 
-// A linear layer: kind 0 dense (w [N, K]), 1 blocks with float activations, 2 blocks with int8
-// activations (w: codes, then the rest of `block_quant.Blocks`, then the weight's panels where it has
-// them: `block_quant.Panels`); absent tensors are empty. `lora`: its LoRA factors (a, b, shard_offsets),
-// or null when the step runs no adapter.
-struct Linear {
-  torch::Tensor w, high, scales, offsets, supers, panel_codes, panel_scales, bias;
-  int64_t kind, bits, center;
-  const torch::Tensor* lora;
-};
-
 inline c10::optional<torch::Tensor> present(const torch::Tensor& t) {
   return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
@@ -93,13 +83,19 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
                                                 const torch::Tensor& cos_sin, const std::vector<Linear>& linears,
                                                 const std::vector<torch::Tensor>& tensors, int64_t H, int64_t KVH,
                                                 int64_t D, double eps, double scale) {
-  constexpr size_t kTensors = 6 + 4 * 8;
+  constexpr size_t kTensors = DecodeStep::kTensors;
   const size_t layers = linears.size() / 4;
   const int64_t T = hidden.size(0), I = linears[2].w.size(0) / 2;  // gate_up: 2I outputs
   auto make = [&](int64_t width) { return torch::empty({T, width}, hidden.options()); };
   torch::Tensor normed = make(hidden.size(1)), qkv = make(linears[0].w.size(0)), q = make(H * D), attn = make(H * D),
                 o = make(hidden.size(1)), gate_up = make(2 * I), act = make(I), down = make(hidden.size(1));
-  const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D});
+  // the views the layers take of the buffers, made once a step too (each costs a tensor's construction)
+  const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D}), rotated = heads.narrow(1, 0, H + KVH),
+                      keys = heads.narrow(1, H, KVH), values = heads.narrow(1, H + KVH, KVH),
+                      queries = heads.narrow(1, 0, H), q_heads = q.view({T, H, D});
+  // one token's queries are contiguous where they are (the attention reads them in place), more are copied out
+  const bool queries_in_place = queries.is_contiguous();
+  torch::Tensor attn_heads = attn.view({T, H, D});
   torch::Tensor res = residual ? *residual : torch::Tensor(), x = hidden;
   std::unique_ptr<DecodeAttention> attention;
   const int threads = at::get_num_threads();
@@ -134,15 +130,15 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
 #pragma omp barrier
 #pragma omp master
       guard([&] {
-        rotary_inplace(heads.narrow(1, 0, H + KVH), positions, cos_sin);
+        rotary_inplace(rotated, positions, cos_sin);
         if (w[4].numel())
-          write_kv_quantized(heads.narrow(1, H, KVH), heads.narrow(1, H + KVH, KVH), w[2], w[3], w[4], w[5], slots);
+          write_kv_quantized(keys, values, w[2], w[3], w[4], w[5], slots);
         else
-          write_kv(heads.narrow(1, H, KVH), heads.narrow(1, H + KVH, KVH), w[2], w[3], slots);
-        q.view({T, H, D}).copy_(heads.narrow(1, 0, H));
-        torch::Tensor out = attn.view({T, H, D});
-        attention = std::make_unique<DecodeAttention>(q.view({T, H, D}), w[2], w[3], block_tables, context_lens, scale,
-                                                      0, 0.0, out, present(w[4]), present(w[5]), c10::nullopt, n);
+          write_kv(keys, values, w[2], w[3], slots);
+        if (!queries_in_place) q_heads.copy_(queries);
+        attention = std::make_unique<DecodeAttention>(queries_in_place ? queries : q_heads, w[2], w[3], block_tables,
+                                                      context_lens, scale, 0, 0.0, attn_heads, present(w[4]),
+                                                      present(w[5]), c10::nullopt, n);
       });
 #pragma omp barrier
       guard([&] { split(attention->tasks(), [&](int64_t a, int64_t b) { attention->run_tasks(a, b); }); });
@@ -176,49 +172,59 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
 
 }  // namespace decode_step
 
-// hidden: [T, hidden] (every token a decode); residual: the stream so far (absent before the first
-// layer). Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, k scales, v
-// scales (empty unless the cache is int8 / fp8), then
-// (w, high, scales, offsets, supers, panel codes, panel scales, bias) of qkv, o, gate_up, down; `ints`
-// holds (kind, bits, center) of those four.
-// `lora`: empty, or per layer the LoRA factors (a, b, shard_offsets) of qkv, o, gate_up, down;
-// `lora_segments`: empty, or the step's (seg_starts, seg_slots, seg_scales) (tokenmill/kernels/lora.py).
-// Returns {hidden, residual} after the last layer (the final norm is the caller's).
-std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
-                                         torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
-                                         torch::Tensor context_lens, torch::Tensor cos_sin,
-                                         std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
-                                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                                         double scale, std::vector<torch::Tensor> lora,
-                                         std::vector<torch::Tensor> lora_segments) {
+// Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, k scales, v scales (empty
+// unless the cache is int8 / fp8), then (w, high, scales, offsets, supers, panel codes, panel scales, bias)
+// of qkv, o, gate_up, down; `ints` holds (kind, bits, center) of those four. `lora`: empty, or per layer the
+// LoRA factors (a, b, shard_offsets) of qkv, o, gate_up, down.
+DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                       std::vector<torch::Tensor> lora)
+    : tensors_(std::move(tensors)), lora_(std::move(lora)), H_(num_heads), KVH_(num_kv_heads), D_(head_dim),
+      eps_(eps), scale_(scale) {
   using decode_step::Linear;
-  const int64_t T = hidden.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
-  constexpr size_t kTensors = 6 + 4 * 8, kInts = 4 * 3, kLoRA = 4 * 3;
-  const size_t layers = tensors.size() / kTensors;
-  TORCH_CHECK(lora.empty() || lora.size() == kLoRA * layers, "decode_layers: 12 LoRA tensors per layer, or none");
-  TORCH_CHECK(lora_segments.empty() || lora_segments.size() == 3, "decode_layers: 3 LoRA segment tensors, or none");
-  const torch::Tensor* segments = lora.empty() || lora_segments.empty() ? nullptr : lora_segments.data();
-  std::vector<Linear> linears;
+  constexpr size_t kInts = 4 * 3, kLoRA = 4 * 3;
+  TORCH_CHECK(tensors_.size() % kTensors == 0, "DecodeStep: ", kTensors, " tensors per layer");
+  const size_t layers = tensors_.size() / kTensors;
+  TORCH_CHECK(ints.size() == kInts * layers, "DecodeStep: 12 ints per layer");
+  TORCH_CHECK(lora_.empty() || lora_.size() == kLoRA * layers, "DecodeStep: 12 LoRA tensors per layer, or none");
   for (size_t i = 0; i < layers; ++i)
     for (int j = 0; j < 4; ++j) {
-      const torch::Tensor* l = tensors.data() + kTensors * i + 6 + 8 * j;
+      const torch::Tensor* l = tensors_.data() + kTensors * i + 6 + 8 * j;
       const int64_t* k = ints.data() + kInts * i + 3 * j;
-      const torch::Tensor* factors = segments ? lora.data() + kLoRA * i + 3 * j : nullptr;
-      linears.push_back(Linear{l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], k[0], k[1], k[2], factors});
+      plain_.push_back(Linear{l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], k[0], k[1], k[2], nullptr});
+      if (!lora_.empty()) {
+        adapted_.push_back(plain_.back());
+        adapted_.back().lora = lora_.data() + kLoRA * i + 3 * j;
+      }
     }
-  bool one_region = std::all_of(linears.begin(), linears.end(), decode_step::splits_by_panels);
-  for (size_t i = 0; i < layers; ++i) one_region = one_region && linears[4 * i + 2].w.size(0) % 16 == 0;  // 8 | I
-  if (one_region)
+  one_region_ = std::all_of(plain_.begin(), plain_.end(), decode_step::splits_by_panels);
+  for (size_t i = 0; i < layers; ++i) one_region_ = one_region_ && plain_[4 * i + 2].w.size(0) % 16 == 0;  // 8 | I
+}
+
+// hidden: [T, hidden] (every token a decode); residual: the stream so far (absent before the first layer).
+// `lora_segments`: empty, or the step's (seg_starts, seg_slots, seg_scales) (tokenmill/kernels/lora.py),
+// which run the adapters. Returns {hidden, residual} after the last layer (the final norm is the caller's).
+std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
+                                           const torch::Tensor& positions, const torch::Tensor& slots,
+                                           const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                                           const torch::Tensor& cos_sin,
+                                           const std::vector<torch::Tensor>& lora_segments) const {
+  TORCH_CHECK(lora_segments.empty() || lora_segments.size() == 3, "DecodeStep: 3 LoRA segment tensors, or none");
+  const bool adapters = !lora_.empty() && !lora_segments.empty();
+  const torch::Tensor* segments = adapters ? lora_segments.data() : nullptr;
+  const std::vector<decode_step::Linear>& linears = adapters ? adapted_ : plain_;
+  const int64_t T = hidden.size(0), H = H_, KVH = KVH_, D = D_;
+  if (one_region_ && !adapters)
     return decode_step::layers_in_one_region(hidden, residual, positions, slots, block_tables, context_lens, cos_sin,
-                                             linears, tensors, num_heads, num_kv_heads, head_dim, eps, scale);
+                                             linears, tensors_, H, KVH, D, eps_, scale_);
   torch::Tensor res = residual ? *residual : torch::Tensor();
-  for (size_t i = 0; i < layers; ++i) {
-    const torch::Tensor* t = tensors.data() + kTensors * i;
-    const Linear &qkv_proj = linears[4 * i], &o_proj = linears[4 * i + 1], &gate_up_proj = linears[4 * i + 2],
-                 &down_proj = linears[4 * i + 3];
+  for (size_t i = 0; i < linears.size() / 4; ++i) {
+    const torch::Tensor* t = tensors_.data() + kTensors * i;
+    const decode_step::Linear &qkv_proj = linears[4 * i], &o_proj = linears[4 * i + 1],
+                              &gate_up_proj = linears[4 * i + 2], &down_proj = linears[4 * i + 3];
 
     auto normed = torch::empty_like(hidden);
-    add_rms_norm(hidden, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, t[0], eps, normed);
+    add_rms_norm(hidden, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, t[0], eps_, normed);
     res = hidden;
     auto qkv = decode_step::linear(qkv_proj, normed, segments).view({T, H + 2 * KVH, D});
     rotary_inplace(qkv.narrow(1, 0, H + KVH), positions, cos_sin);
@@ -228,12 +234,12 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<tor
     else
       write_kv(qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH), t[2], t[3], slots);
     auto attn = torch::empty({T, H, D}, hidden.options());
-    paged_decode_attention(qkv.narrow(1, 0, H).contiguous(), t[2], t[3], block_tables, context_lens, scale, 0, 0.0,
+    paged_decode_attention(qkv.narrow(1, 0, H).contiguous(), t[2], t[3], block_tables, context_lens, scale_, 0, 0.0,
                            attn, decode_step::present(t[4]), decode_step::present(t[5]));
     auto o = decode_step::linear(o_proj, attn.view({T, H * D}), segments);
 
     normed = torch::empty_like(o);
-    add_rms_norm(o, res, t[1], eps, normed);
+    add_rms_norm(o, res, t[1], eps_, normed);
     res = o;
     auto gate_up = decode_step::linear(gate_up_proj, normed, segments);
     auto act = torch::empty({T, gate_up.size(1) / 2}, hidden.options());

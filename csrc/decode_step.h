@@ -1,15 +1,44 @@
-// The decode step of a stack of plain pre-norm decoder layers in one call (see
-// tokenmill/kernels/decode_step.py), made of the very kernels the Python path calls.
+// The decode step of a stack of plain pre-norm decoder layers (see tokenmill/kernels/decode_step.py), made
+// of the very kernels the Python path calls: built once from the layers' weights, then run once a step.
 #pragma once
 
 #include <vector>
 
 #include "prelude.h"
 
-std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
-                                         torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
-                                         torch::Tensor context_lens, torch::Tensor cos_sin,
-                                         std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
-                                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                                         double scale, std::vector<torch::Tensor> lora,
-                                         std::vector<torch::Tensor> lora_segments);
+namespace decode_step {
+
+// A linear layer: kind 0 dense (w [N, K]), 1 blocks with float activations, 2 blocks with int8
+// activations (w: codes, then the rest of `block_quant.Blocks`, then the weight's panels where it has
+// them: `block_quant.Panels`); absent tensors are empty. `lora`: its LoRA factors (a, b, shard_offsets),
+// or null when the step runs no adapter.
+struct Linear {
+  torch::Tensor w, high, scales, offsets, supers, panel_codes, panel_scales, bias;
+  int64_t kind, bits, center;
+  const torch::Tensor* lora;
+};
+
+}  // namespace decode_step
+
+// The layers' weights, KV caches and shapes, held from the model's load (or the KV cache's binding) on: a
+// step passes only its own tensors, so it converts no weight list from Python and rebuilds no `Linear`
+// (about 1,100 tensor arguments a token for SmolLM2's 30 layers).
+class DecodeStep {
+ public:
+  static constexpr size_t kTensors = 6 + 4 * 8;  // per layer (see the constructor)
+  DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
+             int64_t head_dim, double eps, double scale, std::vector<torch::Tensor> lora);
+  DecodeStep(const DecodeStep&) = delete;  // `adapted_` points into `lora_`
+  DecodeStep& operator=(const DecodeStep&) = delete;
+  std::vector<torch::Tensor> run(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
+                                 const torch::Tensor& positions, const torch::Tensor& slots,
+                                 const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                                 const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& lora_segments) const;
+
+ private:
+  std::vector<torch::Tensor> tensors_, lora_;
+  std::vector<decode_step::Linear> plain_, adapted_;  // adapted_: with the LoRA factors, when there are some
+  int64_t H_, KVH_, D_;
+  double eps_, scale_;
+  bool one_region_;  // every product on panels with int8 activations: the layers in one parallel region
+};

@@ -16,6 +16,7 @@ UNIT_MODULES = {
     "test_api_conversions",
     "test_core_start",
     "test_attention_backends",
+    "test_attention_metadata",
     "test_engine",
     "test_embeddings",
     "test_eval_tasks",

@@ -74,6 +74,7 @@ def main() -> None:
     for name in args.models.split(","):
         path = gguf_path(name)
         llm = LLM(str(path), num_kv_blocks=(args.prompt_len + args.tokens) // 16 + 4)
+        torch.set_num_threads(args.threads)  # again: the runner took every core this process may use
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         rng = random.Random(0)
         prompt = [rng.randrange(1000, 20000) for _ in range(args.prompt_len)]

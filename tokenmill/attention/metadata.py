@@ -41,11 +41,14 @@ def build_common_metadata(
     num_decodes = int(np.argmin(is_decode)) if not is_decode.all() else num_reqs
     if is_decode[num_decodes:].any():
         raise ValueError("attention metadata: single-token requests must come first in the batch")
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(num_new, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    req_of_token = np.repeat(np.arange(num_reqs), num_new)
-    positions = np.arange(num_tokens) - query_start_loc[req_of_token] + num_computed[req_of_token]
+    if num_decodes == num_reqs:  # decodes only (most steps of a decode): token i is request i's, after its cache
+        query_start_loc = np.arange(num_reqs + 1, dtype=np.int64)
+        req_of_token, positions = query_start_loc[:-1], num_computed.astype(np.int64)
+    else:
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        req_of_token = np.repeat(np.arange(num_reqs), num_new)
+        positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + num_computed[req_of_token]
 
     table = np.zeros((num_reqs, max(len(b) for b in block_ids)), dtype=np.int64)
     for i, blocks in enumerate(block_ids):
