@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "vec_math.h"
+
 // x: [T, H] contiguous. With residual: x += residual first (x then holds the new residual).
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight.
 void add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
@@ -56,7 +58,8 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_
   });
 }
 
-// gate_up: [T, 2I] contiguous -> out [T, I] = silu(gate) * up.
+// gate_up: [T, 2I] contiguous -> out [T, I] = silu(gate) * up (e^x eight lanes at a time where AVX2 is:
+// std::exp in the loop ran scalar, 1.4 ns an element, the chunk's biggest elementwise cost).
 void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) { silu_and_mul_columns(gate_up, out, 0, out.size(1)); }
 
 // Its columns [first, last) of out only (for callers that split it over threads of their own).
@@ -69,8 +72,16 @@ void silu_and_mul_columns(const torch::Tensor& gate_up, torch::Tensor& out, int6
       const float* g = gp + t * 2 * I;
       const float* u = g + I;
       float* o = op + t * I;
-#pragma omp simd
-      for (int64_t i = first; i < last; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      int64_t i = first;
+#ifdef TM_VEC_MATH
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= last; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < last; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
 }
