@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import pickle
 import queue
 import threading
@@ -23,23 +22,6 @@ logger = logging.getLogger(__name__)
 _POLL_SECONDS = 0.2
 
 
-# How many times the core's OpenMP threads spin at a barrier or between parallel regions before they sleep,
-# unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT). libgomp's default, 300,000 spins (about a
-# millisecond), is for threads that own their cores; the core shares them with the front end and the
-# clients, and a thread spinning for a partner that is not scheduled holds the very core that partner
-# needs (16 x 200-in / 128-out in process, two threads, a loaded 2-core host: 23-35 output tokens/s
-# as is, 70-78 with 10,000 spins, 114-157 passive; docs/benchmarks/round-3.md, session 7). 10,000
-# still covers a barrier's usual wait of a few microseconds, where sleeping would cost a wake-up.
-CORE_GOMP_SPINCOUNT = "10000"
-
-
-def bound_openmp_spinning(environ=os.environ) -> None:
-    """Set GOMP_SPINCOUNT for the core processes started from now on (spawned: they read it as their
-    OpenMP runtime loads), unless the user set it or OMP_WAIT_POLICY."""
-    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["GOMP_SPINCOUNT"] = CORE_GOMP_SPINCOUNT
-
-
 class EngineStartupError(RuntimeError):
     """The core process could not load the model."""
 
@@ -47,7 +29,6 @@ class EngineStartupError(RuntimeError):
 class CoreHandle:
     def __init__(self, config: EngineConfig) -> None:
         ctx = multiprocessing.get_context("spawn")
-        bound_openmp_spinning()
         self.inputs, self.outputs = ctx.Queue(), ctx.Queue()
         self.progress = ctx.Value("Q", 0, lock=False)  # bumped by the core inside its steps (worker/heartbeat.py)
         self.proc = ctx.Process(
