@@ -1,4 +1,5 @@
-// Fused elementwise kernels for CPU float32: add + RMSNorm, rotary embedding in place, SiLU * mul.
+// Fused elementwise kernels for CPU float32: add + RMSNorm, rotary embedding in place, SiLU * mul, and
+// each row's argmax (the greedy sampler).
 #pragma once
 
 #include "prelude.h"
@@ -8,3 +9,4 @@ void add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch:
 void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin);
 void silu_and_mul(torch::Tensor gate_up, torch::Tensor out);
 void silu_and_mul_columns(const torch::Tensor& gate_up, torch::Tensor& out, int64_t first, int64_t last);
+void row_argmax(torch::Tensor x, torch::Tensor out);

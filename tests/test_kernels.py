@@ -139,6 +139,30 @@ def test_write_kv_stores_rows_at_their_slots(cache_dtype):
     assert k_cache.view(-1, 2, 8)[untouched].abs().sum() == 0
 
 
+def test_silu_and_mul_over_its_vector_body_and_tail_and_extreme_gates():
+    """SiLU's e^x runs eight lanes at a time with a scalar tail (width 75: both), clamped where e^x
+    would overflow: gates of +-100 still give silu(+-100) * up."""
+    torch.manual_seed(0)
+    gate_up = torch.randn(5, 150) * 4
+    gate_up[0, :75] = torch.linspace(-100, 100, 75)
+    want = F.silu(gate_up[:, :75].double()) * gate_up[:, 75:].double()
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up).double(), want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 1003])
+def test_row_argmax_is_torchs_first_index_of_the_maximum(vocab):
+    """The greedy sampler's argmax: the first index on ties (a tie planted after the maximum and one
+    across the vector/tail boundary), a row of -inf gives 0, a NaN counts as the largest, as in torch."""
+    torch.manual_seed(0)
+    x = torch.randn(6, vocab)
+    x[1] = x[1].round()  # ties everywhere
+    x[2, -1] = x[2].max()  # the maximum again at the last (tail) position
+    x[3] = float("-inf")
+    x[4, vocab // 2] = float("nan")
+    x[5, vocab // 3 :] = 5.0
+    assert fused_ops.row_argmax(x).tolist() == x.max(dim=-1).indices.tolist()
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_fused_elementwise_ops_match_torch(tokens):
     torch.manual_seed(0)

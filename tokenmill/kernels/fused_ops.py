@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for CPU float32: add + RMSNorm, rotary embedding in place, SiLU * mul.
+"""Fused elementwise kernels for CPU float32: add + RMSNorm, rotary embedding in place, SiLU * mul, and
+each row's argmax (the greedy sampler's step over the vocabulary).
 
 At decode time a layer's elementwise work is a few thousand floats; as separate torch ops each
 costs more in dispatch and temporaries than in arithmetic (RMSNorm alone is six ops). One C++ call
@@ -39,4 +40,11 @@ def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tens
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     load().silu_and_mul(gate_up, out)
+    return out
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """[B, V] contiguous -> [B] long: each row's first index of its largest value (a NaN counts as largest)."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    load().row_argmax(x, out)
     return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill.kernels import fused_ops
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -246,8 +247,11 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of each row's largest value (the first on ties, like argmax); `max(dim)` is 2-3x
-    faster than `argmax` on CPU for vocabulary-sized rows."""
+    """Index of each row's largest value (the first on ties, like argmax). On CPU float32 one C++ call
+    (`fused_ops.row_argmax`: a 16 x 151,936 greedy step in a fraction of torch's time); elsewhere
+    `max(dim)`, 2-3x faster than `argmax` on CPU for vocabulary-sized rows."""
+    if fused_ops.applies(x) and x.dim() == 2 and x.is_contiguous():
+        return fused_ops.row_argmax(x)
     return x.max(dim=-1).indices
 
 
