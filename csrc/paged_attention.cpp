@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fp8.h"
+#include "vec_math.h"
 
 // k, v: [T, KVH, D] float32 with a contiguous last dim (views into the fused qkv output);
 // k_cache, v_cache: [num_blocks, block_size, KVH, D] contiguous, float32 (copied) or float16 / bfloat16
@@ -98,23 +99,6 @@ void write_kv_quantized(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-
-// e^x for 8 floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial for e^r; ~1 ulp).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
-  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
-}
 
 // The sums of eight vectors, as one vector (lane j = sum of a[j]).
 inline __m256 hsum8(const __m256 a[8]) {
