@@ -18,7 +18,9 @@ STALL_RATIO = 4.0  # a decode gap this many typical steps long is a stall
 STALL_MIN_SECONDS = 0.05  # ... and at least this long (shorter is not felt)
 STALL_SHARE = 0.5  # ... covering this share of the long prompt's prefill: it ran in one piece, not interleaved
 CHUNK_STEPS = 4  # a prompt prefilled in at least this many chunks ...
-CHUNK_OVERHEAD = 3.0  # ... each costing under this many decode steps: the step's fixed cost dominates
+CHUNK_OVERHEAD = 5.0  # ... each costing under this many decode steps: the step's fixed cost dominates (a step
+# carrying a prompt chunk runs the layer-by-layer forward, whose fixed cost on CPU is several compiled decode-only
+# steps: the doctor test's 16-token chunks of a tiny model came near 3 on a busy machine)
 PREFIX_MISSED = 0.2  # prefix-cache hits under this share of the shared tokens: missed
 QUEUE_RATIO = 3.0  # TTFT under concurrency this many times the lone request's: queueing
 BOUND = 0.5  # a share of the roofline at or above this: bound by it

@@ -45,6 +45,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """[B, V] contiguous -> [B] long: each row's first index of its largest value (a NaN counts as largest)."""
-    out = torch.empty(x.shape[0], dtype=torch.long)
+    out = x.new_empty(x.shape[0], dtype=torch.long)  # made from x, as the other kernels' outputs are
     load().row_argmax(x, out)
     return out
