@@ -32,7 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TM_DEF(fp8_matmul);
   TM_DEF(fp8_dequantize);
   TM_DEF(lora_add);
-  pybind11::class_<DecodeStep, std::shared_ptr<DecodeStep>>(m, "DecodeStep")
+  // module_local: each build registers its own class, so a stale prebuilt module imported first (to read its
+  // sources_hash) does not stop the build from source from loading (pybind types are otherwise process-wide)
+  pybind11::class_<DecodeStep, std::shared_ptr<DecodeStep>>(m, "DecodeStep", pybind11::module_local())
       .def(pybind11::init(torch::wrap_pybind_function(
           [](std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
              int64_t head_dim, double eps, double scale, std::vector<torch::Tensor> lora) {

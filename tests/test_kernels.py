@@ -245,6 +245,18 @@ def test_the_prebuilt_variant_for_this_cpu_is_loaded():
     assert fused_ops.load().__name__ == f"tokenmill.kernels.{variant.module}", "prebuilt modules missing: make"
 
 
+def test_two_builds_of_the_kernels_load_in_one_process():
+    """A prebuilt module imported first (to read its sources_hash: a stale one is then built from source)
+    must not stop a second build from loading: each registers its own DecodeStep class."""
+    import importlib
+
+    runnable = [v for v in variants.VARIANTS if v.needs <= kernels.cpu_flags()]
+    if len(runnable) < 2 or fused_ops.load() is None:
+        pytest.skip("fewer than two prebuilt variants run here")
+    modules = [importlib.import_module(f"tokenmill.kernels.{v.module}") for v in runnable[-2:]]
+    assert modules[0].DecodeStep is not modules[1].DecodeStep
+
+
 def test_the_best_variant_is_the_one_whose_instruction_sets_the_cpu_has():
     v3 = {
         "lm",
