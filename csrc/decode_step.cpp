@@ -14,6 +14,7 @@
 #include "fused_ops.h"
 #include "lora.h"
 #include "paged_attention.h"
+#include "step_barrier.h"
 
 namespace decode_step {
 
@@ -70,9 +71,18 @@ void linear_share(const Linear& l, const torch::Tensor& x, torch::Tensor& out, i
   linear_panels(l, x, out, P * t / n, P * (t + 1) / n);
 }
 
+// The scales and codes of panels [first, last) of `l` into `ahead` (the lines a thread asks for while it
+// waits before the op that reads them).
+void ask_ahead(LinesAhead& ahead, const Linear& l, int64_t first, int64_t last) {
+  for (const torch::Tensor* p : {&l.panel_scales, &l.panel_codes}) {
+    const int64_t row = p->stride(0) * p->element_size();
+    ahead.add(static_cast<const char*>(p->data_ptr()) + first * row, (last - first) * row);
+  }
+}
+
 // The layers in one OpenMP parallel region: a step pays one fork and join, not one per kernel (about 150
 // a token for SmolLM2's 30 layers). The products and the attention's spans are split over the threads,
-// barriers between the ops; the small ops (norms, rotary, the KV write, SiLU) run on the calling thread
+// barriers between the ops (StepBarrier: a thread waiting there asks for its share of the next product); the small ops (norms, rotary, the KV write, SiLU) run on the calling thread
 // (the master), the one that also makes every torch call, but SiLU * up, which each thread applies to the
 // columns whose gate and up it computed: the same kernels on the same inputs as
 // the op-by-op loop, so the same bits. Buffers are made once a step: the residual stream alternates
@@ -103,6 +113,7 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
   // thread skips the work after it but still meets every barrier, and it is rethrown once the region ends.
   std::exception_ptr error;
   std::atomic<bool> failed{false};
+  StepBarrier barrier;  // between the ops (step_barrier.h: spins briefly, then sleeps)
   auto guard = [&](auto&& work) {
     if (failed.load()) return;
     try {
@@ -116,18 +127,31 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#pragma omp master
+    barrier.set_threads(n);
+#pragma omp barrier
     auto split = [&](int64_t total, auto&& run) { run(total * t / n, total * (t + 1) / n); };
+    // this thread's share of the next product, asked for while it waits at the barriers before it
+    LinesAhead ahead;
+    auto next_share = [&](const Linear& l) {
+      const int64_t P = l.panel_codes.size(0);
+      ahead = LinesAhead();
+      ask_ahead(ahead, l, P * t / n, P * (t + 1) / n);
+    };
+    next_share(linears[0]);
     for (size_t i = 0; i < layers; ++i) {
       const torch::Tensor* w = tensors.data() + kTensors * i;
       const Linear* l = linears.data() + 4 * i;
+      const int64_t G = I / 8, first = G * t / n, last = G * (t + 1) / n;  // gate_up: gate's and up's panels
 #pragma omp master
       guard([&] {
         add_rms_norm(x, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, w[0], eps, normed);
         res = x;
       });
-#pragma omp barrier
+      barrier.wait(&ahead);
       guard([&] { linear_share(l[0], normed, qkv, t, n); });
-#pragma omp barrier
+      next_share(l[1]);
+      barrier.wait(&ahead);
 #pragma omp master
       guard([&] {
         rotary_inplace(rotated, positions, cos_sin);
@@ -140,28 +164,32 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
                                                       context_lens, scale, 0, 0.0, attn_heads, present(w[4]),
                                                       present(w[5]), c10::nullopt, n);
       });
-#pragma omp barrier
+      barrier.wait(&ahead);
       guard([&] { split(attention->tasks(), [&](int64_t a, int64_t b) { attention->run_tasks(a, b); }); });
-#pragma omp barrier
+      barrier.wait(&ahead);
       guard([&] { split(attention->merges(), [&](int64_t a, int64_t b) { attention->run_merges(a, b); }); });
-#pragma omp barrier
+      barrier.wait(&ahead);
       guard([&] { linear_share(l[1], attn, o, t, n); });
-#pragma omp barrier
+      ahead = LinesAhead();
+      ask_ahead(ahead, l[2], first, last);
+      ask_ahead(ahead, l[2], G + first, G + last);
+      barrier.wait(&ahead);
 #pragma omp master
       guard([&] {
         add_rms_norm(o, res, w[1], eps, normed);
         res = o;
       });
-#pragma omp barrier
+      barrier.wait(&ahead);
       guard([&] {  // gate and up (I / 8 panels each) over the same columns of act, then SiLU * up on those columns
-        const int64_t G = I / 8, first = G * t / n, last = G * (t + 1) / n;
         linear_panels(l[2], normed, gate_up, first, last);
         linear_panels(l[2], normed, gate_up, G + first, G + last);
         silu_and_mul_columns(gate_up, act, 8 * first, 8 * last);
       });
-#pragma omp barrier
+      next_share(l[3]);
+      barrier.wait(&ahead);
       guard([&] { linear_share(l[3], act, down, t, n); });
-#pragma omp barrier
+      if (i + 1 < layers) next_share(l[4]);
+      barrier.wait(&ahead);
 #pragma omp master
       x = down;
     }
