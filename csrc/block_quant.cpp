@@ -1,10 +1,14 @@
 #include "block_quant.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include <omp.h>
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TM_SIMD 1
@@ -1384,10 +1388,25 @@ inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, co
 struct NoPrepare {
   void operator()(int64_t, int64_t, int64_t) const {}
 };
+// f(begin, end) over [first, last) in pieces of `piece`, which the threads take one at a time as they
+// finish the one before (at::parallel_for gives each thread its half at the start: a thread preempted on a
+// busy host left its partner waiting at the join for its whole half; here the partner takes what is left).
+// Inline inside a parallel region (the compiled decode step's) or with one thread.
+template <typename F>
+void by_pieces(int64_t first, int64_t last, int64_t piece, const F& f) {
+  const int64_t pieces = (last - first + piece - 1) / piece;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), pieces));
+  if (threads <= 1 || omp_in_parallel()) return f(first, last);
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < pieces;)
+    f(first + k * piece, std::min(last, first + (k + 1) * piece));
+}
+
 template <typename Tile, typename Prepare = NoPrepare>
 void for_each_panel_tile(int64_t M, int64_t first, int64_t last, const Tile& tile, const Prepare& prepare = {}) {
-  constexpr int64_t kChunk = 4, kRowBlock = 64;
-  at::parallel_for(first, last, kChunk, [&](int64_t begin, int64_t end) {
+  constexpr int64_t kChunk = 4, kRowBlock = 64, kPiece = 4 * kChunk;
+  by_pieces(first, last, kPiece, [&](int64_t begin, int64_t end) {
     for (int64_t block = 0; block < M; block += kRowBlock)
       for (int64_t p0 = begin; p0 < end; p0 += kChunk) {
         const int64_t p1 = std::min(end, p0 + kChunk), m1 = std::min(M, block + kRowBlock);
