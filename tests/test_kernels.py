@@ -248,11 +248,15 @@ def test_the_prebuilt_variant_for_this_cpu_is_loaded():
 def test_two_builds_of_the_kernels_load_in_one_process():
     """A prebuilt module imported first (to read its sources_hash: a stale one is then built from source)
     must not stop a second build from loading: each registers its own DecodeStep class."""
-    import importlib
+    import importlib.util
 
-    runnable = [v for v in variants.VARIANTS if v.needs <= kernels.cpu_flags()]
+    runnable = [
+        v
+        for v in variants.VARIANTS
+        if v.needs <= kernels.cpu_flags() and importlib.util.find_spec(f"tokenmill.kernels.{v.module}")
+    ]
     if len(runnable) < 2 or fused_ops.load() is None:
-        pytest.skip("fewer than two prebuilt variants run here")
+        pytest.skip("fewer than two prebuilt variants installed that run here")
     modules = [importlib.import_module(f"tokenmill.kernels.{v.module}") for v in runnable[-2:]]
     assert modules[0].DecodeStep is not modules[1].DecodeStep
 
