@@ -1333,7 +1333,10 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = codes + b * bytes;
     if (PACKED) {
-      prefetch_panel_ahead(c, bytes), prefetch_panel_ahead(c + next_codes, bytes);
+      // the lines kPrefetchBytes ahead in this pair's blocks, or past its last: the next pair's (a pair
+      // reads its two panels side by side, so the bytes after panel p are p + 1's, already on their way)
+      const int64_t ahead = (b * bytes + kPrefetchBytes < nb * bytes ? 0 : next_codes);
+      prefetch_panel_ahead(c + ahead, bytes), prefetch_panel_ahead(c + next_codes + ahead, bytes);
       prefetch_panel_ahead(scales + b * 2 * kPanel, 1), prefetch_panel_ahead(scales + b * 2 * kPanel + next_scales, 1);
     }
     __m512i sums[RM][kChains];  // 8 bits: from less 128 x's sum (xc), repaying the codes' + 128
@@ -1503,10 +1506,10 @@ struct OnePanel {
   using F = __m256;
   static I codes(const uint8_t* c, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)); }
   static I words(int32_t w) { return _mm256_set1_epi32(w); }
-  // Four weight vectors against four broadcast activation words: per lane, its 16 products summed (codes
-  // below 64: dot4x2's int16 pair sums fit).
-  static I dot16(const I* w, const I* x) {
-    return _mm256_add_epi32(dot4x2(w[0], x[0], w[1], x[1]), dot4x2(w[2], x[2], w[3], x[3]));
+  // Four weight vectors against four broadcast activation words: per lane, `from` plus its 16 products
+  // (codes below 64: dot4x2's int16 pair sums fit).
+  static I dot16(I from, const I* w, const I* x) {
+    return _mm256_add_epi32(from, _mm256_add_epi32(dot4x2(w[0], x[0], w[1], x[1]), dot4x2(w[2], x[2], w[3], x[3])));
   }
   static I sub_scales(const uint8_t* s, int64_t) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
@@ -1516,7 +1519,6 @@ struct OnePanel {
   }
   static I izero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F set1(float a) { return _mm256_set1_ps(a); }
@@ -1538,10 +1540,9 @@ struct PanelPair {
   using F = __m512;
   static I codes(const uint8_t* c, int64_t next) { return load_pair(c, c + next); }
   static I words(int32_t w) { return _mm512_set1_epi32(w); }
-  static I dot16(const I* w, const I* x) {
-    I s = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) s = _mm512_dpbusd_epi32(s, w[j], x[j]);
-    return s;
+  static I dot16(I from, const I* w, const I* x) {
+    for (int j = 0; j < 4; ++j) from = _mm512_dpbusd_epi32(from, w[j], x[j]);
+    return from;
   }
   static I sub_scales(const uint8_t* s, int64_t next) {
     return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)),
@@ -1552,7 +1553,6 @@ struct PanelPair {
   }
   static I izero() { return _mm512_setzero_si512(); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F set1(float a) { return _mm512_set1_ps(a); }
@@ -1595,7 +1595,7 @@ inline void q6_panel_tile(const int8_t* xq, const float* dx, const int32_t* xc, 
           std::memcpy(&word, xq + r * K + i * 16 + 4 * j, 4);
           x[j] = V::words(word);
         }
-        isum[r] = V::add(isum[r], V::mullo(V::sub(V::dot16(w, x), V::words(xc[r * subs + i])), sc));
+        isum[r] = V::add(isum[r], V::mullo(V::dot16(V::words(-xc[r * subs + i]), w, x), sc));
       }
     }
     const typename V::F d = V::supers(sq + 16 * kPanel, next_scales);
