@@ -1207,8 +1207,17 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const
   constexpr int kChains = Sums::kChains;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   constexpr bool kBiased = BITS == 8 && Sums::kBiased8;
-  __m256 acc[RM];
-  for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[RM], off[RM];
+  for (int r = 0; r < RM; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  // the offsets' terms as their own sums: a block whose offsets are all zero (Q8_0's) adds +0 to each
+  // (the same bits as none): skipped. Few rows add them in the block loop (registers enough; one row's
+  // loop of them alone ran latency-bound), more once the integer sums' registers are free: the same bits.
+  constexpr bool kOffsetsInLoop = RM <= 2;
+  auto add_offsets = [&](int64_t b) {
+    const __m256 o = scale_vec(scales + b * 2 * kPanel + kPanel);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(o, _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0) return;
+    for (int r = 0; r < RM; ++r) off[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[r * nb + b]), off[r]);
+  };
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = codes + b * bytes;
     if (PACKED) prefetch_panel_ahead(c, bytes), prefetch_panel_ahead(scales + b * 2 * kPanel, 1);
@@ -1247,16 +1256,10 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const
     for (int r = 0; r < RM; ++r)
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Sums::total(sums[r])),
                                _mm256_mul_ps(s, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+    if (kOffsetsInLoop) add_offsets(b);
   }
-  // the offsets' terms, their own sums, once the integer sums' registers are free; a block whose offsets
-  // are all zero (Q8_0's) adds +0 to each (the same bits as none): skipped
-  __m256 off[RM];
-  for (int r = 0; r < RM; ++r) off[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256 o = scale_vec(scales + b * 2 * kPanel + kPanel);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(o, _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0) continue;
-    for (int r = 0; r < RM; ++r) off[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[r * nb + b]), off[r]);
-  }
+  if (!kOffsetsInLoop)
+    for (int64_t b = 0; b < nb; ++b) add_offsets(b);
   for (int r = 0; r < RM; ++r) _mm256_store_ps(total[r], _mm256_add_ps(acc[r], off[r]));
 #else
   for (int r = 0; r < RM; ++r)
