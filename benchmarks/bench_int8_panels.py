@@ -42,6 +42,7 @@ SHAPES = {
         ("o", "Q4_1", 576, 576),
         ("gate_up", "Q4_1", 3072, 576),
         ("down", "Q4_1", 576, 1536),
+        ("lm_head", "Q8_0", 49152, 576),  # token_embd.weight, tied: the batch-16 decode steps' LM head
     ],
     "Qwen2.5-0.5B": [
         ("qkv", "Q8_0", 1152, 896),
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--types", help="only the layers of these comma-separated GGUF types (default: all)")
     ap.add_argument("--layers", help="only these comma-separated layers, e.g. gate_up,lm_head (default: all)")
     ap.add_argument("--copies", type=int, default=1, help="copies of each weight a call runs through (default: 1)")
+    ap.add_argument("--kernels", default="blocks,panels,gemm", help="only these of the three (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {torch.get_num_threads()} threads; G MAC/s of the blocks' tiles, the panels' tiles, dequantize + GEMM")
@@ -108,7 +110,7 @@ def main() -> None:
             }
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, k)
-                times = {kind: [] for kind, call in calls.items() if call is not None}
+                times = {kind: [] for kind, call in calls.items() if call is not None and kind in args.kernels}
                 for _ in range(args.repeats + 1):  # the first pass warms up; the kernels take turns
                     for kind in times:
                         start = time.perf_counter()

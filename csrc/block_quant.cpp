@@ -1124,7 +1124,7 @@ inline void prefetch_panel_ahead(const void* block, int64_t bytes) {
 
 #ifdef TM_SIMD
 #ifdef __AVX512F__
-constexpr int kPanelRows = 8;  // activation rows a tile: 32 vector registers hold 16 integer + 8 float sums
+constexpr int kPanelRows = 8;  // activation rows a tile: 32 vector registers hold 8 integer + 8 float sums
 #else
 constexpr int kPanelRows = 4;  // 16 registers
 #endif
@@ -1210,17 +1210,27 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const
   using Sums = PanelSums<BITS>;
   constexpr int kChains = Sums::kChains;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[RM];
-  for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
+  constexpr bool kBiased = BITS == 8 && Sums::kBiased8;
+  __m256 acc[RM], off[RM];
+  for (int r = 0; r < RM; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  // the offsets' terms as their own sums: a block whose offsets are all zero (Q8_0's) adds +0 to each
+  // (the same bits as none): skipped. Few rows add them in the block loop (registers enough; one row's
+  // loop of them alone ran latency-bound), more once the integer sums' registers are free: the same bits.
+  constexpr bool kOffsetsInLoop = RM <= 2;
+  auto add_offsets = [&](int64_t b) {
+    const __m256 o = scale_vec(scales + b * 2 * kPanel + kPanel);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(o, _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0) return;
+    for (int r = 0; r < RM; ++r) off[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[r * nb + b]), off[r]);
+  };
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = codes + b * bytes;
     if (PACKED) prefetch_panel_ahead(c, bytes), prefetch_panel_ahead(scales + b * 2 * kPanel, 1);
-    __m256i sums[RM][kChains];
+    __m256i sums[RM][kChains];  // 8 bits, vpdpbusd: from less 128 x's sum (xc), repaying the codes' + 128
     for (int r = 0; r < RM; ++r)
-      for (int h = 0; h < kChains; ++h) sums[r][h] = _mm256_setzero_si256();
+      for (int h = 0; h < kChains; ++h)
+        sums[r][h] = kBiased && h == 0 ? _mm256_set1_epi32(-xc[r * nb + b]) : _mm256_setzero_si256();
     // weight vector w (values 4j.. of the eight rows) against each row's broadcast x[4j..4j+3], on chain h
     // 8 bits: w + 128 (vpdpbusd), or |w| times x of w's sign (maddubs)
-    constexpr bool kBiased = BITS == 8 && Sums::kBiased8;
     auto dot = [&](__m256i w, int j, int h) {
       const __m256i u = BITS != 8 ? w : kBiased ? _mm256_xor_si256(w, _mm256_set1_epi8(-128)) : _mm256_sign_epi8(w, w);
       for (int r = 0; r < RM; ++r) {
@@ -1246,27 +1256,27 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const
         dot(load(j + 1), j + 1, kChains - 1);
       }
     }
-    const __m256 s = scale_vec(scales + b * 2 * kPanel), o = scale_vec(scales + b * 2 * kPanel + kPanel);
-    for (int r = 0; r < RM; ++r) {
-      __m256i total = Sums::total(sums[r]);
-      if (kBiased) total = _mm256_sub_epi32(total, _mm256_set1_epi32(xc[r * nb + b]));
-      const __m256 sum = _mm256_cvtepi32_ps(total);
-      const __m256 scaled = _mm256_mul_ps(sum, _mm256_mul_ps(s, _mm256_set1_ps(dx[r * nb + b])));
-      acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(o, _mm256_set1_ps(xs[r * nb + b]), scaled));
-    }
+    const __m256 s = scale_vec(scales + b * 2 * kPanel);
+    for (int r = 0; r < RM; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Sums::total(sums[r])),
+                               _mm256_mul_ps(s, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+    if (kOffsetsInLoop) add_offsets(b);
   }
-  for (int r = 0; r < RM; ++r) _mm256_store_ps(total[r], acc[r]);
+  if (!kOffsetsInLoop)
+    for (int64_t b = 0; b < nb; ++b) add_offsets(b);
+  for (int r = 0; r < RM; ++r) _mm256_store_ps(total[r], _mm256_add_ps(acc[r], off[r]));
 #else
   for (int r = 0; r < RM; ++r)
     for (int64_t c = 0; c < kPanel; ++c) {
-      float sum = 0.f;
+      float sum = 0.f, off = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot = 0;
         for (int64_t v = 0; v < 32; ++v) dot += panel_code<BITS>(codes + b * bytes, c, v) * xq[r * K + b * 32 + v];
         const S* sc = scales + b * 2 * kPanel;
-        sum += static_cast<float>(dot) * (to_float(sc[c]) * dx[r * nb + b]) + to_float(sc[kPanel + c]) * xs[r * nb + b];
+        sum += static_cast<float>(dot) * (to_float(sc[c]) * dx[r * nb + b]);
+        off += to_float(sc[kPanel + c]) * xs[r * nb + b];
       }
-      total[r][c] = sum;
+      total[r][c] = sum + off;
     }
 #endif
   for (int r = 0; r < RM; ++r) std::memcpy(out + r * ldo, total[r], cols * sizeof(float));
@@ -1288,12 +1298,15 @@ inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const f
 // panel_tile spends one of each on 8, and a block's scales, dx and xs broadcasts are shared the same
 // way. Each output lane gets the same integer sums and then the same float operations in the same order
 // as panel_tile's, so a row's result is the same bits whichever tile computes it (threads split the
-// panels anywhere; an odd one runs panel_tile). kPanelRows rows a tile: 16 integer + 8 float sums.
+// panels anywhere; an odd one runs panel_tile). kPanelRows rows a tile: 8 integer + 8 float sums.
 // Fewer than kPairMinRows rows run panel_tile: with one row a pair's extra shuffle per weight load costs
 // more than the shared broadcasts save (Q8_0 / Q5_0 at one row: 0.91x, measured before 8-bit codes took
 // +128 in place of a sign op per row). 8-bit codes: w + 128 against x, then x's sum times 128 (xc) taken
 // from the block's integer sum: the same integers as |w| against x of w's sign, one op a vector, not a row.
 constexpr int kPairMinRows = 4;
+// From this many rows a tile's rows give vpdpbusd's latency enough independent chains with one integer
+// sum a row (no add of two chains a block); fewer take two.
+constexpr int kOneChainRows = 6;
 
 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
@@ -1320,24 +1333,30 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
                             int64_t ldo, int64_t cols) {
   const int64_t nb = K / 32, bytes = PACKED ? panel_block_bytes(BITS) : panel_block_bytes(8);
   constexpr bool kNibbles = BITS == 4 || (BITS == 5 && PACKED);
+  constexpr int kChains = RM >= kOneChainRows ? 1 : 2;  // a row's independent integer sums
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[RM];
   for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = codes + b * bytes;
     if (PACKED) {
-      prefetch_panel_ahead(c, bytes), prefetch_panel_ahead(c + next_codes, bytes);
+      // the lines kPrefetchBytes ahead in this pair's blocks, or past its last: the next pair's (a pair
+      // reads its two panels side by side, so the bytes after panel p are p + 1's, already on their way)
+      const int64_t ahead = (b * bytes + kPrefetchBytes < nb * bytes ? 0 : next_codes);
+      prefetch_panel_ahead(c + ahead, bytes), prefetch_panel_ahead(c + next_codes + ahead, bytes);
       prefetch_panel_ahead(scales + b * 2 * kPanel, 1), prefetch_panel_ahead(scales + b * 2 * kPanel + next_scales, 1);
     }
-    __m512i sums[RM][2];
-    for (int r = 0; r < RM; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+    __m512i sums[RM][kChains];  // 8 bits: from less 128 x's sum (xc), repaying the codes' + 128
+    for (int r = 0; r < RM; ++r)
+      for (int h = 0; h < kChains; ++h)
+        sums[r][h] = BITS == 8 && h == 0 ? _mm512_set1_epi32(-xc[r * nb + b]) : _mm512_setzero_si512();
     // weight vector w (values 4j.. of the sixteen rows) against each row's broadcast x[4j..4j+3], on chain h
     auto dot = [&](__m512i w, int j, int h) {
       const __m512i u = BITS == 8 ? _mm512_xor_si512(w, _mm512_set1_epi8(-128)) : w;  // 8 bits: w + 128
       for (int r = 0; r < RM; ++r) {
         int32_t word;
         std::memcpy(&word, xq + r * K + b * 32 + 4 * j, 4);
-        sums[r][h] = _mm512_dpbusd_epi32(sums[r][h], u, _mm512_set1_epi32(word));
+        sums[r][h % kChains] = _mm512_dpbusd_epi32(sums[r][h % kChains], u, _mm512_set1_epi32(word));
       }
     };
     auto load = [&](int j) { return load_pair(c + 32 * j, c + next_codes + 32 * j); };
@@ -1355,17 +1374,23 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
       }
     }
     const S* sb = scales + b * 2 * kPanel;
-    const __m512 s = scale_pair(sb, sb + next_scales), o = scale_pair(sb + kPanel, sb + next_scales + kPanel);
+    const __m512 s = scale_pair(sb, sb + next_scales);
     for (int r = 0; r < RM; ++r) {
-      __m512i total = _mm512_add_epi32(sums[r][0], sums[r][1]);
-      if (BITS == 8) total = _mm512_sub_epi32(total, _mm512_set1_epi32(xc[r * nb + b]));  // less 128 x's sum
-      const __m512 sum = _mm512_cvtepi32_ps(total);
-      const __m512 scaled = _mm512_mul_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nb + b])));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_fmadd_ps(o, _mm512_set1_ps(xs[r * nb + b]), scaled));
+      const __m512i total = kChains == 2 ? _mm512_add_epi32(sums[r][0], sums[r][kChains - 1]) : sums[r][0];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
     }
   }
+  // the offsets' terms as panel_tile's
+  __m512 off[RM];
+  for (int r = 0; r < RM; ++r) off[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const S* ob = scales + b * 2 * kPanel + kPanel;
+    const __m512 o = scale_pair(ob, ob + next_scales);
+    if (_mm512_cmp_ps_mask(o, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0) continue;
+    for (int r = 0; r < RM; ++r) off[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[r * nb + b]), off[r]);
+  }
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-  for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+  for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_add_ps(acc[r], off[r]));
 }
 
 template <int BITS, bool PACKED, int RM = kPanelRows, typename S>
@@ -1503,10 +1528,10 @@ struct OnePanel {
   using F = __m256;
   static I codes(const uint8_t* c, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)); }
   static I words(int32_t w) { return _mm256_set1_epi32(w); }
-  // Four weight vectors against four broadcast activation words: per lane, its 16 products summed (codes
-  // below 64: dot4x2's int16 pair sums fit).
-  static I dot16(const I* w, const I* x) {
-    return _mm256_add_epi32(dot4x2(w[0], x[0], w[1], x[1]), dot4x2(w[2], x[2], w[3], x[3]));
+  // Four weight vectors against four broadcast activation words: per lane, `from` plus its 16 products
+  // (codes below 64: dot4x2's int16 pair sums fit).
+  static I dot16(I from, const I* w, const I* x) {
+    return _mm256_add_epi32(from, _mm256_add_epi32(dot4x2(w[0], x[0], w[1], x[1]), dot4x2(w[2], x[2], w[3], x[3])));
   }
   static I sub_scales(const uint8_t* s, int64_t) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
@@ -1516,7 +1541,6 @@ struct OnePanel {
   }
   static I izero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F set1(float a) { return _mm256_set1_ps(a); }
@@ -1538,10 +1562,9 @@ struct PanelPair {
   using F = __m512;
   static I codes(const uint8_t* c, int64_t next) { return load_pair(c, c + next); }
   static I words(int32_t w) { return _mm512_set1_epi32(w); }
-  static I dot16(const I* w, const I* x) {
-    I s = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) s = _mm512_dpbusd_epi32(s, w[j], x[j]);
-    return s;
+  static I dot16(I from, const I* w, const I* x) {
+    for (int j = 0; j < 4; ++j) from = _mm512_dpbusd_epi32(from, w[j], x[j]);
+    return from;
   }
   static I sub_scales(const uint8_t* s, int64_t next) {
     return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)),
@@ -1552,7 +1575,6 @@ struct PanelPair {
   }
   static I izero() { return _mm512_setzero_si512(); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F set1(float a) { return _mm512_set1_ps(a); }
@@ -1595,7 +1617,7 @@ inline void q6_panel_tile(const int8_t* xq, const float* dx, const int32_t* xc, 
           std::memcpy(&word, xq + r * K + i * 16 + 4 * j, 4);
           x[j] = V::words(word);
         }
-        isum[r] = V::add(isum[r], V::mullo(V::sub(V::dot16(w, x), V::words(xc[r * subs + i])), sc));
+        isum[r] = V::add(isum[r], V::mullo(V::dot16(V::words(-xc[r * subs + i]), w, x), sc));
       }
     }
     const typename V::F d = V::supers(sq + 16 * kPanel, next_scales);
