@@ -1430,8 +1430,11 @@ void by_pieces(int64_t first, int64_t last, int64_t piece, const F& f) {
 
 template <typename Tile, typename Prepare = NoPrepare>
 void for_each_panel_tile(int64_t M, int64_t first, int64_t last, const Tile& tile, const Prepare& prepare = {}) {
-  constexpr int64_t kChunk = 4, kRowBlock = 64, kPiece = 4 * kChunk;
-  by_pieces(first, last, kPiece, [&](int64_t begin, int64_t end) {
+  constexpr int64_t kChunk = 4, kRowBlock = 64;
+  // pieces of at least 16 panels, about 8 a thread: long enough runs of codes for the prefetchers (a
+  // one-row LM head streams 28 MB), enough of them to even out a preempted thread
+  const int64_t piece = std::max<int64_t>(4 * kChunk, (last - first) / (8 * at::get_num_threads()) / kChunk * kChunk);
+  by_pieces(first, last, piece, [&](int64_t begin, int64_t end) {
     for (int64_t block = 0; block < M; block += kRowBlock)
       for (int64_t p0 = begin; p0 < end; p0 += kChunk) {
         const int64_t p1 = std::min(end, p0 + kChunk), m1 = std::min(M, block + kRowBlock);
