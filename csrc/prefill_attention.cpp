@@ -235,18 +235,15 @@ struct PrefillTasks {
       constexpr int JB = B::kScoreKeys;
       for (int64_t j = (from - k0) / JB * JB; j < to - k0; j += JB)
         score_rows<Vec, JB, B::kScoreVectors>(x.k.data() + j * D, D, x.qt.data() + r0 * W, R, r1 - r0, s + j * R);
-      if (k0 + kKeyTile - 1 > first || (window > 0 && k0 < begin(last)))  // some row does not see some key
-        for (int64_t r = r0 * W; r < r1 * W; ++r) {
-          const int64_t p = pos(r), b = begin(p);
-          for (int64_t j = 0; j < kKeyTile; ++j) {
-            float& sj = x.s[j * R + r];
-            if (cap > 0.f) sj = cap * std::tanh(sj / cap);
-            if (k0 + j > p || k0 + j < b) sj = -kInf;
-          }
-        }
-      else if (cap > 0.f)
+      if (cap > 0.f)
         for (int64_t j = 0; j < kKeyTile; ++j)
           for (int64_t r = r0 * W; r < r1 * W; ++r) x.s[j * R + r] = cap * std::tanh(x.s[j * R + r] / cap);
+      if (k0 + kKeyTile - 1 > first || (window > 0 && k0 < begin(last)))  // some row does not see some key
+        for (int64_t r = r0 * W; r < r1 * W; ++r) {  // its keys before its window's, and after its own position
+          const int64_t p = pos(r), seen_from = std::max<int64_t>(0, begin(p) - k0);
+          for (int64_t j = 0; j < std::min(seen_from, kKeyTile); ++j) x.s[j * R + r] = -kInf;
+          for (int64_t j = std::max<int64_t>(0, p + 1 - k0); j < kKeyTile; ++j) x.s[j * R + r] = -kInf;
+        }
       for (int64_t c = r0; c < r1; ++c) {  // the online softmax, a vector of rows at a time
         const auto m_old = Vec::load(x.m.data() + c * W);
         auto m = m_old;
