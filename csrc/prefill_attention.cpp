@@ -164,6 +164,15 @@ struct Scratch {
       : qt(D * R), k(kKeyTile * D), v(kKeyTile * DVp, 0.f), s(kKeyTile * R), o(R * DVp), m(R), l(R), alpha(R) {}
 };
 
+// The optional inputs: a quantized cache's row scales, the heads' sinks, and the chunk's own keys and values
+// as computed (read in place of the cache's rows at positions from `start` on).
+struct Extras {
+  const c10::BFloat16 *k_scales = nullptr, *v_scales = nullptr;
+  const float* sinks = nullptr;
+  const float *k_new = nullptr, *v_new = nullptr;
+  int64_t k_new_row = 0, k_new_head = 0, v_new_row = 0, v_new_head = 0;
+};
+
 template <typename Vec, typename T>
 struct PrefillTasks {
   static constexpr int W = Vec::kLanes;
@@ -174,19 +183,17 @@ struct PrefillTasks {
   const T *kp, *vp;
   const int64_t* table;
   float* op;
-  const c10::BFloat16 *k_scales, *v_scales;
-  const float* sinks;
+  const Extras e;
 
   PrefillTasks(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                const torch::Tensor& block_table, int64_t start_, double scale_, int64_t window_, double cap_,
-               torch::Tensor& out, const c10::BFloat16* k_scales_, const c10::BFloat16* v_scales_, const float* sinks_)
+               torch::Tensor& out, const Extras& extras)
       : n(q.size(0)), H(q.size(1)), D(q.size(2)), DV(v_cache.size(3)), BS(k_cache.size(1)), KVH(k_cache.size(2)),
         G(H / KVH), start(start_), window(window_), q_row(q.stride(0)), q_head(q.stride(1)), k_row(k_cache.stride(1)),
         k_head(k_cache.stride(2)), v_row(v_cache.stride(1)), v_head(v_cache.stride(2)),
         R((kQueryTile * G + W - 1) / W * W), DVp((DV + W - 1) / W * W), scale(static_cast<float>(scale_)),
         cap(static_cast<float>(cap_)), qp(q.data_ptr<float>()), kp(k_cache.data_ptr<T>()), vp(v_cache.data_ptr<T>()),
-        table(block_table.data_ptr<int64_t>()), op(out.data_ptr<float>()), k_scales(k_scales_), v_scales(v_scales_),
-        sinks(sinks_) {}
+        table(block_table.data_ptr<int64_t>()), op(out.data_ptr<float>()), e(extras) {}
 
   int64_t tasks() const { return (n + kQueryTile - 1) / kQueryTile * KVH; }
 
@@ -201,8 +208,8 @@ struct PrefillTasks {
     for (int64_t r = 0; r < R; ++r) {  // padding rows: zeros (their results are not stored)
       const float* qr = r < rows ? qp + (i0 + r / G) * q_row + (kvh * G + r % G) * q_head : nullptr;
       for (int64_t d = 0; d < D; ++d) x.qt[d * R + r] = qr ? qr[d] * scale : 0.f;
-      x.m[r] = sinks && qr ? sinks[kvh * G + r % G] : -std::numeric_limits<float>::max();
-      x.l[r] = sinks && qr ? 1.f : 0.f;
+      x.m[r] = e.sinks && qr ? e.sinks[kvh * G + r % G] : -std::numeric_limits<float>::max();
+      x.l[r] = e.sinks && qr ? 1.f : 0.f;
     }
     std::fill(x.o.begin(), x.o.end(), 0.f);
     const int64_t lo = begin(first), vectors = (rows + W - 1) / W;
@@ -215,9 +222,15 @@ struct PrefillTasks {
           std::fill(vj, vj + DV, 0.f);
           continue;
         }
+        if (e.k_new && k0 + j >= start) {
+          const int64_t i = k0 + j - start;
+          convert_row<Vec>(e.k_new + i * e.k_new_row + kvh * e.k_new_head, D, 1.f, kj);
+          convert_row<Vec>(e.v_new + i * e.v_new_row + kvh * e.v_new_head, DV, 1.f, vj);
+          continue;
+        }
         const int64_t slot = table[(k0 + j) / BS] * BS + (k0 + j) % BS, at = slot * KVH + kvh;
-        convert_row<Vec>(kp + slot * k_row + kvh * k_head, D, k_scales ? float(k_scales[at]) : 1.f, kj);
-        convert_row<Vec>(vp + slot * v_row + kvh * v_head, DV, v_scales ? float(v_scales[at]) : 1.f, vj);
+        convert_row<Vec>(kp + slot * k_row + kvh * k_head, D, e.k_scales ? float(e.k_scales[at]) : 1.f, kj);
+        convert_row<Vec>(vp + slot * v_row + kvh * v_head, DV, e.v_scales ? float(e.v_scales[at]) : 1.f, vj);
         const int64_t ahead = k0 + j + kKeyTile;  // the next tile's row, asked into cache
         if (ahead <= last) {
           const int64_t next = table[ahead / BS] * BS + ahead % BS;
@@ -280,8 +293,8 @@ struct PrefillTasks {
 template <typename T>
 void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                  const torch::Tensor& block_table, int64_t start, double scale, int64_t window, double cap,
-                 torch::Tensor& out, const c10::BFloat16* ks, const c10::BFloat16* vs, const float* sinks) {
-  const PrefillTasks<Lanes, T> work(q, k_cache, v_cache, block_table, start, scale, window, cap, out, ks, vs, sinks);
+                 torch::Tensor& out, const Extras& extras) {
+  const PrefillTasks<Lanes, T> work(q, k_cache, v_cache, block_table, start, scale, window, cap, out, extras);
   // each thread takes the next task until none is left (tasks differ in cost: a fixed split would not balance)
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(work.tasks(), at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -293,7 +306,8 @@ void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                              int64_t start, double scale, int64_t window, double soft_cap_value, torch::Tensor out,
                              c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales,
-                             c10::optional<torch::Tensor> sinks) {
+                             c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> k_new,
+                             c10::optional<torch::Tensor> v_new) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1, "q: [n, H, D] float32");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "out: contiguous float32");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.size(3) == q.size(2),
@@ -302,23 +316,34 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
                   block_table.numel() * k_cache.size(1) >= start + q.size(0),
               "block_table: contiguous int64, blocks for every position of the chunk");
+  Extras extras;
   const bool quantized = k_cache.element_size() == 1;
   TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()), "scales come with int8 / fp8 caches only");
-  const c10::BFloat16* ks = nullptr;
-  const c10::BFloat16* vs = nullptr;
   if (quantized) {
     TORCH_CHECK(k_scales->scalar_type() == at::kBFloat16 && k_scales->is_contiguous() && v_scales->is_contiguous(),
                 "scales: contiguous bfloat16");
-    ks = k_scales->data_ptr<c10::BFloat16>(), vs = v_scales->data_ptr<c10::BFloat16>();
+    extras.k_scales = k_scales->data_ptr<c10::BFloat16>(), extras.v_scales = v_scales->data_ptr<c10::BFloat16>();
   }
-  if (sinks.has_value())
+  if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
                 "sinks: contiguous float32, one per query head");
-  const float* sp = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+    extras.sinks = sinks->data_ptr<float>();
+  }
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "k_new and v_new come together");
+  if (k_new.has_value()) {
+    for (const auto& x : {*k_new, *v_new})
+      TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(0) == q.size(0) &&
+                      x.size(1) == k_cache.size(2) && x.stride(2) == 1,
+                  "k_new, v_new: [n, KVH, D] float32 with contiguous rows");
+    TORCH_CHECK(k_new->size(2) == k_cache.size(3) && v_new->size(2) == v_cache.size(3),
+                "k_new, v_new: the caches' widths");
+    extras.k_new = k_new->data_ptr<float>(), extras.v_new = v_new->data_ptr<float>();
+    extras.k_new_row = k_new->stride(0), extras.k_new_head = k_new->stride(1);
+    extras.v_new_row = v_new->stride(0), extras.v_new_head = v_new->stride(1);
+  }
   if (q.size(0) == 0) return;
   auto run = [&](auto element) {
-    run_prefill<decltype(element)>(q, k_cache, v_cache, block_table, start, scale, window, soft_cap_value, out, ks, vs,
-                                   sp);
+    run_prefill<decltype(element)>(q, k_cache, v_cache, block_table, start, scale, window, soft_cap_value, out, extras);
   };
   switch (k_cache.scalar_type()) {
     case at::kHalf:

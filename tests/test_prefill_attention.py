@@ -108,6 +108,20 @@ def test_paged_prefill_attention_reads_a_latent_cache():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_paged_prefill_attention_reads_the_chunks_own_keys_and_values_as_computed(cache_dtype):
+    """`new_kv` (a quantized cache's first chunk, as the torch path attends it): the chunk's rows are read
+    from the float32 K/V given (strided views of a fused qkv output), the earlier ones from the cache."""
+    start, n, kv_heads = 37, 50, 2
+    k_cache, v_cache, scales, table, keys, values = paged_cache(start + n, kv_heads, 64, cache_dtype)
+    q, k_new, v_new = torch.randn(n, 6 + 2 * kv_heads, 64).split([6, kv_heads, kv_heads], 1)
+    out = paged_attention.paged_prefill_attention(
+        q, k_cache, v_cache, table, start, 0.125, kv_scales=scales, new_kv=(k_new, v_new)
+    )
+    keys[start:], values[start:] = k_new, v_new
+    torch.testing.assert_close(out.double(), reference(q, keys, values, start, 0.125), rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("cache_dtype, window", [(torch.float16, None), (torch.int8, 50), (torch.float32, 7)])
 def test_paged_prefill_attention_of_a_row_depends_on_neither_the_chunks_nor_the_threads(cache_dtype, window):
     """A 300-token prompt attended in one chunk, or cut into chunks anywhere (a chunk's keys and values are

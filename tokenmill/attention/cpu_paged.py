@@ -3,9 +3,9 @@ no padding; sliding windows, soft-caps, sinks and latent MLA caches too; float32
 and int8 / fp8 ones with their scales, dequantized as they are read), and the step's K/V are written
 in one call (a quantized cache: by a C++ quantizer that gives the torch path's bytes); a short chunk after cached tokens (a
 speculative verify step) runs as one decode per new token over the same blocks; other prompt chunks
-run the compiled prefill kernel over the blocks, the chunk's own K/V included once written (so every
-chunk of a prompt reads the same stored values, wherever the scheduler cut it), in every mode: in the
-exact mode (a float32 cache) those are the computed values themselves."""
+run the compiled prefill kernel over the blocks, the chunk's own K/V included once written: every chunk
+of a prompt reads the same stored values, wherever the scheduler cut it (in the exact mode, a float32
+cache, those are the computed values themselves), except a quantized cache's first chunk (below)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ class CpuPagedBackend(TorchSDPABackend):
     def _prefill(self, q, k, v, k_cache, v_cache, p, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
         """A short chunk after cached tokens (a speculative verify step, a small prompt chunk): each new
         token is a decode of its own over the same blocks, with its own context length; any other chunk:
-        the prefill kernel over the blocks."""
+        the prefill kernel over the blocks. A quantized cache's first chunk attends its own K/V as computed,
+        as the torch path does (read back from int8 / fp8, the chunk's rows cost measurable quality:
+        test_kv_cache_quant's greedy agreement with a float32 cache)."""
         n = p.end - p.start
         if p.cached and n <= SHORT_CHUNK:
             lens = torch.arange(p.cached + 1, p.cached + n + 1, device=q.device)
@@ -89,6 +91,7 @@ class CpuPagedBackend(TorchSDPABackend):
             soft_cap,
             kv_scales,
             sinks,
+            None if kv_scales is None or p.cached else (k[p.start : p.end], v[p.start : p.end]),
         )
 
     def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
