@@ -264,9 +264,9 @@ struct PrefillTasks {
         auto sum = Vec::zero();
         for (int64_t j = 0; j < kKeyTile; ++j) {
           float* sj = x.s.data() + j * R + c * W;
-          const auto e = exp_or_zero(Vec::load(sj) - m);
-          Vec::store(sj, e);
-          sum = add_lanes(sum, e);
+          const auto weight = exp_or_zero(Vec::load(sj) - m);
+          Vec::store(sj, weight);
+          sum = add_lanes(sum, weight);
         }
         const auto alpha = exp_or_zero(m_old - m);
         Vec::store(x.alpha.data() + c * W, alpha);
