@@ -11,6 +11,7 @@
 #include "fused_ops.h"
 #include "lora.h"
 #include "paged_attention.h"
+#include "prefill_attention.h"
 
 #define TM_DEF(name) m.def(#name, torch::wrap_pybind_function(name), #name)
 #define TM_STRING(x) TM_STRING_(x)
@@ -27,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TM_DEF(silu_and_mul);
   TM_DEF(row_argmax);
   TM_DEF(paged_decode_attention);
+  TM_DEF(paged_prefill_attention);
   TM_DEF(write_kv);
   TM_DEF(write_kv_quantized);
   TM_DEF(fp8_matmul);

@@ -32,6 +32,7 @@ UNIT_MODULES = {
     "test_lora",
     "test_offload",
     "test_plan",
+    "test_prefill_attention",
     "test_prefix_cache",
     "test_prompt_logprobs",
     "test_quantization",

@@ -305,10 +305,16 @@ def test_the_portable_build_passes_the_kernel_tests(arch):
     if arch == "haswell" and not ({"avx512_vnni", "avx_vnni"} & kernels.cpu_flags() and "avx2" in kernels.cpu_flags()):
         pytest.skip("no VNNI here: the native build is the AVX2 path")
     tests = Path(__file__).parent
-    files = ["test_kernels.py", "test_quantization.py", "test_models.py", "test_lora_kernel.py"]
+    files = [
+        "test_kernels.py",
+        "test_quantization.py",
+        "test_models.py",
+        "test_lora_kernel.py",
+        "test_prefill_attention.py",
+    ]
     keywords = (
         "(test_kernels and not portable and not lock) or block_quant_linear or int8_activation_kernel "
-        "or compiled_decode_step_is_bit_identical or test_lora_kernel"
+        "or compiled_decode_step_is_bit_identical or test_lora_kernel or test_prefill_attention"
     )
     if arch == "x86-64":
         files += ["test_kv_cache_quant.py", "test_fp8_fp4.py"]

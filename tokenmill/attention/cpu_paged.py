@@ -3,7 +3,9 @@ no padding; sliding windows, soft-caps, sinks and latent MLA caches too; float32
 and int8 / fp8 ones with their scales, dequantized as they are read), and the step's K/V are written
 in one call (a quantized cache: by a C++ quantizer that gives the torch path's bytes); a short chunk after cached tokens (a
 speculative verify step) runs as one decode per new token over the same blocks; other prompt chunks
-use the torch path."""
+run the compiled prefill kernel over the blocks, the chunk's own K/V included once written: every chunk
+of a prompt reads the same stored values, wherever the scheduler cut it (in the exact mode, a float32
+cache, those are the computed values themselves), except a quantized cache's first chunk (below)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,12 @@ class CpuPagedBackend(TorchSDPABackend):
         d = common.num_decodes
         new = np.diff(common.query_start_loc)[d:]
         if d == common.num_reqs or new.max() > SHORT_CHUNK or not common.num_computed_tokens[d:].all():
-            return super().build_metadata(common, sliding_window)
+            meta = super().build_metadata(common, sliding_window)
+            for i, p in enumerate(meta.prefills, d):  # a first chunk too reads its K/V from its blocks
+                if p.block_table is None:
+                    blocks = (p.end - p.start + common.block_size - 1) // common.block_size
+                    p.block_table = torch.from_numpy(common.block_table[i, :blocks].copy())
+            return meta
         req = np.repeat(np.arange(common.num_reqs), np.diff(common.query_start_loc))
         positions = np.arange(len(req)) - common.query_start_loc[req] + common.num_computed_tokens[req]
         rows = CommonAttentionMetadata(
@@ -52,25 +59,39 @@ class CpuPagedBackend(TorchSDPABackend):
         return super().build_metadata(rows, sliding_window)
 
     def _prefill(self, q, k, v, k_cache, v_cache, p, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
-        """A short chunk after cached tokens (a speculative verify step, a small prompt chunk): each
-        new token is a decode of its own over the same blocks, with its own context length."""
+        """A short chunk after cached tokens (a speculative verify step, a small prompt chunk): each new
+        token is a decode of its own over the same blocks, with its own context length; any other chunk:
+        the prefill kernel over the blocks. A quantized cache's first chunk attends its own K/V as computed,
+        as the torch path does (read back from int8 / fp8, the chunk's rows cost measurable quality:
+        test_kv_cache_quant's greedy agreement with a float32 cache)."""
         n = p.end - p.start
-        if p.block_table is None or n > SHORT_CHUNK:
-            return super()._prefill(q, k, v, k_cache, v_cache, p, meta, scale, soft_cap, kv_scales, sinks)
-        total = p.mask.shape[1]
-        lens = torch.arange(total - n + 1, total + 1, device=q.device)
-        tables = p.block_table[None].expand(n, -1).contiguous()
-        return paged_attention.paged_decode_attention(
-            q[p.start : p.end].contiguous(),
+        if p.cached and n <= SHORT_CHUNK:
+            lens = torch.arange(p.cached + 1, p.cached + n + 1, device=q.device)
+            tables = p.block_table[None].expand(n, -1).contiguous()
+            return paged_attention.paged_decode_attention(
+                q[p.start : p.end].contiguous(),
+                k_cache,
+                v_cache,
+                tables,
+                lens,
+                scale,
+                meta.sliding_window,
+                soft_cap,
+                kv_scales,
+                sinks,
+            )
+        return paged_attention.paged_prefill_attention(
+            q[p.start : p.end],
             k_cache,
             v_cache,
-            tables,
-            lens,
+            p.block_table,
+            p.cached,
             scale,
             meta.sliding_window,
             soft_cap,
             kv_scales,
             sinks,
+            None if kv_scales is None or p.cached else (k[p.start : p.end], v[p.start : p.end]),
         )
 
     def _decode(self, q, k_cache, v_cache, meta, scale, soft_cap=None, kv_scales=None, sinks=None):

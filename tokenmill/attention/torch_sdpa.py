@@ -31,6 +31,7 @@ class PrefillMetadata:
     end: int
     block_table: torch.Tensor | None  # None when nothing is cached: attend the new K/V directly
     mask: torch.Tensor | None  # [num_new, num_cached + num_new] bool; None: plain causal over the new K/V
+    cached: int = 0  # tokens before the chunk in the cache (its first new token's position)
 
 
 @dataclass
@@ -80,7 +81,7 @@ class TorchSDPABackend(AttentionBackend):
                 mask = keys <= queries
                 if w is not None:
                     mask &= keys > queries - w
-            prefills.append(PrefillMetadata(start, end, table, mask))
+            prefills.append(PrefillMetadata(start, end, table, mask, c))
         return TorchAttentionMetadata(common.slot_mapping, d, decode_tables, decode_lens, decode_mask, prefills, w)
 
     def _store(self, k, v, kv_cache, slot_mapping, kv_scales):

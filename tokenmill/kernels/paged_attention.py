@@ -87,3 +87,44 @@ def paged_decode_attention(
         sinks,
     )
     return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's prompt chunk q [n, H, D] (its first query at position `start`, its
+    keys and values already in the cache) over the sequence's blocks `block_table` [blocks] int64
+    (csrc/prefill_attention.cpp: tiles of queries x tiles of keys, an online softmax, the cache read in
+    place). A row's result does not depend on where the prompt was cut into chunks nor on the thread count.
+    `new_kv`: the chunk's own keys and values [n, KVH, D] as computed, read instead of their cache rows.
+    Arguments otherwise as `paged_decode_attention`'s."""
+    out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+    k_scales, v_scales = (None, None) if kv_scales is None else kv_scales
+    k_new, v_new = (None, None) if new_kv is None else new_kv
+    load().paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        start,
+        scale,
+        window or 0,
+        soft_cap or 0.0,
+        out,
+        k_scales,
+        v_scales,
+        sinks,
+        k_new,
+        v_new,
+    )
+    return out
