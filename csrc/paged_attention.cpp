@@ -155,7 +155,22 @@ struct Ymm {
   static V load(const T* p) {
     return load8(p);
   }
-  static V sums(const V a[8]) { return hsum8(a); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V exp(V a) { return exp8(a); }
+  static float reduce_add(V a) {
+    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+  }
+  static float reduce_max(V a) {
+    const __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 y = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(y, _mm_movehdup_ps(y)));
+  }
+  static constexpr int kHeads = 1;  // group_scores' 8 sums a head: 8 of the 16 registers
+  static __m256 sums8(const V a[8]) { return hsum8(a); }
 };
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
@@ -180,77 +195,82 @@ struct Zmm {
   static V load(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  // A transpose by halving: pairs of vectors add their interleaved lanes (32-bit, then 64-bit pairs within
-  // each 128-bit quarter), which leaves four vectors of four tokens' sums per quarter; their quarters are
-  // then transposed and added.
-  static V sums(const V a[16]) {
-    V x[8], y[4];
-    for (int i = 0; i < 8; ++i)
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V exp(V a) { return exp16(a); }
+  static float reduce_add(V a) { return _mm512_reduce_add_ps(a); }
+  static float reduce_max(V a) { return _mm512_reduce_max_ps(a); }
+  static constexpr int kHeads = 3;  // group_scores' 8 sums a head: 24 of the 32 registers
+  // The sums of eight vectors, a transpose by halving: pairs of vectors add their interleaved lanes (32-bit,
+  // then 64-bit pairs within each 128-bit quarter), which leaves two vectors of four tokens' sums per
+  // quarter; their quarters are then added across.
+  static __m256 sums8(const V a[8]) {
+    V x[4];
+    for (int i = 0; i < 4; ++i)
       x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
+    V y[2];
+    for (int i = 0; i < 2; ++i) {
       const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
       const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
       y[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
     }
-    const V y01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xee));
-    const V y23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xee));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xdd));
+    // quarters (tokens 0-3 of quarters 0 + 2, of 1 + 3, tokens 4-7 of 0 + 2, of 1 + 3), then their halves added
+    const V z = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xee));
+    const __m256 lo = _mm512_castps512_ps256(z), hi = _mm512_extractf32x8_ps(z, 1);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
   }
 };
 #define TM_ATTN_AVX512 1
 #endif
 
-// The scores of a span's n tokens for G query heads (q: [G, D]) into s [G, n]: score * scale * key scale,
-// kLanes tokens a tile. Staged: a tile's key rows are converted to float32 once for all G heads, into
-// `tile` ([D / kLanes][kLanes tokens][kLanes dims], L1-resident, a dims chunk's token vectors at constant
-// offsets from one pointer); else each head converts them as it reads them. Staging costs a store and a
-// load per element and saves G - 1 conversions: measured on this project's Zen 4 host, a loss at 3 query
-// heads per kv head (SmolLM2), a gain at 7 (Qwen2.5), at 8 and at 16 lanes alike.
-constexpr int64_t kStagedHeads = 4;
-template <typename Vec, bool Staged, typename Row, typename Scale>
-void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, Row key, Scale key_scale, float* tile,
-                 float* s) {
-  constexpr int W = Vec::kLanes;
+// The scores of a span's n tokens for HG query heads (q: [HG, D]) into s ([HG, stride], stride >= n
+// rounded up to 8): score * scale * key scale, 8 tokens a tile. Each key row's dims are read and converted
+// to float32 once for the HG heads, whose 8 x HG sums stay in registers (HG * 8 of them: kHeads to fill
+// the registers): the conversions cost more than the products at 3 heads a row (Zen 4, float16 rows).
+// A short last tile's other lanes are left over (the caller pads them).
+template <typename Vec, int HG, typename Row>
+void group_scores(const float* q, int64_t D, int64_t n, float scale, Row key, const float* key_scales,
+                  int64_t stride, float* s) {
   using T = std::remove_const_t<std::remove_pointer_t<decltype(key(0))>>;
-  alignas(64) float ks[W];
-  std::fill(ks, ks + W, 1.f);
-  for (int64_t t0 = 0; t0 < n; t0 += W) {
-    const int64_t tokens = std::min<int64_t>(W, n - t0);  // a short last tile's other lanes are left over
-    const T* k[W];
-    for (int64_t j = 0; j < W; ++j) {
-      k[j] = key(t0 + std::min(j, tokens - 1));
-      if (j >= tokens) continue;
-      ks[j] = key_scale(t0 + j);
-      if constexpr (Staged)
-        for (int64_t d = 0; d < D; d += W) Vec::store(tile + d * W + j * W, Vec::load(k[j] + d));
-    }
-    for (int64_t j = t0 + 32; j < std::min<int64_t>(t0 + 32 + W, n); ++j)  // memory-bound: ask for rows ahead
-      for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(key(j) + d);
-    for (int64_t g = 0; g < G; ++g) {
-      typename Vec::V acc[W];
-      for (int j = 0; j < W; ++j) acc[j] = Vec::zero();
-      for (int64_t d = 0; d < D; d += W) {
-        const auto qv = Vec::load(q + g * D + d);
-        for (int j = 0; j < W; ++j)
-          acc[j] = Vec::fma(qv, Staged ? Vec::load(tile + d * W + j * W) : Vec::load(k[j] + d), acc[j]);
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t tokens = std::min<int64_t>(8, n - t0);
+    const T* k[8];
+    for (int64_t j = 0; j < 8; ++j) k[j] = key(t0 + std::min(j, tokens - 1));
+    typename Vec::V acc[HG][8];
+    for (int h = 0; h < HG; ++h)
+      for (int j = 0; j < 8; ++j) acc[h][j] = Vec::zero();
+    for (int64_t d = 0; d < D; d += Vec::kLanes)
+      for (int j = 0; j < 8; ++j) {
+        const auto kv = Vec::load(k[j] + d);
+        for (int h = 0; h < HG; ++h) acc[h][j] = Vec::fma(Vec::load(q + h * D + d), kv, acc[h][j]);
       }
-      const auto scores = Vec::mul(Vec::mul(Vec::sums(acc), Vec::set1(scale)), Vec::load(ks));
-      if (tokens == W) {
-        Vec::store(s + g * n + t0, scores);
-      } else {
-        alignas(64) float out[W];
-        Vec::store(out, scores);
-        std::copy(out, out + tokens, s + g * n + t0);
-      }
+    for (int h = 0; h < HG; ++h) {
+      __m256 scores = _mm256_mul_ps(Vec::sums8(acc[h]), _mm256_set1_ps(scale));
+      if (key_scales) scores = _mm256_mul_ps(scores, _mm256_loadu_ps(key_scales + t0));
+      _mm256_storeu_ps(s + h * stride + t0, scores);
     }
   }
 }
 
-// o[h] dims [d0, d0 + NV kLanes) = the sum over t of w[h n + t] value(t) for HG heads (o: [HG, DV]):
+// group_scores for G heads, kHeads at a time.
+template <typename Vec, int HG = Vec::kHeads, typename Row>
+void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, Row key, const float* key_scales,
+                 int64_t stride, float* s) {
+  for (int64_t g = 0; g < G; g += HG) {
+    if constexpr (HG > 1)
+      if (G - g < HG) return span_scores<Vec, HG - 1>(q + g * D, G - g, D, n, scale, key, key_scales, stride,
+                                                      s + g * stride);
+    group_scores<Vec, HG>(q + g * D, D, n, scale, key, key_scales, stride, s + g * stride);
+  }
+}
+
+// o[h] dims [d0, d0 + NV kLanes) = the sum over t < n of w[h stride + t] value(t) for HG heads (o: [HG, DV]):
 // each value row's dims are read and converted once for all HG heads, whose sums stay in registers (HG and
 // NV constants). ask_ahead: this pass asks for the rows ahead (the first one over them).
 template <typename Vec, int HG, int NV, typename Row>
-inline void weigh_values(const float* w, int64_t n, Row value, int64_t d0, int64_t DV, bool ask_ahead, float* o) {
+inline void weigh_values(const float* w, int64_t n, int64_t stride, Row value, int64_t d0, int64_t DV, bool ask_ahead,
+                         float* o) {
   constexpr int W = Vec::kLanes;
   constexpr int64_t kLine = 64 / sizeof(*value(0));  // elements a cache line
   constexpr int64_t kAhead = 32;  // rows asked ahead: about a memory latency of this loop's work
@@ -263,7 +283,7 @@ inline void weigh_values(const float* w, int64_t n, Row value, int64_t d0, int64
     typename Vec::V x[NV];
     for (int c = 0; c < NV; ++c) x[c] = Vec::load(value(t) + d0 + c * W);
     for (int h = 0; h < HG; ++h) {
-      const auto wt = Vec::set1(w[h * n + t]);
+      const auto wt = Vec::set1(w[h * stride + t]);
       for (int c = 0; c < NV; ++c) acc[h][c] = Vec::fma(wt, x[c], acc[h][c]);
     }
   }
@@ -274,76 +294,73 @@ inline void weigh_values(const float* w, int64_t n, Row value, int64_t d0, int64
 // The weighted values of `heads` (1 .. 8) heads, DV / kLanes vectors each: as many vectors a pass as the
 // registers hold (HG heads' sums, the row's NV vectors and a weight).
 template <typename Vec, int HG = 8, typename Row>
-inline void weigh_heads(int64_t heads, const float* w, int64_t n, Row value, int64_t DV, bool ask_ahead, float* o) {
+inline void weigh_heads(int64_t heads, const float* w, int64_t n, int64_t stride, Row value, int64_t DV,
+                        bool ask_ahead, float* o) {
   if constexpr (HG > 1)
-    if (heads < HG) return weigh_heads<Vec, HG - 1>(heads, w, n, value, DV, ask_ahead, o);
+    if (heads < HG) return weigh_heads<Vec, HG - 1>(heads, w, n, stride, value, DV, ask_ahead, o);
   constexpr int kRegisters = Vec::kLanes == 16 ? 31 : 15;
   constexpr int NV = std::max(1, std::min(4, kRegisters / (HG + 1)));
   const int64_t chunks = DV / Vec::kLanes;
   int64_t c = 0;
   for (; c + NV <= chunks; c += NV)
-    weigh_values<Vec, HG, NV>(w, n, value, c * Vec::kLanes, DV, ask_ahead && c == 0, o);
-  for (; c < chunks; ++c) weigh_values<Vec, HG, 1>(w, n, value, c * Vec::kLanes, DV, false, o);
+    weigh_values<Vec, HG, NV>(w, n, stride, value, c * Vec::kLanes, DV, ask_ahead && c == 0, o);
+  for (; c < chunks; ++c) weigh_values<Vec, HG, 1>(w, n, stride, value, c * Vec::kLanes, DV, false, o);
 }
 
-// attend_span's vector path: D and DV multiples of kLanes; tile: [kLanes, D] scratch.
-template <typename Vec, typename Row, typename Scale>
+// attend_span's vector path: D and DV multiples of kLanes; s: [G, n rounded up to kLanes] scratch.
+template <typename Vec, typename Row>
 void attend_span_simd(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, float cap, Row key,
-                      Row value, Scale key_scale, Scale value_scale, float* tile, float* s, float* m, float* l,
+                      Row value, const float* key_scales, const float* value_scales, float* s, float* m, float* l,
                       float* o) {
-  using T = std::remove_const_t<std::remove_pointer_t<decltype(key(0))>>;
-  if (G >= kStagedHeads && !std::is_same<T, float>::value)
-    span_scores<Vec, true>(q, G, D, n, scale, key, key_scale, tile, s);
-  else
-    span_scores<Vec, false>(q, G, D, n, scale, key, key_scale, tile, s);
-  soft_cap(s, G * n, cap);
-  for (int64_t g = 0; g < G; ++g) {  // e^(score - max), a vector exp
-    float* sg = s + g * n;
-    m[g] = *std::max_element(sg, sg + n);
-    __m256 total = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m[g])));
-      _mm256_storeu_ps(sg + t, e);
-      total = _mm256_add_ps(total, e);
+  constexpr int W = Vec::kLanes;
+  const int64_t stride = (n + W - 1) / W * W;
+  span_scores<Vec>(q, G, D, n, scale, key, key_scales, stride, s);
+  soft_cap(s, G * stride, cap);
+  for (int64_t g = 0; g < G; ++g) {  // e^(score - max), a vector exp; the padding lanes' e^-inf are 0
+    float* sg = s + g * stride;
+    std::fill(sg + n, sg + stride, -std::numeric_limits<float>::infinity());
+    auto big = Vec::load(sg);
+    for (int64_t t = W; t < stride; t += W) big = Vec::max(big, Vec::load(sg + t));
+    m[g] = Vec::reduce_max(big);
+    const auto top = Vec::set1(m[g]);
+    auto total = Vec::zero();
+    for (int64_t t = 0; t < stride; t += W) {
+      const auto e = Vec::exp(Vec::sub(Vec::load(sg + t), top));
+      Vec::store(sg + t, e);
+      total = Vec::add(total, e);
     }
-    alignas(32) float parts[8];
-    _mm256_store_ps(parts, total);
-    float sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7];
-    for (; t < n; ++t) {
-      sg[t] = std::exp(sg[t] - m[g]);
-      sum += sg[t];
-    }
-    l[g] = sum;
-    for (t = 0; t < n; ++t) sg[t] *= value_scale(t);  // the weights of the values, once (not once a pass)
+    l[g] = Vec::reduce_add(total);
+    if (value_scales)  // the weights of the values, once (not once a pass)
+      for (int64_t t = 0; t < stride; t += W) Vec::store(sg + t, Vec::mul(Vec::load(sg + t), Vec::load(value_scales + t)));
   }
   for (int64_t g0 = 0; g0 < G; g0 += 8)  // weighted values, eight heads at a time
-    weigh_heads<Vec>(std::min<int64_t>(8, G - g0), s + g0 * n, n, value, DV, g0 == 0, o + g0 * DV);
+    weigh_heads<Vec>(std::min<int64_t>(8, G - g0), s + g0 * stride, n, stride, value, DV, g0 == 0, o + g0 * DV);
 }
 #endif
 
 // One span of n cached tokens for the G query heads (q: [G, D]) of a kv head: the span's share of their
 // softmax, unnormalised (merged across spans by `merge_spans`): m[g] the largest score, l[g] the sum of
 // e^(score - m[g]), o[g] (DV) the sum of e^(score - m[g]) value. key(t), value(t) point at token t's key
-// row (D features) and value row (DV); key_scale(t), value_scale(t) are the rows' scales (1 unless
-// quantized); tile: [16, D] scratch, s: [G, n] scratch.
-template <typename Row, typename Scale>
+// row (D features) and value row (DV); key_scales, value_scales: the rows' scales ([n rounded up to 16]),
+// null unless quantized; s: [G, n rounded up to 16] scratch.
+template <typename Row>
 void attend_span(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, float cap, Row key,
-                 Row value, Scale key_scale, Scale value_scale, float* tile, float* s, float* m, float* l, float* o) {
+                 Row value, const float* key_scales, const float* value_scales, float* s, float* m, float* l,
+                 float* o) {
 #ifdef TM_ATTN_AVX512
   if (D % 16 == 0 && DV % 16 == 0)
-    return attend_span_simd<Zmm>(q, G, D, DV, n, scale, cap, key, value, key_scale, value_scale, tile, s, m, l, o);
+    return attend_span_simd<Zmm>(q, G, D, DV, n, scale, cap, key, value, key_scales, value_scales, s, m, l, o);
 #endif
 #ifdef TM_ATTN_SIMD
   if (D % 8 == 0 && DV % 8 == 0)
-    return attend_span_simd<Ymm>(q, G, D, DV, n, scale, cap, key, value, key_scale, value_scale, tile, s, m, l, o);
+    return attend_span_simd<Ymm>(q, G, D, DV, n, scale, cap, key, value, key_scales, value_scales, s, m, l, o);
 #endif
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const auto* k = key(t);
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_f32(k[d]);
-      s[g * n + t] = dot * scale * key_scale(t);
+      s[g * n + t] = dot * scale * (key_scales ? key_scales[t] : 1.f);
     }
   soft_cap(s, G * n, cap);
   for (int64_t g = 0; g < G; ++g) {
@@ -358,7 +375,7 @@ void attend_span(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, fl
   std::fill(o, o + G * DV, 0.f);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g) {
-      const float w = s[g * n + t] * value_scale(t);
+      const float w = s[g * n + t] * (value_scales ? value_scales[t] : 1.f);
       for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += w * to_f32(value(t)[d]);
     }
 }
@@ -445,7 +462,7 @@ struct DecodeTasks final : DecodeAttention::Work {
 
   void run_tasks(int64_t begin, int64_t end) override {
     if (begin >= end) return;
-    std::vector<float> scores(per * kSpanTokens), tile(16 * D), row_scales(k_scales ? 2 * kSpanTokens : 0, 1.f);
+    std::vector<float> scores(per * kSpanTokens), row_scales(k_scales ? 2 * kSpanTokens : 0, 1.f);
     std::vector<const T*> rows(2 * kSpanTokens);
     int64_t b = std::upper_bound(first.begin(), first.end(), begin / splits) - first.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
@@ -473,12 +490,10 @@ struct DecodeTasks final : DecodeAttention::Work {
         }
       }
       auto row = [](const T* const* p) { return [=](int64_t t) { return p[t]; }; };
-      auto scale_of = [](const float* p) { return [=](int64_t t) { return p ? p[t] : 1.f; }; };
       const float* sk = k_scales ? row_scales.data() : nullptr;
       float* part = parts.data() + span * stride;
       attend_span(qp + (b * H + kvh * G + g0) * D, heads, D, DV, n, scale, cap, row(rows.data()),
-                  row(rows.data() + kSpanTokens), scale_of(sk), scale_of(sk ? sk + kSpanTokens : nullptr),
-                  tile.data(), scores.data(), part + G * DV + g0, part + G * DV + G + g0, part + g0 * DV);
+                  row(rows.data() + kSpanTokens), sk, sk ? sk + kSpanTokens : nullptr, scores.data(), part + G * DV + g0, part + G * DV + G + g0, part + g0 * DV);
     }
   }
 
