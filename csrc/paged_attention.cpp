@@ -228,15 +228,25 @@ struct Zmm {
 // rounded up to 8): score * scale * key scale, 8 tokens a tile. Each key row's dims are read and converted
 // to float32 once for the HG heads, whose 8 x HG sums stay in registers (HG * 8 of them: kHeads to fill
 // the registers): the conversions cost more than the products at 3 heads a row (Zen 4, float16 rows).
-// A short last tile's other lanes are left over (the caller pads them).
+// A short last tile's other lanes are left over (the caller pads them). ask: this pass asks for the rows
+// (the first one over them): the key rows kAhead tokens on (the first kAhead were asked for as they were
+// found) and the tile's value rows, into L2. Asking for all of a span's rows at once, as they are found,
+// cost as much as the walk itself when they were already cached.
+constexpr int64_t kAhead = 32;  // about a memory latency of the loop's work
 template <typename Vec, int HG, typename Row>
-void group_scores(const float* q, int64_t D, int64_t n, float scale, Row key, const float* key_scales,
-                  int64_t stride, float* s) {
+void group_scores(const float* q, int64_t D, int64_t DV, int64_t n, float scale, Row key, Row value, bool ask,
+                  const float* key_scales, int64_t stride, float* s) {
   using T = std::remove_const_t<std::remove_pointer_t<decltype(key(0))>>;
   for (int64_t t0 = 0; t0 < n; t0 += 8) {
     const int64_t tokens = std::min<int64_t>(8, n - t0);
+    if (ask) {
+      for (int64_t j = t0; j < t0 + tokens; ++j)
+        for (int64_t i = 0; i < DV; i += 64 / sizeof(T)) __builtin_prefetch(value(j) + i, 0, 2);
+      for (int64_t j = t0 + kAhead; j < std::min<int64_t>(n, t0 + kAhead + 8); ++j)
+        for (int64_t i = 0; i < D; i += 64 / sizeof(T)) __builtin_prefetch(key(j) + i, 0, 2);
+    }
     const T* k[8];
-    for (int64_t j = 0; j < 8; ++j) k[j] = key(t0 + std::min(j, tokens - 1));
+    for (int64_t j = 0; j < 8; ++j) k[j] = key(t0 + (j < tokens ? j : tokens - 1));  // (min(): a slow gather)
     typename Vec::V acc[HG][8];
     for (int h = 0; h < HG; ++h)
       for (int j = 0; j < 8; ++j) acc[h][j] = Vec::zero();
@@ -255,31 +265,27 @@ void group_scores(const float* q, int64_t D, int64_t n, float scale, Row key, co
 
 // group_scores for G heads, kHeads at a time.
 template <typename Vec, int HG = Vec::kHeads, typename Row>
-void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, Row key, const float* key_scales,
-                 int64_t stride, float* s) {
+void span_scores(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, Row key, Row value,
+                 bool ask, const float* key_scales, int64_t stride, float* s) {
   for (int64_t g = 0; g < G; g += HG) {
     if constexpr (HG > 1)
-      if (G - g < HG) return span_scores<Vec, HG - 1>(q + g * D, G - g, D, n, scale, key, key_scales, stride,
-                                                      s + g * stride);
-    group_scores<Vec, HG>(q + g * D, D, n, scale, key, key_scales, stride, s + g * stride);
+      if (G - g < HG)
+        return span_scores<Vec, HG - 1>(q + g * D, G - g, D, DV, n, scale, key, value, ask && g == 0, key_scales,
+                                        stride, s + g * stride);
+    group_scores<Vec, HG>(q + g * D, D, DV, n, scale, key, value, ask && g == 0, key_scales, stride, s + g * stride);
   }
 }
 
 // o[h] dims [d0, d0 + NV kLanes) = the sum over t < n of w[h stride + t] value(t) for HG heads (o: [HG, DV]):
 // each value row's dims are read and converted once for all HG heads, whose sums stay in registers (HG and
-// NV constants). ask_ahead: this pass asks for the rows ahead (the first one over them).
+// NV constants). The rows were asked for during the scores (`group_scores`).
 template <typename Vec, int HG, int NV, typename Row>
-inline void weigh_values(const float* w, int64_t n, int64_t stride, Row value, int64_t d0, int64_t DV, bool ask_ahead,
-                         float* o) {
+inline void weigh_values(const float* w, int64_t n, int64_t stride, Row value, int64_t d0, int64_t DV, float* o) {
   constexpr int W = Vec::kLanes;
-  constexpr int64_t kLine = 64 / sizeof(*value(0));  // elements a cache line
-  constexpr int64_t kAhead = 32;  // rows asked ahead: about a memory latency of this loop's work
   typename Vec::V acc[HG][NV];
   for (int h = 0; h < HG; ++h)
     for (int c = 0; c < NV; ++c) acc[h][c] = Vec::zero();
   for (int64_t t = 0; t < n; ++t) {
-    if (ask_ahead && t + kAhead < n)
-      for (int64_t d = 0; d < DV; d += kLine) __builtin_prefetch(value(t + kAhead) + d);
     typename Vec::V x[NV];
     for (int c = 0; c < NV; ++c) x[c] = Vec::load(value(t) + d0 + c * W);
     for (int h = 0; h < HG; ++h) {
@@ -295,16 +301,16 @@ inline void weigh_values(const float* w, int64_t n, int64_t stride, Row value, i
 // registers hold (HG heads' sums, the row's NV vectors and a weight).
 template <typename Vec, int HG = 8, typename Row>
 inline void weigh_heads(int64_t heads, const float* w, int64_t n, int64_t stride, Row value, int64_t DV,
-                        bool ask_ahead, float* o) {
+                        float* o) {
   if constexpr (HG > 1)
-    if (heads < HG) return weigh_heads<Vec, HG - 1>(heads, w, n, stride, value, DV, ask_ahead, o);
+    if (heads < HG) return weigh_heads<Vec, HG - 1>(heads, w, n, stride, value, DV, o);
   constexpr int kRegisters = Vec::kLanes == 16 ? 31 : 15;
   constexpr int NV = std::max(1, std::min(4, kRegisters / (HG + 1)));
   const int64_t chunks = DV / Vec::kLanes;
   int64_t c = 0;
   for (; c + NV <= chunks; c += NV)
-    weigh_values<Vec, HG, NV>(w, n, stride, value, c * Vec::kLanes, DV, ask_ahead && c == 0, o);
-  for (; c < chunks; ++c) weigh_values<Vec, HG, 1>(w, n, stride, value, c * Vec::kLanes, DV, false, o);
+    weigh_values<Vec, HG, NV>(w, n, stride, value, c * Vec::kLanes, DV, o);
+  for (; c < chunks; ++c) weigh_values<Vec, HG, 1>(w, n, stride, value, c * Vec::kLanes, DV, o);
 }
 
 // attend_span's vector path: D and DV multiples of kLanes; s: [G, n rounded up to kLanes] scratch.
@@ -314,7 +320,7 @@ void attend_span_simd(const float* q, int64_t G, int64_t D, int64_t DV, int64_t 
                       float* o) {
   constexpr int W = Vec::kLanes;
   const int64_t stride = (n + W - 1) / W * W;
-  span_scores<Vec>(q, G, D, n, scale, key, key_scales, stride, s);
+  span_scores<Vec>(q, G, D, DV, n, scale, key, value, true, key_scales, stride, s);
   soft_cap(s, G * stride, cap);
   for (int64_t g = 0; g < G; ++g) {  // e^(score - max), a vector exp; the padding lanes' e^-inf are 0
     float* sg = s + g * stride;
@@ -331,10 +337,11 @@ void attend_span_simd(const float* q, int64_t G, int64_t D, int64_t DV, int64_t 
     }
     l[g] = Vec::reduce_add(total);
     if (value_scales)  // the weights of the values, once (not once a pass)
-      for (int64_t t = 0; t < stride; t += W) Vec::store(sg + t, Vec::mul(Vec::load(sg + t), Vec::load(value_scales + t)));
+      for (int64_t t = 0; t < stride; t += W)
+        Vec::store(sg + t, Vec::mul(Vec::load(sg + t), Vec::load(value_scales + t)));
   }
   for (int64_t g0 = 0; g0 < G; g0 += 8)  // weighted values, eight heads at a time
-    weigh_heads<Vec>(std::min<int64_t>(8, G - g0), s + g0 * stride, n, stride, value, DV, g0 == 0, o + g0 * DV);
+    weigh_heads<Vec>(std::min<int64_t>(8, G - g0), s + g0 * stride, n, stride, value, DV, o + g0 * DV);
 }
 #endif
 
@@ -460,6 +467,27 @@ struct DecodeTasks final : DecodeAttention::Work {
     merge_floats = G * DV;
   }
 
+  // A span's n key rows from token `from` into rows[0, n), its value rows into rows[kSpanTokens, ...) (and
+  // their scales into scales, likewise, if quantized). Locals, not members, in the loop: its stores
+  // through `rows` could alias a member, and reloading them cost more than the walk itself.
+  void find_rows(const int64_t* table, int64_t from, int64_t n, int64_t kvh, const T** rows, float* scales) const {
+    const T *keys = kp + kvh * k_head, *values = vp + kvh * v_head;
+    const int64_t bs = BS, kr = k_row, vr = v_row, kv_heads = KVH;
+    for (int64_t t = 0, block = from / bs, offset = from % bs; t < n; ++block, offset = 0) {
+      const int64_t slot0 = table[block] * bs, end = std::min(n, t + bs - offset);
+      for (int64_t slot = slot0 + offset; t < end; ++t, ++slot) {
+        const T *k = keys + slot * kr, *v = values + slot * vr;
+        rows[t] = k, rows[kSpanTokens + t] = v;
+        if (t < kAhead)  // the first key rows: `group_scores` asks for the others
+          for (int64_t i = 0; i < D; i += 64 / sizeof(T)) __builtin_prefetch(k + i, 0, 2);
+        if (scales) {
+          scales[t] = static_cast<float>(k_scales[slot * kv_heads + kvh]);
+          scales[kSpanTokens + t] = static_cast<float>(v_scales[slot * kv_heads + kvh]);
+        }
+      }
+    }
+  }
+
   void run_tasks(int64_t begin, int64_t end) override {
     if (begin >= end) return;
     std::vector<float> scores(per * kSpanTokens), row_scales(k_scales ? 2 * kSpanTokens : 0, 1.f);
@@ -475,25 +503,14 @@ struct DecodeTasks final : DecodeAttention::Work {
       const int64_t* table = tables + b * max_blocks;
       // the span's key and value rows (and scales), found once: the loops below read each row once per
       // query head, and finding a slot's block per read (a division by the block size) cost about as much
-      // as the products. Each row is asked for (into L2) as it is found: the span's rows then arrive
-      // while the first ones are read (a span fits L2; the loops' own prefetches reach only 32 rows ahead)
-      for (int64_t t = 0, block = from / BS, offset = from % BS; t < n; ++t) {
-        const int64_t slot = table[block] * BS + offset;
-        if (++offset == BS) ++block, offset = 0;
-        rows[t] = kp + slot * k_row + kvh * k_head;
-        rows[kSpanTokens + t] = vp + slot * v_row + kvh * v_head;
-        for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(rows[t] + d, 0, 2);
-        for (int64_t d = 0; d < DV; d += 64 / sizeof(T)) __builtin_prefetch(rows[kSpanTokens + t] + d, 0, 2);
-        if (k_scales) {
-          row_scales[t] = static_cast<float>(k_scales[slot * KVH + kvh]);
-          row_scales[kSpanTokens + t] = static_cast<float>(v_scales[slot * KVH + kvh]);
-        }
-      }
+      // as the products
+      find_rows(table, from, n, kvh, rows.data(), k_scales ? row_scales.data() : nullptr);
       auto row = [](const T* const* p) { return [=](int64_t t) { return p[t]; }; };
       const float* sk = k_scales ? row_scales.data() : nullptr;
       float* part = parts.data() + span * stride;
       attend_span(qp + (b * H + kvh * G + g0) * D, heads, D, DV, n, scale, cap, row(rows.data()),
-                  row(rows.data() + kSpanTokens), sk, sk ? sk + kSpanTokens : nullptr, scores.data(), part + G * DV + g0, part + G * DV + G + g0, part + g0 * DV);
+                  row(rows.data() + kSpanTokens), sk, sk ? sk + kSpanTokens : nullptr, scores.data(),
+                  part + G * DV + g0, part + G * DV + G + g0, part + g0 * DV);
     }
   }
 
