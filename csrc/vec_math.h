@@ -1,5 +1,6 @@
-// Vectorized float32 math for the AVX2 paths of the kernels: e^x for eight lanes at once. The compilers
-// do not vectorize std::exp here (that needs -ffast-math's libmvec), so a loop calling it runs scalar.
+// Vectorized float32 math for the AVX2 and AVX-512 paths of the kernels: e^x for eight or sixteen lanes at
+// once. The compilers do not vectorize std::exp here (that needs -ffast-math's libmvec), so a loop calling
+// it runs scalar.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
