@@ -139,6 +139,9 @@ inline void soft_cap(float* s, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
 }
 
+// Key rows asked for ahead of their reads: about a memory latency of the score loop's work.
+constexpr int64_t kAhead = 32;
+
 #ifdef TM_ATTN_SIMD
 // The vectors the kernel is written over: 8 float32 lanes (AVX2), or 16 (AVX-512, below). load() reads
 // kLanes cache elements as float32; sums(a) (a: kLanes vectors) is the vector whose lane j is the sum of
@@ -232,7 +235,6 @@ struct Zmm {
 // (the first one over them): the key rows kAhead tokens on (the first kAhead were asked for as they were
 // found) and the tile's value rows, into L2. Asking for all of a span's rows at once, as they are found,
 // cost as much as the walk itself when they were already cached.
-constexpr int64_t kAhead = 32;  // about a memory latency of the loop's work
 template <typename Vec, int HG, typename Row>
 void group_scores(const float* q, int64_t D, int64_t DV, int64_t n, float scale, Row key, Row value, bool ask,
                   const float* key_scales, int64_t stride, float* s) {
