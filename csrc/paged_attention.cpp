@@ -230,7 +230,7 @@ struct Zmm {
 // The scores of a span's n tokens for HG query heads (q: [HG, D]) into s ([HG, stride], stride >= n
 // rounded up to 8): score * scale * key scale, 8 tokens a tile. Each key row's dims are read and converted
 // to float32 once for the HG heads, whose 8 x HG sums stay in registers (HG * 8 of them: kHeads to fill
-// the registers): the conversions cost more than the products at 3 heads a row (Zen 4, float16 rows).
+// the registers), with no float32 copy of the tile (staging it cost a store and a load per element).
 // A short last tile's other lanes are left over (the caller pads them). ask: this pass asks for the rows
 // (the first one over them): the key rows kAhead tokens on (the first kAhead were asked for as they were
 // found) and the tile's value rows, into L2. Asking for all of a span's rows at once, as they are found,
