@@ -54,7 +54,7 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 
 #ifdef TM_ATTN_SIMD
 // The vectors the kernel is written over: 8 float32 lanes (AVX2), or 16 (AVX-512, below). load() reads
-// kLanes cache elements as float32; sums(a) (a: kLanes vectors) is the vector whose lane j is the sum of
+// kLanes cache elements as float32; sums8(a) (a: 8 vectors) is the 8-lane vector whose lane j is the sum of
 // a[j]'s lanes.
 struct Ymm {
   using V = __m256;
@@ -68,7 +68,22 @@ struct Ymm {
   static V load(const T* p) {
     return load8(p);
   }
-  static V sums(const V a[8]) { return hsum8(a); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V exp(V a) { return exp8(a); }
+  static float reduce_add(V a) {
+    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+  }
+  static float reduce_max(V a) {
+    const __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 y = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(y, _mm_movehdup_ps(y)));
+  }
+  static constexpr int kHeads = 1;  // group_scores' 8 sums a head: 8 of the 16 registers
+  static __m256 sums8(const V a[8]) { return hsum8(a); }
 };
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
@@ -93,21 +108,30 @@ struct Zmm {
   static V load(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  // A transpose by halving: pairs of vectors add their interleaved lanes (32-bit, then 64-bit pairs within
-  // each 128-bit quarter), which leaves four vectors of four tokens' sums per quarter; their quarters are
-  // then transposed and added.
-  static V sums(const V a[16]) {
-    V x[8], y[4];
-    for (int i = 0; i < 8; ++i)
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V exp(V a) { return exp16(a); }
+  static float reduce_add(V a) { return _mm512_reduce_add_ps(a); }
+  static float reduce_max(V a) { return _mm512_reduce_max_ps(a); }
+  static constexpr int kHeads = 3;  // group_scores' 8 sums a head: 24 of the 32 registers
+  // The sums of eight vectors, a transpose by halving: pairs of vectors add their interleaved lanes (32-bit,
+  // then 64-bit pairs within each 128-bit quarter), which leaves two vectors of four tokens' sums per
+  // quarter; their quarters are then added across.
+  static __m256 sums8(const V a[8]) {
+    V x[4];
+    for (int i = 0; i < 4; ++i)
       x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
+    V y[2];
+    for (int i = 0; i < 2; ++i) {
       const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
       const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
       y[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
     }
-    const V y01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xee));
-    const V y23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xee));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xdd));
+    // quarters (tokens 0-3 of quarters 0 + 2, of 1 + 3, tokens 4-7 of 0 + 2, of 1 + 3), then their halves added
+    const V z = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xee));
+    const __m256 lo = _mm512_castps512_ps256(z), hi = _mm512_extractf32x8_ps(z, 1);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
   }
 };
 #define TM_ATTN_AVX512 1

@@ -99,71 +99,75 @@ void write_kv_quantized(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
   }
 }
 
+// Key rows asked for ahead of their reads: about a memory latency of the score loop's work.
+constexpr int64_t kAhead = 32;
+
 #ifdef TM_ATTN_SIMD
-// The scores of a span's n tokens for G query heads (q: [G, D]) into s [G, n]: score * scale * key scale,
-// kLanes tokens a tile. Staged: a tile's key rows are converted to float32 once for all G heads, into
-// `tile` ([D / kLanes][kLanes tokens][kLanes dims], L1-resident, a dims chunk's token vectors at constant
-// offsets from one pointer); else each head converts them as it reads them. Staging costs a store and a
-// load per element and saves G - 1 conversions: measured on this project's Zen 4 host, a loss at 3 query
-// heads per kv head (SmolLM2), a gain at 7 (Qwen2.5), at 8 and at 16 lanes alike.
-constexpr int64_t kStagedHeads = 4;
-template <typename Vec, bool Staged, typename Row, typename Scale>
-void span_scores(const float* q, int64_t G, int64_t D, int64_t n, float scale, Row key, Scale key_scale, float* tile,
-                 float* s) {
-  constexpr int W = Vec::kLanes;
+// The scores of a span's n tokens for HG query heads (q: [HG, D]) into s ([HG, stride], stride >= n
+// rounded up to 8): score * scale * key scale, 8 tokens a tile. Each key row's dims are read and converted
+// to float32 once for the HG heads, whose 8 x HG sums stay in registers (HG * 8 of them: kHeads to fill
+// the registers), with no float32 copy of the tile (staging it cost a store and a load per element).
+// A short last tile's other lanes are left over (the caller pads them). ask: this pass asks for the rows
+// (the first one over them): the key rows kAhead tokens on (the first kAhead were asked for as they were
+// found) and the tile's value rows, into L2. Asking for all of a span's rows at once, as they are found,
+// cost as much as the walk itself when they were already cached.
+template <typename Vec, int HG, typename Row>
+void group_scores(const float* q, int64_t D, int64_t DV, int64_t n, float scale, Row key, Row value, bool ask,
+                  const float* key_scales, int64_t stride, float* s) {
   using T = std::remove_const_t<std::remove_pointer_t<decltype(key(0))>>;
-  alignas(64) float ks[W];
-  std::fill(ks, ks + W, 1.f);
-  for (int64_t t0 = 0; t0 < n; t0 += W) {
-    const int64_t tokens = std::min<int64_t>(W, n - t0);  // a short last tile's other lanes are left over
-    const T* k[W];
-    for (int64_t j = 0; j < W; ++j) {
-      k[j] = key(t0 + std::min(j, tokens - 1));
-      if (j >= tokens) continue;
-      ks[j] = key_scale(t0 + j);
-      if constexpr (Staged)
-        for (int64_t d = 0; d < D; d += W) Vec::store(tile + d * W + j * W, Vec::load(k[j] + d));
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t tokens = std::min<int64_t>(8, n - t0);
+    if (ask) {
+      for (int64_t j = t0; j < t0 + tokens; ++j)
+        for (int64_t i = 0; i < DV; i += 64 / sizeof(T)) __builtin_prefetch(value(j) + i, 0, 2);
+      for (int64_t j = t0 + kAhead; j < std::min<int64_t>(n, t0 + kAhead + 8); ++j)
+        for (int64_t i = 0; i < D; i += 64 / sizeof(T)) __builtin_prefetch(key(j) + i, 0, 2);
     }
-    for (int64_t j = t0 + 32; j < std::min<int64_t>(t0 + 32 + W, n); ++j)  // memory-bound: ask for rows ahead
-      for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(key(j) + d);
-    for (int64_t g = 0; g < G; ++g) {
-      typename Vec::V acc[W];
-      for (int j = 0; j < W; ++j) acc[j] = Vec::zero();
-      for (int64_t d = 0; d < D; d += W) {
-        const auto qv = Vec::load(q + g * D + d);
-        for (int j = 0; j < W; ++j)
-          acc[j] = Vec::fma(qv, Staged ? Vec::load(tile + d * W + j * W) : Vec::load(k[j] + d), acc[j]);
+    const T* k[8];
+    for (int64_t j = 0; j < 8; ++j) k[j] = key(t0 + (j < tokens ? j : tokens - 1));  // (min(): a slow gather)
+    typename Vec::V acc[HG][8];
+    for (int h = 0; h < HG; ++h)
+      for (int j = 0; j < 8; ++j) acc[h][j] = Vec::zero();
+    for (int64_t d = 0; d < D; d += Vec::kLanes)
+      for (int j = 0; j < 8; ++j) {
+        const auto kv = Vec::load(k[j] + d);
+        for (int h = 0; h < HG; ++h) acc[h][j] = Vec::fma(Vec::load(q + h * D + d), kv, acc[h][j]);
       }
-      const auto scores = Vec::mul(Vec::mul(Vec::sums(acc), Vec::set1(scale)), Vec::load(ks));
-      if (tokens == W) {
-        Vec::store(s + g * n + t0, scores);
-      } else {
-        alignas(64) float out[W];
-        Vec::store(out, scores);
-        std::copy(out, out + tokens, s + g * n + t0);
-      }
+    for (int h = 0; h < HG; ++h) {
+      __m256 scores = _mm256_mul_ps(Vec::sums8(acc[h]), _mm256_set1_ps(scale));
+      if (key_scales) scores = _mm256_mul_ps(scores, _mm256_loadu_ps(key_scales + t0));
+      _mm256_storeu_ps(s + h * stride + t0, scores);
     }
   }
 }
 
-// o[h] dims [d0, d0 + NV kLanes) = the sum over t of w[h n + t] value(t) for HG heads (o: [HG, DV]):
+// group_scores for G heads, kHeads at a time.
+template <typename Vec, int HG = Vec::kHeads, typename Row>
+void span_scores(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, Row key, Row value,
+                 bool ask, const float* key_scales, int64_t stride, float* s) {
+  for (int64_t g = 0; g < G; g += HG) {
+    if constexpr (HG > 1)
+      if (G - g < HG)
+        return span_scores<Vec, HG - 1>(q + g * D, G - g, D, DV, n, scale, key, value, ask && g == 0, key_scales,
+                                        stride, s + g * stride);
+    group_scores<Vec, HG>(q + g * D, D, DV, n, scale, key, value, ask && g == 0, key_scales, stride, s + g * stride);
+  }
+}
+
+// o[h] dims [d0, d0 + NV kLanes) = the sum over t < n of w[h stride + t] value(t) for HG heads (o: [HG, DV]):
 // each value row's dims are read and converted once for all HG heads, whose sums stay in registers (HG and
-// NV constants). ask_ahead: this pass asks for the rows ahead (the first one over them).
+// NV constants). The rows were asked for during the scores (`group_scores`).
 template <typename Vec, int HG, int NV, typename Row>
-inline void weigh_values(const float* w, int64_t n, Row value, int64_t d0, int64_t DV, bool ask_ahead, float* o) {
+inline void weigh_values(const float* w, int64_t n, int64_t stride, Row value, int64_t d0, int64_t DV, float* o) {
   constexpr int W = Vec::kLanes;
-  constexpr int64_t kLine = 64 / sizeof(*value(0));  // elements a cache line
-  constexpr int64_t kAhead = 32;  // rows asked ahead: about a memory latency of this loop's work
   typename Vec::V acc[HG][NV];
   for (int h = 0; h < HG; ++h)
     for (int c = 0; c < NV; ++c) acc[h][c] = Vec::zero();
   for (int64_t t = 0; t < n; ++t) {
-    if (ask_ahead && t + kAhead < n)
-      for (int64_t d = 0; d < DV; d += kLine) __builtin_prefetch(value(t + kAhead) + d);
     typename Vec::V x[NV];
     for (int c = 0; c < NV; ++c) x[c] = Vec::load(value(t) + d0 + c * W);
     for (int h = 0; h < HG; ++h) {
-      const auto wt = Vec::set1(w[h * n + t]);
+      const auto wt = Vec::set1(w[h * stride + t]);
       for (int c = 0; c < NV; ++c) acc[h][c] = Vec::fma(wt, x[c], acc[h][c]);
     }
   }
@@ -174,76 +178,74 @@ inline void weigh_values(const float* w, int64_t n, Row value, int64_t d0, int64
 // The weighted values of `heads` (1 .. 8) heads, DV / kLanes vectors each: as many vectors a pass as the
 // registers hold (HG heads' sums, the row's NV vectors and a weight).
 template <typename Vec, int HG = 8, typename Row>
-inline void weigh_heads(int64_t heads, const float* w, int64_t n, Row value, int64_t DV, bool ask_ahead, float* o) {
+inline void weigh_heads(int64_t heads, const float* w, int64_t n, int64_t stride, Row value, int64_t DV,
+                        float* o) {
   if constexpr (HG > 1)
-    if (heads < HG) return weigh_heads<Vec, HG - 1>(heads, w, n, value, DV, ask_ahead, o);
+    if (heads < HG) return weigh_heads<Vec, HG - 1>(heads, w, n, stride, value, DV, o);
   constexpr int kRegisters = Vec::kLanes == 16 ? 31 : 15;
   constexpr int NV = std::max(1, std::min(4, kRegisters / (HG + 1)));
   const int64_t chunks = DV / Vec::kLanes;
   int64_t c = 0;
   for (; c + NV <= chunks; c += NV)
-    weigh_values<Vec, HG, NV>(w, n, value, c * Vec::kLanes, DV, ask_ahead && c == 0, o);
-  for (; c < chunks; ++c) weigh_values<Vec, HG, 1>(w, n, value, c * Vec::kLanes, DV, false, o);
+    weigh_values<Vec, HG, NV>(w, n, stride, value, c * Vec::kLanes, DV, o);
+  for (; c < chunks; ++c) weigh_values<Vec, HG, 1>(w, n, stride, value, c * Vec::kLanes, DV, o);
 }
 
-// attend_span's vector path: D and DV multiples of kLanes; tile: [kLanes, D] scratch.
-template <typename Vec, typename Row, typename Scale>
+// attend_span's vector path: D and DV multiples of kLanes; s: [G, n rounded up to kLanes] scratch.
+template <typename Vec, typename Row>
 void attend_span_simd(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, float cap, Row key,
-                      Row value, Scale key_scale, Scale value_scale, float* tile, float* s, float* m, float* l,
+                      Row value, const float* key_scales, const float* value_scales, float* s, float* m, float* l,
                       float* o) {
-  using T = std::remove_const_t<std::remove_pointer_t<decltype(key(0))>>;
-  if (G >= kStagedHeads && !std::is_same<T, float>::value)
-    span_scores<Vec, true>(q, G, D, n, scale, key, key_scale, tile, s);
-  else
-    span_scores<Vec, false>(q, G, D, n, scale, key, key_scale, tile, s);
-  soft_cap(s, G * n, cap);
-  for (int64_t g = 0; g < G; ++g) {  // e^(score - max), a vector exp
-    float* sg = s + g * n;
-    m[g] = *std::max_element(sg, sg + n);
-    __m256 total = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m[g])));
-      _mm256_storeu_ps(sg + t, e);
-      total = _mm256_add_ps(total, e);
+  constexpr int W = Vec::kLanes;
+  const int64_t stride = (n + W - 1) / W * W;
+  span_scores<Vec>(q, G, D, DV, n, scale, key, value, true, key_scales, stride, s);
+  soft_cap(s, G * stride, cap);
+  for (int64_t g = 0; g < G; ++g) {  // e^(score - max), a vector exp; the padding lanes' e^-inf are 0
+    float* sg = s + g * stride;
+    std::fill(sg + n, sg + stride, -std::numeric_limits<float>::infinity());
+    auto big = Vec::load(sg);
+    for (int64_t t = W; t < stride; t += W) big = Vec::max(big, Vec::load(sg + t));
+    m[g] = Vec::reduce_max(big);
+    const auto top = Vec::set1(m[g]);
+    auto total = Vec::zero();
+    for (int64_t t = 0; t < stride; t += W) {
+      const auto e = Vec::exp(Vec::sub(Vec::load(sg + t), top));
+      Vec::store(sg + t, e);
+      total = Vec::add(total, e);
     }
-    alignas(32) float parts[8];
-    _mm256_store_ps(parts, total);
-    float sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7];
-    for (; t < n; ++t) {
-      sg[t] = std::exp(sg[t] - m[g]);
-      sum += sg[t];
-    }
-    l[g] = sum;
-    for (t = 0; t < n; ++t) sg[t] *= value_scale(t);  // the weights of the values, once (not once a pass)
+    l[g] = Vec::reduce_add(total);
+    if (value_scales)  // the weights of the values, once (not once a pass)
+      for (int64_t t = 0; t < stride; t += W)
+        Vec::store(sg + t, Vec::mul(Vec::load(sg + t), Vec::load(value_scales + t)));
   }
   for (int64_t g0 = 0; g0 < G; g0 += 8)  // weighted values, eight heads at a time
-    weigh_heads<Vec>(std::min<int64_t>(8, G - g0), s + g0 * n, n, value, DV, g0 == 0, o + g0 * DV);
+    weigh_heads<Vec>(std::min<int64_t>(8, G - g0), s + g0 * stride, n, stride, value, DV, o + g0 * DV);
 }
 #endif
 
 // One span of n cached tokens for the G query heads (q: [G, D]) of a kv head: the span's share of their
 // softmax, unnormalised (merged across spans by `merge_spans`): m[g] the largest score, l[g] the sum of
 // e^(score - m[g]), o[g] (DV) the sum of e^(score - m[g]) value. key(t), value(t) point at token t's key
-// row (D features) and value row (DV); key_scale(t), value_scale(t) are the rows' scales (1 unless
-// quantized); tile: [16, D] scratch, s: [G, n] scratch.
-template <typename Row, typename Scale>
+// row (D features) and value row (DV); key_scales, value_scales: the rows' scales ([n rounded up to 16]),
+// null unless quantized; s: [G, n rounded up to 16] scratch.
+template <typename Row>
 void attend_span(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, float scale, float cap, Row key,
-                 Row value, Scale key_scale, Scale value_scale, float* tile, float* s, float* m, float* l, float* o) {
+                 Row value, const float* key_scales, const float* value_scales, float* s, float* m, float* l,
+                 float* o) {
 #ifdef TM_ATTN_AVX512
   if (D % 16 == 0 && DV % 16 == 0)
-    return attend_span_simd<Zmm>(q, G, D, DV, n, scale, cap, key, value, key_scale, value_scale, tile, s, m, l, o);
+    return attend_span_simd<Zmm>(q, G, D, DV, n, scale, cap, key, value, key_scales, value_scales, s, m, l, o);
 #endif
 #ifdef TM_ATTN_SIMD
   if (D % 8 == 0 && DV % 8 == 0)
-    return attend_span_simd<Ymm>(q, G, D, DV, n, scale, cap, key, value, key_scale, value_scale, tile, s, m, l, o);
+    return attend_span_simd<Ymm>(q, G, D, DV, n, scale, cap, key, value, key_scales, value_scales, s, m, l, o);
 #endif
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const auto* k = key(t);
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_f32(k[d]);
-      s[g * n + t] = dot * scale * key_scale(t);
+      s[g * n + t] = dot * scale * (key_scales ? key_scales[t] : 1.f);
     }
   soft_cap(s, G * n, cap);
   for (int64_t g = 0; g < G; ++g) {
@@ -258,7 +260,7 @@ void attend_span(const float* q, int64_t G, int64_t D, int64_t DV, int64_t n, fl
   std::fill(o, o + G * DV, 0.f);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g) {
-      const float w = s[g * n + t] * value_scale(t);
+      const float w = s[g * n + t] * (value_scales ? value_scales[t] : 1.f);
       for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += w * to_f32(value(t)[d]);
     }
 }
@@ -343,9 +345,30 @@ struct DecodeTasks final : DecodeAttention::Work {
     merge_floats = G * DV;
   }
 
+  // A span's n key rows from token `from` into rows[0, n), its value rows into rows[kSpanTokens, ...) (and
+  // their scales into scales, likewise, if quantized). Locals, not members, in the loop: its stores
+  // through `rows` could alias a member, and reloading them cost more than the walk itself.
+  void find_rows(const int64_t* table, int64_t from, int64_t n, int64_t kvh, const T** rows, float* scales) const {
+    const T *keys = kp + kvh * k_head, *values = vp + kvh * v_head;
+    const int64_t bs = BS, kr = k_row, vr = v_row, kv_heads = KVH;
+    for (int64_t t = 0, block = from / bs, offset = from % bs; t < n; ++block, offset = 0) {
+      const int64_t slot0 = table[block] * bs, end = std::min(n, t + bs - offset);
+      for (int64_t slot = slot0 + offset; t < end; ++t, ++slot) {
+        const T *k = keys + slot * kr, *v = values + slot * vr;
+        rows[t] = k, rows[kSpanTokens + t] = v;
+        if (t < kAhead)  // the first key rows: `group_scores` asks for the others
+          for (int64_t i = 0; i < D; i += 64 / sizeof(T)) __builtin_prefetch(k + i, 0, 2);
+        if (scales) {
+          scales[t] = static_cast<float>(k_scales[slot * kv_heads + kvh]);
+          scales[kSpanTokens + t] = static_cast<float>(v_scales[slot * kv_heads + kvh]);
+        }
+      }
+    }
+  }
+
   void run_tasks(int64_t begin, int64_t end) override {
     if (begin >= end) return;
-    std::vector<float> scores(per * kSpanTokens), tile(16 * D), row_scales(k_scales ? 2 * kSpanTokens : 0, 1.f);
+    std::vector<float> scores(per * kSpanTokens), row_scales(k_scales ? 2 * kSpanTokens : 0, 1.f);
     std::vector<const T*> rows(2 * kSpanTokens);
     int64_t b = std::upper_bound(first.begin(), first.end(), begin / splits) - first.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
@@ -358,27 +381,14 @@ struct DecodeTasks final : DecodeAttention::Work {
       const int64_t* table = tables + b * max_blocks;
       // the span's key and value rows (and scales), found once: the loops below read each row once per
       // query head, and finding a slot's block per read (a division by the block size) cost about as much
-      // as the products. Each row is asked for (into L2) as it is found: the span's rows then arrive
-      // while the first ones are read (a span fits L2; the loops' own prefetches reach only 32 rows ahead)
-      for (int64_t t = 0, block = from / BS, offset = from % BS; t < n; ++t) {
-        const int64_t slot = table[block] * BS + offset;
-        if (++offset == BS) ++block, offset = 0;
-        rows[t] = kp + slot * k_row + kvh * k_head;
-        rows[kSpanTokens + t] = vp + slot * v_row + kvh * v_head;
-        for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(rows[t] + d, 0, 2);
-        for (int64_t d = 0; d < DV; d += 64 / sizeof(T)) __builtin_prefetch(rows[kSpanTokens + t] + d, 0, 2);
-        if (k_scales) {
-          row_scales[t] = static_cast<float>(k_scales[slot * KVH + kvh]);
-          row_scales[kSpanTokens + t] = static_cast<float>(v_scales[slot * KVH + kvh]);
-        }
-      }
+      // as the products
+      find_rows(table, from, n, kvh, rows.data(), k_scales ? row_scales.data() : nullptr);
       auto row = [](const T* const* p) { return [=](int64_t t) { return p[t]; }; };
-      auto scale_of = [](const float* p) { return [=](int64_t t) { return p ? p[t] : 1.f; }; };
       const float* sk = k_scales ? row_scales.data() : nullptr;
       float* part = parts.data() + span * stride;
       attend_span(qp + (b * H + kvh * G + g0) * D, heads, D, DV, n, scale, cap, row(rows.data()),
-                  row(rows.data() + kSpanTokens), scale_of(sk), scale_of(sk ? sk + kSpanTokens : nullptr),
-                  tile.data(), scores.data(), part + G * DV + g0, part + G * DV + G + g0, part + g0 * DV);
+                  row(rows.data() + kSpanTokens), sk, sk ? sk + kSpanTokens : nullptr, scores.data(),
+                  part + G * DV + g0, part + G * DV + G + g0, part + g0 * DV);
     }
   }
 

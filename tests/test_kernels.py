@@ -103,6 +103,27 @@ def test_paged_decode_attention_of_a_row_depends_on_neither_its_batch_nor_the_th
     assert torch.equal(runs[0], runs[2])
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (14, 2)])
+def test_paged_decode_attention_of_a_head_does_not_depend_on_which_heads_share_its_task(heads, kv_heads):
+    """A short sequence alone has fewer spans than threads: its kv heads' query heads are split across
+    tasks (2 + 1 of 3, 4 + 3 of 7), where in a batch one task has them all; the scores convert each key
+    row once for a group of up to 3 heads, so a head's group differs, its result must not."""
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 32, 16, kv_heads, 64).half()
+    lengths = torch.tensor([37, 200])
+    tables = torch.randperm(32)[:30].view(2, 15)
+    tables[0, 3:] = 0
+    q = torch.randn(2, heads, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        alone = paged_attention.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], lengths[:1], 0.125)
+        batch = paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone[0], batch[0])
+
+
 @pytest.mark.parametrize("latent, rope", [(32, 8), (20, 4), (512, 64)])
 @pytest.mark.parametrize("lengths", [[1, 9, 40, 130], [130]])
 def test_paged_decode_attention_reads_a_latent_cache(latent, rope, lengths):

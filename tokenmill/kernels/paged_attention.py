@@ -8,14 +8,14 @@ value weight: dequantized in registers, never copied. A task is one 128-token sp
 context for all the query heads of one kv head (GQA: the heads share each K/V read), OpenMP across
 tasks, so one long sequence keeps every thread busy; each span leaves its softmax's partial max, sum and
 weighted values, merged span by span in order. The spans depend on the sequence's own length only, so a
-row's result does not depend on its batch nor on the thread count. A span's rows are asked into L2 as
-their slots are found (a step's 30 layers of K/V do not stay in cache). With few spans per thread (short
+row's result does not depend on its batch nor on the thread count. A span's rows are asked into L2
+ahead of their reads from inside the score loop (a step's 30 layers of K/V do not stay in cache; asking
+as the slots are found cost as much as the walk when they were cached). With few spans per thread (short
 contexts; a latent cache's single kv head) a span's query heads are split into several tasks. The scores
-are computed a tile of tokens at a time (8 with AVX2, 16 with AVX-512's 512-bit vectors), with 4+ query
-heads per kv head from a tile of keys widened to float32 once into an L1 scratch (fewer heads widen them
-as they read them: cheaper than the scratch's store and load); the values are weighed for up to 8 heads
-per pass, each row widened once per pass, the sums in registers; the softmax uses a vector exp (every
-cached K/V byte is read once). A sliding window reads only the last `window` tokens; a soft-cap squashes
+are computed a tile of 8 tokens at a time, each key row widened to float32 once for 3 query heads (one
+with AVX2's 16 registers), their 8 x 3 sums in registers; the values are weighed for up to 8 heads per
+pass, each row widened once per pass, the sums in registers; the softmax uses a vector exp (8 or 16
+lanes: AVX2 or AVX-512) (every cached K/V byte is read once). A sliding window reads only the last `window` tokens; a soft-cap squashes
 the scores (cap * tanh(s / cap)) before the softmax. Values may be narrower than keys and strided (a
 latent MLA cache: the values are the leading features of the key rows). Without the kernels (none
 prebuilt and no compiler, no OpenMP) `load()` returns None and the torch backend's gather + SDPA path is
