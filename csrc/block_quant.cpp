@@ -1452,19 +1452,15 @@ void for_each_panel_tile(int64_t M, int64_t first, int64_t last, const Tile& til
 }
 
 template <int BITS, typename S>
-void matmul_q8_panels_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           int64_t span, torch::Tensor& out, int64_t first, int64_t last) {
+void matmul_q8_panels_impl(const PanelActivations& a, const torch::Tensor& codes, const torch::Tensor& scales,
+                           torch::Tensor& out, int64_t first, int64_t last) {
   constexpr int64_t bytes = panel_block_bytes(BITS);
-  const int64_t M = x.size(0), K = x.size(1), nb = K / 32, N = out.size(1), P = codes.size(0);
-  TORCH_CHECK(K % span == 0 && codes.size(1) == nb && codes.size(2) == bytes && P == (N + kPanel - 1) / kPanel,
+  const int64_t M = a.M, K = a.K, nb = K / 32, N = out.size(1), P = codes.size(0);
+  TORCH_CHECK(out.size(0) == M && codes.size(1) == nb && codes.size(2) == bytes && P == (N + kPanel - 1) / kPanel,
               "panels do not fit x, out");
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * nb), xs(M * nb);
-  std::vector<int16_t> xsum(BITS == 8 ? M * nb : 0);
-  quantize_rows<32>(x.data_ptr<float>(), M, K, span, xq.data(), dx.data(), xs.data(),
-                    BITS == 8 ? xsum.data() : nullptr);
-  std::vector<int32_t> xc(xsum.size());  // 8 bits: 128 x's sum per block (the tiles' codes + 128 repaid)
-  for (size_t i = 0; i < xsum.size(); ++i) xc[i] = 128 * xsum[i];
+  const std::vector<int8_t>& xq = a.xq;
+  const std::vector<float>&dx = a.dx, &xs = a.xs;
+  const std::vector<int32_t>& xc = a.xc;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const S* sp = scales.data_ptr<S>();
   float* outp = out.data_ptr<float>();
@@ -1669,19 +1665,16 @@ inline void q6_panel_tile_rows(int rows, const int8_t* xq, const float* dx, cons
 
 // block_quant_matmul_q8_panels on Q6_K's panels (the layout above): the activations rounded per
 // super-block (span 256), their integer sums per 16 values times the center subtracted per sub-block.
-void matmul_q8_q6_panels(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+void matmul_q8_q6_panels(const PanelActivations& a, const torch::Tensor& codes, const torch::Tensor& scales,
                          torch::Tensor& out, int64_t first, int64_t last) {
-  const int64_t M = x.size(0), K = x.size(1), nb = K / 32, subs = K / 16, N = out.size(1), P = codes.size(0);
+  const int64_t M = a.M, K = a.K, nb = K / 32, subs = K / 16, N = out.size(1), P = codes.size(0);
   const int64_t bytes = panel_block_bytes(8), supers = K / kSuper;
-  TORCH_CHECK(K % kSuper == 0 && codes.size(1) == nb && codes.size(2) == bytes && P == (N + kPanel - 1) / kPanel &&
-                  scales.numel() == P * supers * kQ6PanelBytes,
+  TORCH_CHECK(out.size(0) == M && K % kSuper == 0 && codes.size(1) == nb && codes.size(2) == bytes &&
+                  P == (N + kPanel - 1) / kPanel && scales.numel() == P * supers * kQ6PanelBytes,
               "Q6_K panels do not fit x, out");
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * nb), xs(M * subs);
-  std::vector<int16_t> xsum(M * subs);
-  quantize_rows<16>(x.data_ptr<float>(), M, K, kSuper, xq.data(), dx.data(), xs.data(), xsum.data());
-  std::vector<int32_t> xc(M * subs);
-  for (int64_t i = 0; i < M * subs; ++i) xc[i] = kQ6Center * xsum[i];
+  const std::vector<int8_t>& xq = a.xq;
+  const std::vector<float>& dx = a.dx;
+  const std::vector<int32_t>& xc = a.xc;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   float* outp = out.data_ptr<float>();
@@ -1858,35 +1851,60 @@ void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor>
     TORCH_CHECK(false, "panels hold 4-, 5-, 6- or 8-bit codes, not ", bits, "-bit ones");
 }
 
+// x [M, K] float32 rounded as the panel products of `bits`-bit codes read it (per `span` values; Q6_K's,
+// bits 6: per super-block, with integer sums per 16 values), into `a` (its buffers reused).
+void quantize_panel_activations(const torch::Tensor& x, int64_t bits, int64_t span, PanelActivations& a) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && K % span == 0 && (bits != 6 || span == kSuper),
+              "panel activations: contiguous float32 rows, whole spans");
+  const bool q6 = bits == 6;
+  const int64_t sums = q6 ? K / 16 : nb;  // per row: xs, and the integer sums where the codes need them
+  a.M = M, a.K = K, a.bits = bits;
+  a.xq.resize(M * K);
+  a.dx.resize(M * nb);
+  a.xs.resize(M * sums);
+  std::vector<int16_t> xsum(q6 || bits == 8 ? M * sums : 0);
+  if (q6)
+    quantize_rows<16>(x.data_ptr<float>(), M, K, kSuper, a.xq.data(), a.dx.data(), a.xs.data(), xsum.data());
+  else
+    quantize_rows<32>(x.data_ptr<float>(), M, K, span, a.xq.data(), a.dx.data(), a.xs.data(),
+                      xsum.empty() ? nullptr : xsum.data());
+  // the sums the tiles repay: 8 bits, 128 x's sum per block (their codes + 128); Q6_K, its center's
+  const int32_t repaid = q6 ? kQ6Center : 128;
+  a.xc.resize(xsum.size());
+  for (size_t i = 0; i < xsum.size(); ++i) a.xc[i] = repaid * xsum[i];
+}
+
 // block_quant_matmul_q8 on a weight's panels (x: [M, K] float32, rounded per `span` values; out: [M, N];
 // scales float32 or float16; Q6_K's, bits 6: uint8).
 void block_quant_matmul_q8_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits,
                                   int64_t span, torch::Tensor out) {
-  block_quant_matmul_q8_panels_range(x, codes, scales, bits, span, out, 0, -1);
+  PanelActivations a;
+  quantize_panel_activations(x, bits, span, a);
+  block_quant_matmul_q8_panels_range(a, codes, scales, out, 0, -1);
 }
 
-// Its output columns of panels [first, last) only (8 first .. 8 last; last < 0: to the end), for callers
-// that split a product over threads of their own (the compiled decode step): inside a parallel region it
-// runs on the calling thread.
-void block_quant_matmul_q8_panels_range(const torch::Tensor& x, const torch::Tensor& codes,
-                                        const torch::Tensor& scales, int64_t bits, int64_t span, torch::Tensor& out,
-                                        int64_t first, int64_t last) {
-  if (bits == 6) {  // Q6_K's: its integer sub-block scales and float16 super-block scales as bytes
-    TORCH_CHECK(scales.scalar_type() == at::kByte && span == kSuper, "Q6_K panel scales: uint8, span 256");
-    return matmul_q8_q6_panels(x, codes, scales, out, first, last);
+// Its output columns of panels [first, last) only (8 first .. 8 last; last < 0: to the end), on activations
+// rounded once (quantize_panel_activations) for callers that split a product over threads of their own
+// (the compiled decode step): inside a parallel region it runs on the calling thread.
+void block_quant_matmul_q8_panels_range(const PanelActivations& a, const torch::Tensor& codes,
+                                        const torch::Tensor& scales, torch::Tensor& out, int64_t first, int64_t last) {
+  if (a.bits == 6) {  // Q6_K's: its integer sub-block scales and float16 super-block scales as bytes
+    TORCH_CHECK(scales.scalar_type() == at::kByte, "Q6_K panel scales: uint8");
+    return matmul_q8_q6_panels(a, codes, scales, out, first, last);
   }
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
               "panel scales: float32 or float16");
   auto run = [&](auto scale) {
     using S = decltype(scale);
-    if (bits == 4)
-      matmul_q8_panels_impl<4, S>(x, codes, scales, span, out, first, last);
-    else if (bits == 5)
-      matmul_q8_panels_impl<5, S>(x, codes, scales, span, out, first, last);
-    else if (bits == 8)
-      matmul_q8_panels_impl<8, S>(x, codes, scales, span, out, first, last);
+    if (a.bits == 4)
+      matmul_q8_panels_impl<4, S>(a, codes, scales, out, first, last);
+    else if (a.bits == 5)
+      matmul_q8_panels_impl<5, S>(a, codes, scales, out, first, last);
+    else if (a.bits == 8)
+      matmul_q8_panels_impl<8, S>(a, codes, scales, out, first, last);
     else
-      TORCH_CHECK(false, "panels hold 4-, 5- or 8-bit codes, not ", bits, "-bit ones");
+      TORCH_CHECK(false, "panels hold 4-, 5- or 8-bit codes, not ", a.bits, "-bit ones");
   };
   if (scales.scalar_type() == at::kHalf)
     run(c10::Half());

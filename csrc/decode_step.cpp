@@ -7,6 +7,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/ops/linear.h>
 #include <omp.h>
 
@@ -14,7 +15,7 @@
 #include "fused_ops.h"
 #include "lora.h"
 #include "paged_attention.h"
-#include "step_barrier.h"
+#include "step_phases.h"
 
 namespace decode_step {
 
@@ -53,9 +54,10 @@ inline bool splits_by_panels(const Linear& l) {
   return l.kind == 2 && l.panel_codes.numel() && !l.lora && (!l.bias.numel() || l.bias.scalar_type() == at::kFloat);
 }
 
-// The output columns of panels [first, last) of `l`, and the bias added to them as `out += bias` adds it.
-void linear_panels(const Linear& l, const torch::Tensor& x, torch::Tensor& out, int64_t first, int64_t last) {
-  block_quant_matmul_q8_panels_range(x, l.panel_codes, l.panel_scales, l.bits, activation_span(l), out, first, last);
+// The output columns of panels [first, last) of `l` on its rounded input `a`, and the bias added to them as
+// `out += bias` adds it.
+void linear_panels(const Linear& l, const PanelActivations& a, torch::Tensor& out, int64_t first, int64_t last) {
+  block_quant_matmul_q8_panels_range(a, l.panel_codes, l.panel_scales, out, first, last);
   if (!l.bias.numel()) return;
   const int64_t N = out.size(1), end = std::min(N, 8 * last);
   const float* b = l.bias.data_ptr<float>();
@@ -63,12 +65,6 @@ void linear_panels(const Linear& l, const torch::Tensor& x, torch::Tensor& out, 
     float* row = out.data_ptr<float>() + r * N;
     for (int64_t c = 8 * first; c < end; ++c) row[c] += b[c];
   }
-}
-
-// Thread t's share (of n) of `l`: panels [P t / n, P (t + 1) / n).
-void linear_share(const Linear& l, const torch::Tensor& x, torch::Tensor& out, int t, int n) {
-  const int64_t P = l.panel_codes.size(0);
-  linear_panels(l, x, out, P * t / n, P * (t + 1) / n);
 }
 
 // The scales and codes of panels [first, last) of `l` into `ahead` (the lines a thread asks for while it
@@ -81,12 +77,13 @@ void ask_ahead(LinesAhead& ahead, const Linear& l, int64_t first, int64_t last) 
 }
 
 // The layers in one OpenMP parallel region: a step pays one fork and join, not one per kernel (about 150
-// a token for SmolLM2's 30 layers). The products and the attention's spans are split over the threads,
-// barriers between the ops (StepBarrier: a thread waiting there asks for its share of the next product); the small ops (norms, rotary, the KV write, SiLU) run on the calling thread
-// (the master), the one that also makes every torch call, but SiLU * up, which each thread applies to the
-// columns whose gate and up it computed: the same kernels on the same inputs as
-// the op-by-op loop, so the same bits. Buffers are made once a step: the residual stream alternates
-// between `hidden` (the input, then the down projection's output) and the o projection's output.
+// a token for SmolLM2's 30 layers). Each layer is nine phases (step_phases.h): the products by panels and
+// the attention by its span tasks and merges, split over the threads (a thread does what a late partner
+// has not started), and the small ops (norms, rotary, the KV write) as one unit each. A product's input is
+// rounded to int8 once, by the op before it (or the thread that finishes the phase before it); SiLU * up
+// is applied by each thread to the columns whose gate and up it computed. The same kernels on the same
+// inputs as the op-by-op loop, so the same bits. Buffers are made once a step: the residual stream
+// alternates between `hidden` (the input, then the down projection's output) and the o projection's output.
 std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                                 const torch::Tensor& positions, const torch::Tensor& slots,
                                                 const torch::Tensor& block_tables, const torch::Tensor& context_lens,
@@ -94,8 +91,9 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
                                                 const std::vector<torch::Tensor>& tensors, int64_t H, int64_t KVH,
                                                 int64_t D, double eps, double scale) {
   constexpr size_t kTensors = DecodeStep::kTensors;
+  constexpr int64_t kPhases = 9, kChunk = 4;  // phases a layer; panels a product's shares are whole multiples of
   const size_t layers = linears.size() / 4;
-  const int64_t T = hidden.size(0), I = linears[2].w.size(0) / 2;  // gate_up: 2I outputs
+  const int64_t T = hidden.size(0), I = linears[2].w.size(0) / 2, G = I / 8;  // gate_up: 2I outputs, G panels each
   auto make = [&](int64_t width) { return torch::empty({T, width}, hidden.options()); };
   torch::Tensor normed = make(hidden.size(1)), qkv = make(linears[0].w.size(0)), q = make(H * D), attn = make(H * D),
                 o = make(hidden.size(1)), gate_up = make(2 * I), act = make(I), down = make(hidden.size(1));
@@ -108,12 +106,12 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
   torch::Tensor attn_heads = attn.view({T, H, D});
   torch::Tensor res = residual ? *residual : torch::Tensor(), x = hidden;
   std::unique_ptr<DecodeAttention> attention;
+  PanelActivations rounded;  // the next product's input, rounded to int8
   const int threads = at::get_num_threads();
   // An exception must not leave the parallel region (that ends the process): the first one is kept, every
-  // thread skips the work after it but still meets every barrier, and it is rethrown once the region ends.
+  // thread skips the work after it but still counts its units done, and it is rethrown once the region ends.
   std::exception_ptr error;
   std::atomic<bool> failed{false};
-  StepBarrier barrier;  // between the ops (step_barrier.h: spins briefly, then sleeps)
   auto guard = [&](auto&& work) {
     if (failed.load()) return;
     try {
@@ -124,74 +122,102 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
       failed.store(true);
     }
   };
+  auto round_input = [&](const torch::Tensor& in, const Linear& l) {
+    quantize_panel_activations(in, l.bits, activation_span(l), rounded);
+  };
+  const at::ThreadLocalState torch_state;  // grad and inference mode: every thread may make the torch calls
+  std::unique_ptr<StepPhases> phases;
 #pragma omp parallel num_threads(threads)
   {
+    const at::ThreadLocalStateGuard torch_state_guard(torch_state);
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
 #pragma omp master
-    barrier.set_threads(n);
+    {
+      phases = std::make_unique<StepPhases>(kPhases * static_cast<int64_t>(layers), n);
+      phases->open_one_op(0);
+    }
 #pragma omp barrier
-    auto split = [&](int64_t total, auto&& run) { run(total * t / n, total * (t + 1) / n); };
-    // this thread's share of the next product, asked for while it waits at the barriers before it
-    LinesAhead ahead;
-    auto next_share = [&](const Linear& l) {
-      const int64_t P = l.panel_codes.size(0);
-      ahead = LinesAhead();
-      ask_ahead(ahead, l, P * t / n, P * (t + 1) / n);
+    StepPhases& step = *phases;
+    // a product's phase over its panels (gate_up: over its gate's panels, each with the up panel G on)
+    auto open_product = [&](int64_t p, int64_t panels) {
+      const int64_t share = panels / n, piece = std::max(kChunk, (share / 4 + kChunk - 1) / kChunk * kChunk);
+      step.open(p, panels, piece, kChunk);
     };
-    next_share(linears[0]);
+    auto open_tasks = [&](int64_t p, int64_t tasks) { step.open(p, tasks, std::max<int64_t>(1, tasks / (4 * n))); };
+    // this thread's share of a product's panels, asked for while it waits before the product
+    LinesAhead ahead;
+    auto next_share = [&](const Linear& l, int64_t panels, int64_t offset = 0) {
+      const auto [first, last] = StepPhases::share(panels, t, n, kChunk);
+      ask_ahead(ahead, l, offset + first, offset + last);
+    };
+    auto panels = [](const Linear& l) { return l.panel_codes.size(0); };
+    next_share(linears[0], panels(linears[0]));
     for (size_t i = 0; i < layers; ++i) {
       const torch::Tensor* w = tensors.data() + kTensors * i;
       const Linear* l = linears.data() + 4 * i;
-      const int64_t G = I / 8, first = G * t / n, last = G * (t + 1) / n;  // gate_up: gate's and up's panels
-#pragma omp master
-      guard([&] {
-        add_rms_norm(x, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, w[0], eps, normed);
-        res = x;
-      });
-      barrier.wait(&ahead);
-      guard([&] { linear_share(l[0], normed, qkv, t, n); });
-      next_share(l[1]);
-      barrier.wait(&ahead);
-#pragma omp master
-      guard([&] {
-        rotary_inplace(rotated, positions, cos_sin);
-        if (w[4].numel())
-          write_kv_quantized(keys, values, w[2], w[3], w[4], w[5], slots);
-        else
-          write_kv(keys, values, w[2], w[3], slots);
-        if (!queries_in_place) q_heads.copy_(queries);
-        attention = std::make_unique<DecodeAttention>(queries_in_place ? queries : q_heads, w[2], w[3], block_tables,
-                                                      context_lens, scale, 0, 0.0, attn_heads, present(w[4]),
-                                                      present(w[5]), c10::nullopt, n);
-      });
-      barrier.wait(&ahead);
-      guard([&] { split(attention->tasks(), [&](int64_t a, int64_t b) { attention->run_tasks(a, b); }); });
-      barrier.wait(&ahead);
-      guard([&] { split(attention->merges(), [&](int64_t a, int64_t b) { attention->run_merges(a, b); }); });
-      barrier.wait(&ahead);
-      guard([&] { linear_share(l[1], attn, o, t, n); });
+      const int64_t p = kPhases * static_cast<int64_t>(i);
+      step.run(p, t, [&](int64_t, int64_t) {
+        guard([&] {
+          add_rms_norm(x, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, w[0], eps, normed);
+          res = x;
+          round_input(normed, l[0]);
+        });
+      }, [&] { open_product(p + 1, panels(l[0])); }, &ahead);
       ahead = LinesAhead();
-      ask_ahead(ahead, l[2], first, last);
-      ask_ahead(ahead, l[2], G + first, G + last);
-      barrier.wait(&ahead);
-#pragma omp master
-      guard([&] {
-        add_rms_norm(o, res, w[1], eps, normed);
-        res = o;
-      });
-      barrier.wait(&ahead);
-      guard([&] {  // gate and up (I / 8 panels each) over the same columns of act, then SiLU * up on those columns
-        linear_panels(l[2], normed, gate_up, first, last);
-        linear_panels(l[2], normed, gate_up, G + first, G + last);
-        silu_and_mul_columns(gate_up, act, 8 * first, 8 * last);
-      });
-      next_share(l[3]);
-      barrier.wait(&ahead);
-      guard([&] { linear_share(l[3], act, down, t, n); });
-      if (i + 1 < layers) next_share(l[4]);
-      barrier.wait(&ahead);
-#pragma omp master
-      x = down;
+      next_share(l[1], panels(l[1]));
+      step.run(p + 1, t, [&](int64_t a, int64_t b) { guard([&] { linear_panels(l[0], rounded, qkv, a, b); }); },
+               [&] { step.open_one_op(p + 2); }, &ahead);
+      step.run(p + 2, t, [&](int64_t, int64_t) {
+        guard([&] {
+          rotary_inplace(rotated, positions, cos_sin);
+          if (w[4].numel())
+            write_kv_quantized(keys, values, w[2], w[3], w[4], w[5], slots);
+          else
+            write_kv(keys, values, w[2], w[3], slots);
+          if (!queries_in_place) q_heads.copy_(queries);
+          attention = std::make_unique<DecodeAttention>(queries_in_place ? queries : q_heads, w[2], w[3], block_tables,
+                                                        context_lens, scale, 0, 0.0, attn_heads, present(w[4]),
+                                                        present(w[5]), c10::nullopt, n);
+        });
+      }, [&] { open_tasks(p + 3, failed.load() ? 0 : attention->tasks()); }, &ahead);
+      step.run(p + 3, t, [&](int64_t a, int64_t b) { guard([&] { attention->run_tasks(a, b); }); },
+               [&] { open_tasks(p + 4, failed.load() ? 0 : attention->merges()); }, &ahead);
+      step.run(p + 4, t, [&](int64_t a, int64_t b) { guard([&] { attention->run_merges(a, b); }); },
+               [&] {
+                 guard([&] { round_input(attn, l[1]); });
+                 open_product(p + 5, panels(l[1]));
+               }, &ahead);
+      ahead = LinesAhead();
+      next_share(l[2], G);
+      next_share(l[2], G, G);
+      step.run(p + 5, t, [&](int64_t a, int64_t b) { guard([&] { linear_panels(l[1], rounded, o, a, b); }); },
+               [&] { step.open_one_op(p + 6); }, &ahead);
+      step.run(p + 6, t, [&](int64_t, int64_t) {
+        guard([&] {
+          add_rms_norm(o, res, w[1], eps, normed);
+          res = o;
+          round_input(normed, l[2]);
+        });
+      }, [&] { open_product(p + 7, G); }, &ahead);
+      ahead = LinesAhead();
+      next_share(l[3], panels(l[3]));
+      step.run(p + 7, t, [&](int64_t a, int64_t b) {  // gate and up over the same columns of act, then SiLU * up on those
+        guard([&] {
+          linear_panels(l[2], rounded, gate_up, a, b);
+          linear_panels(l[2], rounded, gate_up, G + a, G + b);
+          silu_and_mul_columns(gate_up, act, 8 * a, 8 * b);
+        });
+      }, [&] {
+        guard([&] { round_input(act, l[3]); });
+        open_product(p + 8, panels(l[3]));
+      }, &ahead);
+      ahead = LinesAhead();
+      if (i + 1 < layers) next_share(l[4], panels(l[4]));
+      step.run(p + 8, t, [&](int64_t a, int64_t b) { guard([&] { linear_panels(l[3], rounded, down, a, b); }); },
+               [&] {
+                 x = down;
+                 if (i + 1 < layers) step.open_one_op(p + kPhases);
+               }, &ahead);
     }
   }
   if (error) std::rethrow_exception(error);

@@ -149,13 +149,15 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
     compiled = make_runner(load_model(path, quantization=quantization, dtype="float32"), cache_dtype=cache_dtype)
     fast = decode_step_hidden(compiled, batch)
     assert compiled.model.model.compiled_decode[1] is not None  # the step ran compiled
-    # gguf-q8's step runs in one OpenMP region that splits products and attention over the threads
-    # (the tests' process runs one): at two, the same bits too
+    # gguf-q8's step runs in one OpenMP region that splits products and attention over the threads, a
+    # thread taking over what a late one has not started (the tests' process runs one): at two, and at
+    # three on this 2-core host (threads preempted mid-step, their shares taken by the others), the same bits
     threads = torch.get_num_threads()
     if quantization == "gguf-q8":
-        torch.set_num_threads(2)
         try:
-            assert torch.equal(fast, decode_step_hidden(compiled, batch))
+            for n in (2, 3):
+                torch.set_num_threads(n)
+                assert torch.equal(fast, decode_step_hidden(compiled, batch))
         finally:
             torch.set_num_threads(threads)
         assert compiled.model.model.compiled_decode[1] is not None
