@@ -43,7 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return std::make_shared<DecodeStep>(std::move(tensors), std::move(ints), num_heads, num_kv_heads, head_dim,
                                                 eps, scale, std::move(lora));
           })))
-      .def("run", torch::wrap_pybind_function(&DecodeStep::run));
+      .def("run", torch::wrap_pybind_function(&DecodeStep::run))
+      .def_property_readonly("runs_chunks", &DecodeStep::runs_chunks);
   // Which sources it was built from (a digest given by the build): a stale prebuilt module is not loaded.
   m.attr("sources_hash") = TM_STRING(TM_SOURCES_HASH);
 }

@@ -15,6 +15,7 @@
 #include "fused_ops.h"
 #include "lora.h"
 #include "paged_attention.h"
+#include "prefill_attention.h"
 #include "step_phases.h"
 
 namespace decode_step {
@@ -89,7 +90,7 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
                                                 const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                                 const torch::Tensor& cos_sin, const std::vector<Linear>& linears,
                                                 const std::vector<torch::Tensor>& tensors, int64_t H, int64_t KVH,
-                                                int64_t D, double eps, double scale) {
+                                                int64_t D, double eps, double scale, const Chunks& chunks) {
   constexpr size_t kTensors = DecodeStep::kTensors;
   constexpr int64_t kPhases = 9, kChunk = 4;  // phases a layer; panels a product's shares are whole multiples of
   const size_t layers = linears.size() / 4;
@@ -101,9 +102,16 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
   const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D}), rotated = heads.narrow(1, 0, H + KVH),
                       keys = heads.narrow(1, H, KVH), values = heads.narrow(1, H + KVH, KVH),
                       queries = heads.narrow(1, 0, H), q_heads = q.view({T, H, D});
-  // one token's queries are contiguous where they are (the attention reads them in place), more are copied out
+  // one token's queries are contiguous where they are (the attention reads them in place), more decodes'
+  // are copied out; the chunks' queries are read where they are
   const bool queries_in_place = queries.is_contiguous();
-  torch::Tensor attn_heads = attn.view({T, H, D});
+  const int64_t decodes = T - chunks.tokens();
+  torch::Tensor attn_heads = attn.view({T, H, D}), decode_out = attn_heads.narrow(0, 0, decodes),
+                decode_queries = queries_in_place ? queries : q_heads.narrow(0, 0, decodes);
+  std::vector<std::unique_ptr<PrefillAttention>> prompt_attention(chunks.size());
+  std::vector<torch::Tensor> prompt_out(chunks.size());
+  for (size_t c = 0; c < chunks.size(); ++c) prompt_out[c] = attn_heads.narrow(0, chunks.start(c), chunks.length(c));
+  int64_t decode_tasks = 0;  // the attention's tasks: the decodes', then each chunk's
   torch::Tensor res = residual ? *residual : torch::Tensor(), x = hidden;
   std::unique_ptr<DecodeAttention> attention;
   PanelActivations rounded;  // the next product's input, rounded to int8
@@ -174,14 +182,36 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
             write_kv_quantized(keys, values, w[2], w[3], w[4], w[5], slots);
           else
             write_kv(keys, values, w[2], w[3], slots);
-          if (!queries_in_place) q_heads.copy_(queries);
-          attention = std::make_unique<DecodeAttention>(queries_in_place ? queries : q_heads, w[2], w[3], block_tables,
-                                                        context_lens, scale, 0, 0.0, attn_heads, present(w[4]),
-                                                        present(w[5]), c10::nullopt, n);
+          attention.reset();
+          if (decodes) {
+            if (!queries_in_place) decode_queries.copy_(queries.narrow(0, 0, decodes));
+            attention = std::make_unique<DecodeAttention>(decode_queries, w[2], w[3], block_tables, context_lens, scale,
+                                                          0, 0.0, decode_out, present(w[4]), present(w[5]),
+                                                          c10::nullopt, n);
+          }
+          decode_tasks = attention ? attention->tasks() : 0;
+          for (size_t c = 0; c < chunks.size(); ++c)
+            prompt_attention[c] = std::make_unique<PrefillAttention>(
+                queries.narrow(0, chunks.start(c), chunks.length(c)), w[2], w[3], chunks.tables[c], chunks.cached(c),
+                scale, 0, 0.0, prompt_out[c], present(w[4]), present(w[5]), c10::nullopt, c10::nullopt, c10::nullopt);
         });
-      }, [&] { open_tasks(p + 3, failed.load() ? 0 : attention->tasks()); }, &ahead);
-      step.run(p + 3, t, [&](int64_t a, int64_t b) { guard([&] { attention->run_tasks(a, b); }); },
-               [&] { open_tasks(p + 4, failed.load() ? 0 : attention->merges()); }, &ahead);
+      }, [&] {
+        int64_t tasks = decode_tasks;
+        for (const auto& a : prompt_attention) tasks += a ? a->tasks() : 0;
+        open_tasks(p + 3, failed.load() ? 0 : tasks);
+      }, &ahead);
+      step.run(p + 3, t, [&](int64_t a, int64_t b) {
+        guard([&] {  // tasks [a, b) of the decodes' and then the chunks' in turn
+          int64_t first = 0;
+          auto share = [&](int64_t count, auto&& run) {
+            const int64_t lo = std::max(a, first), hi = std::min(b, first + count);
+            if (lo < hi) run(lo - first, hi - first);
+            first += count;
+          };
+          share(decode_tasks, [&](int64_t x, int64_t y) { attention->run_tasks(x, y); });
+          for (auto& c : prompt_attention) share(c->tasks(), [&](int64_t x, int64_t y) { c->run_tasks(x, y); });
+        });
+      }, [&] { open_tasks(p + 4, failed.load() || !attention ? 0 : attention->merges()); }, &ahead);
       step.run(p + 4, t, [&](int64_t a, int64_t b) { guard([&] { attention->run_merges(a, b); }); },
                [&] {
                  guard([&] { round_input(attn, l[1]); });
@@ -255,22 +285,34 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
   for (size_t i = 0; i < layers; ++i) one_region_ = one_region_ && plain_[4 * i + 2].w.size(0) % 16 == 0;  // 8 | I
 }
 
-// hidden: [T, hidden] (every token a decode); residual: the stream so far (absent before the first layer).
-// `lora_segments`: empty, or the step's (seg_starts, seg_slots, seg_scales) (tokenmill/kernels/lora.py),
-// which run the adapters. Returns {hidden, residual} after the last layer (the final norm is the caller's).
+// hidden: [T, hidden], its decodes first, then (chunk_spans, chunk_tables: decode_step::Chunks) the prompt
+// chunks of a mixed step, which only the one parallel region runs; residual: the stream so far (absent
+// before the first layer). `lora_segments`: empty, or the step's (seg_starts, seg_slots, seg_scales)
+// (tokenmill/kernels/lora.py), which run the adapters. Returns {hidden, residual} after the last layer (the
+// final norm is the caller's).
 std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                            const torch::Tensor& positions, const torch::Tensor& slots,
                                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                            const torch::Tensor& cos_sin,
-                                           const std::vector<torch::Tensor>& lora_segments) const {
+                                           const std::vector<torch::Tensor>& lora_segments,
+                                           std::vector<int64_t> chunk_spans,
+                                           std::vector<torch::Tensor> chunk_tables) const {
   TORCH_CHECK(lora_segments.empty() || lora_segments.size() == 3, "DecodeStep: 3 LoRA segment tensors, or none");
   const bool adapters = !lora_.empty() && !lora_segments.empty();
   const torch::Tensor* segments = adapters ? lora_segments.data() : nullptr;
   const std::vector<decode_step::Linear>& linears = adapters ? adapted_ : plain_;
   const int64_t T = hidden.size(0), H = H_, KVH = KVH_, D = D_;
+  const decode_step::Chunks chunks{std::move(chunk_spans), std::move(chunk_tables)};
+  TORCH_CHECK(chunks.spans.size() == 3 * chunks.size(), "DecodeStep: (start, end, cached) for each chunk's table");
+  TORCH_CHECK(chunks.tokens() <= T, "DecodeStep: more chunk tokens than the step's");
+  for (size_t c = 0; c < chunks.size(); ++c)
+    TORCH_CHECK(chunks.length(c) > 0 && chunks.cached(c) >= 0 &&
+                    chunks.start(c) == (c ? chunks.start(c - 1) + chunks.length(c - 1) : T - chunks.tokens()),
+                "DecodeStep: chunks follow the decodes and each other to the step's end");
   if (one_region_ && !adapters)
     return decode_step::layers_in_one_region(hidden, residual, positions, slots, block_tables, context_lens, cos_sin,
-                                             linears, tensors_, H, KVH, D, eps_, scale_);
+                                             linears, tensors_, H, KVH, D, eps_, scale_, chunks);
+  TORCH_CHECK(!chunks.size(), "DecodeStep: prompt chunks run only with every product on int8 panels, no adapter");
   torch::Tensor res = residual ? *residual : torch::Tensor();
   for (size_t i = 0; i < linears.size() / 4; ++i) {
     const torch::Tensor* t = tensors_.data() + kTensors * i;

@@ -18,6 +18,22 @@ struct Linear {
   const torch::Tensor* lora;
 };
 
+// A mixed step's prompt chunks, after its decodes: chunk c's tokens [start, end) of the step, the first at
+// position `cached` of its sequence (spans: start, end, cached a chunk), and its block table.
+struct Chunks {
+  std::vector<int64_t> spans;
+  std::vector<torch::Tensor> tables;
+  size_t size() const { return tables.size(); }
+  int64_t start(size_t c) const { return spans[3 * c]; }
+  int64_t length(size_t c) const { return spans[3 * c + 1] - spans[3 * c]; }
+  int64_t cached(size_t c) const { return spans[3 * c + 2]; }
+  int64_t tokens() const {
+    int64_t n = 0;
+    for (size_t c = 0; c < size(); ++c) n += length(c);
+    return n;
+  }
+};
+
 }  // namespace decode_step
 
 // The layers' weights, KV caches and shapes, held from the model's load (or the KV cache's binding) on: a
@@ -33,7 +49,10 @@ class DecodeStep {
   std::vector<torch::Tensor> run(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                  const torch::Tensor& positions, const torch::Tensor& slots,
                                  const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                                 const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& lora_segments) const;
+                                 const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& lora_segments,
+                                 std::vector<int64_t> chunk_spans, std::vector<torch::Tensor> chunk_tables) const;
+  // whether mixed steps (prompt chunks after the decodes) can run: every product on panels, no adapter
+  bool runs_chunks() const { return one_region_ && lora_.empty(); }
 
  private:
   std::vector<torch::Tensor> tensors_, lora_;

@@ -290,24 +290,30 @@ struct PrefillTasks {
   }
 };
 
+// The chunk's tasks over a cache of element T, for PrefillAttention.
 template <typename T>
-void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                 const torch::Tensor& block_table, int64_t start, double scale, int64_t window, double cap,
-                 torch::Tensor& out, const Extras& extras) {
-  const PrefillTasks<Lanes, T> work(q, k_cache, v_cache, block_table, start, scale, window, cap, out, extras);
-  // each thread takes the next task until none is left (tasks differ in cost: a fixed split would not balance)
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(work.tasks(), at::get_num_threads()), 1, [&](int64_t, int64_t) {
+struct PrefillWork : PrefillAttention::Work {
+  const PrefillTasks<Lanes, T> work;
+  PrefillWork(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+              const torch::Tensor& block_table, int64_t start, double scale, int64_t window, double cap,
+              torch::Tensor& out, const Extras& extras)
+      : work(q, k_cache, v_cache, block_table, start, scale, window, cap, out, extras) {
+    tasks = work.tasks();
+  }
+  void run_tasks(int64_t begin, int64_t end) override {
     Scratch scratch(work.R, work.D, work.DVp);
-    for (int64_t task; (task = next.fetch_add(1)) < work.tasks();) work.run(task, scratch);
-  });
-}
+    for (int64_t task = begin; task < end; ++task) work.run(task, scratch);
+  }
+};
 
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                             int64_t start, double scale, int64_t window, double soft_cap_value, torch::Tensor out,
-                             c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales,
-                             c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> k_new,
-                             c10::optional<torch::Tensor> v_new) {
+PrefillAttention::PrefillAttention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                   const torch::Tensor& block_table, int64_t start, double scale, int64_t window,
+                                   double soft_cap_value, torch::Tensor& out,
+                                   const c10::optional<torch::Tensor>& k_scales,
+                                   const c10::optional<torch::Tensor>& v_scales,
+                                   const c10::optional<torch::Tensor>& sinks,
+                                   const c10::optional<torch::Tensor>& k_new,
+                                   const c10::optional<torch::Tensor>& v_new) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1, "q: [n, H, D] float32");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "out: contiguous float32");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.size(3) == q.size(2),
@@ -341,23 +347,43 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
     extras.k_new_row = k_new->stride(0), extras.k_new_head = k_new->stride(1);
     extras.v_new_row = v_new->stride(0), extras.v_new_head = v_new->stride(1);
   }
-  if (q.size(0) == 0) return;
-  auto run = [&](auto element) {
-    run_prefill<decltype(element)>(q, k_cache, v_cache, block_table, start, scale, window, soft_cap_value, out, extras);
+  auto make = [&](auto element) -> std::unique_ptr<Work> {
+    return std::make_unique<PrefillWork<decltype(element)>>(q, k_cache, v_cache, block_table, start, scale, window,
+                                                             soft_cap_value, out, extras);
   };
   switch (k_cache.scalar_type()) {
     case at::kHalf:
-      return run(c10::Half());
+      work_ = make(c10::Half());
+      break;
     case at::kBFloat16:
-      return run(c10::BFloat16());
+      work_ = make(c10::BFloat16());
+      break;
     case at::kChar:
-      return run(int8_t());
+      work_ = make(int8_t());
+      break;
     case at::ScalarType::Float8_e4m3fn:
-      return run(c10::Float8_e4m3fn());
+      work_ = make(c10::Float8_e4m3fn());
+      break;
     case at::ScalarType::Float8_e5m2:
-      return run(c10::Float8_e5m2());
+      work_ = make(c10::Float8_e5m2());
+      break;
     default:
       TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "paged_prefill_attention: unsupported cache dtype");
-      return run(float());
+      work_ = make(float());
   }
+}
+
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                             int64_t start, double scale, int64_t window, double soft_cap_value, torch::Tensor out,
+                             c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales,
+                             c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> k_new,
+                             c10::optional<torch::Tensor> v_new) {
+  PrefillAttention attention(q, k_cache, v_cache, block_table, start, scale, window, soft_cap_value, out, k_scales,
+                             v_scales, sinks, k_new, v_new);
+  // each thread takes the next task until none is left (tasks differ in cost: a fixed split would not balance)
+  const int64_t tasks = attention.tasks();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t task; (task = next.fetch_add(1)) < tasks;) attention.run_tasks(task, task + 1);
+  });
 }

@@ -1,6 +1,8 @@
 // Paged attention of a prompt chunk on CPU: its queries over the sequence's cache blocks, causal.
 #pragma once
 
+#include <memory>
+
 #include "prelude.h"
 
 // q: [n, H, D] float32 (last dim contiguous), the chunk's queries, its first at position `start`; k_cache:
@@ -19,3 +21,24 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
                              c10::optional<torch::Tensor> sinks = c10::nullopt,
                              c10::optional<torch::Tensor> k_new = c10::nullopt,
                              c10::optional<torch::Tensor> v_new = c10::nullopt);
+
+// paged_prefill_attention's work (its arguments checked alike) as tasks that callers with threads of their own
+// run (the compiled step's phases): run_tasks(begin, end), any split over any threads, gives the same bits.
+class PrefillAttention {
+ public:
+  struct Work {  // the kernel for one cache element type (prefill_attention.cpp)
+    virtual ~Work() = default;
+    virtual void run_tasks(int64_t begin, int64_t end) = 0;
+    int64_t tasks = 0;
+  };
+  PrefillAttention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& block_table, int64_t start, double scale, int64_t window,
+                   double soft_cap_value, torch::Tensor& out, const c10::optional<torch::Tensor>& k_scales,
+                   const c10::optional<torch::Tensor>& v_scales, const c10::optional<torch::Tensor>& sinks,
+                   const c10::optional<torch::Tensor>& k_new, const c10::optional<torch::Tensor>& v_new);
+  int64_t tasks() const { return work_->tasks; }
+  void run_tasks(int64_t begin, int64_t end) { work_->run_tasks(begin, end); }
+
+ private:
+  std::unique_ptr<Work> work_;
+};

@@ -167,6 +167,78 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
     assert layers.model.model.compiled_decode[1] is None
 
 
+def mixed_step_hidden(runner, batch: list[list[int]], cached: list[int], before=lambda: None) -> torch.Tensor:
+    """Sequence i's first cached[i] tokens prefilled on its own, then (after calling `before`) one step of
+    every sequence's other tokens together (those with one left first: the step's decodes, then the
+    prompt chunks): the step's final hidden states."""
+    bs, pools = runner.kv_cache_config.block_size, len(runner.kv_cache_config.pool_blocks)
+    tables, start = [], 0
+    for ids in batch:
+        n = -(-len(ids) // bs)
+        tables.append([list(range(start, start + n))] * pools)
+        start += n
+    order = sorted(range(len(batch)), key=lambda i: len(batch[i]) - cached[i] > 1)
+    with torch.inference_mode():
+        for i in order:
+            if cached[i]:
+                runner.forward(np.array(batch[i][: cached[i]]), np.array([cached[i]]), np.array([0]), [tables[i]])
+        before()
+        hidden, _ = runner.forward(
+            np.array([t for i in order for t in batch[i][cached[i] :]]),
+            np.array([len(batch[i]) - cached[i] for i in order]),
+            np.array([cached[i] for i in order]),
+            [tables[i] for i in order],
+        )
+    return hidden
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "float16", "int8"])
+def test_compiled_step_runs_prompt_chunks_beside_the_decodes(tmp_path, monkeypatch, cache_dtype):
+    """A mixed step (decodes, then prompt chunks: one after cached tokens, one a prompt's start, one of
+    3 tokens) runs in the compiled step's one parallel region, the chunks' attention as the backend's
+    prefill kernel computes it: the layer-by-layer forward's bits, at one, two and three threads. A
+    quantized cache's first chunk (which attends its own K/V as computed) and a short chunk after cached
+    tokens (per-token decodes) leave the step to the layers."""
+    from tokenmill.kernels import decode_step
+
+    if decode_step.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    hf = make_tiny_model("qwen2-bias", tmp_path)
+    types = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q5_0"}
+    write_tiny_gguf(hf, tmp_path / "m.gguf", {**types, "ffn_up": "Q5_0", "ffn_down": "Q4_1", "token_embd": "Q8_0"})
+    path = str(tmp_path / "m.gguf")
+    rng = random.Random(7)
+    batch = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (40, 17, 90, 40, 3, 30)]
+    layouts = {
+        "after cached": [39, 16, 30, 21, 2, 29],  # decodes; chunks of 60 and 19 tokens after cached ones
+        "first chunks": [39, 16, 30, 0, 0, 29],  # and two prompts' first chunks (40 and 3 tokens)
+        "short chunk": [39, 16, 30, 30, 2, 29],  # a 10-token chunk after cached tokens
+    }
+    calls = []  # the compiled steps run (the real ones)
+    run = decode_step.CompiledDecode.__call__
+    monkeypatch.setattr(
+        decode_step.CompiledDecode, "__call__", lambda self, *a, **k: calls.append(1) or run(self, *a, **k)
+    )
+    compiled = make_runner(load_model(path, quantization="gguf-q8", dtype="float32"), cache_dtype=cache_dtype)
+    threads = torch.get_num_threads()
+    fast = {}
+    try:
+        for name, cached in layouts.items():
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                hidden = mixed_step_hidden(compiled, batch, cached, calls.clear)
+                fast.setdefault(name, hidden)
+                assert torch.equal(hidden, fast[name])
+                compiled_step = name == "after cached" or (name == "first chunks" and cache_dtype != "int8")
+                assert len(calls) == compiled_step, (name, n)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(decode_step.CompiledDecode, "build", classmethod(lambda cls, parts: None))
+    layers = make_runner(load_model(path, quantization="gguf-q8", dtype="float32"), cache_dtype=cache_dtype)
+    for name, cached in layouts.items():
+        assert torch.equal(fast[name], mixed_step_hidden(layers, batch, cached)), name
+
+
 @pytest.mark.parametrize("name", ["mistral-window", "qwen3", "mixtral", "gemma3", "phi3-window-partial"])
 def test_compiled_decode_step_leaves_layers_it_lacks_to_the_model(tmp_path, name):
     """Sliding windows, q/k norms, experts, Gemma's layers, partial rotary: the model's own forward."""

@@ -58,6 +58,16 @@ class CpuPagedBackend(TorchSDPABackend):
         )
         return super().build_metadata(rows, sliding_window)
 
+    @staticmethod
+    def runs_prefill_kernel(p, quantized: bool) -> bool:
+        """Whether `_prefill` runs chunk p with the prefill kernel over the cache alone (not as per-token
+        decodes, not with its own K/V beside a quantized cache): what the compiled step runs in its place."""
+        return (
+            p.block_table is not None
+            and not (p.cached and p.end - p.start <= SHORT_CHUNK)
+            and not (quantized and not p.cached)
+        )
+
     def _prefill(self, q, k, v, k_cache, v_cache, p, meta, scale, soft_cap=None, kv_scales=None, sinks=None):
         """A short chunk after cached tokens (a speculative verify step, a small prompt chunk): each new
         token is a decode of its own over the same blocks, with its own context length; any other chunk:

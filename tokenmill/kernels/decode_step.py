@@ -85,6 +85,7 @@ class CompiledDecode:
     ) -> None:
         first = parts[0]
         self.kv_cache = first.attn.kv_cache  # the first layer's cache when this was built
+        self.kv_scales, self.backend = first.attn.kv_scales, first.attn.backend
         self.kv_group, self.rotary = first.attn.kv_group, first.rotary
         self.tensors, self.ints, self.max_tokens = tensors, ints, max_tokens
         self.lora = lora  # per linear layer (a, b, shard_offsets) of its LoRAWeights; empty without LoRA
@@ -147,29 +148,38 @@ class CompiledDecode:
         return cls(parts, tensors, ints, min(limits) if limits else None, lora)
 
     def applies(self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, meta) -> bool:
-        """Whether this step (all decodes, few enough tokens for every kernel) can run compiled."""
-        return (
+        """Whether this step can run compiled: its decodes, and the prompt chunks after them where the step
+        runs in one parallel region (every product on panels, no adapter) and the backend would run each
+        chunk with its prefill kernel alone; few enough tokens for every kernel."""
+        if not (
             kv_cache is self.kv_cache
             and hidden.dtype == torch.float32
             and hidden.device.type == "cpu"
-            and getattr(meta, "num_decodes", None) == hidden.shape[0]  # the CPU backends' metadata
-            and not meta.prefills
+            and hasattr(meta, "num_decodes")  # the CPU backends' metadata
             and (self.max_tokens is None or hidden.shape[0] <= self.max_tokens)
-        )
+        ):
+            return False
+        if not meta.prefills:
+            return meta.num_decodes == hidden.shape[0]
+        quantized = self.kv_scales is not None
+        return self.step.runs_chunks and all(self.backend.runs_prefill_kernel(p, quantized) for p in meta.prefills)
 
     def __call__(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta, lora=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`lora`: the step's `LoRABatch` when some of its tokens run an adapter."""
         segments = [] if lora is None else [lora.segments.starts, lora.segments.slots, lora.segments.scales]
+        decodes = meta.num_decodes > 0
         hidden, residual = self.step.run(
             hidden,
             residual,
             positions,
             meta.slot_mapping,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
+            meta.decode_block_tables if decodes else _NONE,
+            meta.decode_context_lens if decodes else _NONE,
             self.rotary.table(hidden),
             segments,
+            [v for p in meta.prefills for v in (p.start, p.end, p.cached)],
+            [p.block_table for p in meta.prefills],
         )
         return hidden, residual
