@@ -1,4 +1,4 @@
-"""The decode step of a stack of plain pre-norm decoder layers in one C++ call, on CPU float32.
+"""The decode (and mixed) step of a stack of plain pre-norm decoder layers in one C++ call, on CPU float32.
 
 A decode step of a small model is thousands of tiny kernel calls: SmolLM2-135M runs 30 layers of
 about ten each per token, and from Python every call costs more in module dispatch, argument
@@ -20,9 +20,14 @@ bit for bit the torch path's quantizer, and read by the same decode kernel).
 
 When every linear layer runs int8 activations on panels and no adapter (GGUF models, the small ones
 whose tokens are short), the layers run inside one OpenMP parallel region instead of one per kernel:
-about 150 fork/joins a token fewer for SmolLM2. The products are split over the threads by panels,
-the attention by its span tasks, barriers between the ops; each output element is still computed by
-the same code on the same inputs, so the bits do not change.
+about 150 fork/joins a token fewer for SmolLM2. Each layer is nine phases (csrc/step_phases.h): the
+products split by panels, the attention by its tasks, the small ops one unit each; a thread takes its
+share a piece at a time and then what a late partner has not started, so a thread preempted on a busy
+host holds up no op. Each output element is still computed by the same code on the same inputs, so the
+bits do not change. That region also runs mixed steps: the prompt chunks after the decodes, where the
+backend would run each with its prefill kernel alone (`CpuPagedBackend.runs_prefill_kernel`), their
+attention as that kernel's tasks (`PrefillAttention`), so a step that prefills beside its decodes has
+no Python between its layers either.
 
 The C++ step (`DecodeStep`) is built once with the layers' weights and KV caches, as `Linear` records:
 a step passes only its own tensors (about 1,100 weight arguments a token fewer to convert for SmolLM2).
