@@ -82,26 +82,35 @@ def test_torch_fallback_matches_transformers(tmp_path, monkeypatch, name):
         assert_greedy_of(hf, ids, ours[str(i)], 32)
 
 
-def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
-    """Each prompt but its last token prefilled on its own, then one decode step of every last token
-    together: that step's final hidden states."""
+def mixed_step_hidden(runner, batch: list[list[int]], cached: list[int], before=lambda: None) -> torch.Tensor:
+    """Sequence i's first cached[i] tokens prefilled on its own, then (after calling `before`) one step of
+    every sequence's other tokens together (those with one left first: the step's decodes, then the
+    prompt chunks): the step's final hidden states."""
     bs, pools = runner.kv_cache_config.block_size, len(runner.kv_cache_config.pool_blocks)
     tables, start = [], 0
     for ids in batch:
         n = -(-len(ids) // bs)
         tables.append([list(range(start, start + n))] * pools)
         start += n
+    order = sorted(range(len(batch)), key=lambda i: len(batch[i]) - cached[i] > 1)
     with torch.inference_mode():
-        for ids, table in zip(batch, tables):
-            if len(ids) > 1:
-                runner.forward(np.array(ids[:-1]), np.array([len(ids) - 1]), np.array([0]), [table])
+        for i in order:
+            if cached[i]:
+                runner.forward(np.array(batch[i][: cached[i]]), np.array([cached[i]]), np.array([0]), [tables[i]])
+        before()
         hidden, _ = runner.forward(
-            np.array([ids[-1] for ids in batch]),
-            np.ones(len(batch), dtype=np.int64),
-            np.array([len(ids) - 1 for ids in batch]),
-            tables,
+            np.array([t for i in order for t in batch[i][cached[i] :]]),
+            np.array([len(batch[i]) - cached[i] for i in order]),
+            np.array([cached[i] for i in order]),
+            [tables[i] for i in order],
         )
     return hidden
+
+
+def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
+    """Each prompt but its last token prefilled on its own, then one decode step of every last token
+    together: that step's final hidden states."""
+    return mixed_step_hidden(runner, batch, [len(ids) - 1 for ids in batch])
 
 
 @pytest.mark.parametrize(
@@ -165,31 +174,6 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
     layers = make_runner(load_model(path, quantization=quantization, dtype="float32"), cache_dtype=cache_dtype)
     assert torch.equal(fast, decode_step_hidden(layers, batch))
     assert layers.model.model.compiled_decode[1] is None
-
-
-def mixed_step_hidden(runner, batch: list[list[int]], cached: list[int], before=lambda: None) -> torch.Tensor:
-    """Sequence i's first cached[i] tokens prefilled on its own, then (after calling `before`) one step of
-    every sequence's other tokens together (those with one left first: the step's decodes, then the
-    prompt chunks): the step's final hidden states."""
-    bs, pools = runner.kv_cache_config.block_size, len(runner.kv_cache_config.pool_blocks)
-    tables, start = [], 0
-    for ids in batch:
-        n = -(-len(ids) // bs)
-        tables.append([list(range(start, start + n))] * pools)
-        start += n
-    order = sorted(range(len(batch)), key=lambda i: len(batch[i]) - cached[i] > 1)
-    with torch.inference_mode():
-        for i in order:
-            if cached[i]:
-                runner.forward(np.array(batch[i][: cached[i]]), np.array([cached[i]]), np.array([0]), [tables[i]])
-        before()
-        hidden, _ = runner.forward(
-            np.array([t for i in order for t in batch[i][cached[i] :]]),
-            np.array([len(batch[i]) - cached[i] for i in order]),
-            np.array([cached[i] for i in order]),
-            [tables[i] for i in order],
-        )
-    return hidden
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "float16", "int8"])
