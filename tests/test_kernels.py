@@ -264,6 +264,11 @@ def test_the_prebuilt_variant_for_this_cpu_is_loaded():
     if variant is None or fused_ops.load() is None:
         pytest.skip("no prebuilt variant for this CPU, or the kernels are off")
     assert fused_ops.load().__name__ == f"tokenmill.kernels.{variant.module}", "prebuilt modules missing: make"
+    # so too in a process that asks for the kernels before it has imported torch itself (the module links
+    # to torch's libraries: imported first, the prebuilt module had failed to load and been built again)
+    code = "from tokenmill.kernels import cpu_kernels; print(cpu_kernels().__name__)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    assert loaded.stdout.split()[-1] == f"tokenmill.kernels.{variant.module}", loaded.stderr
 
 
 def test_two_builds_of_the_kernels_load_in_one_process():

@@ -61,6 +61,8 @@ def _load():
 
 def _prebuilt(variant: variants.Variant):
     """(the variant's installed module, "") or (None, why it cannot be used)."""
+    import torch  # noqa: F401  (the module links to torch's libraries: loaded first, or its import fails)
+
     try:
         module = importlib.import_module(f"{__name__}.{variant.module}")
     except ImportError as e:
