@@ -23,6 +23,27 @@ inline __m256 hsum8(const __m256 a[8]) {
 #define TM_ATTN_SIMD 1
 #endif
 
+// f(element), element a value of the cache's element type, for each type the attention kernels read;
+// `what` (the caller) names any other in its error.
+template <typename F>
+auto with_cache_element(at::ScalarType type, const char* what, F&& f) {
+  switch (type) {
+    case at::kHalf:
+      return f(c10::Half());
+    case at::kBFloat16:
+      return f(c10::BFloat16());
+    case at::kChar:
+      return f(int8_t());
+    case at::ScalarType::Float8_e4m3fn:
+      return f(c10::Float8_e4m3fn());
+    case at::ScalarType::Float8_e5m2:
+      return f(c10::Float8_e5m2());
+    default:
+      TORCH_CHECK(type == at::kFloat, what, ": unsupported cache dtype");
+      return f(float());
+  }
+}
+
 // Cache elements: float32, or float16 / bfloat16 / int8 / fp8 read as float32 (int8 and fp8 before their scale).
 inline float to_f32(float x) { return x; }
 inline float to_f32(c10::Half x) { return static_cast<float>(x); }

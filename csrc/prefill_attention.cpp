@@ -351,26 +351,7 @@ PrefillAttention::PrefillAttention(const torch::Tensor& q, const torch::Tensor& 
     return std::make_unique<PrefillWork<decltype(element)>>(q, k_cache, v_cache, block_table, start, scale, window,
                                                              soft_cap_value, out, extras);
   };
-  switch (k_cache.scalar_type()) {
-    case at::kHalf:
-      work_ = make(c10::Half());
-      break;
-    case at::kBFloat16:
-      work_ = make(c10::BFloat16());
-      break;
-    case at::kChar:
-      work_ = make(int8_t());
-      break;
-    case at::ScalarType::Float8_e4m3fn:
-      work_ = make(c10::Float8_e4m3fn());
-      break;
-    case at::ScalarType::Float8_e5m2:
-      work_ = make(c10::Float8_e5m2());
-      break;
-    default:
-      TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "paged_prefill_attention: unsupported cache dtype");
-      work_ = make(float());
-  }
+  work_ = with_cache_element(k_cache.scalar_type(), "paged_prefill_attention", make);
 }
 
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
