@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TM_DEF(block_quant_dequantize);
   TM_DEF(block_quant_repack_panels);
   TM_DEF(block_quant_matmul_q8_panels);
+  TM_DEF(block_quant_int8_peak);
   TM_DEF(add_rms_norm);
   TM_DEF(rotary_inplace);
   TM_DEF(silu_and_mul);

@@ -4,7 +4,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -1103,7 +1105,10 @@ void matmul_q8_impl(const torch::Tensor& x, const Blocks& w, torch::Tensor& out)
 //          a block: 5 bits a weight, where a byte a code read 8; a one-row step reads all of it a token);
 //          8 bits: uint8 [P, nb, 8, 8, 4], byte (j, r, t) = value 4j + t of row r (signed);
 //   scales float32 [P, nb, 2, 8]: the rows' block scales, then their offsets with the codes' center
-//          folded in (Blocks::expand's fold), so that 4-5-bit codes stay unsigned for vpdpbusd; float16
+//          folded in (Blocks::expand's fold), so that 4-5-bit codes stay unsigned for vpdpbusd; or
+//          [P, nb, 1, 8], the scales alone, where the blocks have no offsets and 4-5-bit codes are
+//          centered on panel_center (Q4_0, Q5_0) or 8-bit ones signed (Q8_0): the tiles take the center
+//          back as an integer, x's block sum times it (PanelActivations::xc), no float op; float16
 //          where every one of them is a float16 value (repack_panels in Python: a sixth fewer bytes a
 //          4-bit weight, for the one-row steps that read all of it per token).
 constexpr int64_t kPanel = 8;  // weight rows a panel
@@ -1111,6 +1116,11 @@ constexpr int64_t kNibbleBytes = 16 * kPanel;  // a block's low nibbles (4 and 5
 constexpr int64_t panel_block_bytes(int bits) {
   return bits == 4 ? kNibbleBytes : bits == 5 ? kNibbleBytes + 4 * kPanel : 32 * kPanel;
 }
+// The center of 4-5-bit codes whose panels have no offsets (Q4_0's and Q5_0's): the tiles take it back
+// as an integer (x's sum times it). 8-bit codes are signed: no center.
+constexpr int32_t panel_center(int64_t bits) { return bits == 8 ? 0 : 1 << (bits - 1); }
+// A block's floats a panel: its rows' scales, then their offsets where the panels have some.
+constexpr int64_t panel_scales_per_block(bool offsets) { return (offsets ? 2 : 1) * kPanel; }
 
 // A panel's codes lie block after block, a thread's panels one after another: the tiles ask for the
 // lines kPrefetchBytes past the block they start, as the row loops do (the expanded copies stay in L1/L2),
@@ -1137,11 +1147,13 @@ struct PanelSums {
 #ifdef TM_VNNI
   static constexpr int kChains = 2;
   static constexpr bool kBiased8 = true;  // 8 bits: codes + 128 against x, less 128 x's sum (xc) per block
+  static constexpr bool kRepayInChain = true;  // a center's repayment: a chain's first value
   static __m256i add(__m256i acc, __m256i u, __m256i s) { return dpbusd(acc, u, s); }
   static __m256i total(const __m256i* sums) { return _mm256_add_epi32(sums[0], sums[1]); }
 #else
   static constexpr int kChains = BITS == 5 ? 2 : 1;
   static constexpr bool kBiased8 = false;  // maddubs' int16 pair sums would not hold (code + 128) x
+  static constexpr bool kRepayInChain = false;  // nor a center's repayment: taken from the int32 total
   static __m256i add(__m256i acc, __m256i u, __m256i s) {
     const __m256i pairs = _mm256_maddubs_epi16(u, s);
     return BITS == 8 ? _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
@@ -1200,17 +1212,21 @@ inline int panel_code(const uint8_t* block, int64_t c, int64_t v) {
 // RM activation rows (K apart, natural order; dx, xs: their scales and block sums, nb apart) against
 // one panel: out[r * ldo + c] for its first `cols` rows c. 5 bits, not PACKED: the codes a byte each
 // (expand_panels5), as 8-bit panels hold theirs.
-template <int BITS, int RM, bool PACKED, typename S>
+template <int BITS, int RM, bool PACKED, bool OFFSETS, typename S>
 inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const int32_t* xc, int64_t K,
                        const uint8_t* codes, const S* scales, float* out, int64_t ldo, int64_t cols) {
   const int64_t nb = K / 32, bytes = PACKED ? panel_block_bytes(BITS) : panel_block_bytes(8);
   constexpr bool kNibbles = BITS == 4 || (BITS == 5 && PACKED);
+  constexpr int64_t per_block = panel_scales_per_block(OFFSETS);
   alignas(32) float total[RM][kPanel];
 #ifdef TM_SIMD
   using Sums = PanelSums<BITS>;
   constexpr int kChains = Sums::kChains;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   constexpr bool kBiased = BITS == 8 && Sums::kBiased8;
+  // the codes' center taken back as x's sum times it (xc): 8 bits' + 128 (vpdpbusd), centered 4-5 bits'
+  // (where vpdpbusd adds it, from the start of a chain; maddubs' int16 sums take it once widened)
+  constexpr bool repay = BITS == 8 ? kBiased : !OFFSETS;
   __m256 acc[RM], off[RM];
   for (int r = 0; r < RM; ++r) acc[r] = off[r] = _mm256_setzero_ps();
   // the offsets' terms as their own sums: a block whose offsets are all zero (Q8_0's) adds +0 to each
@@ -1218,17 +1234,18 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const
   // loop of them alone ran latency-bound), more once the integer sums' registers are free: the same bits.
   constexpr bool kOffsetsInLoop = RM <= 2;
   auto add_offsets = [&](int64_t b) {
-    const __m256 o = scale_vec(scales + b * 2 * kPanel + kPanel);
+    if (!OFFSETS) return;
+    const __m256 o = scale_vec(scales + b * per_block + kPanel);
     if (_mm256_movemask_ps(_mm256_cmp_ps(o, _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0) return;
     for (int r = 0; r < RM; ++r) off[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[r * nb + b]), off[r]);
   };
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = codes + b * bytes;
-    if (PACKED) prefetch_panel_ahead(c, bytes), prefetch_panel_ahead(scales + b * 2 * kPanel, 1);
-    __m256i sums[RM][kChains];  // 8 bits, vpdpbusd: from less 128 x's sum (xc), repaying the codes' + 128
+    if (PACKED) prefetch_panel_ahead(c, bytes), prefetch_panel_ahead(scales + b * per_block, 1);
+    __m256i sums[RM][kChains];  // vpdpbusd, repaying: from less the center times x's sum (xc)
     for (int r = 0; r < RM; ++r)
       for (int h = 0; h < kChains; ++h)
-        sums[r][h] = kBiased && h == 0 ? _mm256_set1_epi32(-xc[r * nb + b]) : _mm256_setzero_si256();
+        sums[r][h] = Sums::kRepayInChain && repay && h == 0 ? _mm256_set1_epi32(-xc[r * nb + b]) : _mm256_setzero_si256();
     // weight vector w (values 4j.. of the eight rows) against each row's broadcast x[4j..4j+3], on chain h
     // 8 bits: w + 128 (vpdpbusd), or |w| times x of w's sign (maddubs)
     auto dot = [&](__m256i w, int j, int h) {
@@ -1256,10 +1273,12 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const
         dot(load(j + 1), j + 1, kChains - 1);
       }
     }
-    const __m256 s = scale_vec(scales + b * 2 * kPanel);
-    for (int r = 0; r < RM; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Sums::total(sums[r])),
-                               _mm256_mul_ps(s, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+    const __m256 s = scale_vec(scales + b * per_block);
+    for (int r = 0; r < RM; ++r) {
+      __m256i t = Sums::total(sums[r]);
+      if (!Sums::kRepayInChain && repay) t = _mm256_sub_epi32(t, _mm256_set1_epi32(xc[r * nb + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+    }
     if (kOffsetsInLoop) add_offsets(b);
   }
   if (!kOffsetsInLoop)
@@ -1272,9 +1291,10 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot = 0;
         for (int64_t v = 0; v < 32; ++v) dot += panel_code<BITS>(codes + b * bytes, c, v) * xq[r * K + b * 32 + v];
-        const S* sc = scales + b * 2 * kPanel;
+        if (BITS != 8 && !OFFSETS) dot -= xc[r * nb + b];  // centered codes
+        const S* sc = scales + b * per_block;
         sum += static_cast<float>(dot) * (to_float(sc[c]) * dx[r * nb + b]);
-        off += to_float(sc[kPanel + c]) * xs[r * nb + b];
+        if (OFFSETS) off += to_float(sc[kPanel + c]) * xs[r * nb + b];
       }
       total[r][c] = sum + off;
     }
@@ -1282,13 +1302,13 @@ inline void panel_tile(const int8_t* xq, const float* dx, const float* xs, const
   for (int r = 0; r < RM; ++r) std::memcpy(out + r * ldo, total[r], cols * sizeof(float));
 }
 
-template <int BITS, bool PACKED, int RM = kPanelRows, typename S>
+template <int BITS, bool PACKED, bool OFFSETS, int RM = kPanelRows, typename S>
 inline void panel_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, const int32_t* xc,
                             int64_t K, const uint8_t* codes, const S* scales, float* out, int64_t ldo, int64_t cols) {
   if constexpr (RM > 1)
     if (rows < RM)
-      return panel_tile_rows<BITS, PACKED, RM - 1>(rows, xq, dx, xs, xc, K, codes, scales, out, ldo, cols);
-  panel_tile<BITS, RM, PACKED>(xq, dx, xs, xc, K, codes, scales, out, ldo, cols);
+      return panel_tile_rows<BITS, PACKED, OFFSETS, RM - 1>(rows, xq, dx, xs, xc, K, codes, scales, out, ldo, cols);
+  panel_tile<BITS, RM, PACKED, OFFSETS>(xq, dx, xs, xc, K, codes, scales, out, ldo, cols);
 }
 
 #if defined(TM_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
@@ -1326,13 +1346,15 @@ inline __m512 scale_pair(const c10::Half* a, const c10::Half* b) {
 }
 
 // RM activation rows against panels p (codes, scales) and p + 1 (`next_codes`, `next_scales` further):
-// out[r * ldo + c] for the pair's first `cols` rows c (9..16); PACKED as panel_tile's.
-template <int BITS, int RM, bool PACKED, typename S>
+// out[r * ldo + c] for the pair's first `cols` rows c (9..16); PACKED, OFFSETS as panel_tile's.
+template <int BITS, int RM, bool PACKED, bool OFFSETS, typename S>
 inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, const int32_t* xc, int64_t K,
-                            const uint8_t* codes, int64_t next_codes, const S* scales, int64_t next_scales, float* out,
-                            int64_t ldo, int64_t cols) {
+                            const uint8_t* codes, int64_t next_codes, const S* scales, int64_t next_scales,
+                            float* out, int64_t ldo, int64_t cols) {
   const int64_t nb = K / 32, bytes = PACKED ? panel_block_bytes(BITS) : panel_block_bytes(8);
   constexpr bool kNibbles = BITS == 4 || (BITS == 5 && PACKED);
+  constexpr int64_t per_block = panel_scales_per_block(OFFSETS);
+  constexpr bool repay = BITS == 8 || !OFFSETS;  // as panel_tile's
   constexpr int kChains = RM >= kOneChainRows ? 1 : 2;  // a row's independent integer sums
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[RM];
@@ -1344,12 +1366,12 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
       // reads its two panels side by side, so the bytes after panel p are p + 1's, already on their way)
       const int64_t ahead = (b * bytes + kPrefetchBytes < nb * bytes ? 0 : next_codes);
       prefetch_panel_ahead(c + ahead, bytes), prefetch_panel_ahead(c + next_codes + ahead, bytes);
-      prefetch_panel_ahead(scales + b * 2 * kPanel, 1), prefetch_panel_ahead(scales + b * 2 * kPanel + next_scales, 1);
+      prefetch_panel_ahead(scales + b * per_block, 1), prefetch_panel_ahead(scales + b * per_block + next_scales, 1);
     }
-    __m512i sums[RM][kChains];  // 8 bits: from less 128 x's sum (xc), repaying the codes' + 128
+    __m512i sums[RM][kChains];  // repaying: from less the codes' center times x's sum (xc)
     for (int r = 0; r < RM; ++r)
       for (int h = 0; h < kChains; ++h)
-        sums[r][h] = BITS == 8 && h == 0 ? _mm512_set1_epi32(-xc[r * nb + b]) : _mm512_setzero_si512();
+        sums[r][h] = repay && h == 0 ? _mm512_set1_epi32(-xc[r * nb + b]) : _mm512_setzero_si512();
     // weight vector w (values 4j.. of the sixteen rows) against each row's broadcast x[4j..4j+3], on chain h
     auto dot = [&](__m512i w, int j, int h) {
       const __m512i u = BITS == 8 ? _mm512_xor_si512(w, _mm512_set1_epi8(-128)) : w;  // 8 bits: w + 128
@@ -1373,7 +1395,7 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
         dot(load(j + 1), j + 1, 1);
       }
     }
-    const S* sb = scales + b * 2 * kPanel;
+    const S* sb = scales + b * per_block;
     const __m512 s = scale_pair(sb, sb + next_scales);
     for (int r = 0; r < RM; ++r) {
       const __m512i total = kChains == 2 ? _mm512_add_epi32(sums[r][0], sums[r][kChains - 1]) : sums[r][0];
@@ -1383,8 +1405,8 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
   // the offsets' terms as panel_tile's
   __m512 off[RM];
   for (int r = 0; r < RM; ++r) off[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const S* ob = scales + b * 2 * kPanel + kPanel;
+  for (int64_t b = 0; b < (OFFSETS ? nb : 0); ++b) {
+    const S* ob = scales + b * per_block + kPanel;
     const __m512 o = scale_pair(ob, ob + next_scales);
     if (_mm512_cmp_ps_mask(o, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0) continue;
     for (int r = 0; r < RM; ++r) off[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[r * nb + b]), off[r]);
@@ -1393,15 +1415,16 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
   for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_add_ps(acc[r], off[r]));
 }
 
-template <int BITS, bool PACKED, int RM = kPanelRows, typename S>
+template <int BITS, bool PACKED, bool OFFSETS, int RM = kPanelRows, typename S>
 inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, const int32_t* xc,
                                  int64_t K, const uint8_t* codes, int64_t next_codes, const S* scales,
                                  int64_t next_scales, float* out, int64_t ldo, int64_t cols) {
   if constexpr (RM > kPairMinRows)
     if (rows < RM)
-      return panel_pair_tile_rows<BITS, PACKED, RM - 1>(rows, xq, dx, xs, xc, K, codes, next_codes, scales,
-                                                        next_scales, out, ldo, cols);
-  panel_pair_tile<BITS, RM, PACKED>(xq, dx, xs, xc, K, codes, next_codes, scales, next_scales, out, ldo, cols);
+      return panel_pair_tile_rows<BITS, PACKED, OFFSETS, RM - 1>(rows, xq, dx, xs, xc, K, codes, next_codes, scales,
+                                                                 next_scales, out, ldo, cols);
+  panel_pair_tile<BITS, RM, PACKED, OFFSETS>(xq, dx, xs, xc, K, codes, next_codes, scales, next_scales, out, ldo,
+                                             cols);
 }
 #endif
 
@@ -1458,6 +1481,9 @@ void matmul_q8_panels_impl(const PanelActivations& a, const torch::Tensor& codes
   const int64_t M = a.M, K = a.K, nb = K / 32, N = out.size(1), P = codes.size(0);
   TORCH_CHECK(out.size(0) == M && codes.size(1) == nb && codes.size(2) == bytes && P == (N + kPanel - 1) / kPanel,
               "panels do not fit x, out");
+  TORCH_CHECK(scales.dim() == 4 && scales.size(1) == nb && (scales.size(2) == 1 || scales.size(2) == 2) &&
+                  scales.size(3) == kPanel && static_cast<int64_t>(a.xc.size()) == M * nb,
+              "panel scales: [P, K / 32, 1 or 2, 8]; activations with their sums");
   const std::vector<int8_t>& xq = a.xq;
   const std::vector<float>&dx = a.dx, &xs = a.xs;
   const std::vector<int32_t>& xc = a.xc;
@@ -1480,32 +1506,40 @@ void matmul_q8_panels_impl(const PanelActivations& a, const torch::Tensor& codes
 #endif
   };
   // rows m0.. against panel p (pair: and p + 1), its codes at `c`, a panel's `stride` bytes apart
-  auto run = [&](auto packed, int64_t m0, int rows, int64_t p, bool pair, const uint8_t* c, int64_t stride) {
-    constexpr bool kPacked = decltype(packed)::value;
+  auto run = [&](auto packed, auto offsets, int64_t m0, int rows, int64_t p, bool pair, const uint8_t* c,
+                 int64_t stride) {
+    constexpr bool kPacked = decltype(packed)::value, kOffsets = decltype(offsets)::value;
+    constexpr int64_t per_block = panel_scales_per_block(kOffsets);
     const int8_t* xr = xq.data() + m0 * K;
 #ifdef TM_PANEL_PAIRS
     if (pair)
-      return panel_pair_tile_rows<BITS, kPacked>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb,
-                                                 xc.data() + (xc.empty() ? 0 : m0 * nb), K, c, stride,
-                                                 sp + p * nb * 2 * kPanel, nb * 2 * kPanel,
-                                                 outp + m0 * N + p * kPanel, N, std::min(2 * kPanel, N - p * kPanel));
+      return panel_pair_tile_rows<BITS, kPacked, kOffsets>(
+          rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, xc.data() + m0 * nb, K, c, stride,
+          sp + p * nb * per_block, nb * per_block, outp + m0 * N + p * kPanel, N, std::min(2 * kPanel, N - p * kPanel));
 #endif
     (void)pair;
-    panel_tile_rows<BITS, kPacked>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb,
-                                   xc.data() + (xc.empty() ? 0 : m0 * nb), K, c,
-                                   sp + p * nb * 2 * kPanel, outp + m0 * N + p * kPanel, N,
-                                   std::min(kPanel, N - p * kPanel));
+    panel_tile_rows<BITS, kPacked, kOffsets>(rows, xr, dx.data() + m0 * nb, xs.data() + m0 * nb, xc.data() + m0 * nb,
+                                             K, c, sp + p * nb * per_block, outp + m0 * N + p * kPanel, N,
+                                             std::min(kPanel, N - p * kPanel));
   };
-  for_each_panel_tile(
-      M, first, last < 0 ? P : last,
-      [&](int64_t m0, int rows, int64_t p, bool pair) {
-        if constexpr (BITS == 5)
-          if (expanded_from >= 0)
-            return run(std::false_type(), m0, rows, p, pair,
-                       expanded.data() + (p - expanded_from) * nb * panel_block_bytes(8), nb * panel_block_bytes(8));
-        run(std::true_type(), m0, rows, p, pair, cp + p * nb * bytes, nb * bytes);
-      },
-      prepare);
+  auto tiles = [&](auto offsets) {
+    for_each_panel_tile(
+        M, first, last < 0 ? P : last,
+        [&](int64_t m0, int rows, int64_t p, bool pair) {
+          if constexpr (BITS == 5)
+            if (expanded_from >= 0)
+              return run(std::false_type(), offsets, m0, rows, p, pair,
+                         expanded.data() + (p - expanded_from) * nb * panel_block_bytes(8),
+                         nb * panel_block_bytes(8));
+          run(std::true_type(), offsets, m0, rows, p, pair, cp + p * nb * bytes, nb * bytes);
+        },
+        prepare);
+  };
+  // a block's scales, and its offsets where there are some (the codes' center otherwise, as integers)
+  if (scales.size(2) == 2)
+    tiles(std::true_type());
+  else
+    tiles(std::false_type());
 }
 
 // --- Q6_K on panels. The codes lie as the 8-bit panels hold theirs (a byte a value: Q6_K's
@@ -1729,7 +1763,10 @@ template <int BITS>
 void repack_panels_impl(const Blocks& w, torch::Tensor& codes, torch::Tensor& scales) {
   const int64_t P = (w.N + kPanel - 1) / kPanel, nb = w.nb, bytes = panel_block_bytes(BITS);
   TORCH_CHECK(w.bs == 32, "panels hold blocks of 32");
-  TORCH_CHECK(codes.numel() == P * nb * bytes && scales.numel() == P * nb * 2 * kPanel, "panels of other sizes");
+  const int64_t parts = scales.size(2);  // 1: scales only (centered codes), 2: and offsets
+  TORCH_CHECK(codes.numel() == P * nb * bytes && scales.numel() == P * nb * parts * kPanel, "panels of other sizes");
+  TORCH_CHECK(parts == 2 || (!w.offsets && !w.offsets8 && !w.offsets32 && w.center == panel_center(BITS)),
+              "panels without offsets hold codes of the panels' center and no offsets");
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* sp = scales.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
@@ -1737,11 +1774,11 @@ void repack_panels_impl(const Blocks& w, torch::Tensor& codes, torch::Tensor& sc
     for (int64_t p = begin; p < end; ++p)
       for (int64_t r = 0; r < kPanel && p * kPanel + r < w.N; ++r) {
         const int64_t n = p * kPanel + r;
-        const bool offsets = w.expand(n, true, nullptr, nullptr, s.data(), o.data(), nullptr);
+        const bool offsets = w.expand(n, parts == 2, nullptr, nullptr, s.data(), o.data(), nullptr);
         for (int64_t b = 0; b < nb; ++b) {
-          float* sb = sp + (p * nb + b) * 2 * kPanel;
+          float* sb = sp + (p * nb + b) * parts * kPanel;
           sb[r] = s[b];
-          sb[kPanel + r] = offsets ? o[b] : 0.f;
+          if (parts == 2) sb[kPanel + r] = offsets ? o[b] : 0.f;
         }
         repack_row_codes<BITS>(w, n, r, cp + p * nb * bytes);
       }
@@ -1863,14 +1900,14 @@ void quantize_panel_activations(const torch::Tensor& x, int64_t bits, int64_t sp
   a.xq.resize(M * K);
   a.dx.resize(M * nb);
   a.xs.resize(M * sums);
-  std::vector<int16_t> xsum(q6 || bits == 8 ? M * sums : 0);
+  std::vector<int16_t> xsum(M * sums);
   if (q6)
     quantize_rows<16>(x.data_ptr<float>(), M, K, kSuper, a.xq.data(), a.dx.data(), a.xs.data(), xsum.data());
   else
-    quantize_rows<32>(x.data_ptr<float>(), M, K, span, a.xq.data(), a.dx.data(), a.xs.data(),
-                      xsum.empty() ? nullptr : xsum.data());
-  // the sums the tiles repay: 8 bits, 128 x's sum per block (their codes + 128); Q6_K, its center's
-  const int32_t repaid = q6 ? kQ6Center : 128;
+    quantize_rows<32>(x.data_ptr<float>(), M, K, span, a.xq.data(), a.dx.data(), a.xs.data(), xsum.data());
+  // the sums the tiles repay: x's sum per block times the codes' center: 8 bits, 128 (their codes + 128);
+  // 4-5 bits, 8 or 16 (Q4_0's and Q5_0's: panels without offsets); Q6_K, its center
+  const int32_t repaid = q6 ? kQ6Center : bits == 8 ? 128 : panel_center(bits);
   a.xc.resize(xsum.size());
   for (size_t i = 0; i < xsum.size(); ++i) a.xc[i] = repaid * xsum[i];
 }
@@ -1910,4 +1947,73 @@ void block_quant_matmul_q8_panels_range(const PanelActivations& a, const torch::
     run(c10::Half());
   else
     run(float());
+}
+
+// --- This machine's int8 peak: kPeakChains independent sums on the instruction the tiles multiply with
+// (vpdpbusd on 512- or 256-bit vectors, else AVX2's maddubs), so that `tokenmill plan` sets prefill and
+// batches against the hardware's rate rather than a kernel's. Each of the torch threads runs `iterations`
+// passes at once; returns the multiply-adds of all of them.
+namespace {
+constexpr int kPeakChains = 12;  // more than any of these instructions' latency x throughput
+
+template <typename V, typename Step>
+int32_t peak_chains(int64_t iterations, V ones, const Step& step) {
+  V acc[kPeakChains];  // each from its own start: equal sums would be computed once
+  for (int c = 0; c < kPeakChains; ++c) {
+    int32_t start[sizeof(V) / 4];
+    std::fill(start, start + sizeof(V) / 4, c);
+    std::memcpy(static_cast<void*>(&acc[c]), start, sizeof(V));
+  }
+  for (int64_t i = 0; i < iterations; ++i) {
+    for (auto& a : acc) a = step(a, ones);
+#if defined(__AVX512F__)
+    asm volatile("" : "+v"(ones));  // opaque: the passes may not be folded into fewer
+#else
+    asm volatile("" : "+x"(ones));
+#endif
+  }
+  int32_t sum = 0, lanes[sizeof(V) / 4];
+  for (const auto& a : acc) {
+    std::memcpy(lanes, &a, sizeof(V));
+    for (int32_t lane : lanes) sum += lane;
+  }
+  return sum;
+}
+
+// one thread's passes: (multiply-adds, a checksum)
+std::pair<int64_t, int32_t> peak_passes(int64_t iterations) {
+  const int64_t steps = iterations * kPeakChains;
+#if defined(TM_PANEL_PAIRS)
+  auto step = [](__m512i a, __m512i b) { return _mm512_dpbusd_epi32(a, b, b); };
+  return {steps * 64, peak_chains(iterations, _mm512_set1_epi8(1), step)};
+#elif defined(TM_VNNI)
+  auto step = [](__m256i a, __m256i b) { return dpbusd(a, b, b); };
+  return {steps * 32, peak_chains(iterations, _mm256_set1_epi8(1), step)};
+#elif defined(TM_SIMD)
+  auto step = [](__m256i a, __m256i b) { return _mm256_add_epi16(a, _mm256_maddubs_epi16(b, b)); };
+  return {steps * 32, peak_chains(iterations, _mm256_set1_epi8(1), step)};
+#else
+  int32_t acc[kPeakChains] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, one = 1;
+  for (int64_t i = 0; i < iterations; ++i) {
+    for (auto& a : acc) a += one * one;
+    asm volatile("" : "+r"(one));
+  }
+  return {steps, std::accumulate(acc, acc + kPeakChains, 0)};
+#endif
+}
+}  // namespace
+
+int64_t block_quant_int8_peak(int64_t iterations) {
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> macs{0};
+  std::atomic<int32_t> checksum{0};
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [done, sum] = peak_passes(iterations);
+      macs += done;
+      checksum += sum;
+    }
+  });
+  TORCH_CHECK(checksum.load() != 1, "unreachable");  // reads the sums: they are computed
+  return macs.load();
 }

@@ -11,7 +11,7 @@
 struct PanelActivations {
   std::vector<int8_t> xq;              // [M, K] codes
   std::vector<float> dx, xs;           // per row: the scale of each 32 values; the rounded values' sums
-  std::vector<int32_t> xc;             // 8 bits and Q6_K: the integer sums the codes' offset repays
+  std::vector<int32_t> xc;             // per block, x's integer sum times the codes' center (the tiles repay it)
   int64_t M = 0, K = 0, bits = 0;      // the panels' bits these were rounded for
 };
 
@@ -31,5 +31,6 @@ void block_quant_repack_panels(torch::Tensor codes, c10::optional<torch::Tensor>
 void block_quant_matmul_q8_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits,
                                   int64_t span, torch::Tensor out);
 void quantize_panel_activations(const torch::Tensor& x, int64_t bits, int64_t span, PanelActivations& a);
+int64_t block_quant_int8_peak(int64_t iterations);
 void block_quant_matmul_q8_panels_range(const PanelActivations& a, const torch::Tensor& codes,
                                         const torch::Tensor& scales, torch::Tensor& out, int64_t first, int64_t last);

@@ -146,9 +146,12 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
     }
 #pragma omp barrier
     StepPhases& step = *phases;
-    // a product's phase over its panels (gate_up: over its gate's panels, each with the up panel G on)
+    // a product's phase over its panels (gate_up: over its gate's panels, each with the up panel G on), taken
+    // a sixteenth of a share at a time (whole chunks): a thread done with its share takes pieces that short
+    // off its partner's back, so the phase ends with one waiting at most that long (a quarter of a share: a
+    // serving A/B 7 % slower, the threads' waits at a product's end 4-5 % of the core's time)
     auto open_product = [&](int64_t p, int64_t panels) {
-      const int64_t share = panels / n, piece = std::max(kChunk, (share / 4 + kChunk - 1) / kChunk * kChunk);
+      const int64_t share = panels / n, piece = std::max(kChunk, (share / 16 + kChunk - 1) / kChunk * kChunk);
       step.open(p, panels, piece, kChunk);
     };
     auto open_tasks = [&](int64_t p, int64_t tasks) { step.open(p, tasks, std::max<int64_t>(1, tasks / (4 * n))); };

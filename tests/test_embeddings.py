@@ -96,3 +96,23 @@ def test_convention_and_matryoshka(tmp_path):
     vector = [3.0, 4.0, 12.0]
     assert _normalize(vector, 2) == [0.6, 0.8]
     assert _normalize(vector, None) == pytest.approx([3 / 13, 4 / 13, 12 / 13])
+
+
+def test_mean_pooling_gives_the_same_bits_however_the_steps_cut_the_prompt():
+    """The same prompt embedded alone or beside other requests is cut into other chunks (the step budget,
+    --long-prefill-share): its mean must not change by a bit."""
+    from tokenmill.worker.request_state import MeanPool
+
+    rows = torch.randn(53, 24) * torch.logspace(-3, 3, 24)  # magnitudes that make sum orders differ
+
+    def pooled(cuts: list[int]) -> torch.Tensor:
+        pool, start = MeanPool(), 0
+        for end in [*cuts, len(rows)]:
+            pool.add(rows[start:end], restart=start == 0)
+            start = end
+        return pool.mean(len(rows))
+
+    whole = pooled([])
+    for cuts in ([5, 16, 17, 30], list(range(1, 53)), [32], [8, 40, 52]):
+        assert torch.equal(pooled(cuts), whole), cuts
+    torch.testing.assert_close(whole, rows.double().mean(0).float(), rtol=1e-5, atol=1e-5)

@@ -128,6 +128,47 @@ def test_bad_adapters_are_refused(tiny, tmp_path):
         LoRAConfig({"a": "1", "b": "2"}, max_loras=1)
 
 
+def test_hostile_adapter_files_are_refused_naming_the_path(tiny, tmp_path):
+    """What a client can put at lora_path: each a LoRAError (the server's 400 naming lora_path), none an
+    error of another kind (a 500), and the engine serves on."""
+    from safetensors.torch import load_file, save_file
+
+    root, _ = tiny
+    core = lora_core(root)
+    config = json.loads((root / "a" / "adapter_config.json").read_text())
+    weights = (root / "a" / "adapter_model.safetensors").read_bytes()
+
+    def adapter(config_text: str, weight_bytes: bytes = weights) -> str:
+        d = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "adapter_config.json").write_text(config_text)
+        (d / "adapter_model.safetensors").write_bytes(weight_bytes)
+        return str(d)
+
+    nan = load_file(str(root / "a" / "adapter_model.safetensors"))
+    first = sorted(nan)[0]
+    nan[first] = nan[first].clone().fill_(float("nan"))
+    save_file(nan, str(tmp_path / "nan.safetensors"))
+    cases = [
+        (str(tmp_path / ("x" * 300)), "cannot read"),  # a name too long for the file system
+        (adapter("[1, 2]"), "JSON object"),
+        (adapter("null"), "JSON object"),
+        (adapter(json.dumps(dict(config, lora_alpha="16"))), "lora_alpha"),
+        (adapter(json.dumps(dict(config, lora_alpha=None))), "lora_alpha"),
+        (adapter('{"r": 8, "lora_alpha": NaN}'), "lora_alpha"),
+        (adapter(json.dumps(config), b"not safetensors at all"), "cannot read"),
+        (adapter(json.dumps(config), (tmp_path / "nan.safetensors").read_bytes()), "NaN"),
+        (adapter(" " * (2 << 20)), "over"),
+    ]
+    for path, words in cases:
+        with pytest.raises(LoRAError, match=words) as e:
+            core.load_lora("x", path)
+        assert e.value.param == "lora_path", (path, e.value)
+    assert core.loras == {}
+    core.load_lora("x", str(root / "a"))  # and a good one still loads
+    assert "x" in core.loras
+
+
 def test_delta_on_a_quantized_base_layer(tiny):
     """The adapter's delta is added to what the int8 weight format computes: exactly PEFT's term."""
     root, _ = tiny

@@ -9,12 +9,13 @@ from helpers import TINY_BASE, TINY_MODELS
 
 from tokenmill.config import CacheConfig
 from tokenmill.entrypoints.cli import main
+from tokenmill.kernels import block_quant
 from tokenmill.layers.attention import Attention
 from tokenmill.loader import build_model
 from tokenmill.models.registry import config_from_hf_dict
 from tokenmill.plan import roofline as rl
 from tokenmill.plan.fit import max_model_len_that_fits
-from tokenmill.plan.hardware import Hardware, cache_path
+from tokenmill.plan.hardware import MEASURED_BY, Hardware, cache_path, this_machine
 from tokenmill.plan.model_facts import facts_from_config
 from tokenmill.quantization.unquantized import UnquantizedConfig
 
@@ -153,3 +154,32 @@ def test_max_model_len_auto_is_what_the_engine_pool_holds():
     assert max_model_len_that_fits(mistral, cache, 4096) == 4096  # every layer windowed
     with pytest.raises(ValueError, match="smaller than one KV block"):
         max_model_len_that_fits(llama, CacheConfig(kv_cache_memory_gib=per_block / 2 / 2**30), 4096)
+
+
+def test_the_int8_peak_counts_every_threads_multiply_adds():
+    if block_quant.load() is None:
+        pytest.skip("no compiled kernels")
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = block_quant.int8_peak(1000)
+        assert one > 0 and block_quant.int8_peak(3000) == 3 * one
+        torch.set_num_threads(2)
+        assert block_quant.int8_peak(1000) == 2 * one
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_record_measured_the_old_way_is_measured_again(tmp_path, monkeypatch):
+    """A cached record of this machine from before bandwidth on huge pages and the int8 peak (its rates
+    one kernel's) is replaced; a record written by hand (another name) is kept as it is."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache_path().parent.mkdir(parents=True)
+    old = dict(name="this machine", kind="cpu", memory_bytes=8e9, bandwidth=1.0, flops={"int8": 1.0}, source="old")
+    cache_path().write_text(json.dumps(old))
+    fresh = this_machine()
+    assert MEASURED_BY in fresh.source and fresh.bandwidth > 1e6
+    assert fresh.flops["float32"] > 1e6 and fresh.flops.get("int8", 2.0) > 1.0
+    assert json.loads(cache_path().read_text())["source"] == fresh.source  # cached for the next call
+    cache_path().write_text(json.dumps({**old, "name": "my box"}))
+    assert this_machine().bandwidth == 1.0

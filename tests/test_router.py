@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import json
 import os
 import signal
 import subprocess
@@ -181,14 +180,13 @@ def test_make_policy_checks_its_options():
 
 
 def test_routing_text_of_completions_and_chat():
-    assert routing_text("/v1/completions", b'{"prompt": "Hello"}') == "Hello"
-    assert routing_text("/v1/completions", b'{"prompt": [1, 2, 3]}') == "1 2 3 "
-    assert routing_text("/v1/completions", b'{"prompt": ["a", "b"]}') == "a\x1eb"
-    assert routing_text("/v1/completions", b"not json") is None
-    assert routing_text("/v1/completions", b'{"prompt": {}}') is None
-    short = json.dumps({"messages": CHAT[:1]}).encode()
-    longer = json.dumps({"messages": CHAT + [{"role": "assistant", "content": [{"type": "text", "text": "Red"}]}]})
-    a, b = routing_text("/v1/chat/completions", short), routing_text("/v1/chat/completions", longer.encode())
+    assert routing_text("/v1/completions", {"prompt": "Hello"}) == "Hello"
+    assert routing_text("/v1/completions", {"prompt": [1, 2, 3]}) == "1 2 3 "
+    assert routing_text("/v1/completions", {"prompt": ["a", "b"]}) == "a\x1eb"
+    assert routing_text("/v1/completions", {"prompt": {}}) is None
+    short = {"messages": CHAT[:1]}
+    longer = {"messages": CHAT + [{"role": "assistant", "content": [{"type": "text", "text": "Red"}]}]}
+    a, b = routing_text("/v1/chat/completions", short), routing_text("/v1/chat/completions", longer)
     assert a == "system:You are terse.\x1e" and b.startswith(a) and b.endswith("assistant:Red\x1e")
 
 

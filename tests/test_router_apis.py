@@ -6,7 +6,6 @@ key checked (Bearer and x-api-key), each API's own error shape (the router's own
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -61,11 +60,11 @@ def test_routing_text_and_pinning_of_the_new_apis():
     """Responses and Messages route on their system text and conversation, as chat does; embeddings and
     token counts by load; a previous_response_id names its replica when it is one of the list."""
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
-    chat = routing_text("/v1/chat/completions", json.dumps({"messages": messages}).encode())
-    assert routing_text("/v1/responses", b'{"instructions": "S", "input": "Hi"}') == chat
-    blocks = b'{"system": [{"type": "text", "text": "S"}], "messages": [{"role": "user", "content": "Hi"}]}'
+    chat = routing_text("/v1/chat/completions", {"messages": messages})
+    assert routing_text("/v1/responses", {"instructions": "S", "input": "Hi"}) == chat
+    blocks = {"system": [{"type": "text", "text": "S"}], "messages": [{"role": "user", "content": "Hi"}]}
     assert routing_text("/v1/messages", blocks) == chat == "system:S\x1euser:Hi\x1e"
-    assert routing_text("/v1/embeddings", b'{"input": "Hi"}') is None
+    assert routing_text("/v1/embeddings", {"input": "Hi"}) is None
     assert routing_text("/v1/messages/count_tokens", blocks) is None
     assert pinned_replica("/v1/responses", {"previous_response_id": "resp_r1_ab"}, 2) == 1
     for path, body in (

@@ -50,6 +50,8 @@ def test_valid_edge_values():
         ("temperature", True),
         ("temperature", float("nan")),
         ("temperature", float("inf")),
+        ("temperature", 1e39),  # inf as a float32: a masked token's -inf / inf is NaN
+        ("temperature", 1e308),
         ("top_p", 0),
         ("top_p", 1.1),
         ("top_p", -0.5),
@@ -68,6 +70,9 @@ def test_valid_edge_values():
         ("repetition_penalty", 0),
         ("repetition_penalty", -1),
         ("repetition_penalty", None),
+        ("repetition_penalty", 1e-300),  # a logit / ~0: inf
+        ("repetition_penalty", 1e-37),
+        ("repetition_penalty", 1e38),  # a negative logit x 1e38: -inf, on every token a prompt holds
         ("seed", 1.5),
         ("seed", "42"),
         ("seed", True),
@@ -103,7 +108,7 @@ def test_invalid_field_raises_naming_field(field, value):
 
 
 def test_messages():
-    with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1$"):
+    with pytest.raises(ValueError, match=r"^temperature must be in \[0, 3e\+38\] \(a float32\), got -1$"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got 0$"):
         SamplingParams(top_p=0)

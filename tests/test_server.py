@@ -380,7 +380,7 @@ ERROR_CASES = [
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": -5}, 400, "max_tokens", "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "temperature": "hot"}, 400, "temperature", "number"),
-    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "temperature": -1}, 400, "temperature", ">= 0"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "temperature": -1}, 400, "temperature", "must be in [0, "),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "top_p": 0}, 400, "top_p", "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 0}, 400, "n", "n must"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream": "yes"}, 400, "stream", "boolean"),

@@ -59,7 +59,7 @@ def test_embeddings_match_transformers(setup, tokenizer):
         (dict(input=TEXTS, dimensions=16), "dimensions"),
         (dict(input=[]), "input"),
         (dict(input=[[1, 2], []]), "input"),
-        (dict(input=[len(tokenizer.hf) + 5]), "prompt"),
+        (dict(input=[len(tokenizer.hf) + 5]), "input"),
         (dict(input="x", encoding_format="int8"), "encoding_format"),
     ):
         with pytest.raises(openai.BadRequestError) as e:

@@ -163,3 +163,30 @@ def test_sigterm_aborts_in_flight_and_stops_core(server):
     log = server.log()
     assert "received SIGTERM" in log and "server stopped" in log
     assert "Traceback" not in log, log
+
+
+def test_the_template_timeout_counts_from_when_the_work_starts():
+    """A request's prompt work that waits for the pool behind other requests' (here: work holding both of
+    its threads for twice the timeout) is not refused for that wait; its own time still counts."""
+    import asyncio
+
+    from tokenmill.http_front import APIError
+    from tokenmill.server.limits import RequestLimits
+    from tokenmill.server.serving import ServingContext
+
+    ctx = ServingContext(None, None, [], 64, 64, 100, limits=RequestLimits(template_timeout=0.5))
+    release = threading.Event()
+
+    async def scenario():
+        busy = [asyncio.ensure_future(ctx.off_loop("prompt", release.wait, 30)) for _ in range(2)]
+        quick = asyncio.ensure_future(ctx.off_loop("prompt", lambda: "done"))  # third in the pool's queue
+        await asyncio.sleep(1.0)  # twice the timeout
+        release.set()
+        assert await quick == "done"
+        for outcome in await asyncio.gather(*busy, return_exceptions=True):  # they ran past it themselves
+            assert isinstance(outcome, APIError) and "longer than 0.5 s" in outcome.message, outcome
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()

@@ -100,7 +100,13 @@ def test_chat_template_kwargs_are_limited_to_documented_switches(kwargs, param):
             "max_completion_tokens",
             "max_completion_tokens can be 0 only",
         ),
-        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages[0].content", "content"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+            "messages[0].content[0].type",
+            "text only",
+        ),
+        (b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', "messages[0].content[0].text", "required"),
+        (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content", "must be a string or a list"),
         (
             b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}',
             "top_logprobs",
@@ -392,3 +398,44 @@ def test_the_start_up_log_says_whose_kv_bytes_it_counts():
     assert scope(decode_context_parallel_size=2, prefill_context_parallel_size=2) == " per rank, 2 ranks"
     assert scope(pipeline_parallel_size=2) == " over 2 pipeline stages"
     assert scope(tensor_parallel_size=2, pipeline_parallel_size=3) == " per tensor-parallel rank over 3 pipeline stages"
+
+
+@pytest.mark.parametrize("name", ["", "a\nb", "x" * 257, "tab\there"])
+def test_lora_names_that_requests_could_not_give_are_refused(name):
+    from tokenmill.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+    for model, extra in ((LoadLoRAAdapterRequest, {"lora_path": "/x"}), (UnloadLoRAAdapterRequest, {})):
+        e = parse_error(model, json.dumps({"lora_name": name, **extra}).encode())
+        assert e.status == 400 and e.param == "lora_name", e.to_dict()
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [({"prompt_logprobs": 1}, "prompt_logprobs"), ({"echo": True, "logprobs": 1}, "echo")],
+)
+def test_prompt_logprobs_cannot_come_with_a_kv_transfer(extra, param):
+    """The disaggregation proxy sends kv_transfer_params: the decode server takes the prompt's KV and never
+    computes its logits, so the prompt's logprobs came back as nulls (or a 500 with echo)."""
+    body = {"prompt": "Hi", "kv_transfer_params": {"transfer_id": "t1"}, **extra}
+    req = parse_body(CompletionRequest, json.dumps(body).encode())
+    with pytest.raises(APIError) as e:
+        req.sampling_params()
+    assert e.value.status == 400 and e.value.param == param and "kv_transfer_params" in e.value.message
+
+
+def test_responses_and_messages_take_priority_as_chat_does():
+    from tokenmill.server.protocol_anthropic import MessagesRequest
+    from tokenmill.server.protocol_responses import ResponsesRequest
+
+    responses = parse_body(ResponsesRequest, b'{"input": "Hi", "priority": -3}')
+    assert responses.chat_request(responses.input_messages()).priority == -3
+    messages = parse_body(
+        MessagesRequest, b'{"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "priority": 7}'
+    )
+    assert messages.chat_request(None).priority == 7
+    for model, body in (
+        (ResponsesRequest, b'{"input": "Hi", "priority": 1180591620717411303424}'),
+        (MessagesRequest, b'{"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "priority": "high"}'),
+    ):
+        e = parse_error(model, body)
+        assert e.status == 400 and e.param == "priority", e.to_dict()

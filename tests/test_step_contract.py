@@ -169,3 +169,73 @@ def test_a_failing_step_finishes_only_the_request_at_fault(tmp_path):
     got = run_core(core, [[7, 8, 9]], params)  # later requests are served as usual
     assert len(got["0"]) == 6
     assert core.kv.num_free_blocks == core.kv.num_blocks and not core.requests
+
+
+def _long_prompt_and_then(second: list[int], share: float = 0.5):
+    """A 2,000-token prompt prefilling in steps of 512, and `second` arriving after its first step: the
+    token counts of the next step."""
+    kv = KVCacheCoordinator([KVCacheManager(1024, 4)])
+    config = SchedulerConfig(max_num_batched_tokens=512, max_step_ms=0, long_prefill_share=share)
+    sched = Scheduler(config, kv, max_model_len=4096)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    long = [5 + i % 1000 for i in range(2000)]
+    sched.add(Request(EngineCoreRequest("long", long, params), params, eos_token_ids={2}))
+    step = sched.schedule()
+    assert step.num_scheduled_tokens == {"long": 512}  # alone, it takes the whole budget
+    sched.update_from_output(step, ModelRunnerOutput({}))
+    sched.add(Request(EngineCoreRequest("second", second, params), params, eos_token_ids={2}))
+    return sched.schedule().num_scheduled_tokens
+
+
+def test_a_long_prompt_leaves_room_for_a_request_that_arrives():
+    """A long prompt does not take every step until it is done while another waits: its chunk shrinks to
+    its share of the budget, and the newcomer starts in the next step."""
+    assert _long_prompt_and_then([7, 8, 9]) == {"long": 256, "second": 3}
+    assert _long_prompt_and_then([7, 8, 9], share=1.0) == {"long": 512}  # off: the newcomer waits
+
+
+def test_a_request_waiting_for_the_long_prompts_prefix_does_not_slow_it():
+    """One that will take the long prompt's blocks from the cache when they are done gains nothing from a
+    smaller chunk: the long prompt keeps the whole budget."""
+    same_start = [5 + i % 1000 for i in range(1200)] + [3, 3]
+    assert _long_prompt_and_then(same_start) == {"long": 512}
+
+
+def test_decodes_are_never_starved_by_a_running_prompt():
+    """A short request that started beside a long prompt decodes in every step: the prompt's chunk takes
+    what the decodes leave, whether or not anyone waits."""
+    kv = KVCacheCoordinator([KVCacheManager(1024, 4)])
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_step_ms=0), kv, max_model_len=4096)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    long = [5 + i % 1000 for i in range(3000)]
+    sched.add(Request(EngineCoreRequest("long", long, params), params, eos_token_ids={2}))
+    sched.update_from_output(sched.schedule(), ModelRunnerOutput({}))
+    sched.add(Request(EngineCoreRequest("short", [7, 8, 9], params), params, eos_token_ids={2}))
+    step = sched.schedule()  # it starts beside the prompt's chunk, after the prompt in the running list
+    assert step.num_scheduled_tokens == {"long": 256, "short": 3}
+    sched.update_from_output(step, ModelRunnerOutput({"short": [5]}))
+    for _ in range(3):
+        step = sched.schedule()
+        assert step.num_scheduled_tokens["short"] == 1 and sum(step.num_scheduled_tokens.values()) == 512, step
+        sched.update_from_output(step, ModelRunnerOutput({"short": [5]}))
+
+
+def test_prompts_share_their_room_while_a_newcomer_waits():
+    """Two long prompts running take half the budget between them, not half each: the newcomer starts."""
+    kv = KVCacheCoordinator([KVCacheManager(2048, 4)])
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_step_ms=0), kv, max_model_len=4096)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for name, base in (("a", 5), ("b", 2000)):
+        sched.add(
+            Request(EngineCoreRequest(name, [base + i % 900 for i in range(3000)], params), params, eos_token_ids={2})
+        )
+    step = sched.schedule()
+    assert step.num_scheduled_tokens == {"a": 512}
+    sched.update_from_output(step, ModelRunnerOutput({}))
+    step = sched.schedule()  # "b" waits: "a" takes half, "b" the rest
+    assert step.num_scheduled_tokens == {"a": 256, "b": 256}
+    sched.update_from_output(step, ModelRunnerOutput({}))
+    sched.add(Request(EngineCoreRequest("new", [3, 4, 5], params), params, eos_token_ids={2}))
+    step = sched.schedule()
+    prompts = step.num_scheduled_tokens.get("a", 0) + step.num_scheduled_tokens.get("b", 0)
+    assert step.num_scheduled_tokens["new"] == 3 and prompts == 256, step.num_scheduled_tokens

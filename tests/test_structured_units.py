@@ -4,6 +4,7 @@ the real SmolLM2 tokenizer, bitmask helpers, and the request-field parsing of th
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -417,3 +418,27 @@ def test_bench_json_schema_option(tmp_path):
     args = build_parser().parse_args(["serve", "--model", "m", "--json-schema", str(tmp_path / "missing.json")])
     with pytest.raises(ValueError, match="--json-schema"):
         _endpoint(args)
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ({"type": "string", "not": {"const": "a"}}, "'not' (at '/not')"),
+        (
+            {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"if": {}, "then": {}}]}}},
+            "/properties/a/anyOf/1/if",
+        ),
+        ({"$ref": "http://example.com/schema.json"}, "not a reference within the schema"),
+        ({"type": "array", "items": {"$ref": "file:///etc/passwd"}}, "(at '/items/$ref')"),
+    ],
+)
+def test_schema_keywords_the_output_could_not_obey_are_refused(schema, words):
+    """The grammar compiler drops `not`, `if` / `then` / `else` and references to other documents without a
+    word, so an output would break them: refused, naming the keyword and where it is."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        check_spec(StructuredOutputSpec.json(schema))
+
+
+def test_keyword_names_as_property_names_are_fine():
+    check_spec(StructuredOutputSpec.json({"type": "object", "properties": {"not": {"type": "string"}, "if": {}}}))
+    check_spec(StructuredOutputSpec.json({"$ref": "#/$defs/a", "$defs": {"a": {"type": "integer"}}}))

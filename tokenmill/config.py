@@ -216,8 +216,15 @@ class SchedulerConfig:
     # a step's token budget shrinks below max_num_batched_tokens so that a step takes about this long at
     # the measured per-token time (`engine/step_budget.py`); 0 turns it off
     max_step_ms: float = 1000.0
+    # while another request could start, the prompts being prefilled take at most this share of a step's
+    # token budget together, the rest left to it: else a long prompt takes whole steps until it is done and
+    # holds every newcomer back that long (vLLM's long_prefill_token_threshold, as a share of the budget, which
+    # max_step_ms moves); 1 turns it off
+    long_prefill_share: float = 0.5
 
     def __post_init__(self) -> None:
+        if not isinstance(self.long_prefill_share, (int, float)) or not 0 < self.long_prefill_share <= 1:
+            raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share!r}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         check_positive_ints(self, ("max_num_seqs", "max_num_batched_tokens"))

@@ -263,6 +263,14 @@ class EngineArgs:
         "--max-num-batched-tokens alone decides, as in vLLM; 0 turns it off (default: %(default)s)",
         type=float,
     )
+    long_prefill_share: float = _setting(
+        0.5,
+        "while another request could start, the most of a step's token budget the prompts being "
+        "prefilled may take together, the rest going to the newcomers, so that a long prompt does not hold "
+        "every newcomer back until it is done (as vLLM's --long-prefill-token-threshold, as a share of the "
+        "budget); running decodes are scheduled first either way; 1 turns it off (default: %(default)s)",
+        type=float,
+    )
     enable_prefix_caching: bool = _setting(
         True,
         "reuse the KV blocks of identical prompt prefixes across requests (default: on)",

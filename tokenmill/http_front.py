@@ -48,6 +48,7 @@ _ANTHROPIC_ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
@@ -70,7 +71,18 @@ def invalid_json(message: str) -> APIError:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; 413 as soon as it is known to exceed `limit` bytes (declared or received)."""
+    """The request body; 413 as soon as it is known to exceed `limit` bytes (declared or received); 415 for
+    a body that says it is not JSON (a form, text/plain: what another site's page may send this server
+    without asking the browser first, as the JSON content type may not be)."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(
+            415,
+            f"content-type {media_type[:60]!r} is not JSON: send the body as application/json",
+            "invalid_request_error",
+            None,
+            "unsupported_media_type",
+        )
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise APIError(
@@ -120,13 +132,71 @@ def _deeper_than(value, limit: int) -> bool:
         if depth > limit:
             return True
         children = item.values() if isinstance(item, dict) else item
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        kinds = set(map(type, children))  # (a C loop: a prompt of a million token ids is a list of ints)
+        if dict in kinds or list in kinds:
+            stack.extend((c, depth + 1) for c in children if type(c) in (dict, list))
     return False
+
+
+class _InternalErrors:
+    """ASGI middleware: an error no handler took, logged and answered with a JSON 500 (no stack trace
+    reaches the client). Starlette's own catch-all (`exception_handler(Exception)`) answers, then raises
+    the error on to the server, which drops the connection: the client's next request on it was lost.
+    Here the error ends with the answer; one raised after the answer started (a stream) is raised on,
+    as nothing can be said then."""
+
+    def __init__(self, app, logger: logging.Logger) -> None:
+        self.app, self.logger = app, logger
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:
+            self.logger.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=e)
+            if started:
+                raise
+            body = APIError(500, "internal server error (see the server log)", "internal_server_error").to_dict()
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+class _SameSiteOnly:
+    """ASGI middleware: a request that changes something (not GET / HEAD / OPTIONS) which the browser marks
+    as sent by another site's page (`Sec-Fetch-Site: cross-site`) gets a 403. Such a page may make a browser
+    send a POST the page itself cannot read the answer of (a form, a body without a content type); on a
+    server without --api-key it would still start work there. Clients other than browsers send no such
+    header, and this server's own page is same-origin; no route answers cross-origin requests (no CORS)
+    either, so nothing that worked is lost."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
+            site = next((v for k, v in scope.get("headers", ()) if k == b"sec-fetch-site"), b"")
+            if site.strip().lower() == b"cross-site":
+                message = (
+                    "a request from another site's page is refused: call this server from its own page or a client"
+                )
+                error = APIError(403, message, "permission_error", None, "cross_site_request")
+                anthropic = scope.get("path", "").startswith("/v1/messages")
+                body = anthropic_error(error) if anthropic else error.to_dict()
+                return await JSONResponse(body, status_code=403)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def install_error_handlers(app, logger: logging.Logger) -> None:
     """APIError with its status; Starlette's HTTP errors (404 route, 405 method) reshaped; anything
-    else logged and answered with a JSON 500 (no stack trace reaches the client)."""
+    else logged and answered with a JSON 500, the connection kept (`_InternalErrors`); and a cross-site
+    page's requests refused (`_SameSiteOnly`)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -142,11 +212,8 @@ def install_error_handlers(app, logger: logging.Logger) -> None:
             headers=getattr(e, "headers", None),
         )
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
-        body = APIError(500, "internal server error (see the server log)", "internal_server_error").to_dict()
-        return JSONResponse(body, status_code=500)
+    app.add_middleware(_InternalErrors, logger=logger)
+    app.add_middleware(_SameSiteOnly)
 
 
 # The web page's files: they live with the server (tokenmill/server/ui/) and the router serves the same

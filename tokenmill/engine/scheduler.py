@@ -108,16 +108,25 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.step_budget.tokens
         now = time.monotonic()
+        # the running requests' prompt chunks share at most `room` tokens while another request could start
+        # (its share of the budget, the rest theirs); and decodes go first (one token each, and drafts), so
+        # a prompt's chunk never takes a step from them
+        room = max(1, int(budget * self.config.long_prefill_share)) if self._one_could_start() else budget
         # (request, new tokens, blocks it had per pool, drafted tokens among the new ones)
         scheduled: list[tuple[Request, int, list[int], list[int]]] = []
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if request.request_id in self.in_flight or (self.only is not None and request.request_id not in self.only):
-                i += 1
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget <= 0:
+                break
+            if (
+                request.status != RequestStatus.RUNNING  # preempted for an earlier one of this step
+                or request.request_id in self.in_flight
+                or (self.only is not None and request.request_id not in self.only)
+            ):
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            left = request.num_tokens - request.num_computed_tokens
+            num_new = min(left, budget) if left == 1 else min(left, budget, room)
+            if num_new <= 0:
+                continue
             drafts = request.spec_token_ids[: budget - 1] if num_new == 1 else []
             num_new += len(drafts)
             had = [len(table) for table in self.kv.block_ids(request.request_id)]
@@ -125,18 +134,15 @@ class Scheduler:
                 victim = self.waiting.victim(
                     [r for r in self.running if r.request_id not in self.in_flight] if self.in_flight else self.running
                 )
-                position = self.running.index(victim)
-                del self.running[position]
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
-                if position < i:  # it was scheduled earlier in this step: the loop index shifts
-                    i -= 1
             else:
                 scheduled.append((request, num_new, had, drafts))
                 budget -= num_new
-                i += 1
+                room -= num_new if left > 1 else 0
         # requests scheduled earlier in this step may have been preempted after
         for request, num_new, had, drafts in scheduled:
             if request.status == RequestStatus.RUNNING:
@@ -196,6 +202,14 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out, self.requests)
         return out
+
+    def _one_could_start(self) -> bool:
+        """Whether the next waiting request could start this step: not when it waits for a prefix that a
+        running request is computing (a smaller chunk of that request would only delay it)."""
+        if not len(self.waiting) or self.only is not None or len(self.running) >= self.config.max_num_seqs:
+            return False
+        head = self.waiting.peek()
+        return not self.kv.waits_for_prefix(head, self.kv.get_computed_blocks(head)[1])
 
     def _send(self, out: SchedulerOutput, request: Request) -> None:
         """Describe an admitted request to the runner: whole if new to it (or its state there is stale:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels import cpu_kernels, host_memory
 
 BLOCK = 32
 E2M1_CODES = -4  # `Blocks.bits` of FP4 e2m1 nibbles, decoded through a table (module docstring)
@@ -118,9 +118,12 @@ class Panels:
     [ceil(N / 8), K / 32, PANEL_BLOCK_BYTES[bits]], eight rows' values interleaved per 4 (4 and 5 bits as
     nibbles, 5 bits' fifth bits in a plane after them: a one-row step reads 5 bits a weight, not 8);
     scales float32 [.., K / 32, 2, 8], each block's scales and offsets (the codes' center folded in)
-    of the eight rows, exactly as the blocks hold them; float16 where every one of them is a float16
-    value (the GGUF types whose scales are float16 and whose center folds exactly: Q4_0/1, Q5_0/1, Q8_0):
-    a one-row step reads the whole weight per token, and a 4-bit one is then a sixth smaller. Q6_K
+    of the eight rows, exactly as the blocks hold them, or [.., K / 32, 1, 8], the scales alone, where
+    the blocks have no offsets and the codes are signed or centered on half their range (Q8_0, Q4_0,
+    Q5_0: the kernel takes the center back from the activations' integer sums: fewer bytes a step and
+    no float op a block for it); float16 where every one of them is a float16 value (the GGUF types
+    whose scales are float16: Q4_0/1, Q5_0/1, Q8_0): a one-row step reads the whole weight per token,
+    and a 4-bit one is then a sixth smaller. Q6_K
     (bits 6): scales uint8 [.., K / 256, Q6_K_PANEL_BYTES], the file's own integers (int8 scales per 16
     values, float16 super-block scales) of the eight rows, which the kernel applies to integer sums."""
 
@@ -142,6 +145,12 @@ def is_q6_k(w: Blocks) -> bool:
     )
 
 
+def _centered(w: Blocks) -> bool:
+    """Whether `w`'s panels need no offsets: none stored, and codes signed (8 bits) or centered on half
+    their range (4-5 bits), a center the kernel repays in integers."""
+    return w.offsets is None and w.center == (0 if w.bits == 8 else 1 << (w.bits - 1))
+
+
 def repack_panels(w: Blocks) -> Panels | None:
     """`w` as panels, or None where they do not apply (codes of other bits or blocks of 16 but Q6_K's,
     weights off the CPU, or no compiled kernels here)."""
@@ -150,15 +159,23 @@ def repack_panels(w: Blocks) -> Panels | None:
         return None
     n, k = w.shape
     panels = -(-n // 8)
-    codes = torch.zeros(panels, k // BLOCK, PANEL_BLOCK_BYTES[w.bits], dtype=torch.uint8)
+    # on huge pages: a one-row step streams every panel from memory (host_memory)
+    codes = host_memory.zeros((panels, k // BLOCK, PANEL_BLOCK_BYTES[w.bits]), torch.uint8)
     if w.bits == 6:
-        scales = torch.zeros(panels, k // 256, Q6_K_PANEL_BYTES, dtype=torch.uint8)
+        scales = host_memory.zeros((panels, k // 256, Q6_K_PANEL_BYTES), torch.uint8)
         load().block_quant_repack_panels(*w.args(), codes, scales)
         return Panels(codes, scales, w.bits, n, w.activation_span)
-    scales = torch.zeros(panels, k // BLOCK, 2, 8, dtype=torch.float32)
+    scales = torch.zeros(panels, k // BLOCK, 1 if _centered(w) else 2, 8, dtype=torch.float32)
     load().block_quant_repack_panels(*w.args(), codes, scales)
     half = scales.half()
-    return Panels(codes, half if torch.equal(half.float(), scales) else scales, w.bits, n, w.activation_span)
+    kept = half if torch.equal(half.float(), scales) else scales
+    return Panels(codes, host_memory.copy(kept), w.bits, n, w.activation_span)
+
+
+def int8_peak(iterations: int) -> int:
+    """Every torch thread at once, `iterations` passes of 12 independent sums on the tiles' int8 instruction
+    (vpdpbusd, or AVX2's maddubs): the multiply-adds done, for timing this machine's int8 peak."""
+    return load().block_quant_int8_peak(iterations)
 
 
 def matmul_q8_panels(x: torch.Tensor, w: Panels) -> torch.Tensor:

@@ -22,11 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.asgi import ClientDisconnected, run_until_disconnect
-from tokenmill.http_front import install_error_handlers, parse_json_object, read_body
+from tokenmill.http_front import APIError, install_error_handlers, parse_json_object, read_body
 from tokenmill.router.upstream import (
+    ANTHROPIC_PATHS,
     CLIENT_CLOSED,
     add_generation_routes,
     error_body,
+    error_response,
     relay,
     request_headers,
     response_headers,
@@ -35,7 +37,7 @@ from tokenmill.router.upstream import (
 logger = logging.getLogger("tokenmill.disagg_proxy")
 
 PREFILL, DECODE = 0, 1  # the index the proxy's answers carry in x-tokenmill-replica
-MAX_BODY_BYTES = 64 * 2**20
+MAX_BODY_BYTES = 8 * 2**20  # the server's default --max-body-bytes
 
 
 def prefill_body(data: dict, transfer_id: str) -> dict:
@@ -93,8 +95,11 @@ def build_proxy_app(prefill_url: str, decode_url: str, connect_timeout: float = 
         return await relay(request, upstream, which, lambda: None)
 
     async def generation(request: Request, path: str) -> Response:
-        body = await read_body(request, MAX_BODY_BYTES)
-        data = parse_json_object(body)  # the server's 400 for a body neither server would take, answered here
+        try:  # the server's 413 / 400 for a body neither server would take, answered here, in the API's shape
+            body = await read_body(request, MAX_BODY_BYTES)
+            data = parse_json_object(body)
+        except APIError as e:
+            return error_response(e, path in ANTHROPIC_PATHS)
         if not transferable(data):
             return await forward(request, DECODE, "POST", path, body)
         transfer_id = f"xfer-{uuid.uuid4().hex}"
@@ -123,7 +128,7 @@ def build_proxy_app(prefill_url: str, decode_url: str, connect_timeout: float = 
     async def models(request: Request) -> Response:
         return await forward(request, DECODE, "GET", "/v1/models", b"")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers probe with either)
     async def health() -> Response:
         states = {}
         for which, url in urls.items():

@@ -20,6 +20,7 @@ from tokenmill.attention.kv_quant import SCALE_DTYPE, is_quantized
 from tokenmill.attention.kv_spec import AttentionSpec, KVCacheConfig
 from tokenmill.attention.metadata import CommonAttentionMetadata, build_common_metadata
 from tokenmill.distributed import parallel_state
+from tokenmill.kernels import host_memory
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.forward_context import ForwardContext, set_forward_context
 
@@ -50,7 +51,11 @@ class PagedForward:
         for g, group in enumerate(config.groups):
             names = [n for n in group.layer_names if n in self.attention_layers]  # a pipeline stage's own
             shape = self.backend.kv_cache_shape(config.pool_blocks[group.pool], config.block_size, group.spec)
-            cache = torch.zeros(len(names), *shape, dtype=group.spec.dtype, device=self.device)
+            cache = (  # a CPU cache on huge pages: decode streams each sequence's part (host_memory)
+                host_memory.zeros((len(names), *shape), group.spec.dtype)
+                if self.device.type == "cpu"
+                else torch.zeros(len(names), *shape, dtype=group.spec.dtype, device=self.device)
+            )
             scales = (
                 torch.zeros(len(names), *shape[:-1], dtype=SCALE_DTYPE, device=self.device)
                 if is_quantized(group.spec.dtype)

@@ -47,20 +47,37 @@ class PeftAdapter:
     factors: list[LoRAFactors]
 
 
+_MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+
+
 def read_peft_adapter(path: str, model: nn.Module, max_rank: int) -> PeftAdapter:
     """The adapter at `path`, mapped onto `model`'s layers; LoRAError saying what is unsupported."""
     directory = Path(path)
     config_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
-    if not config_file.is_file() or not weights_file.is_file():
+    try:
+        found = config_file.is_file() and weights_file.is_file()
+        small = found and config_file.stat().st_size <= _MAX_CONFIG_BYTES
+    except OSError as e:  # a name too long, a path that cannot be looked at
+        raise LoRAError(f"cannot read the adapter at {path[:200]}: {e.strerror}") from None
+    if not found:
         raise LoRAError(f"{path} is not a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
+    if not small:  # (read in the engine's loop: a huge file would hold up every request)
+        raise LoRAError(f"{config_file} is over {_MAX_CONFIG_BYTES} bytes: not an adapter's config")
     try:
         config = json.loads(config_file.read_text())
         tensors = load_file(str(weights_file))
-    except (OSError, ValueError) as e:
-        raise LoRAError(f"cannot read the adapter at {path}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - unreadable, not JSON, not safetensors (SafetensorError): the client's file
+        raise LoRAError(f"cannot read the adapter at {path}: {str(e)[:200]}") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"adapter_config.json must hold a JSON object, got {type(config).__name__}")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise LoRAError(f"adapter_config.json: r must be an int >= 1, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoRAError(f"adapter_config.json: lora_alpha must be a finite number, got {str(alpha)[:40]!r}")
+    broken = next((name for name, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()), None)
+    if broken is not None:
+        raise LoRAError(f"the adapter's tensor {broken} holds NaN or infinite values")
     if rank > max_rank:
         raise LoRAError(f"the adapter's rank {rank} is above --max-lora-rank {max_rank}")
     unsupported = [

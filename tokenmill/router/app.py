@@ -53,7 +53,7 @@ class RouterSettings:
     health_interval: float = 1.0  # seconds between health checks of every replica
     health_timeout: float = 5.0  # a /health slower than this fails the check
     connect_timeout: float = 5.0  # connecting to a replica; generation itself has no deadline here
-    max_body_bytes: int = 64 * 2**20  # larger request bodies get 413 without reaching a replica
+    max_body_bytes: int = 8 * 2**20  # larger request bodies get 413 without reaching a replica (as the server's)
     ui: bool = True  # the web page at / and a replica's dashboard numbers at /ui/stats
 
 
@@ -188,7 +188,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
         except APIError as e:
             return error_response(e, path in ANTHROPIC_PATHS)
         pinned = pinned_replica(path, parsed, len(replicas))
-        return await forward(request, "POST", path, body, routing_text(path, body), pinned)
+        return await forward(request, "POST", path, body, routing_text(path, parsed), pinned)
 
     add_generation_routes(app, generation)
 
@@ -216,7 +216,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
     async def models(request: Request) -> Response:
         return await forward(request, "GET", "/v1/models", b"", None)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers probe with either)
     async def health() -> Response:
         healthy = replicas.healthy()
         states = [

@@ -15,14 +15,8 @@ import json
 _SEPARATOR = "\x1e"  # between prompts of a batch and between messages: never inside a chunk of real text
 
 
-def routing_text(path: str, body: bytes) -> str | None:
-    """The routing text of a request body to `path`, or None when it has none (not JSON, no prompt)."""
-    try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(request, dict):
-        return None
+def routing_text(path: str, request: dict) -> str | None:
+    """The routing text of a request (its parsed body) to `path`, or None when it has none."""
     if path.endswith("/chat/completions"):
         return _chat_text(request.get("messages"))
     if path.endswith("/responses"):

@@ -38,11 +38,13 @@ _RESPONSE_SKIP = _HOP_BY_HOP | {"content-length", "date", "server"}
 REPLICA_HEADER = "x-tokenmill-replica"
 
 
-def request_headers(request: Request, replica: int | None = None) -> list[tuple[str, str]]:
+def request_headers(request: Request, replica: int | None = None) -> list[tuple[bytes, bytes]]:
     """The client's headers to send on to the replica (Authorization and x-api-key included), and which
-    replica it is when given (a client's own header of that name is dropped)."""
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_SKIP | {REPLICA_HEADER}]
-    return headers + ([(REPLICA_HEADER, str(replica))] if replica is not None else [])
+    replica it is when given (a client's own header of that name is dropped). As the bytes they came in:
+    a value with a byte past ASCII (which HTTP allows) is passed on as it is, not re-encoded."""
+    skip = _REQUEST_SKIP | {REPLICA_HEADER}
+    headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in skip]
+    return headers + ([(REPLICA_HEADER.encode(), str(replica).encode())] if replica is not None else [])
 
 
 def response_headers(upstream: httpx.Response, replica: int, decoded: bool) -> list[tuple[bytes, bytes]]:

@@ -131,7 +131,7 @@ def build_app(
 
     # ---- routes ----------------------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers probe with either)
     async def health() -> Response:
         if client.shutting_down or client.draining:
             raise APIError(
@@ -258,7 +258,8 @@ def build_app(
             ]
             ids = await chat_prompt_ids(ctx, messages, req.add_generation_prompt)
         else:
-            ids = await ctx.off_loop("prompt", ctx.tokenizer.encode, req.prompt, req.add_special_tokens)
+            ctx.check_prompt_size(req.prompt, "prompt")
+            ids = await ctx.off_loop("prompt", ctx.encode, req.prompt, "prompt", req.add_special_tokens)
         return JSONResponse(
             {
                 "count": len(ids),
@@ -273,8 +274,9 @@ def build_app(
         check_api_key(request)
         req = parse_body(DetokenizeRequest, await read_body(request, settings.max_body_bytes))
         ctx.check_model(req.model)
+        ctx.check_prompt_size(req.tokens, "tokens")
         ctx.check_token_ids(req.tokens, "tokens")
-        return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await ctx.off_loop("tokens", ctx.tokenizer.decode, req.tokens)})
 
     return app
 

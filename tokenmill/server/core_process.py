@@ -61,6 +61,8 @@ def kv_cache_scope(parallel) -> str:
 
 
 def _ready_info(core, load_seconds: float) -> dict:
+    from tokenmill.kernels import host_memory  # torch: the core's process has it loaded
+
     executor = core.executor
     cfg = executor.model_config
     return {
@@ -80,6 +82,7 @@ def _ready_info(core, load_seconds: float) -> dict:
         "load_seconds": load_seconds,
         "pid": os.getpid(),
         "num_threads": _torch_threads(),
+        "huge_pages": host_memory.mode(),  # whether the CPU weights and KV cache could get them
         "headless": cfg.headless,  # an embedding checkpoint: no generation
         "lora_modules": None if core.config.lora is None else dict(core.config.lora.modules),
     }

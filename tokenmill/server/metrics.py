@@ -203,6 +203,7 @@ class ServerMetrics:
             "tensor_parallel_size": config.parallel.tensor_parallel_size,
             "engine_threads": ready.get("num_threads", 0) * config.parallel.world_size,
             "cpu_count": os.cpu_count() or 0,
+            "huge_pages": ready.get("huge_pages", "unknown"),
         }
         self.engine_info.labels(self._model_name).info({k: str(v) for k, v in values.items()})
 

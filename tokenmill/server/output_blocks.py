@@ -108,10 +108,16 @@ class ChatRun:
 
     @classmethod
     async def start(
-        cls, ctx: ServingContext, chat: ChatCompletionRequest, request_id: str, arrival: float, renames
+        cls,
+        ctx: ServingContext,
+        chat: ChatCompletionRequest,
+        request_id: str,
+        arrival: float,
+        renames,
+        request: Request,
     ) -> ChatRun:
         try:
-            stream, plan, ids = await start_chat(ctx, chat, request_id, arrival)
+            stream, plan, ids = await start_chat(ctx, chat, request_id, arrival, request)
         except APIError as e:
             raise renamed(e, renames) from None
         parser = ChatOutputParser(ctx, plan, chat.parallel_tool_calls)

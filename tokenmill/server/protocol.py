@@ -48,6 +48,10 @@ class _Body(BaseModel):
         }
 
 
+# a request's scheduling priority (with --scheduling-policy priority: lower values are scheduled first)
+Priority = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -77,7 +81,7 @@ class _SamplingRequest(_Body):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
+    priority: Priority = 0
     prompt_logprobs: int | None = None  # vLLM: logprobs (top-N) of every prompt token, in the response
     cache_salt: str | None = None  # prefix-cache blocks are only shared between requests with the same salt
     speculative: bool = True  # false: no drafted tokens for this request (when the server speculates)
@@ -180,10 +184,18 @@ class _SamplingRequest(_Body):
         }
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is allowed only with stream: true", "stream_options")
         if self.kv_transfer_params is not None:
             kwargs["kv_transfer_id"] = self._kv_transfer_id()
-        if not -(2**63) <= self.priority < 2**63:
-            raise bad_request(f"priority must fit in 64 bits, got {self.priority}", "priority")
+            if prompt_logprobs is not None:  # the decode server takes the prompt's KV, never its logits
+                param = "prompt_logprobs" if self.prompt_logprobs is not None else "echo"
+                raise bad_request(
+                    f"{param}: the prompt's logprobs cannot come with kv_transfer_params (disaggregated "
+                    "prefill: the decode server does not compute the prompt)",
+                    param,
+                    "unsupported",
+                )
         for name in (
             "temperature",
             "top_p",
@@ -400,16 +412,20 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # Matryoshka models only: keep the leading features
     user: str | None = None
-    priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
+    priority: Priority = 0
+
+
+# a LoRA adapter's name: what requests give as their `model`, listed by /v1/models and named in errors
+LoRAName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 
 class LoadLoRAAdapterRequest(_Body):
-    lora_name: str
+    lora_name: LoRAName
     lora_path: str
 
 
 class UnloadLoRAAdapterRequest(_Body):
-    lora_name: str
+    lora_name: LoRAName
 
 
 # ---- structured output fields ------------------------------------------------------------------------
@@ -503,6 +519,10 @@ _UNION_HINTS = {
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of {'type': 'text', 'text': ...} parts",
 }
+# an item's field whose error deserves more words than pydantic's
+_ITEM_HINTS = {
+    ("content", "type"): "this server takes text only: a content part's type must be 'text'",
+}
 
 
 def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
@@ -527,7 +547,7 @@ def parse_part(model: type[BaseModel], data, path: str) -> BaseModel:
 def parse_tagged(models: dict[str, type[BaseModel]], kind, data, path: str) -> BaseModel:
     """`data` validated as the model its `type` (`kind`) names in `models` (a list item of the Anthropic
     or Responses API); a 400 naming `path.type` when `models` has no such type."""
-    if kind not in models:
+    if not isinstance(kind, str) or kind not in models:  # (a list or an object is not even hashable)
         raise bad_request(
             f"{path}.type must be one of {', '.join(models)}, got {str(kind)[:40]!r}", f"{path}.type", "unsupported"
         )
@@ -548,7 +568,12 @@ def renamed(e: APIError, renames: tuple[tuple[str, str], ...]) -> APIError:
 
 
 def _to_api_error(e: ValidationError, prefix: str = "") -> APIError:
-    err = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    err = errors[0]
+    # a union whose first member's error is the field as a whole (content: "a valid string") while a list
+    # member got further, into an item (content[0].type: "'text'"): the item's error says what is wrong
+    at = _field_path(err["loc"])
+    err = next((x for x in errors if _field_path(x["loc"]).startswith(at + "[")), err)
     kind = err["type"]
     if kind == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {err['msg']}", None, "invalid_json")
@@ -561,6 +586,8 @@ def _to_api_error(e: ValidationError, prefix: str = "") -> APIError:
         return bad_request(f"{path} is required", path, "missing_field")
     last = next((p for p in reversed(path.replace("]", "").replace("[", ".").split(".")) if not p.isdigit()), path)
     message = _UNION_HINTS.get(last) if _is_union_error(e, local) else None
+    names = [p for p in path.replace("]", "").replace("[", ".").split(".") if not p.isdigit()]
+    message = message or (_ITEM_HINTS.get(tuple(names[-2:])) if kind == "literal_error" else None)
     return bad_request(f"{path}: {message or err['msg']}" + _got(err), path)
 
 

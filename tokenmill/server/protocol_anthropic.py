@@ -15,13 +15,14 @@ Messages field (`messages[1].content[0].tool_use_id`, `tools[0].input_schema`, `
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from tokenmill.server.protocol import (
     CallId,
     ChatCompletionRequest,
+    Priority,
     _Body,
     bad_request,
     parse_part,
@@ -91,7 +92,7 @@ class ToolChoice(_Body):
 
 class ThinkingConfig(_Body):
     type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: int | None = None  # "enabled" only
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None  # "enabled" only
 
 
 class OutputConfig(_Body):
@@ -113,6 +114,7 @@ class MessagesRequest(_Body):
     output_config: OutputConfig | None = None
     stream: bool = False
     metadata: dict | None = None
+    priority: Priority = 0  # with --scheduling-policy priority (tokenmill, as vLLM's)
 
     def chat_request(self, reasoning_parser: str | None, need_max_tokens: bool = True) -> ChatCompletionRequest:
         """The chat request this is. Without a reasoning parser the model cannot think apart from its
@@ -135,9 +137,12 @@ class MessagesRequest(_Body):
             "top_k": self.top_k,
             "tools": [_chat_tool(t, i) for i, t in enumerate(self.tools or [])] or None,
             "stream": self.stream,
+            "priority": self.priority,
         }
         choice = self.tool_choice
         if choice is not None:
+            if choice.type in ("any", "tool") and not self.tools:
+                raise bad_request(f"tool_choice {choice.type!r} requires tools", "tool_choice")
             body["tool_choice"] = _chat_tool_choice(choice)
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
         fmt = self.output_config.format if self.output_config is not None else None
@@ -171,12 +176,12 @@ def _chat_messages(m: InputMessage, path: str) -> list[dict]:
             text.append(block.text)
         elif isinstance(block, ToolUseBlock):
             if m.role != "assistant":
-                raise bad_request(f"{where}: tool_use blocks belong in assistant messages", f"{where}.type")
+                raise bad_request(f"{where}.type: tool_use blocks belong in assistant messages", f"{where}.type")
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         elif isinstance(block, ToolResultBlock):
             if m.role != "user":
-                raise bad_request(f"{where}: tool_result blocks belong in user messages", f"{where}.type")
+                raise bad_request(f"{where}.type: tool_result blocks belong in user messages", f"{where}.type")
             content = block.content if isinstance(block.content, str) else "".join(b.text for b in block.content)
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
     out = results

@@ -17,6 +17,7 @@ from tokenmill.server.protocol import (
     CallId,
     ChatCompletionRequest,
     FunctionDefinition,
+    Priority,
     _Body,
     bad_request,
     parse_part,
@@ -107,6 +108,7 @@ class ResponsesRequest(_Body):
     top_k: int | None = None
     stream: bool = False
     background: bool = False
+    priority: Priority = 0  # with --scheduling-policy priority (tokenmill, as vLLM's)
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -157,6 +159,7 @@ class ResponsesRequest(_Body):
             "tools": [_chat_tool(t, i) for i, t in enumerate(self.tools or [])] or None,
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
+            "priority": self.priority,
         }
         choice = self.tool_choice
         if isinstance(choice, NamedFunctionChoice):

@@ -10,6 +10,9 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from starlette.requests import Request
+
+from tokenmill.asgi import ClientDisconnected, run_until_disconnect
 from tokenmill.engine.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import EngineClient
@@ -50,17 +53,25 @@ def engine_error(e: Exception, structured_param: str | None = None) -> APIError:
     return APIError(500, "internal server error", "internal_server_error", None, None)
 
 
-async def wait_started(streams: list[RequestStream], structured_param: str | None) -> None:
+async def wait_started(streams: list[RequestStream], structured_param: str | None, request: Request) -> None:
     """For a request with an output constraint: wait until the engine took it (its grammar compiled:
-    the first output came) before a streamed response starts, so a refused grammar is still a 400."""
+    the first output came) before a streamed response starts, so a refused grammar is still a 400. A client
+    that leaves meanwhile has its requests aborted at once (a grammar may take seconds to compile, and the
+    requests queued behind it wait)."""
     if structured_param is None:
         return
-    try:
+
+    async def all_started() -> None:
         for s in streams:
             await s.started()
-    except ENGINE_ERRORS as e:
+
+    try:
+        await run_until_disconnect(request, all_started())
+    except (ClientDisconnected, *ENGINE_ERRORS) as e:
         for s in streams:
             s.close()
+        if isinstance(e, ClientDisconnected):
+            raise APIError(499, "the client closed the connection", "client_closed_request") from None
         raise engine_error(e, structured_param) from None
 
 
@@ -85,8 +96,21 @@ class ServingContext:
 
     async def off_loop(self, param: str, fn, *args):
         """Run `fn(*args)` (template rendering, tokenization) in the prompt pool; a 400 naming `param`
-        if it takes longer than --template-timeout."""
-        future = asyncio.get_running_loop().run_in_executor(self._prompt_pool, fn, *args)
+        if it takes longer than --template-timeout once it runs (the time it waits for a thread of the pool,
+        behind other requests' work, is not its own)."""
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
+        def job():
+            loop.call_soon_threadsafe(started.set)
+            return fn(*args)
+
+        future = loop.run_in_executor(self._prompt_pool, job)
+        waiting = asyncio.ensure_future(started.wait())
+        try:
+            await asyncio.wait((future, waiting), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
         try:
             return await asyncio.wait_for(future, self.limits.template_timeout)
         except TimeoutError:
@@ -170,6 +194,49 @@ class ServingContext:
         except Exception:  # noqa: BLE001 - e.g. a schema xgrammar cannot handle: the client's input, not a 500
             logger.exception("checking the %s constraint failed", spec.kind)
             raise bad_request(f"{param}: this {spec.kind} constraint cannot be compiled", param) from None
+
+    def check_text_fits(self, chars: int, param: str) -> None:
+        """A 400 naming `param` when `chars` characters of text are more than any prompt that fits the
+        context can hold (each token stands for at most `max_token_chars` of them; 4x that for a normalizer
+        that composes characters), before they are tokenized: megabytes of text take seconds of the prompt
+        pool that every request's tokenizing waits for."""
+        limit = self.context_limit
+        most = limit * self.tokenizer.max_token_chars * 4
+        if chars > most:
+            raise bad_request(
+                f"{param} holds {chars} characters, more than this model's {limit}-token context can take "
+                f"(at most {most} characters in tokens of its vocabulary); shorten the {param}",
+                param,
+                "context_length_exceeded",
+            )
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids (in the prompt pool), a 400 naming `param` as soon as its first part is more
+        tokens than the context: ordinary text is at most ~8 characters a token, so a text of more than 16
+        a token of context is tokenized in full only when its first 16 a token fit (whitespace runs, which
+        one token may hold dozens of), not for seconds before it is refused for its length."""
+        limit = self.context_limit
+        probe = limit * 16
+        # (a cut word splits into a few more tokens than it would whole: the margin)
+        if len(text) > probe and len(self.tokenizer.encode(text[:probe], add_special_tokens=False)) > limit + 16:
+            raise bad_request(
+                f"{param}: its first {probe} characters alone are more than this model's {limit}-token context",
+                param,
+                "context_length_exceeded",
+            )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_prompt_size(self, prompt: str | list[int], param: str) -> None:
+        """`check_text_fits` for a text prompt; a token-id prompt longer than the context is a 400 before its
+        ids are checked or decoded."""
+        if isinstance(prompt, str):
+            return self.check_text_fits(len(prompt), param)
+        if len(prompt) > self.context_limit:
+            raise bad_request(
+                f"{param} has {len(prompt)} token ids, more than this model's {self.context_limit}-token context",
+                param,
+                "context_length_exceeded",
+            )
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if any(not 0 <= t < self.vocab_size for t in ids):

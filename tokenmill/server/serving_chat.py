@@ -43,6 +43,21 @@ from tokenmill.structured.spec import ReasoningSpec, StructuredOutputSpec
 logger = logging.getLogger(__name__)
 
 
+def _text_chars(value) -> int:
+    """The characters of every string in a JSON-like value (messages, tools): what a rendered prompt holds
+    at least."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
 async def chat_prompt_ids(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     return (await chat_prompt(ctx, messages, add_generation_prompt))[1]
 
@@ -55,12 +70,13 @@ async def chat_prompt(
     template_kwargs: dict | None = None,
 ) -> tuple[str, list[int]]:
     """The rendered prompt text and its token ids (rendered off the event loop, under a time limit)."""
+    ctx.check_text_fits(_text_chars(messages) + _text_chars(tools), "messages")
 
     def render() -> tuple[str, list[int]]:
         text = ctx.tokenizer.render_chat(
             messages, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
         )
-        return text, ctx.tokenizer.encode(text, add_special_tokens=False)
+        return text, ctx.encode(text, "messages", add_special_tokens=False)
 
     try:
         return await ctx.off_loop("messages", render)
@@ -253,7 +269,7 @@ async def create_chat_completion(
     model = ctx.check_model(req.model)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream, plan, ids = await start_chat(ctx, req, request_id, arrival)
+    stream, plan, ids = await start_chat(ctx, req, request_id, arrival, request)
     top_n = req.top_logprobs or 0
     if req.stream:
         return SSEResponse(
@@ -306,7 +322,7 @@ def reasoning_tokens(ctx: ServingContext, plan: ChatPlan, outputs: list[list[int
 
 
 async def start_chat(
-    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, arrival: float
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, arrival: float, request: Request
 ) -> tuple[RequestStream, ChatPlan, list[int]]:
     """Prepare a chat request and submit it: its stream (started, when constrained: a grammar the engine
     refuses is still a 400 here), its plan and its prompt ids. The Responses and Messages APIs come
@@ -317,7 +333,7 @@ async def start_chat(
         len(ids), dataclasses.replace(params, lora_name=ctx.lora_of(req.model)), "messages", max_param
     )
     stream = ctx.submit(request_id, None, ids, params, arrival, req.priority, req.cache_salt)
-    await wait_started([stream], plan.structured_param)
+    await wait_started([stream], plan.structured_param, request)
     return stream, plan, ids
 
 

@@ -33,14 +33,14 @@ def split_prompts(prompt) -> list:
     return [prompt] if isinstance(prompt[0], int) else list(prompt)
 
 
-def prompt_inputs(ctx: ServingContext, prompts: list) -> list[tuple[str, list[int]]]:
+def prompt_inputs(ctx: ServingContext, prompts: list, param: str = "prompt") -> list[tuple[str, list[int]]]:
     """(text, token ids) per prompt. Token-id prompts get their decoded text (for echo)."""
     out = []
     for p in prompts:
         if isinstance(p, str):
-            out.append((p, ctx.tokenizer.encode(p)))
+            out.append((p, ctx.encode(p, param)))
         else:
-            ctx.check_token_ids(p, "prompt")
+            ctx.check_token_ids(p, param)
             out.append((ctx.tokenizer.decode(p, skip_special_tokens=False), list(p)))
     return out
 
@@ -49,6 +49,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     model = ctx.check_model(req.model)
     raw_prompts = split_prompts(req.prompt)
     ctx.check_limits(req, len(raw_prompts))
+    for p in raw_prompts:
+        ctx.check_prompt_size(p, "prompt")
     params = dataclasses.replace(req.sampling_params(), lora_name=ctx.lora_of(model))
     spec = req.structured_spec()
     if spec is not None:
@@ -62,7 +64,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     head = object_head(request_id, "text_completion", model, int(time.time()))
     streams = ctx.submit_all(items, arrival, req.priority, req.cache_salt)
     structured_param = spec[1] if spec else None
-    await wait_started(streams, structured_param)
+    await wait_started(streams, structured_param, request)
     if req.stream:
         events = _stream(ctx, req, head, prompts, streams, structured_param)
         return SSEResponse(events, on_close=lambda: [s.close() for s in streams])

@@ -70,7 +70,9 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, request: 
     inputs = _split_inputs(req.input)
     if len(inputs) > ctx.limits.max_prompts:
         raise bad_request(f"input has {len(inputs)} items; at most {ctx.limits.max_prompts} are allowed", "input")
-    prompts = await ctx.off_loop("input", prompt_inputs, ctx, inputs)
+    for p in inputs:
+        ctx.check_prompt_size(p, "input")
+    prompts = await ctx.off_loop("input", prompt_inputs, ctx, inputs, "input")
     params = SamplingParams(max_tokens=0, pooling=convention.pooling, lora_name=ctx.lora_of(model))
     request_id = f"embd-{uuid.uuid4().hex}"
     items = []

@@ -29,7 +29,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request: Req
     chat = req.chat_request(ctx.reasoning_parser)
     model = ctx.check_model(req.model)
     message_id = f"msg_{uuid.uuid4().hex}"
-    run = await ChatRun.start(ctx, chat, message_id, arrival, RENAMES)
+    run = await ChatRun.start(ctx, chat, message_id, arrival, RENAMES, request)
     builder = MessageBuilder(message_id, model, run.totals.prompt_tokens)
     if req.stream:
         return SSEResponse(_stream(run, builder), on_close=run.stream.close)

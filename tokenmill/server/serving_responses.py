@@ -73,7 +73,7 @@ async def create_response(
     chat = req.chat_request(conversation)
     model = ctx.check_model(req.model)
     response_id = f"resp_{_replica_tag(request)}{uuid.uuid4().hex}"
-    run = await ChatRun.start(ctx, chat, response_id, arrival, RENAMES)
+    run = await ChatRun.start(ctx, chat, response_id, arrival, RENAMES, request)
     builder = ResponseBuilder(_response_object(req, response_id, model))
     remember = (lambda: store.put(response_id, conversation + [builder.assistant_message()])) if req.store else None
     if req.stream:

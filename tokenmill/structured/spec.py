@@ -211,9 +211,52 @@ def check_spec(spec: StructuredOutputSpec) -> None:
     _check(spec)
 
 
+# Where a schema holds other schemas: maps of them, lists of them, one of them.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONES = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+# keywords the grammar compiler drops without a word: an output that obeys the rest might not obey them
+_UNENFORCED = ("not", "if", "then", "else")
+
+
+def _check_enforceable(schema, where: str = "") -> None:
+    """A ValueError naming the first keyword of `schema` whose constraint the output would not obey (the
+    compiler drops it), or a `$ref` to anything but this schema's own parts ("#..."): no document is
+    fetched, and a reference to one would constrain nothing."""
+    stack = [(schema, where)]
+    while stack:
+        node, at = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key in _UNENFORCED:
+            if key in node:
+                raise ValueError(f"'{key}' (at '{at}/{key}') is a constraint structured output cannot enforce")
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise ValueError(f"$ref {ref[:80]!r} (at '{at}/$ref') is not a reference within the schema ('#/...')")
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend((sub, f"{at}/{key}/{name}") for name, sub in node[key].items())
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend((sub, f"{at}/{key}/{i}") for i, sub in enumerate(node[key]))
+        stack.extend((node[key], f"{at}/{key}") for key in _SCHEMA_ONES if key in node)
+
+
 def _check_json_schema(schema: dict) -> None:
     """Meta-schema check, when `jsonschema` is installed (it gives the clearest messages; without it
-    xgrammar's own conversion still rejects what it cannot handle)."""
+    xgrammar's own conversion still rejects what it cannot handle); then what the output could not obey."""
+    _check_enforceable(schema)
     try:
         import jsonschema
     except ImportError:

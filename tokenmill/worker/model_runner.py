@@ -278,7 +278,8 @@ class ModelRunner(PagedForward):
         reads: HostReads,
     ) -> None:
         """Embedding requests: the final hidden state of the last prompt token, or the mean over the
-        prompt (summed chunk by chunk; a request that starts over after preemption starts the sum over),
+        prompt (summed as the chunks come, the same bits however the steps cut it: `MeanPool`; a request
+        that starts over after preemption starts the sum over),
         once this step's chunk ends the prompt, into `pooled` (the step's `ModelRunnerOutput.pooled`)."""
         for i, s in enumerate(states):
             if s.params.pooling is None:
@@ -286,11 +287,10 @@ class ModelRunner(PagedForward):
             start, end = int(common.query_start_loc[i]), int(common.query_start_loc[i + 1])
             done = s.num_computed_tokens + end - start >= len(s.prompt_token_ids)
             if s.params.pooling == "mean":
-                chunk = hidden[start:end].float().sum(0)
-                s.pool_sum = chunk if s.num_computed_tokens == 0 else s.pool_sum + chunk
+                s.mean_pool.add(hidden[start:end].float(), restart=s.num_computed_tokens == 0)
                 if done:
                     reads.add(
-                        [s.pool_sum / len(s.prompt_token_ids)],
+                        [s.mean_pool.mean(len(s.prompt_token_ids))],
                         functools.partial(pooled.__setitem__, s.request_id),
                     )
             elif done:
