@@ -20,6 +20,14 @@ def _mapping_flags(t: torch.Tensor) -> list[str]:
 
 
 def _mapping_flags_at(address: int) -> list[str]:
+    flags = _flags_of_mapping_at(address)
+    if flags is None:
+        raise AssertionError("no mapping holds the tensor")
+    return flags
+
+
+def _flags_of_mapping_at(address: int) -> list[str] | None:
+    """The VmFlags of the mapping that holds `address`, None where none does."""
     inside = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
@@ -28,7 +36,7 @@ def _mapping_flags_at(address: int) -> list[str]:
             inside = lo <= address < hi
         elif inside and head == "VmFlags:":
             return line.split()[1:]
-    raise AssertionError("no mapping holds the tensor")
+    return None
 
 
 def test_pieces_are_zeroed_aligned_and_apart():
@@ -88,8 +96,9 @@ def test_a_region_goes_back_to_the_kernel_with_its_last_tensor():
     del region
     assert "hg" in _mapping_flags(view)  # alive while a view of it is
     del view
-    with pytest.raises(AssertionError, match="no mapping holds"):
-        _mapping_flags_at(address)
+    # unmapped; another thread of this process may have mapped something there since, but not advised
+    later = _flags_of_mapping_at(address)
+    assert later is None or "hg" not in later, later
 
 
 @linux

@@ -193,6 +193,11 @@ def tiles(page) -> dict[str, tuple[str, str]]:
     return {label: (value, detail) for label, value, detail in page.evaluate(read)}
 
 
+def throttled(bytes_per_second: float) -> dict:
+    """DevTools' network conditions: downloads at `bytes_per_second` (-1: as fast as they come)."""
+    return {"offline": False, "latency": 0, "downloadThroughput": bytes_per_second, "uploadThroughput": -1}
+
+
 def complete(server) -> None:
     server.openai_client(KEY).completions.create(
         model="tiny-moe", prompt="one two three one two three one two", max_tokens=16, extra_body={"ignore_eos": True}
@@ -206,7 +211,13 @@ def test_a_chat_streams_and_the_dashboard_charts_it(server, browser):
     page.fill("#max_tokens", "24")
     page.fill("#temperature", "0")
     page.fill("#seed", "7")
+    # the reply's bytes reach the page over about three seconds (DevTools' network throttling), so that a
+    # browser held off the CPU while the tiny model generates cannot read them all at one moment
+    devtools = page.context.new_cdp_session(page)
+    devtools.send("Network.enable")
+    devtools.send("Network.emulateNetworkConditions", throttled(2000))
     reply = chat(page, "Name three colours, then count to ten.")
+    devtools.send("Network.emulateNetworkConditions", throttled(-1))
     assert not reply["error"], reply
     assert reply["chunks"] > 1 and reply["growths"] > 1, reply  # tokens arrived one by one, not at the end
     assert "24 tokens" in reply["meta"] and "tok/s" in reply["meta"]
