@@ -7,7 +7,6 @@ server's usage and its own /metrics counters, goodput <= throughput, prefix-cach
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_server_utils import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -27,16 +27,10 @@ MAX_MODEL_LEN = 1024
 STARTUP_TIMEOUT = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(base URL, pid) of a tokenmill server on a free port; its log goes to a file shown on failure."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
     cmd = [

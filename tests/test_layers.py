@@ -3,12 +3,11 @@ for real over a two-process gloo group."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_server_utils import free_port
 
 from tokenmill.layers.linear import (
     ColumnParallelLinear,
@@ -86,9 +85,7 @@ def _rank(rank: int, size: int, port: int, results) -> None:
 
 
 def test_two_ranks_split_rows_and_columns_and_all_reduce():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.spawn(_rank, args=(2, port, results), nprocs=2, join=True)
     w = _checkpoint()
