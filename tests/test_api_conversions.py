@@ -51,7 +51,7 @@ def test_messages_blocks_become_chat_messages():
     req = _parse(
         MessagesRequest,
         {
-            "max_tokens": 8,
+            "max_tokens": 64,
             "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
             "messages": [
                 {"role": "user", "content": "2 + 3?"},

@@ -280,6 +280,17 @@ def test_a_streamed_dead_end_ends_with_the_same_error(server):
             "/v1/messages",
             {
                 "model": MODEL,
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": "x"}],
+                "thinking": {"type": "enabled", "budget_tokens": 16},
+            },
+            "thinking.budget_tokens",
+            "must be greater than thinking.budget_tokens",
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": MODEL,
                 "max_tokens": 4,
                 "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}],
             },

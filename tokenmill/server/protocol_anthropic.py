@@ -155,6 +155,13 @@ class MessagesRequest(_Body):
             schema = {"schema": fmt["schema"]} if "schema" in fmt else {}
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", **schema}}
         if self.thinking is not None:
+            budget = self.thinking.budget_tokens
+            if budget is not None and self.max_tokens is not None and budget >= self.max_tokens:
+                # as Anthropic's API: the thinking comes out of max_tokens, and the answer needs some
+                raise bad_request(
+                    f"max_tokens ({self.max_tokens}) must be greater than thinking.budget_tokens ({budget})",
+                    "thinking.budget_tokens",
+                )
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
             if self.thinking.type == "enabled" and reasoning_parser is not None:
                 if self.thinking.budget_tokens is None:
