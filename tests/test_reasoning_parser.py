@@ -22,7 +22,9 @@ CASES = [
     ('<think></think>{"a": 1}', True, None, '{"a": 1}'),
     ("<think>x < y and a </ b</think>ok</think>", True, "x < y and a </ b", "ok</think>"),  # only the first ends it
     ("<thin", True, "<thin", None),  # an unfinished tag at the very end is text
-    ("<think>a</thi", True, "a</thi", None),
+    ("<think>a</thi", True, "a", None),  # cut inside the closing tag: its start is not reasoning
+    ("<think>a <", True, "a ", None),
+    ("<think>a </b", True, "a </b", None),
     ("<think>all content</think>", False, None, "<think>all content</think>"),  # the prompt closed it
     ("", True, None, None),
 ]

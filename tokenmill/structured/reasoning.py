@@ -9,7 +9,9 @@ Rules (both `deepseek_r1` and `qwen3`):
   `</think>`, as Qwen3's template writes with thinking disabled), everything is content;
 * otherwise the output starts in reasoning: an opening `<think>` (after optional whitespace) is dropped,
   text up to the first `</think>` is reasoning, and the text after it is content;
-* output that never closes its thinking is all reasoning (e.g. cut by max_tokens).
+* output that never closes its thinking is all reasoning (e.g. cut by max_tokens), less a closing tag
+  it stopped inside (`...</thi`: cut while the model, or a thinking budget, wrote `</think>`; a tag that is
+  one token, as Qwen3's, is never cut so).
 Text that might be the start of a tag is held back until the next delta tells.
 """
 
@@ -72,7 +74,8 @@ class ThinkReasoningParser:
         return reasoning, ""
 
     def finish(self) -> tuple[str, str]:
-        """The output ended: flush what was held back (an unfinished thought is reasoning)."""
+        """The output ended: flush what was held back (an unfinished thought is reasoning; the start of a
+        closing tag it ended in is not)."""
         if self._state == "content":
             return "", ""
         rest, self._pending = self._pending, ""
@@ -80,7 +83,8 @@ class ThinkReasoningParser:
             rest = rest.lstrip()
             if rest.startswith(self.start):
                 rest = rest[len(self.start) :]
-        return rest, ""
+            return rest, ""
+        return rest[: len(rest) - _partial_suffix(rest, self.end)], ""
 
     @classmethod
     def parse(cls, text: str, in_reasoning: bool = True) -> tuple[str | None, str | None]:
