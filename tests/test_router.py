@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import os
 import signal
 import subprocess
@@ -466,6 +467,102 @@ def test_the_shared_tier_record_learns_a_prefix_once_a_replica_answered_it(answe
             assert r.status_code == status
     assert policy.shared.match(chunk_keys(answered, 8)) == len(answered) // 8  # on disk for every replica
     assert policy.shared.match(chunk_keys(failed, 8)) == 0 < policy.tables[0].match(chunk_keys(failed, 8))
+
+
+@pytest.fixture
+def freezing_replica():
+    """A fake replica that freezes on its first generation request: /health answers until then, and after
+    it nothing answers at all (as a stopped process: connections open, no bytes). A streamed request gets
+    its headers and one event first. Yields (url, posts: the generation requests it got)."""
+    frozen, thawed, posts = threading.Event(), threading.Event(), []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            if frozen.is_set():
+                thawed.wait(60)
+                return
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            posts.append(self.rfile.read(int(self.headers["content-length"])))
+            if b'"stream": true' in posts[-1] or b'"stream":true' in posts[-1]:
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                event = b'data: {"choices": [{"text": "first"}]}\n\n'
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+            frozen.set()
+            thawed.wait(60)
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    server.handle_error = lambda request, address: None
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", posts
+    thawed.set()
+    server.shutdown()
+    server.server_close()
+
+
+def _router_test_client(urls: list[str]):
+    """An in-process router over `urls` (round-robin) that checks health every 0.2 s, 1 s a check at most."""
+    from starlette.testclient import TestClient
+
+    from tokenmill.router.app import RouterSettings, build_router_app
+
+    settings = RouterSettings(ui=False, health_interval=0.2, health_timeout=1.0)
+    return TestClient(build_router_app(urls, RoundRobinPolicy(len(urls)), settings))
+
+
+def _within(seconds: float, fn):
+    """fn() on another thread; fails the test if it is still waiting after `seconds`."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result(timeout=seconds)
+
+
+def test_a_request_on_a_replica_that_stops_answering_is_given_up(freezing_replica):
+    url, posts = freezing_replica
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 4}
+    with _router_test_client([url]) as client:
+        r = _within(60, lambda: client.post("/v1/completions", json=body))
+        assert r.status_code == 503, r.text  # the only replica failed: no one else to retry on
+        assert "replica 0 failed: it stopped answering" in r.json()["error"]["message"]
+        assert len(posts) == 1
+        r = _within(60, lambda: client.post("/v1/messages", json={**body, "messages": []}))
+        assert r.status_code == 503 and r.json()["type"] == "error"  # unhealthy now: Anthropic's shape
+
+
+def test_a_stream_from_a_replica_that_stops_answering_ends_with_an_error_event(freezing_replica):
+    url, posts = freezing_replica
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 4, "stream": True}
+    with _router_test_client([url]) as client:
+        r = _within(60, lambda: client.post("/v1/completions", json=body))
+    assert r.status_code == 200
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "first"  # what came before the stall is passed on
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "replica_failed" and "stopped answering" in error["message"]
+
+
+def test_a_request_on_a_replica_that_stops_answering_is_retried_elsewhere(freezing_replica, answering_replica):
+    url, posts = freezing_replica
+    with _router_test_client([url, answering_replica]) as client:
+        r = _within(60, lambda: client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1}))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+        assert len(posts) == 1  # round-robin sent it to the frozen replica first
 
 
 @needs_model

@@ -40,9 +40,11 @@ from tokenmill.router.upstream import (
     add_post_routes,
     error_body,
     error_response,
+    failure_reason,
     pinned_replica,
     relay,
     request_headers,
+    unless_stalled,
 )
 
 logger = logging.getLogger("tokenmill.router")
@@ -145,15 +147,18 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
             upstream_request = client.build_request(
                 method, replica.url + path, content=body, headers=request_headers(request, replica.index)
             )
+            stalled = replica.stalled()
             try:
-                upstream = await run_until_disconnect(request, client.send(upstream_request, stream=True))
+                upstream = await run_until_disconnect(
+                    request, unless_stalled(client.send(upstream_request, stream=True), stalled)
+                )
             except ClientDisconnected:
                 release()
                 return Response(status_code=CLIENT_CLOSED)
             except httpx.TransportError as e:
                 release()
                 metrics.failures.labels(replica.url).inc()
-                failure = f"replica {replica.index} failed: {type(e).__name__}"
+                failure = f"replica {replica.index} failed: {failure_reason(e)}"
                 if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
                     replicas.mark_unhealthy(replica.index, f"cannot connect: {e}")
                 tried.append(replica.index)
@@ -173,7 +178,7 @@ def build_router_app(urls: list[str], policy, settings: RouterSettings | None = 
             on_failure = metrics.failures.labels(replica.url).inc
             if upstream.status_code == 200 and text:  # once answered, its prompt is in the replica's tiers
                 release = _then(release, lambda: policy.answered(text))
-            return await relay(request, upstream, replica.index, release, on_failure, anthropic)
+            return await relay(request, upstream, replica.index, release, stalled, on_failure, anthropic)
         why = failure or "no replica passed its last health check"
         return unavailable(f"no healthy replica to serve the request ({why})", anthropic)
 

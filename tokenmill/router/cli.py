@@ -66,8 +66,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
         description="An OpenAI-compatible front (/v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics) for several replicas, routing each request by prefix-cache affinity and load. "
         "A replica that fails its health check or refuses connections gets no requests; a request "
-        "whose replica fails before answering is retried once on another; with none healthy the "
-        "router answers 503.",
+        "whose replica fails before answering is retried once on another; one whose replica stops "
+        "answering (a /health check times out) is retried too, or its stream ends with an error event; "
+        "with none healthy the router answers 503.",
     )
     p.add_argument(
         "--replica",

@@ -4,6 +4,10 @@ A replica is healthy when its `/health` answered 200 at the last check. It is ma
 failed check (refused connection, timeout, any other status: a draining replica answers 503) or at
 once when the router cannot connect to it; the next good check brings it back. Replicas start
 unhealthy until their first check.
+
+A check that times out means the replica stopped answering at all (a frozen process, a lost host), not
+that it is draining or busy (those answer /health at once): the requests waiting on it are then given up
+(`Replica.stalled`), so that none waits forever on a replica that will not answer.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -25,6 +29,17 @@ class Replica:
     healthy: bool = False
     in_flight: int = 0
     last_error: str | None = None
+    _stalled: asyncio.Future | None = field(default=None, repr=False)
+
+    def stalled(self) -> asyncio.Future:
+        """A future that is done once a health check of this replica times out (see the module's doc)."""
+        if self._stalled is None or self._stalled.done():
+            self._stalled = asyncio.get_running_loop().create_future()
+        return self._stalled
+
+    def mark_stalled(self) -> None:
+        if self._stalled is not None and not self._stalled.done():
+            self._stalled.set_result(None)
 
 
 def normalize_url(url: str) -> str:
@@ -86,6 +101,8 @@ async def check_replica(client: httpx.AsyncClient, replicas: ReplicaSet, index: 
         response = await client.get(f"{replica.url}/health", timeout=timeout)
     except httpx.HTTPError as e:
         replicas.mark_unhealthy(index, f"/health failed: {type(e).__name__}: {e}".rstrip(": "))
+        if isinstance(e, httpx.TimeoutException):
+            replica.mark_stalled()
         return False
     if response.status_code != 200:
         replicas.mark_unhealthy(index, f"/health answered {response.status_code}")

@@ -4,9 +4,12 @@ asked (Anthropic's for /v1/messages, OpenAI's for the rest)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import httpx
 from starlette.requests import Request
@@ -17,6 +20,31 @@ from tokenmill.asgi import ClientDisconnected, run_until_disconnect, stream_resp
 from tokenmill.http_front import APIError, anthropic_error
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; it never reaches anyone
+
+T = TypeVar("T")
+
+
+class ReplicaStalled(httpx.TransportError):
+    """The replica stopped answering (a health check of it timed out) while a request waited on it."""
+
+
+async def unless_stalled(work: Awaitable[T], stalled: asyncio.Future | None) -> T:
+    """Await `work`; if `stalled` (None: never) is done first, cancel it and raise ReplicaStalled."""
+    if stalled is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, stalled}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ReplicaStalled("it stopped answering (its health check timed out)")
+    return task.result()
+
 
 # hop-by-hop headers (RFC 9110 7.6.1), not passed on either way
 _HOP_BY_HOP = {
@@ -118,14 +146,20 @@ def pinned_replica(path: str, body: dict, replicas: int) -> int | None:
 class StreamedResponse(Response):
     """A replica's streamed (SSE) response, passed to the client chunk by chunk as the bytes arrive.
     Closes the replica connection as soon as the client disconnects; if the replica fails mid-stream
-    the client gets an error event and the end of the stream. `on_close` runs however it ends."""
+    (or stops answering: `stalled` is done) the client gets an error event and the end of the stream. `on_close` runs however it ends."""
 
     def __init__(
-        self, upstream: httpx.Response, replica: int, on_close: Callable[[], None], anthropic: bool = False
+        self,
+        upstream: httpx.Response,
+        replica: int,
+        on_close: Callable[[], None],
+        stalled: asyncio.Future | None,
+        anthropic: bool = False,
     ) -> None:
         super().__init__(status_code=upstream.status_code)
         self.raw_headers = response_headers(upstream, replica, decoded=False)
         self.upstream, self.replica, self.on_close, self.anthropic = upstream, replica, on_close, anthropic
+        self.stalled = stalled
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -133,16 +167,24 @@ class StreamedResponse(Response):
         finally:
             self.on_close()
 
+    async def _pass_on(self, send: Send) -> None:
+        async for chunk in self.upstream.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
     async def _pump(self, send: Send) -> None:
         try:
-            async for chunk in self.upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await unless_stalled(self._pass_on(send), self.stalled)
         except httpx.HTTPError as e:
-            message = f"replica {self.replica} failed during the response: {type(e).__name__}"
+            message = f"replica {self.replica} failed during the response: {failure_reason(e)}"
             event = f"data: {json.dumps(error_body(502, message, 'server_error', 'replica_failed', self.anthropic))}"
             event = ("event: error\n" if self.anthropic else "") + event + "\n\n"  # Anthropic's events are named
             await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def failure_reason(e: httpx.HTTPError) -> str:
+    """What a replica's failure is called in an error message."""
+    return f"{e}" if isinstance(e, ReplicaStalled) else type(e).__name__
 
 
 async def relay(
@@ -150,21 +192,22 @@ async def relay(
     upstream: httpx.Response,
     replica: int,
     release: Callable[[], None],
+    stalled: asyncio.Future | None = None,
     on_failure: Callable[[], None] = lambda: None,
     anthropic: bool = False,
 ) -> Response:
     """The replica's answer for the client: an SSE stream passed on chunk by chunk, anything else read
-    whole (502 if the replica fails meanwhile: `on_failure` runs; Anthropic's error shape when
-    `anthropic`). `release` runs once it is done."""
+    whole (502 if the replica fails meanwhile, or stalls: `stalled` is done; `on_failure` runs;
+    Anthropic's error shape when `anthropic`). `release` runs once it is done."""
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-        return StreamedResponse(upstream, replica, release, anthropic)
+        return StreamedResponse(upstream, replica, release, stalled, anthropic)
     try:
-        content = await run_until_disconnect(request, upstream.aread())
+        content = await run_until_disconnect(request, unless_stalled(upstream.aread(), stalled))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
     except httpx.HTTPError as e:
         on_failure()
-        message = f"replica {replica} failed during the response: {type(e).__name__}"
+        message = f"replica {replica} failed during the response: {failure_reason(e)}"
         return JSONResponse(error_body(502, message, "server_error", "replica_failed", anthropic), status_code=502)
     finally:
         await upstream.aclose()
