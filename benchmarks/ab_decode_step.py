@@ -63,7 +63,7 @@ def main() -> None:
                 step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
                 step.lora,
             )  # fmt: skip
-            return lambda *args: built.run(*args, [])
+            return lambda *args: built.run(*args, [], [], [])  # no adapters, no prompt chunks
         return lambda *args: module.decode_layers(
             *args, step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
             step.lora, [],
