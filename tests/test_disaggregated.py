@@ -96,12 +96,13 @@ def test_bad_kv_transfer_config_is_a_startup_error():
 # ---- two engine cores in this process --------------------------------------------------------------
 
 
-def _core(model_dir, role: str | None, connector: str = "", port: int = 0):
+def _core(model_dir, role: str | None, connector: str = "", port: int = 0, kv_timeout: float = 2):
     """An engine core on its own copy of the model (a model binds the KV cache of the last core built on it)."""
     core = make_core(str(model_dir), num_blocks=48, max_num_batched_tokens=32, loaded=load_model(str(model_dir)))
     if role is None:
         return core
-    config = dataclasses.replace(core.config, kv_transfer=KVTransferConfig(role, connector, kv_port=port, kv_timeout=2))
+    transfer = KVTransferConfig(role, connector, kv_port=port, kv_timeout=kv_timeout)
+    config = dataclasses.replace(core.config, kv_transfer=transfer)
     return EngineCore(config, UniProcExecutor(config, load_model(str(model_dir))), set())
 
 
@@ -157,6 +158,36 @@ def test_engines_decode_from_transferred_kv_as_one_engine_would(random_model, co
     assert tokens == [] and "never-sent" in error
     for core in (producer, consumer):
         assert core.kv.num_free_blocks == core.kv.num_blocks
+        core.executor.kv_connector.close()
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_a_transfer_that_never_comes_holds_no_other_up(random_model, connector):
+    """A consumer asked for a transfer id the producer never had (a client may send any) keeps asking
+    for it until kv_timeout (a minute here), but a real transfer asked after it comes through meanwhile;
+    aborting the waiting request stops its fetch and frees its blocks."""
+    port = free_port()
+    producer, consumer = (
+        _core(random_model, role, connector, port, kv_timeout=60) for role in ("producer", "consumer")
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompt = list(range(5, 60))
+    first, _ = _run(producer, "real", prompt, dataclasses.replace(params, kv_transfer_id="real"))
+    consumer.add_request(EngineCoreRequest("bogus", prompt, dataclasses.replace(params, kv_transfer_id="invented")))
+    consumer.step()  # its fetch is asked first
+    consumer.add_request(EngineCoreRequest("real", prompt, dataclasses.replace(params, kv_transfer_id="real")))
+    tokens, errors = {"real": [], "bogus": []}, {}
+    while not (len(tokens["real"]) == 6 or errors):
+        for out in consumer.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.error:
+                errors[out.request_id] = out.error
+    assert not errors and tokens["real"][:1] == first and tokens["bogus"] == []  # served while the other waits
+    assert consumer.has_unfinished()
+    consumer.abort_requests(["bogus"])
+    assert not consumer.has_unfinished()
+    assert consumer.kv.num_free_blocks == consumer.kv.num_blocks
+    for core in (producer, consumer):
         core.executor.kv_connector.close()
 
 

@@ -9,17 +9,20 @@ that the producer's layout is its own (same model, dtype, block size and cache d
 
 The producer's `send(transfer_id, tensors)` returns at once (the connector keeps the payload until the
 consumer takes it, or `kv_timeout` passes). The consumer's `fetch(transfer_id)` returns a Future of the
-payload; fetches run in order on one connector thread, and fail (never hang) when the producer is gone,
-has no such transfer, or the transfer takes longer than `kv_timeout`.
+payload; fetches run on one connector thread, and fail (never hang) when the producer is gone or the
+transfer takes longer than `kv_timeout`. A transfer the producer does not have (yet) is asked for again
+every `RETRY_SECONDS` until `kv_timeout`, each time behind the fetches asked since: a transfer id that
+never comes (a client's own invention) holds no one else's transfer up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -31,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 BLOCK_DIM = 2  # caches are [layers, K/V, blocks, block size, heads, head dim] (scales: without the last dim)
 KVLayout = list[tuple[tuple[int, ...], torch.dtype]]  # per cache tensor: its shape with one block, its dtype
+RETRY_SECONDS = 0.05  # how soon a fetch asks again for a transfer the producer does not have yet
 
 
 class KVTransferError(RuntimeError):
@@ -99,16 +103,46 @@ class KVTransport(ABC):
         """Producer: offer a prompt's blocks (copies: the caller's blocks may be reused at once)."""
 
     def fetch(self, transfer_id: str) -> Future:
-        """Consumer: a Future of the payload the producer sent as `transfer_id`."""
-        return self._pool.submit(self._fetch, transfer_id)
+        """Consumer: a Future of the payload the producer sent as `transfer_id` (cancel it to stop asking)."""
+        future: Future = Future()
+        deadline = time.monotonic() + self.config.kv_timeout
 
-    def _fetch(self, transfer_id: str) -> list[torch.Tensor]:
-        self._connect()
-        return self._receive(transfer_id)
+        def settle(result=None, error: BaseException | None = None) -> None:
+            with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+        def attempt() -> None:
+            if future.cancelled() or self.closed.is_set():
+                return
+            try:
+                self._connect()
+                payload = self._receive(transfer_id)
+            except BaseException as e:  # noqa: BLE001 - the request's failure, said by the future
+                return settle(error=e)
+            if payload is not None:
+                return settle(payload)
+            if time.monotonic() >= deadline:
+                return settle(
+                    error=KVTransferError(
+                        f"KV transfer {transfer_id!r}: the producer has no KV for it after "
+                        f"{self.config.kv_timeout:g} s (its prefill failed, was aborted or never ran, or expired)"
+                    )
+                )
+            timer = threading.Timer(RETRY_SECONDS, self._submit, (attempt,))
+            timer.daemon = True
+            timer.start()
+
+        self._submit(attempt)
+        return future
+
+    def _submit(self, work) -> None:
+        with contextlib.suppress(RuntimeError):  # the pool is shut down: the connector closed
+            self._pool.submit(work)
 
     @abstractmethod
-    def _receive(self, transfer_id: str) -> list[torch.Tensor]:
-        """Consumer, on the connector thread: the payload, or raise KVTransferError."""
+    def _receive(self, transfer_id: str) -> list[torch.Tensor] | None:
+        """Consumer, on the connector thread: the payload, None if the producer does not have it (yet), or
+        raise KVTransferError."""
 
     def close(self) -> None:
         self.closed.set()
@@ -122,20 +156,18 @@ class StagedPayloads:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._items: dict[str, tuple[float, list[torch.Tensor]]] = {}
-        self._ready = threading.Condition()
+        self._lock = threading.Lock()
 
     def put(self, transfer_id: str, tensors: list[torch.Tensor]) -> None:
         now = time.monotonic()
-        with self._ready:
+        with self._lock:
             for tid in [t for t, (born, _) in self._items.items() if now - born > self.timeout]:
                 logger.warning("KV transfer %s was never taken by the consumer; dropped", tid)
                 del self._items[tid]
             self._items[transfer_id] = (now, tensors)
-            self._ready.notify_all()
 
-    def take(self, transfer_id: str, timeout: float) -> list[torch.Tensor] | None:
-        """The payload (waiting up to `timeout` for it to be put), or None."""
-        with self._ready:
-            self._ready.wait_for(lambda: transfer_id in self._items, timeout)
+    def take(self, transfer_id: str) -> list[torch.Tensor] | None:
+        """The payload, or None if it is not here (not yet, or no more)."""
+        with self._lock:
             item = self._items.pop(transfer_id, None)
         return None if item is None else item[1]

@@ -188,7 +188,9 @@ class DisaggregatedWorker(KVConnectorWorker):
 
     def start_load_kv(self, meta: DisaggregatedMetadata) -> None:
         for rid in meta.drop:
-            self.fetching.pop(rid, None)
+            future, _ = self.fetching.pop(rid, (None, 0.0))
+            if future is not None:
+                future.cancel()  # stop asking for it
             self.payloads.pop(rid, None)
         for rid, transfer_id in meta.fetch.items():
             self.fetching[rid] = (self.transport.fetch(transfer_id), time.perf_counter())

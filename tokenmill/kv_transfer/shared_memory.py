@@ -1,8 +1,8 @@
 """`SharedMemoryConnector`: KV blocks through POSIX shared memory, producer and consumer on one host.
 
 The producer copies a prompt's payload into a new shared-memory segment and announces it in the
-store under the transfer id (segment name, number of blocks). The consumer waits (up to `kv_timeout`)
-for that key, copies the payload out, and unlinks the segment. Segments the consumer never took are
+store under the transfer id (segment name, number of blocks). The consumer looks for that key (again
+and again, up to `kv_timeout`: `KVTransport.fetch`), copies the payload out, and unlinks the segment. Segments the consumer never took are
 unlinked by the producer after `kv_timeout`.
 """
 
@@ -61,17 +61,17 @@ class SharedMemoryConnector(KVTransport):
             segment.unlink()
             logger.warning("KV segment %s was never taken by the consumer; unlinked", name)
 
-    def _receive(self, transfer_id: str) -> list[torch.Tensor]:
+    def _receive(self, transfer_id: str) -> list[torch.Tensor] | None:
         key = f"ready/{transfer_id}"
         try:
-            self.store.wait([key], self.timeout)
+            if not self.store.check([key]):
+                return None
             meta = json.loads(self.store.get(key))
             self.store.delete_key(key)
-        except Exception as e:  # noqa: BLE001 - timed out, or the producer (the store's host) is gone
+        except Exception as e:  # noqa: BLE001 - the producer (the store's host) is gone
             self.store = None  # reconnect on the next fetch
             raise KVTransferError(
-                f"KV transfer {transfer_id!r}: nothing from the producer at {self.config.kv_ip}:"
-                f"{self.config.kv_port} within {self.config.kv_timeout:g} s "
+                f"KV transfer {transfer_id!r}: lost the producer at {self.config.kv_ip}:{self.config.kv_port} "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             ) from None
         try:

@@ -6,7 +6,7 @@ transfer id under that number; the producer's sender thread (blocked in a store 
 connection, woken by the consumer's key or by `close`) serves the numbers in turn — a header
 (found or not, number of blocks), then each tensor of the payload — and the consumer receives in the
 same order, so the two sides never disagree on what the next message is. A transfer the producer does
-not have within `kv_timeout` is answered "not found". Any failure of the group itself (the peer died)
+not have is answered "not found" at once (the consumer asks again: `KVTransport.fetch`). Any failure of the group itself (the peer died)
 leaves the connector broken: every later fetch fails at once, saying why.
 """
 
@@ -85,7 +85,7 @@ class TorchDistributedConnector(KVTransport):
                     return
                 transfer_id = store.get(key).decode()
                 store.delete_key(key)
-                tensors = self.staged.take(transfer_id, self.config.kv_timeout)
+                tensors = self.staged.take(transfer_id)
                 num_blocks = tensors[0].shape[BLOCK_DIM] if tensors else 0
                 self._send_tensor(
                     torch.tensor([tensors is not None, num_blocks], dtype=torch.int64, device=self.device)
@@ -98,7 +98,7 @@ class TorchDistributedConnector(KVTransport):
 
     # ---- consumer ---------------------------------------------------------------------------------
 
-    def _receive(self, transfer_id: str) -> list[torch.Tensor]:
+    def _receive(self, transfer_id: str) -> list[torch.Tensor] | None:
         if self.broken:
             raise KVTransferError(self.broken)
         try:
@@ -116,12 +116,7 @@ class TorchDistributedConnector(KVTransport):
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); restart both servers"
             )
             raise KVTransferError(self.broken) from None
-        if not found:
-            raise KVTransferError(
-                f"KV transfer {transfer_id!r}: the producer has no KV for it (its prefill "
-                f"failed or was aborted, or it expired after {self.config.kv_timeout:g} s)"
-            )
-        return payload
+        return payload if found else None
 
     def close(self) -> None:
         super().close()
