@@ -1,11 +1,15 @@
-"""The HTTP fronts' shared error handling (`tokenmill/http_front.py`) on a real uvicorn server: an error
-no handler takes is a JSON 500, and the client's connection serves its next request."""
+"""The HTTP fronts' shared error handling (`tokenmill/http_front.py`) and server (`tokenmill/http_server.py`)
+on a real uvicorn server: an error no handler takes is a JSON 500, and the client's connection serves its
+next request; a connection that does not send a request's head in time is closed."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
+import resource
+import socket
 import threading
 import time
 
@@ -15,6 +19,9 @@ from fastapi import FastAPI
 from test_server_utils import free_port
 
 from tokenmill.http_front import APIError, install_error_handlers
+from tokenmill.http_server import OPEN_FILES, uvicorn_config
+
+HEADER_TIMEOUT = 1.0  # seconds: the fronts' default is 30
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +41,15 @@ def url():
     async def ok():
         return {"ok": True}
 
+    @app.get("/slow")
+    async def slow():
+        await asyncio.sleep(3 * HEADER_TIMEOUT)  # the head came in time: the answer may take longer
+        return {"ok": True}
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    config = uvicorn_config(app, "critical", 5, HEADER_TIMEOUT)
+    config.host, config.port = "127.0.0.1", port
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -67,3 +81,42 @@ def test_an_unhandled_error_is_a_json_500_and_the_connection_serves_on(url, capl
         assert get(conn, "/ok") == (200, {"ok": True})
     finally:
         conn.close()
+
+
+def _closed_by_the_server(sock: socket.socket) -> bool:
+    """Whether the server closes `sock` (within a minute: far past the deadline, so no busy machine is late)."""
+    sock.settimeout(60)
+    try:
+        while data := sock.recv(4096):
+            assert b"HTTP/1.1 200" in data  # an answer to a complete request before, then the close
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_connection_that_does_not_send_a_request_head_in_time_is_closed(url):
+    with socket.create_connection(url) as silent, socket.create_connection(url) as trickling:
+        trickling.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n")  # the head's blank line never comes
+        assert _closed_by_the_server(silent)
+        assert _closed_by_the_server(trickling)
+    with socket.create_connection(url) as kept:  # on a kept-alive connection, each request's head alike
+        kept.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        kept.sendall(b"GET /ok HTTP/1.1\r\n")
+        assert _closed_by_the_server(kept)
+
+
+def test_a_request_whose_head_came_in_time_may_take_longer(url):
+    conn = http.client.HTTPConnection(*url, timeout=60)
+    try:
+        assert get(conn, "/slow") == (200, {"ok": True})
+        assert get(conn, "/ok") == (200, {"ok": True})  # the connection serves on
+    finally:
+        conn.close()
+
+
+def test_the_open_files_limit_is_raised(url):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == resource.RLIM_INFINITY or soft >= (
+        OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard)
+    )

@@ -17,7 +17,8 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 
 def add_http_args(group) -> None:
-    """--host, --port, --uvicorn-log-level of a front (the server, the router, the disaggregated-serving proxy)."""
+    """--host, --port, --uvicorn-log-level, --header-timeout of a front (the server, the router, the
+    disaggregated-serving proxy)."""
     group.add_argument(
         "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 listens on all interfaces (default: %(default)s)"
     )
@@ -27,6 +28,16 @@ def add_http_args(group) -> None:
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="log level of the uvicorn HTTP server (default: %(default)s)",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds a client may take to send a request's head (request line and headers), from "
+        "connecting or from the end of the previous response on the connection; a slower one is "
+        "disconnected, so idle or trickling connections cannot pile up; 0 turns the deadline off "
+        "(default: %(default)s)",
     )
 
 

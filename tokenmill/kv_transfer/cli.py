@@ -59,6 +59,7 @@ def add_kv_role_args(group) -> None:
 def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from tokenmill.http_server import uvicorn_config
     from tokenmill.kv_transfer.proxy import build_proxy_app
 
     for flag in ("prefill", "decode"):
@@ -68,9 +69,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     quiet_http_logs()
     sock = bind_or_exit(args)
     app = build_proxy_app(args.prefill, args.decode)
-    config = uvicorn.Config(
-        app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=10
-    )
+    config = uvicorn_config(app, args.uvicorn_log_level, 10, args.header_timeout)
     print(
         f"tokenmill disagg-proxy: prefill {args.prefill}, decode {args.decode}; listening at "
         f"http://{args.host}:{args.port}/v1",

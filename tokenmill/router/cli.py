@@ -113,17 +113,17 @@ def _policy(args: argparse.Namespace, num_replicas: int):
 def _serve_router(args: argparse.Namespace, urls: list[str], sock, note: str = "") -> None:
     import uvicorn
 
+    from tokenmill.http_server import DEFAULT_HEADER_TIMEOUT, uvicorn_config
     from tokenmill.router.app import build_router_app
 
     quiet_http_logs()
     policy, settings = _policy(args, len(urls))
     app = build_router_app(urls, policy, settings)
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
-        log_level=getattr(args, "uvicorn_log_level", "warning"),
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=10,
+        getattr(args, "uvicorn_log_level", "warning"),
+        10,
+        getattr(args, "header_timeout", DEFAULT_HEADER_TIMEOUT),
     )
     server = uvicorn.Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host

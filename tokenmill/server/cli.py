@@ -21,6 +21,7 @@ import uvicorn
 from tokenmill.cli_args import add_http_args, listening_socket, require_positive
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.fields import from_attributes
+from tokenmill.http_server import uvicorn_config
 from tokenmill.kv_transfer.cli import add_kv_role_args
 from tokenmill.router.cli import POLICY_DESTS, add_policy_args
 from tokenmill.server.limits import add_limit_args, limits_from_args
@@ -281,9 +282,7 @@ def _run(args: argparse.Namespace) -> int:
         client.metrics = metrics
         settings = from_attributes(ServerSettings, args, api_key=args.api_key or None, limits=limits)
         app = build_app(client, metrics, names, settings)
-        uv_config = uvicorn.Config(
-            app, log_level=args.uvicorn_log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5
-        )
+        uv_config = uvicorn_config(app, args.uvicorn_log_level, 5, args.header_timeout)
         server = _Server(
             uv_config, client, lambda: _print_ready(args, info, names, start, client), args.shutdown_timeout
         )
