@@ -53,7 +53,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate({"prompt_token_ids": list(range(1000, 1512))}, params, use_tqdm=False)
     decode_step.CompiledDecode.__call__ = call
-    step, (positions, hidden, residual, meta, _) = captured["step"]
+    step, (positions, hidden, residual, metas, _) = captured["step"]
+    meta = metas[0]
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
 
@@ -63,7 +64,14 @@ def main() -> None:
                 step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
                 step.lora,
             )  # fmt: skip
-            return lambda *args: built.run(*args, [], [], [])  # no adapters, no prompt chunks
+
+            def run(*args):  # no adapters, prompt chunks, other KV cache groups (builds before them: fewer arguments)
+                try:
+                    return built.run(*args, [], [], [], [], [])
+                except TypeError:
+                    return built.run(*args, [], [], [])
+
+            return run
         return lambda *args: module.decode_layers(
             *args, step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
             step.lora, [],
@@ -74,7 +82,7 @@ def main() -> None:
     def run(module):  # a fresh copy of the stream each call: the step adds to it in place
         return steps[module](
             hidden.clone(), None if residual is None else residual.clone(), positions, meta.slot_mapping,
-            meta.decode_block_tables, meta.decode_context_lens, step.rotary.table(hidden),
+            meta.decode_block_tables, meta.decode_context_lens, step.rotaries[0].table(hidden),
         )  # fmt: skip
 
     a, b = run(base), run(new)

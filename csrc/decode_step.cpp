@@ -8,7 +8,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ThreadLocalState.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/rms_norm.h>
 #include <omp.h>
 
 #include "block_quant.h"
@@ -261,18 +264,21 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
 
 // Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, k scales, v scales (empty
 // unless the cache is int8 / fp8), then (w, high, scales, offsets, supers, panel codes, panel scales, bias)
-// of qkv, o, gate_up, down; `ints` holds (kind, bits, center) of those four. `lora`: empty, or per layer the
-// LoRA factors (a, b, shard_offsets) of qkv, o, gate_up, down.
+// of qkv, o, gate_up, down, then the norms of each head's q and of each head's k, and the norms of the
+// attention's and of the MLP's output before they join the stream (Gemma 3's; all four empty where the
+// layer has none); `ints` holds (kind, bits, center) of those four linears, then the layer's
+// `LayerKind` (activation, window, group, rope). `lora`: empty, or per layer the LoRA factors (a, b,
+// shard_offsets) of qkv, o, gate_up, down.
 DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                        std::vector<torch::Tensor> lora)
     : tensors_(std::move(tensors)), lora_(std::move(lora)), H_(num_heads), KVH_(num_kv_heads), D_(head_dim),
       eps_(eps), scale_(scale) {
   using decode_step::Linear;
-  constexpr size_t kInts = 4 * 3, kLoRA = 4 * 3;
+  constexpr size_t kInts = 4 * 3 + 4, kLoRA = 4 * 3;
   TORCH_CHECK(tensors_.size() % kTensors == 0, "DecodeStep: ", kTensors, " tensors per layer");
   const size_t layers = tensors_.size() / kTensors;
-  TORCH_CHECK(ints.size() == kInts * layers, "DecodeStep: 12 ints per layer");
+  TORCH_CHECK(ints.size() == kInts * layers, "DecodeStep: 16 ints per layer");
   TORCH_CHECK(lora_.empty() || lora_.size() == kLoRA * layers, "DecodeStep: 12 LoRA tensors per layer, or none");
   for (size_t i = 0; i < layers; ++i)
     for (int j = 0; j < 4; ++j) {
@@ -284,22 +290,34 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
         adapted_.back().lora = lora_.data() + kLoRA * i + 3 * j;
       }
     }
-  one_region_ = std::all_of(plain_.begin(), plain_.end(), decode_step::splits_by_panels);
+  for (size_t i = 0; i < layers; ++i) {
+    const int64_t* k = ints.data() + kInts * i + 12;
+    kinds_.push_back(decode_step::LayerKind{k[0], k[1], k[2], k[3]});
+  }
+  // the one region runs plain layers only
+  one_region_ = std::all_of(plain_.begin(), plain_.end(), decode_step::splits_by_panels) &&
+                std::all_of(kinds_.begin(), kinds_.end(), [](const decode_step::LayerKind& k) { return k.plain(); });
+  for (size_t i = 0; i < layers; ++i)
+    for (size_t j = kTensors - 4; j < kTensors; ++j) one_region_ = one_region_ && !tensors_[kTensors * i + j].numel();
   for (size_t i = 0; i < layers; ++i) one_region_ = one_region_ && plain_[4 * i + 2].w.size(0) % 16 == 0;  // 8 | I
 }
 
 // hidden: [T, hidden], its decodes first, then (chunk_spans, chunk_tables: decode_step::Chunks) the prompt
 // chunks of a mixed step, which only the one parallel region runs; residual: the stream so far (absent
 // before the first layer). `lora_segments`: empty, or the step's (seg_starts, seg_slots, seg_scales)
-// (tokenmill/kernels/lora.py), which run the adapters. Returns {hidden, residual} after the last layer (the
-// final norm is the caller's).
+// (tokenmill/kernels/lora.py), which run the adapters. slots, block_tables, context_lens: KV cache group 0's
+// (the layers' of `LayerKind::group` 0); other_groups: the same three of group 1, 2, ... in turn. cos_sin:
+// rotary table 0; other_tables: tables 1, 2, ... Returns {hidden, residual} after the last layer (the final
+// norm is the caller's).
 std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                            const torch::Tensor& positions, const torch::Tensor& slots,
                                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                            const torch::Tensor& cos_sin,
                                            const std::vector<torch::Tensor>& lora_segments,
                                            std::vector<int64_t> chunk_spans,
-                                           std::vector<torch::Tensor> chunk_tables) const {
+                                           std::vector<torch::Tensor> chunk_tables,
+                                           const std::vector<torch::Tensor>& other_groups,
+                                           const std::vector<torch::Tensor>& other_tables) const {
   TORCH_CHECK(lora_segments.empty() || lora_segments.size() == 3, "DecodeStep: 3 LoRA segment tensors, or none");
   const bool adapters = !lora_.empty() && !lora_segments.empty();
   const torch::Tensor* segments = adapters ? lora_segments.data() : nullptr;
@@ -312,6 +330,11 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
     TORCH_CHECK(chunks.length(c) > 0 && chunks.cached(c) >= 0 &&
                     chunks.start(c) == (c ? chunks.start(c - 1) + chunks.length(c - 1) : T - chunks.tokens()),
                 "DecodeStep: chunks follow the decodes and each other to the step's end");
+  TORCH_CHECK(other_groups.size() % 3 == 0, "DecodeStep: (slots, block tables, context lens) for each other group");
+  for (const auto& k : kinds_)
+    TORCH_CHECK(k.group <= static_cast<int64_t>(other_groups.size() / 3) &&
+                    k.rope <= static_cast<int64_t>(other_tables.size()),
+                "DecodeStep: a layer's KV cache group or rotary table was not passed");
   if (one_region_ && !adapters)
     return decode_step::layers_in_one_region(hidden, residual, positions, slots, block_tables, context_lens, cos_sin,
                                              linears, tensors_, H, KVH, D, eps_, scale_, chunks);
@@ -322,28 +345,56 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
     const decode_step::Linear &qkv_proj = linears[4 * i], &o_proj = linears[4 * i + 1],
                               &gate_up_proj = linears[4 * i + 2], &down_proj = linears[4 * i + 3];
 
+    const decode_step::LayerKind& kind = kinds_[i];
+    const torch::Tensor* group = kind.group ? other_groups.data() + 3 * (kind.group - 1) : nullptr;
+    const torch::Tensor &layer_slots = group ? group[0] : slots, &layer_tables = group ? group[1] : block_tables,
+                        &layer_lens = group ? group[2] : context_lens,
+                        &table = kind.rope ? other_tables[kind.rope - 1] : cos_sin;
+    const torch::Tensor &q_norm = t[kTensors - 4], &k_norm = t[kTensors - 3], &attn_out_norm = t[kTensors - 2],
+                        &mlp_out_norm = t[kTensors - 1];
+    // a norm with no residual, as RMSNorm(x) alone runs it (the fused kernel)
+    auto norm_alone = [&](const torch::Tensor& x, const torch::Tensor& w) {
+      auto out = torch::empty_like(x);
+      add_rms_norm(x, c10::nullopt, w, eps_, out);
+      return out;
+    };
+
     auto normed = torch::empty_like(hidden);
     add_rms_norm(hidden, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, t[0], eps_, normed);
     res = hidden;
     auto qkv = decode_step::linear(qkv_proj, normed, segments).view({T, H + 2 * KVH, D});
-    rotary_inplace(qkv.narrow(1, 0, H + KVH), positions, cos_sin);
+    auto qk = qkv.narrow(1, 0, H + KVH);
+    if (q_norm.numel())  // each head's q and k normed (torch's rms_norm, as LlamaAttention), into a new tensor
+      qk = at::cat({at::rms_norm(qkv.narrow(1, 0, H), {D}, q_norm, eps_),
+                    at::rms_norm(qkv.narrow(1, H, KVH), {D}, k_norm, eps_)},
+                   1);
+    rotary_inplace(qk, positions, table);
+    const auto keys = qk.narrow(1, H, KVH), values = qkv.narrow(1, H + KVH, KVH);
     const bool quantized = t[4].numel() > 0;
     if (quantized)
-      write_kv_quantized(qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH), t[2], t[3], t[4], t[5], slots);
+      write_kv_quantized(keys, values, t[2], t[3], t[4], t[5], layer_slots);
     else
-      write_kv(qkv.narrow(1, H, KVH), qkv.narrow(1, H + KVH, KVH), t[2], t[3], slots);
+      write_kv(keys, values, t[2], t[3], layer_slots);
     auto attn = torch::empty({T, H, D}, hidden.options());
-    paged_decode_attention(qkv.narrow(1, 0, H).contiguous(), t[2], t[3], block_tables, context_lens, scale_, 0, 0.0,
-                           attn, decode_step::present(t[4]), decode_step::present(t[5]));
+    paged_decode_attention(qk.narrow(1, 0, H).contiguous(), t[2], t[3], layer_tables, layer_lens, scale_, kind.window,
+                           0.0, attn, decode_step::present(t[4]), decode_step::present(t[5]));
     auto o = decode_step::linear(o_proj, attn.view({T, H * D}), segments);
+    if (attn_out_norm.numel()) o = norm_alone(o, attn_out_norm);
 
     normed = torch::empty_like(o);
     add_rms_norm(o, res, t[1], eps_, normed);
     res = o;
     auto gate_up = decode_step::linear(gate_up_proj, normed, segments);
-    auto act = torch::empty({T, gate_up.size(1) / 2}, hidden.options());
-    silu_and_mul(gate_up, act);
+    const int64_t I = gate_up.size(1) / 2;
+    torch::Tensor act;
+    if (kind.activation == 0) {
+      act = torch::empty({T, I}, hidden.options());
+      silu_and_mul(gate_up, act);
+    } else {  // as gelu_tanh_and_mul: torch's gelu (tanh) of the gate, times up
+      act = at::gelu(gate_up.narrow(1, 0, I), "tanh").mul(gate_up.narrow(1, I, I));
+    }
     hidden = decode_step::linear(down_proj, act, segments);
+    if (mlp_out_norm.numel()) hidden = norm_alone(hidden, mlp_out_norm);
   }
   return {hidden, res};
 }

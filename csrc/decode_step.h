@@ -1,5 +1,5 @@
-// The decode step of a stack of plain pre-norm decoder layers (see tokenmill/kernels/decode_step.py), made
-// of the very kernels the Python path calls: built once from the layers' weights, then run once a step.
+// The decode step of a stack of pre-norm decoder layers (see tokenmill/kernels/decode_step.py), made of the
+// very kernels the Python path calls: built once from the layers' weights, then run once a step.
 #pragma once
 
 #include <vector>
@@ -34,6 +34,14 @@ struct Chunks {
   }
 };
 
+// What a layer has beyond the plain pre-norm one (Gemma 3's): its activation (0: SiLU, 1: GELU-tanh), its
+// attention's sliding window (0: none), the KV cache group its cache and metadata come from, and the
+// rotary table it turns q and k with (an index into the step's tables).
+struct LayerKind {
+  int64_t activation, window, group, rope;
+  bool plain() const { return activation == 0 && window == 0 && group == 0 && rope == 0; }
+};
+
 }  // namespace decode_step
 
 // The layers' weights, KV caches and shapes, held from the model's load (or the KV cache's binding) on: a
@@ -41,7 +49,7 @@ struct Chunks {
 // (about 1,100 tensor arguments a token for SmolLM2's 30 layers).
 class DecodeStep {
  public:
-  static constexpr size_t kTensors = 6 + 4 * 8;  // per layer (see the constructor)
+  static constexpr size_t kTensors = 6 + 4 * 8 + 4;  // per layer (see the constructor)
   DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
              int64_t head_dim, double eps, double scale, std::vector<torch::Tensor> lora);
   DecodeStep(const DecodeStep&) = delete;  // `adapted_` points into `lora_`
@@ -50,13 +58,16 @@ class DecodeStep {
                                  const torch::Tensor& positions, const torch::Tensor& slots,
                                  const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                  const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& lora_segments,
-                                 std::vector<int64_t> chunk_spans, std::vector<torch::Tensor> chunk_tables) const;
+                                 std::vector<int64_t> chunk_spans, std::vector<torch::Tensor> chunk_tables,
+                                 const std::vector<torch::Tensor>& other_groups,
+                                 const std::vector<torch::Tensor>& other_tables) const;
   // whether mixed steps (prompt chunks after the decodes) can run: every product on panels, no adapter
   bool runs_chunks() const { return one_region_ && lora_.empty(); }
 
  private:
   std::vector<torch::Tensor> tensors_, lora_;
   std::vector<decode_step::Linear> plain_, adapted_;  // adapted_: with the LoRA factors, when there are some
+  std::vector<decode_step::LayerKind> kinds_;
   int64_t H_, KVH_, D_;
   double eps_, scale_;
   bool one_region_;  // every product on panels with int8 activations: the layers in one parallel region

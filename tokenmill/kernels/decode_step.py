@@ -1,4 +1,4 @@
-"""The decode (and mixed) step of a stack of plain pre-norm decoder layers in one C++ call, on CPU float32.
+"""The decode (and mixed) step of a stack of pre-norm decoder layers in one C++ call, on CPU float32.
 
 A decode step of a small model is thousands of tiny kernel calls: SmolLM2-135M runs 30 layers of
 about ten each per token, and from Python every call costs more in module dispatch, argument
@@ -10,16 +10,21 @@ so its results are bit-identical to the module-by-module forward:
     RMSNorm(x + residual) -> qkv (+ bias) -> rotate q, k (rotate-half) -> write k, v to their slots
     -> paged decode attention -> o_proj -> RMSNorm(+ residual) -> gate_up -> silu * up -> down
 
+and Gemma 3's layers (`LayerParts`' optional parts): each head's q and k normed before the rotation, the
+attention's and the MLP's outputs normed before they join the stream, GELU-tanh for SiLU, sliding-window
+layers beside global ones, each with its own KV cache group (block tables, slots) and rotary table.
+
 Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
 blocks with float or int8 activations), and with LoRA adapters by its `LoRAWeights` factors: a step
 whose tokens run adapters adds their deltas after each matmul with the LoRA kernel the Python path
-calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything else (a window, a soft-cap, q/k
-norms, experts, other activations, tensor parallelism) keeps the model's own forward. KV caches
+calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything else (a soft-cap, experts,
+other activations, tensor parallelism) keeps the model's own forward. KV caches
 may be float32, float16, bfloat16, or int8 / fp8 with their scales (written by `write_kv_quantized`,
 bit for bit the torch path's quantizer, and read by the same decode kernel).
 
-When every linear layer runs int8 activations on panels and no adapter (GGUF models, the small ones
-whose tokens are short), the layers run inside one OpenMP parallel region instead of one per kernel:
+When every linear layer runs int8 activations on panels and no adapter, and the layers are plain (no
+Gemma part: those run kernel by kernel, still without Python between them), the layers run inside one
+OpenMP parallel region instead of one per kernel:
 about 150 fork/joins a token fewer for SmolLM2. Each layer is nine phases (csrc/step_phases.h): the
 products split by panels, the attention by its tasks, the small ops one unit each; a thread takes its
 share a piece at a time and then what a late partner has not started, so a thread preempted on a busy
@@ -60,9 +65,17 @@ class LayerParts:
     post_norm: nn.Module  # RMSNorm
     gate_up_proj: nn.Module
     down_proj: nn.Module
+    # Gemma 3's: RMSNorms of each head's q and k, and of the attention's and the MLP's output before the
+    # stream takes them; its activation
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+    attn_out_norm: nn.Module | None = None
+    mlp_out_norm: nn.Module | None = None
+    activation: str = "silu"  # or "gelu_tanh"
 
 
 _NONE = torch.empty(0)
+_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _linear_operands(linear: nn.Module) -> tuple[list[torch.Tensor], list[int], int | None] | None:
@@ -91,7 +104,9 @@ class CompiledDecode:
         first = parts[0]
         self.kv_cache = first.attn.kv_cache  # the first layer's cache when this was built
         self.kv_scales, self.backend = first.attn.kv_scales, first.attn.backend
-        self.kv_group, self.rotary = first.attn.kv_group, first.rotary
+        # the KV cache groups and rotary tables of the layers, the first layer's first
+        self.groups = list(dict.fromkeys(p.attn.kv_group for p in parts))
+        self.rotaries = list({id(p.rotary): p.rotary for p in parts}.values())
         self.tensors, self.ints, self.max_tokens = tensors, ints, max_tokens
         self.lora = lora  # per linear layer (a, b, shard_offsets) of its LoRAWeights; empty without LoRA
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -112,25 +127,27 @@ class CompiledDecode:
         if not parts or any(p is None for p in parts) or parts[0].attn.kv_cache.device.type != "cpu" or load() is None:
             return None
         first = parts[0].attn
+        groups = list(dict.fromkeys(p.attn.kv_group for p in parts))
+        rotaries = list({id(p.rotary): p.rotary for p in parts}.values())
         tensors, ints, limits, lora = [], [], [], []
         for p in parts:
             a = p.attn
-            same = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.kv_group, p.rotary) == (
+            same = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) == (
                 first.num_heads,
                 first.num_kv_heads,
                 first.head_dim,
                 first.scale,
-                first.kv_group,
-                parts[0].rotary,
             )
+            norms = (p.input_norm, p.post_norm, p.q_norm, p.k_norm, p.attn_out_norm, p.mlp_out_norm)
             if (
                 not same
-                or {p.input_norm.eps, p.post_norm.eps} != {parts[0].input_norm.eps}
+                or {n.eps for n in norms if n is not None} != {parts[0].input_norm.eps}
+                or (p.q_norm is None) != (p.k_norm is None)
+                or p.activation not in _ACTIVATIONS
                 or a.kv_cache is None
                 or a.kv_cache.dtype not in paged_attention.CACHE_DTYPES
                 or a.kv_cache.device.type != "cpu"
                 or getattr(a.backend, "name", None) != "cpu-paged"
-                or a.sliding_window
                 or a.logits_soft_cap
                 or a.latent_rope_dim is not None
                 or p.rotary.interleaved
@@ -148,32 +165,42 @@ class CompiledDecode:
                 tensors += lt
                 ints += li
                 limits += [limit] if limit else []
+            tensors += [n.weight if n is not None else _NONE for n in norms[2:]]
+            ints += [
+                _ACTIVATIONS.index(p.activation),
+                a.sliding_window or 0,
+                groups.index(a.kv_group),
+                next(i for i, r in enumerate(rotaries) if r is p.rotary),
+            ]
         if len(lora) not in (0, 12 * len(parts)):  # adapters on some of these layers only
             return None
         return cls(parts, tensors, ints, min(limits) if limits else None, lora)
 
-    def applies(self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, meta) -> bool:
-        """Whether this step can run compiled: its decodes, and the prompt chunks after them where the step
-        runs in one parallel region (every product on panels, no adapter) and the backend would run each
-        chunk with its prefill kernel alone; few enough tokens for every kernel."""
+    def applies(self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, metas: list) -> bool:
+        """Whether this step can run compiled (`metas`: the step's attention metadata of each of `groups`):
+        its decodes, and the prompt chunks after them where the step runs in one parallel region (every
+        product on panels, no adapter, plain layers) and the backend would run each chunk with its prefill
+        kernel alone; few enough tokens for every kernel."""
         if not (
             kv_cache is self.kv_cache
             and hidden.dtype == torch.float32
             and hidden.device.type == "cpu"
-            and hasattr(meta, "num_decodes")  # the CPU backends' metadata
+            and all(hasattr(m, "num_decodes") for m in metas)  # the CPU backends' metadata
             and (self.max_tokens is None or hidden.shape[0] <= self.max_tokens)
         ):
             return False
+        meta = metas[0]
         if not meta.prefills:
-            return meta.num_decodes == hidden.shape[0]
+            return all(m.num_decodes == hidden.shape[0] for m in metas)
         quantized = self.kv_scales is not None
         return self.step.runs_chunks and all(self.backend.runs_prefill_kernel(p, quantized) for p in meta.prefills)
 
     def __call__(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta, lora=None
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, metas: list, lora=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`lora`: the step's `LoRABatch` when some of its tokens run an adapter."""
+        """`metas`: as `applies`'; `lora`: the step's `LoRABatch` when some of its tokens run an adapter."""
         segments = [] if lora is None else [lora.segments.starts, lora.segments.slots, lora.segments.scales]
+        meta = metas[0]
         decodes = meta.num_decodes > 0
         hidden, residual = self.step.run(
             hidden,
@@ -182,9 +209,11 @@ class CompiledDecode:
             meta.slot_mapping,
             meta.decode_block_tables if decodes else _NONE,
             meta.decode_context_lens if decodes else _NONE,
-            self.rotary.table(hidden),
+            self.rotaries[0].table(hidden),
             segments,
             [v for p in meta.prefills for v in (p.start, p.end, p.cached)],
             [p.block_table for p in meta.prefills],
+            [t for m in metas[1:] for t in (m.slot_mapping, m.decode_block_tables, m.decode_context_lens)],
+            [r.table(hidden) for r in self.rotaries[1:]],
         )
         return hidden, residual

@@ -16,11 +16,13 @@ import torch
 from torch import nn
 
 from tokenmill.config import rope_type
+from tokenmill.kernels.decode_step import LayerParts
 from tokenmill.layers.activation import gelu_tanh_and_mul
 from tokenmill.layers.embedding import VocabEmbedding
+from tokenmill.layers.forward_context import current_lora_batch
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaMLP
+from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaMLP, compiled_decode
 from tokenmill.models.utils import decoder_layers
 from tokenmill.quantization.base import QuantizationConfig, dense
 from tokenmill.quantization.unquantized import load_dense
@@ -112,6 +114,25 @@ class GemmaDecoderLayer(nn.Module):
         hidden, _ = self.post_feedforward_layernorm(self.mlp(hidden))
         return hidden, residual
 
+    def decode_parts(self) -> LayerParts:
+        """This layer for the compiled decode step (which declines a soft-capped one: Gemma 2's)."""
+        attn, mlp = self.self_attn, self.mlp
+        return LayerParts(
+            self.input_layernorm,
+            attn.qkv_proj,
+            attn.rotary,
+            attn.attn,
+            attn.o_proj,
+            self.pre_feedforward_layernorm,
+            mlp.gate_up_proj,
+            mlp.down_proj,
+            getattr(attn, "q_norm", None),
+            getattr(attn, "k_norm", None),
+            self.post_attention_layernorm,
+            self.post_feedforward_layernorm,
+            "gelu_tanh",
+        )
+
 
 class GemmaModel(nn.Module):
     def __init__(self, config: GemmaConfig, quant_config: QuantizationConfig, max_positions: int) -> None:
@@ -130,12 +151,17 @@ class GemmaModel(nn.Module):
             )
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.compiled_decode = (None, None)  # (for cache, step): `models.llama.compiled_decode`
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids)
         hidden, residual = embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        step, metas = compiled_decode(self, self.layers, hidden)
+        if step is not None:
+            hidden, residual = step(positions, hidden, residual, metas, current_lora_batch())
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -253,7 +253,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     def decode_parts(self) -> LayerParts | None:
         """This layer for the compiled decode step, or None when it has parts the step lacks."""
         attn, mlp = self.self_attn, self.mlp
-        if type(mlp) is not LlamaMLP or mlp.act_and_mul is not silu_and_mul or hasattr(attn, "q_norm"):
+        if type(mlp) is not LlamaMLP or mlp.act_and_mul is not silu_and_mul:
             return None
         return LayerParts(
             self.input_layernorm,
@@ -264,6 +264,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             self.post_attention_layernorm,
             mlp.gate_up_proj,
             mlp.down_proj,
+            getattr(attn, "q_norm", None),  # Qwen3's
+            getattr(attn, "k_norm", None),
         )
 
 
@@ -309,9 +311,9 @@ class LlamaModel(nn.Module):
         hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         if self.aux_layers:  # an EAGLE-3 drafter's target: one stage (speculation is refused with pipelines)
             return self.norm(*self._forward_keeping_aux(positions, hidden))[0]
-        step, meta = self._compiled_decode(hidden)
+        step, metas = self._compiled_decode(hidden)
         if step is not None:
-            hidden, residual = step(positions, hidden, residual, meta, current_lora_batch())
+            hidden, residual = step(positions, hidden, residual, metas, current_lora_batch())
         else:
             for layer in self.stage_layers:
                 hidden, residual = layer(positions, hidden, residual)
@@ -324,13 +326,13 @@ class LlamaModel(nn.Module):
         """The layers, keeping the residual stream entering each of `aux_layers` in `aux_hidden`; a
         step of decodes runs the stretches between them as compiled decode steps."""
         bounds = sorted({0, len(self.layers), *self.aux_layers})
-        steps, meta = self._compiled_stretches(hidden, bounds)
+        steps, metas = self._compiled_stretches(hidden, bounds)
         residual, aux = None, []
         for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
             if start in self.aux_layers:
                 aux.append(hidden if residual is None else hidden + residual)
             if steps is not None:
-                hidden, residual = steps[i](positions, hidden, residual, meta, current_lora_batch())
+                hidden, residual = steps[i](positions, hidden, residual, metas, current_lora_batch())
                 continue
             for layer in self.layers[start:end]:
                 hidden, residual = layer(positions, hidden, residual)
@@ -352,24 +354,34 @@ class LlamaModel(nn.Module):
             self.aux_decode = ((attn.kv_cache, bounds), steps)
         if steps is None:
             return None, None
-        meta = get_forward_context().attn_metadata[steps[0].kv_group]
-        return (steps, meta) if all(s.applies(hidden, s.kv_cache, meta) for s in steps) else (None, None)
+        metas = step_metadata(steps[0])
+        return (steps, metas) if all(s.applies(hidden, s.kv_cache, metas) for s in steps) else (None, None)
 
-    def _compiled_decode(self, hidden: torch.Tensor) -> tuple[CompiledDecode | None, object]:
-        """The compiled decode step (built on the first step after the KV cache is bound) when it
-        runs every layer and this step is decodes only (LoRA adapters included: it adds their
-        deltas); else (None, None)."""
-        attn = getattr(getattr(self.stage_layers[0], "self_attn", None), "attn", None)
-        if attn is None or attn.kv_cache is None:
-            return None, None
-        built_for, step = self.compiled_decode
-        if built_for is not attn.kv_cache:
-            step = CompiledDecode.build([getattr(layer, "decode_parts", lambda: None)() for layer in self.stage_layers])
-            self.compiled_decode = (attn.kv_cache, step)
-        if step is None:
-            return None, None
-        meta = get_forward_context().attn_metadata[step.kv_group]
-        return (step, meta) if step.applies(hidden, attn.kv_cache, meta) else (None, None)
+    def _compiled_decode(self, hidden: torch.Tensor) -> tuple[CompiledDecode | None, list | None]:
+        return compiled_decode(self, self.stage_layers, hidden)
+
+
+def step_metadata(step: CompiledDecode) -> list:
+    """This step's attention metadata of each KV cache group the compiled `step` reads."""
+    attn_metadata = get_forward_context().attn_metadata
+    return [attn_metadata[g] for g in step.groups]
+
+
+def compiled_decode(model: nn.Module, layers, hidden: torch.Tensor) -> tuple[CompiledDecode | None, list | None]:
+    """The compiled decode step of `layers` (built on the first step after the KV cache is bound, kept in
+    `model.compiled_decode`) and its metadata, when it runs every layer and this step is decodes only,
+    or decodes and prompt chunks it runs (LoRA adapters included: it adds their deltas); else (None, None)."""
+    attn = getattr(getattr(layers[0], "self_attn", None), "attn", None)
+    if attn is None or attn.kv_cache is None:
+        return None, None
+    built_for, step = model.compiled_decode
+    if built_for is not attn.kv_cache:
+        step = CompiledDecode.build([getattr(layer, "decode_parts", lambda: None)() for layer in layers])
+        model.compiled_decode = (attn.kv_cache, step)
+    if step is None:
+        return None, None
+    metas = step_metadata(step)
+    return (step, metas) if step.applies(hidden, attn.kv_cache, metas) else (None, None)
 
 
 class LlamaForCausalLM(nn.Module):
