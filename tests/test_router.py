@@ -396,17 +396,22 @@ def test_a_client_that_leaves_mid_stream_stops_the_generation(cluster):
     wait_for(idle, 3)  # 1000 tokens would take far longer: the replica aborted it
 
 
+def _answer_health(handler: http.server.BaseHTTPRequestHandler) -> None:
+    """A fake replica's /health: 200, {"status": "ok"}."""
+    body = b'{"status": "ok"}'
+    handler.send_response(200)
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 @pytest.fixture
 def dropping_replica():
     """A fake replica: healthy, but it drops every generation request's connection without answering."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = b'{"status": "ok"}'
-            self.send_response(200)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _answer_health(self)
 
         def do_POST(self):
             self.close_connection = True
@@ -483,11 +488,7 @@ def freezing_replica():
             if frozen.is_set():
                 thawed.wait(60)
                 return
-            body = b'{"status": "ok"}'
-            self.send_response(200)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _answer_health(self)
 
         def do_POST(self):
             posts.append(self.rfile.read(int(self.headers["content-length"])))

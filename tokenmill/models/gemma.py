@@ -22,7 +22,7 @@ from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.forward_context import current_lora_batch
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaMLP, compiled_decode
+from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaMLP, compiled_decode, layer_parts
 from tokenmill.models.utils import decoder_layers
 from tokenmill.quantization.base import QuantizationConfig, dense
 from tokenmill.quantization.unquantized import load_dense
@@ -116,21 +116,14 @@ class GemmaDecoderLayer(nn.Module):
 
     def decode_parts(self) -> LayerParts:
         """This layer for the compiled decode step (which declines a soft-capped one: Gemma 2's)."""
-        attn, mlp = self.self_attn, self.mlp
-        return LayerParts(
+        return layer_parts(
             self.input_layernorm,
-            attn.qkv_proj,
-            attn.rotary,
-            attn.attn,
-            attn.o_proj,
+            self.self_attn,
             self.pre_feedforward_layernorm,
-            mlp.gate_up_proj,
-            mlp.down_proj,
-            getattr(attn, "q_norm", None),
-            getattr(attn, "k_norm", None),
-            self.post_attention_layernorm,
-            self.post_feedforward_layernorm,
-            "gelu_tanh",
+            self.mlp,
+            attn_out_norm=self.post_attention_layernorm,
+            mlp_out_norm=self.post_feedforward_layernorm,
+            activation="gelu_tanh",
         )
 
 

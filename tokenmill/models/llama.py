@@ -252,21 +252,29 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
     def decode_parts(self) -> LayerParts | None:
         """This layer for the compiled decode step, or None when it has parts the step lacks."""
-        attn, mlp = self.self_attn, self.mlp
-        if type(mlp) is not LlamaMLP or mlp.act_and_mul is not silu_and_mul:
+        if type(self.mlp) is not LlamaMLP or self.mlp.act_and_mul is not silu_and_mul:
             return None
-        return LayerParts(
-            self.input_layernorm,
-            attn.qkv_proj,
-            attn.rotary,
-            attn.attn,
-            attn.o_proj,
-            self.post_attention_layernorm,
-            mlp.gate_up_proj,
-            mlp.down_proj,
-            getattr(attn, "q_norm", None),  # Qwen3's
-            getattr(attn, "k_norm", None),
-        )
+        return layer_parts(self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
+
+
+def layer_parts(
+    input_norm: nn.Module, attn: LlamaAttention, post_norm: nn.Module, mlp: LlamaMLP, **extra
+) -> LayerParts:
+    """A layer of these modules for the compiled decode step (with its q/k norms where it has them: Qwen3's,
+    Gemma 3's); `extra`: `LayerParts`' other optional parts."""
+    return LayerParts(
+        input_norm,
+        attn.qkv_proj,
+        attn.rotary,
+        attn.attn,
+        attn.o_proj,
+        post_norm,
+        mlp.gate_up_proj,
+        mlp.down_proj,
+        getattr(attn, "q_norm", None),
+        getattr(attn, "k_norm", None),
+        **extra,
+    )
 
 
 class LlamaModel(nn.Module):
