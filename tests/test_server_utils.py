@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +12,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
+from tokenmill.ports import free_port
 
 MODEL = "smollm2-135m-instruct"
 STARTUP_TIMEOUT = 300  # seconds; a loaded 2-core machine can be slow to import torch and load weights
@@ -35,32 +35,6 @@ def healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _ephemeral_ports() -> range:
-    """The ports the kernel gives outgoing connections and bind(port 0) (Linux's setting; its default)."""
-    try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999
-    return range(low, high + 1)
-
-
-def free_port() -> int:
-    """A port free now for a server under test, outside the ephemeral range: a port the kernel handed out
-    (bind to port 0) can be taken, before the server binds it, by any outgoing connection on this machine,
-    the other test worker's clients included; one outside the range only by another free_port."""
-    ephemeral, rng = _ephemeral_ports(), random.SystemRandom()
-    candidates = [p for p in range(10000, 65536) if p not in ephemeral]
-    for _ in range(200):
-        port = rng.choice(candidates)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port outside the ephemeral range")
 
 
 class ServerProcess:

@@ -12,7 +12,6 @@ connection closes, else after `parallel_state.TIMEOUT`).
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import sys
 
 from tokenmill.config import EngineConfig
@@ -25,12 +24,7 @@ from tokenmill.executor.worker_process import (
     process_main,
     rank_failure,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tokenmill.ports import free_port
 
 
 class WorkerProcesses:
@@ -108,7 +102,7 @@ class MultiprocExecutor(UniProcExecutor):
     """The driver: rank 0's runner here (as `UniProcExecutor` runs it), every step shared with the workers first."""
 
     def __init__(self, config: EngineConfig) -> None:
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self.workers = start_workers(config, init_method)
         try:
             loaded = join_and_load(config, 0, init_method, self.workers.dead)

@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,16 +23,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tokenmill.ports import free_ports
+
 _PR_SET_PDEATHSIG = 1
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free on 127.0.0.1 just now (all held open together, so never the same one twice)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def cpu_shares(n: int) -> list[list[int]]:
