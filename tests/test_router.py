@@ -519,12 +519,12 @@ def freezing_replica():
 
 
 def _router_test_client(urls: list[str]):
-    """An in-process router over `urls` (round-robin) that checks health every 0.2 s, 1 s a check at most."""
+    """An in-process router over `urls` (round-robin) that checks health every 0.2 s, 2 s a check at most."""
     from starlette.testclient import TestClient
 
     from tokenmill.router.app import RouterSettings, build_router_app
 
-    settings = RouterSettings(ui=False, health_interval=0.2, health_timeout=1.0)
+    settings = RouterSettings(ui=False, health_interval=0.2, health_timeout=2.0)
     return TestClient(build_router_app(urls, RoundRobinPolicy(len(urls)), settings))
 
 

@@ -67,7 +67,7 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
         "/metrics) for several replicas, routing each request by prefix-cache affinity and load. "
         "A replica that fails its health check or refuses connections gets no requests; a request "
         "whose replica fails before answering is retried once on another; one whose replica stops "
-        "answering (a /health check times out) is retried too, or its stream ends with an error event; "
+        "answering (two /health checks in a row time out) is retried too, or its stream ends with an error event; "
         "with none healthy the router answers 503.",
     )
     p.add_argument(

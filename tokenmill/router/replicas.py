@@ -6,8 +6,9 @@ once when the router cannot connect to it; the next good check brings it back. R
 unhealthy until their first check.
 
 A check that times out means the replica stopped answering at all (a frozen process, a lost host), not
-that it is draining or busy (those answer /health at once): the requests waiting on it are then given up
-(`Replica.stalled`), so that none waits forever on a replica that will not answer.
+that it is draining or busy (those answer /health at once): after `STALLED_CHECKS` such checks in a row
+the requests waiting on it are given up (`Replica.stalled`), so that none waits forever on a replica
+that will not answer, and one slow answer costs no request.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import httpx
 
 logger = logging.getLogger("tokenmill.router")
 
+STALLED_CHECKS = 2  # health checks timed out in a row before the requests waiting on a replica are given up
+
 
 @dataclass
 class Replica:
@@ -29,6 +32,7 @@ class Replica:
     healthy: bool = False
     in_flight: int = 0
     last_error: str | None = None
+    timed_out: int = 0  # health checks timed out in a row
     _stalled: asyncio.Future | None = field(default=None, repr=False)
 
     def stalled(self) -> asyncio.Future:
@@ -37,8 +41,10 @@ class Replica:
             self._stalled = asyncio.get_running_loop().create_future()
         return self._stalled
 
-    def mark_stalled(self) -> None:
-        if self._stalled is not None and not self._stalled.done():
+    def check_timed_out(self) -> None:
+        """A health check timed out: the `STALLED_CHECKS`-th in a row gives up the requests waiting here."""
+        self.timed_out += 1
+        if self.timed_out >= STALLED_CHECKS and self._stalled is not None and not self._stalled.done():
             self._stalled.set_result(None)
 
 
@@ -102,8 +108,11 @@ async def check_replica(client: httpx.AsyncClient, replicas: ReplicaSet, index: 
     except httpx.HTTPError as e:
         replicas.mark_unhealthy(index, f"/health failed: {type(e).__name__}: {e}".rstrip(": "))
         if isinstance(e, httpx.TimeoutException):
-            replica.mark_stalled()
+            replica.check_timed_out()
+        else:
+            replica.timed_out = 0
         return False
+    replica.timed_out = 0
     if response.status_code != 200:
         replicas.mark_unhealthy(index, f"/health answered {response.status_code}")
         return False
