@@ -423,6 +423,18 @@ def test_prompt_logprobs_cannot_come_with_a_kv_transfer(extra, param):
     assert e.value.status == 400 and e.value.param == param and "kv_transfer_params" in e.value.message
 
 
+@pytest.mark.parametrize("transfer_id", ["", 7, ["t"], "x" * 257])
+def test_a_transfer_id_is_a_short_string(transfer_id):
+    """The decode server asks the producer for it (a store key) until it comes: no huge or odd ones."""
+    body = {"prompt": "Hi", "kv_transfer_params": {"transfer_id": transfer_id}}
+    req = parse_body(CompletionRequest, json.dumps(body).encode())
+    with pytest.raises(APIError) as e:
+        req.sampling_params()
+    assert e.value.status == 400 and e.value.param == "kv_transfer_params" and "transfer_id" in e.value.message
+    ok = parse_body(CompletionRequest, json.dumps({**body, "kv_transfer_params": {"transfer_id": "x" * 256}}).encode())
+    assert ok.sampling_params().kv_transfer_id == "x" * 256
+
+
 def test_responses_and_messages_take_priority_as_chat_does():
     from tokenmill.server.protocol_anthropic import MessagesRequest
     from tokenmill.server.protocol_responses import ResponsesRequest

@@ -30,6 +30,9 @@ from tokenmill.structured.spec import StructuredOutputSpec
 # ---- request bodies -------------------------------------------------------------------------------
 
 
+MAX_TRANSFER_ID = 256  # characters: a store key the decode server asks the producer for until it comes
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -102,8 +105,11 @@ class _SamplingRequest(_Body):
 
     def _kv_transfer_id(self) -> str:
         transfer_id = self.kv_transfer_params.get("transfer_id")
-        if not isinstance(transfer_id, str) or not transfer_id:
-            raise bad_request("kv_transfer_params.transfer_id must be a non-empty string", "kv_transfer_params")
+        if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= MAX_TRANSFER_ID:
+            raise bad_request(
+                f"kv_transfer_params.transfer_id must be a non-empty string of at most {MAX_TRANSFER_ID} characters",
+                "kv_transfer_params",
+            )
         if self.n != 1:
             raise bad_request("kv_transfer_params needs n = 1 (one sequence per transfer)", "n")
         return transfer_id
