@@ -6,7 +6,8 @@ is steadier than two processes in turn; at one thread it times the engine thread
     PYTHONPATH=TREE .venv/bin/python benchmarks/ab_decode_step.py BASE_SO [--threads 1] [--seconds 20]
 
 BASE_SO: the other build's extension module file (e.g. a checkout's tokenmill/kernels/_cpu_*.so, built
-from its sources); TREE's own build is the one `tokenmill.kernels.cpu_kernels()` loads.
+from its sources; one with this tree's `DecodeStep` interface, or one from before `DecodeStep`);
+TREE's own build is the one `tokenmill.kernels.cpu_kernels()` loads.
 """
 
 from __future__ import annotations
@@ -62,16 +63,10 @@ def main() -> None:
         if hasattr(module, "DecodeStep"):
             built = module.DecodeStep(
                 step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
-                step.lora,
+                step.soft_caps, step.lora,
             )  # fmt: skip
 
-            def run(*args):  # no adapters, prompt chunks, other KV cache groups (builds before them: fewer arguments)
-                try:
-                    return built.run(*args, [], [], [], [], [])
-                except TypeError:
-                    return built.run(*args, [], [], [])
-
-            return run
+            return lambda *args: built.run(*args, [], [], [], [], [])  # no adapters, chunks, other KV groups
         return lambda *args: module.decode_layers(
             *args, step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
             step.lora, [],

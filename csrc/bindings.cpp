@@ -40,9 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStep, std::shared_ptr<DecodeStep>>(m, "DecodeStep", pybind11::module_local())
       .def(pybind11::init(torch::wrap_pybind_function(
           [](std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
-             int64_t head_dim, double eps, double scale, std::vector<torch::Tensor> lora) {
+             int64_t head_dim, double eps, double scale, std::vector<double> soft_caps,
+             std::vector<torch::Tensor> lora) {
             return std::make_shared<DecodeStep>(std::move(tensors), std::move(ints), num_heads, num_kv_heads, head_dim,
-                                                eps, scale, std::move(lora));
+                                                eps, scale, std::move(soft_caps), std::move(lora));
           })))
       .def("run", torch::wrap_pybind_function(&DecodeStep::run))
       .def_property_readonly("runs_chunks", &DecodeStep::runs_chunks);

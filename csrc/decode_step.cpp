@@ -267,11 +267,11 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
 // of qkv, o, gate_up, down, then the norms of each head's q and of each head's k, and the norms of the
 // attention's and of the MLP's output before they join the stream (Gemma 3's; all four empty where the
 // layer has none); `ints` holds (kind, bits, center) of those four linears, then the layer's
-// `LayerKind` (activation, window, group, rope). `lora`: empty, or per layer the LoRA factors (a, b,
-// shard_offsets) of qkv, o, gate_up, down.
+// `LayerKind` (activation, window, group, rope); `soft_caps` the layers' `LayerKind::soft_cap`. `lora`:
+// empty, or per layer the LoRA factors (a, b, shard_offsets) of qkv, o, gate_up, down.
 DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                       std::vector<torch::Tensor> lora)
+                       std::vector<double> soft_caps, std::vector<torch::Tensor> lora)
     : tensors_(std::move(tensors)), lora_(std::move(lora)), H_(num_heads), KVH_(num_kv_heads), D_(head_dim),
       eps_(eps), scale_(scale) {
   using decode_step::Linear;
@@ -280,6 +280,7 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
   const size_t layers = tensors_.size() / kTensors;
   TORCH_CHECK(ints.size() == kInts * layers, "DecodeStep: 16 ints per layer");
   TORCH_CHECK(lora_.empty() || lora_.size() == kLoRA * layers, "DecodeStep: 12 LoRA tensors per layer, or none");
+  TORCH_CHECK(soft_caps.size() == layers, "DecodeStep: a soft cap per layer");
   for (size_t i = 0; i < layers; ++i)
     for (int j = 0; j < 4; ++j) {
       const torch::Tensor* l = tensors_.data() + kTensors * i + 6 + 8 * j;
@@ -292,7 +293,7 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
     }
   for (size_t i = 0; i < layers; ++i) {
     const int64_t* k = ints.data() + kInts * i + 12;
-    kinds_.push_back(decode_step::LayerKind{k[0], k[1], k[2], k[3]});
+    kinds_.push_back(decode_step::LayerKind{k[0], k[1], k[2], k[3], soft_caps[i]});
   }
   // the one region runs plain layers only
   one_region_ = std::all_of(plain_.begin(), plain_.end(), decode_step::splits_by_panels) &&
@@ -377,7 +378,7 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
       write_kv(keys, values, t[2], t[3], layer_slots);
     auto attn = torch::empty({T, H, D}, hidden.options());
     paged_decode_attention(qk.narrow(1, 0, H).contiguous(), t[2], t[3], layer_tables, layer_lens, scale_, kind.window,
-                           0.0, attn, decode_step::present(t[4]), decode_step::present(t[5]));
+                           kind.soft_cap, attn, decode_step::present(t[4]), decode_step::present(t[5]));
     auto o = decode_step::linear(o_proj, attn.view({T, H * D}), segments);
     if (attn_out_norm.numel()) o = norm_alone(o, attn_out_norm);
 

@@ -34,12 +34,14 @@ struct Chunks {
   }
 };
 
-// What a layer has beyond the plain pre-norm one (Gemma 3's): its activation (0: SiLU, 1: GELU-tanh), its
-// attention's sliding window (0: none), the KV cache group its cache and metadata come from, and the
-// rotary table it turns q and k with (an index into the step's tables).
+// What a layer has beyond the plain pre-norm one (Gemma's): its activation (0: SiLU, 1: GELU-tanh), its
+// attention's sliding window (0: none), the KV cache group its cache and metadata come from, the rotary
+// table it turns q and k with (an index into the step's tables), and its attention scores' soft cap
+// (Gemma 2's; 0: none).
 struct LayerKind {
   int64_t activation, window, group, rope;
-  bool plain() const { return activation == 0 && window == 0 && group == 0 && rope == 0; }
+  double soft_cap;
+  bool plain() const { return activation == 0 && window == 0 && group == 0 && rope == 0 && soft_cap == 0.0; }
 };
 
 }  // namespace decode_step
@@ -51,7 +53,8 @@ class DecodeStep {
  public:
   static constexpr size_t kTensors = 6 + 4 * 8 + 4;  // per layer (see the constructor)
   DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
-             int64_t head_dim, double eps, double scale, std::vector<torch::Tensor> lora);
+             int64_t head_dim, double eps, double scale, std::vector<double> soft_caps,
+             std::vector<torch::Tensor> lora);
   DecodeStep(const DecodeStep&) = delete;  // `adapted_` points into `lora_`
   DecodeStep& operator=(const DecodeStep&) = delete;
   std::vector<torch::Tensor> run(torch::Tensor hidden, c10::optional<torch::Tensor> residual,

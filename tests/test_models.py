@@ -126,6 +126,7 @@ def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
         ("llama-mqa-tied", "gguf", "fp8_e5m2"),
         ("gemma3", "none", "auto"),  # q/k norms, sandwich norms, GELU-tanh, sliding and global groups
         ("gemma3", "int8", "float16"),
+        ("gemma2", "none", "auto"),  # soft-capped attention scores
         ("qwen3", "none", "bfloat16"),  # q/k norms
         ("mistral-window", "none", "auto"),  # one sliding window
     ],
@@ -227,9 +228,9 @@ def test_compiled_step_runs_prompt_chunks_beside_the_decodes(tmp_path, monkeypat
         assert torch.equal(fast[name], mixed_step_hidden(layers, batch, cached)), name
 
 
-@pytest.mark.parametrize("name", ["mixtral", "gemma2", "phi3-window-partial"])
+@pytest.mark.parametrize("name", ["mixtral", "gpt-oss", "phi3-window-partial"])
 def test_compiled_decode_step_leaves_layers_it_lacks_to_the_model(tmp_path, name):
-    """Experts, soft-capped attention (Gemma 2), partial rotary: the model's own forward."""
+    """Experts, attention sinks, partial rotary: the model's own forward."""
     make_tiny_model(name, tmp_path)
     runner = make_runner(load_model(str(tmp_path), dtype="float32"))
     decode_step_hidden(runner, [[1, 2, 3], [4, 5]])

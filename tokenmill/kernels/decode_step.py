@@ -10,15 +10,16 @@ so its results are bit-identical to the module-by-module forward:
     RMSNorm(x + residual) -> qkv (+ bias) -> rotate q, k (rotate-half) -> write k, v to their slots
     -> paged decode attention -> o_proj -> RMSNorm(+ residual) -> gate_up -> silu * up -> down
 
-and Gemma 3's layers (`LayerParts`' optional parts): each head's q and k normed before the rotation, the
-attention's and the MLP's outputs normed before they join the stream, GELU-tanh for SiLU, sliding-window
-layers beside global ones, each with its own KV cache group (block tables, slots) and rotary table.
+and Gemma 2's and 3's layers (`LayerParts`' optional parts): each head's q and k normed before the
+rotation, the attention's and the MLP's outputs normed before they join the stream, GELU-tanh for SiLU,
+sliding-window layers beside global ones, each with its own KV cache group (block tables, slots) and
+rotary table, soft-capped attention scores.
 
 Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
 blocks with float or int8 activations), and with LoRA adapters by its `LoRAWeights` factors: a step
 whose tokens run adapters adds their deltas after each matmul with the LoRA kernel the Python path
-calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything else (a soft-cap, experts,
-other activations, tensor parallelism) keeps the model's own forward. KV caches
+calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything else (experts, other
+activations, attention sinks, tensor parallelism) keeps the model's own forward. KV caches
 may be float32, float16, bfloat16, or int8 / fp8 with their scales (written by `write_kv_quantized`,
 bit for bit the torch path's quantizer, and read by the same decode kernel).
 
@@ -115,9 +116,10 @@ class CompiledDecode:
             first.attn.head_dim,
         )
         self.eps, self.scale = first.input_norm.eps, first.attn.scale
+        self.soft_caps = [float(p.attn.logits_soft_cap or 0.0) for p in parts]  # Gemma 2's
         # the C++ step holding the weights (and this cache: a cache bound anew builds a new step, `applies`)
         self.step = load().DecodeStep(
-            tensors, ints, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, lora
+            tensors, ints, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, self.soft_caps, lora
         )
 
     @classmethod
@@ -148,7 +150,7 @@ class CompiledDecode:
                 or a.kv_cache.dtype not in paged_attention.CACHE_DTYPES
                 or a.kv_cache.device.type != "cpu"
                 or getattr(a.backend, "name", None) != "cpu-paged"
-                or a.logits_soft_cap
+                or a.sinks is not None
                 or a.latent_rope_dim is not None
                 or p.rotary.interleaved
                 or p.rotary.rotary_dim != a.head_dim

@@ -115,7 +115,7 @@ class GemmaDecoderLayer(nn.Module):
         return hidden, residual
 
     def decode_parts(self) -> LayerParts:
-        """This layer for the compiled decode step (which declines a soft-capped one: Gemma 2's)."""
+        """This layer for the compiled decode step."""
         return layer_parts(
             self.input_layernorm,
             self.self_attn,
