@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TM_DEF(add_rms_norm);
   TM_DEF(rotary_inplace);
   TM_DEF(silu_and_mul);
+  TM_DEF(gelu_tanh_and_mul);
   TM_DEF(row_argmax);
   TM_DEF(paged_decode_attention);
   TM_DEF(paged_prefill_attention);

@@ -9,7 +9,6 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/rms_norm.h>
 #include <omp.h>
@@ -84,14 +83,18 @@ void ask_ahead(LinesAhead& ahead, const Linear& l, int64_t first, int64_t last) 
 // a token for SmolLM2's 30 layers). Each layer is nine phases (step_phases.h): the products by panels and
 // the attention by its span tasks and merges, split over the threads (a thread does what a late partner
 // has not started), and the small ops (norms, rotary, the KV write) as one unit each. A product's input is
-// rounded to int8 once, by the op before it (or the thread that finishes the phase before it); SiLU * up
-// is applied by each thread to the columns whose gate and up it computed. The same kernels on the same
-// inputs as the op-by-op loop, so the same bits. Buffers are made once a step: the residual stream
-// alternates between `hidden` (the input, then the down projection's output) and the o projection's output.
+// rounded to int8 once, by the op before it (or the thread that finishes the phase before it); SiLU or
+// GELU-tanh times up is applied by each thread to the columns whose gate and up it computed (whole vectors
+// of 8: the same bits as a whole row's). Gemma's parts run in the phases their ops follow: the q and k
+// norms before the rotation, the attention's output norm before the post-attention one, the MLP's output
+// norm as the down projection's phase ends; each layer's attention reads its KV cache group (`Group`) and
+// rotary table. The same kernels on the same inputs as the op-by-op loop, so the same bits. Buffers are
+// made once a step: the residual stream alternates between the MLP's output (the input first: `hidden`,
+// then `down` or its norm) and the attention's (`o` or its norm).
 std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
-                                                const torch::Tensor& positions, const torch::Tensor& slots,
-                                                const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                                                const torch::Tensor& cos_sin, const std::vector<Linear>& linears,
+                                                const torch::Tensor& positions, const std::vector<Group>& groups,
+                                                const std::vector<torch::Tensor>& rope_tables,
+                                                const std::vector<Linear>& linears, const std::vector<LayerKind>& kinds,
                                                 const std::vector<torch::Tensor>& tensors, int64_t H, int64_t KVH,
                                                 int64_t D, double eps, double scale, const Chunks& chunks) {
   constexpr size_t kTensors = DecodeStep::kTensors;
@@ -101,6 +104,14 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
   auto make = [&](int64_t width) { return torch::empty({T, width}, hidden.options()); };
   torch::Tensor normed = make(hidden.size(1)), qkv = make(linears[0].w.size(0)), q = make(H * D), attn = make(H * D),
                 o = make(hidden.size(1)), gate_up = make(2 * I), act = make(I), down = make(hidden.size(1));
+  // the attention's and the MLP's outputs normed before they join the stream (Gemma's), where layers have them
+  auto any_has = [&](size_t j) {
+    for (size_t i = 0; i < layers; ++i)
+      if (tensors[kTensors * i + j].numel()) return true;
+    return false;
+  };
+  const torch::Tensor o_normed = any_has(kTensors - 2) ? make(hidden.size(1)) : torch::Tensor(),
+                      down_normed = any_has(kTensors - 1) ? make(hidden.size(1)) : torch::Tensor();
   // the views the layers take of the buffers, made once a step too (each costs a tensor's construction)
   const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D}), rotated = heads.narrow(1, 0, H + KVH),
                       keys = heads.narrow(1, H, KVH), values = heads.narrow(1, H + KVH, KVH),
@@ -168,7 +179,11 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
     next_share(linears[0], panels(linears[0]));
     for (size_t i = 0; i < layers; ++i) {
       const torch::Tensor* w = tensors.data() + kTensors * i;
+      const torch::Tensor &q_norm = w[kTensors - 4], &k_norm = w[kTensors - 3], &attn_out_norm = w[kTensors - 2],
+                          &mlp_out_norm = w[kTensors - 1];
       const Linear* l = linears.data() + 4 * i;
+      const LayerKind& kind = kinds[i];
+      const Group& g = groups[kind.group];
       const int64_t p = kPhases * static_cast<int64_t>(i);
       step.run(p, t, [&](int64_t, int64_t) {
         guard([&] {
@@ -183,23 +198,28 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
                [&] { step.open_one_op(p + 2); }, &ahead);
       step.run(p + 2, t, [&](int64_t, int64_t) {
         guard([&] {
-          rotary_inplace(rotated, positions, cos_sin);
+          if (q_norm.numel()) {  // each head's q and k normed in place, as the layers norm them (torch's rms_norm)
+            queries.copy_(at::rms_norm(queries, {D}, q_norm, eps));
+            keys.copy_(at::rms_norm(keys, {D}, k_norm, eps));
+          }
+          rotary_inplace(rotated, positions, rope_tables[kind.rope]);
           if (w[4].numel())
-            write_kv_quantized(keys, values, w[2], w[3], w[4], w[5], slots);
+            write_kv_quantized(keys, values, w[2], w[3], w[4], w[5], g.slots);
           else
-            write_kv(keys, values, w[2], w[3], slots);
+            write_kv(keys, values, w[2], w[3], g.slots);
           attention.reset();
           if (decodes) {
             if (!queries_in_place) decode_queries.copy_(queries.narrow(0, 0, decodes));
-            attention = std::make_unique<DecodeAttention>(decode_queries, w[2], w[3], block_tables, context_lens, scale,
-                                                          0, 0.0, decode_out, present(w[4]), present(w[5]),
-                                                          c10::nullopt, n);
+            attention = std::make_unique<DecodeAttention>(decode_queries, w[2], w[3], g.block_tables, g.context_lens,
+                                                          scale, kind.window, kind.soft_cap, decode_out, present(w[4]),
+                                                          present(w[5]), c10::nullopt, n);
           }
           decode_tasks = attention ? attention->tasks() : 0;
           for (size_t c = 0; c < chunks.size(); ++c)
             prompt_attention[c] = std::make_unique<PrefillAttention>(
-                queries.narrow(0, chunks.start(c), chunks.length(c)), w[2], w[3], chunks.tables[c], chunks.cached(c),
-                scale, 0, 0.0, prompt_out[c], present(w[4]), present(w[5]), c10::nullopt, c10::nullopt, c10::nullopt);
+                queries.narrow(0, chunks.start(c), chunks.length(c)), w[2], w[3], g.chunk_tables[c], chunks.cached(c),
+                scale, kind.window, kind.soft_cap, prompt_out[c], present(w[4]), present(w[5]), c10::nullopt,
+                c10::nullopt, c10::nullopt);
         });
       }, [&] {
         int64_t tasks = decode_tasks;
@@ -230,18 +250,20 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
                [&] { step.open_one_op(p + 6); }, &ahead);
       step.run(p + 6, t, [&](int64_t, int64_t) {
         guard([&] {
-          add_rms_norm(o, res, w[1], eps, normed);
-          res = o;
+          if (attn_out_norm.numel()) add_rms_norm(o, c10::nullopt, attn_out_norm, eps, o_normed);
+          const torch::Tensor& joined = attn_out_norm.numel() ? o_normed : o;
+          add_rms_norm(joined, res, w[1], eps, normed);
+          res = joined;
           round_input(normed, l[2]);
         });
       }, [&] { open_product(p + 7, G); }, &ahead);
       ahead = LinesAhead();
       next_share(l[3], panels(l[3]));
-      step.run(p + 7, t, [&](int64_t a, int64_t b) {  // gate and up over the same columns of act, then SiLU * up on those
+      step.run(p + 7, t, [&](int64_t a, int64_t b) {  // gate and up over the same columns of act, then act * up on those
         guard([&] {
           linear_panels(l[2], rounded, gate_up, a, b);
           linear_panels(l[2], rounded, gate_up, G + a, G + b);
-          silu_and_mul_columns(gate_up, act, 8 * a, 8 * b);
+          (kind.activation ? gelu_tanh_and_mul_columns : silu_and_mul_columns)(gate_up, act, 8 * a, 8 * b);
         });
       }, [&] {
         guard([&] { round_input(act, l[3]); });
@@ -251,7 +273,10 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
       if (i + 1 < layers) next_share(l[4], panels(l[4]));
       step.run(p + 8, t, [&](int64_t a, int64_t b) { guard([&] { linear_panels(l[3], rounded, down, a, b); }); },
                [&] {
-                 x = down;
+                 guard([&] {
+                   if (mlp_out_norm.numel()) add_rms_norm(down, c10::nullopt, mlp_out_norm, eps, down_normed);
+                   x = mlp_out_norm.numel() ? down_normed : down;
+                 });
                  if (i + 1 < layers) step.open_one_op(p + kPhases);
                }, &ahead);
     }
@@ -295,50 +320,55 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
     const int64_t* k = ints.data() + kInts * i + 12;
     kinds_.push_back(decode_step::LayerKind{k[0], k[1], k[2], k[3], soft_caps[i]});
   }
-  // the one region runs plain layers only
-  one_region_ = std::all_of(plain_.begin(), plain_.end(), decode_step::splits_by_panels) &&
-                std::all_of(kinds_.begin(), kinds_.end(), [](const decode_step::LayerKind& k) { return k.plain(); });
-  for (size_t i = 0; i < layers; ++i)
-    for (size_t j = kTensors - 4; j < kTensors; ++j) one_region_ = one_region_ && !tensors_[kTensors * i + j].numel();
+  one_region_ = std::all_of(plain_.begin(), plain_.end(), decode_step::splits_by_panels);
   for (size_t i = 0; i < layers; ++i) one_region_ = one_region_ && plain_[4 * i + 2].w.size(0) % 16 == 0;  // 8 | I
 }
 
-// hidden: [T, hidden], its decodes first, then (chunk_spans, chunk_tables: decode_step::Chunks) the prompt
-// chunks of a mixed step, which only the one parallel region runs; residual: the stream so far (absent
-// before the first layer). `lora_segments`: empty, or the step's (seg_starts, seg_slots, seg_scales)
-// (tokenmill/kernels/lora.py), which run the adapters. slots, block_tables, context_lens: KV cache group 0's
-// (the layers' of `LayerKind::group` 0); other_groups: the same three of group 1, 2, ... in turn. cos_sin:
-// rotary table 0; other_tables: tables 1, 2, ... Returns {hidden, residual} after the last layer (the final
-// norm is the caller's).
+// hidden: [T, hidden], its decodes first, then (chunk_spans: decode_step::Chunks) the prompt chunks of a mixed
+// step, which only the one parallel region runs; residual: the stream so far (absent before the first layer).
+// `lora_segments`: empty, or the step's (seg_starts, seg_slots, seg_scales) (tokenmill/kernels/lora.py), which
+// run the adapters. slots, block_tables, context_lens, chunk_tables (a block table a chunk): KV cache group
+// 0's (the layers' of `LayerKind::group` 0); other_groups: the first three of group 1, 2, ... in turn, and
+// other_chunk_tables their chunk tables. cos_sin: rotary table 0; other_tables: tables 1, 2, ... Returns
+// {hidden, residual} after the last layer (the final norm is the caller's).
 std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                            const torch::Tensor& positions, const torch::Tensor& slots,
                                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                            const torch::Tensor& cos_sin,
                                            const std::vector<torch::Tensor>& lora_segments,
-                                           std::vector<int64_t> chunk_spans,
-                                           std::vector<torch::Tensor> chunk_tables,
+                                           std::vector<int64_t> chunk_spans, std::vector<torch::Tensor> chunk_tables,
                                            const std::vector<torch::Tensor>& other_groups,
+                                           const std::vector<torch::Tensor>& other_chunk_tables,
                                            const std::vector<torch::Tensor>& other_tables) const {
   TORCH_CHECK(lora_segments.empty() || lora_segments.size() == 3, "DecodeStep: 3 LoRA segment tensors, or none");
   const bool adapters = !lora_.empty() && !lora_segments.empty();
   const torch::Tensor* segments = adapters ? lora_segments.data() : nullptr;
   const std::vector<decode_step::Linear>& linears = adapters ? adapted_ : plain_;
   const int64_t T = hidden.size(0), H = H_, KVH = KVH_, D = D_;
-  const decode_step::Chunks chunks{std::move(chunk_spans), std::move(chunk_tables)};
-  TORCH_CHECK(chunks.spans.size() == 3 * chunks.size(), "DecodeStep: (start, end, cached) for each chunk's table");
+  const decode_step::Chunks chunks{std::move(chunk_spans)};
+  TORCH_CHECK(chunks.spans.size() % 3 == 0 && chunk_tables.size() == chunks.size(),
+              "DecodeStep: (start, end, cached) and a block table for each chunk");
   TORCH_CHECK(chunks.tokens() <= T, "DecodeStep: more chunk tokens than the step's");
   for (size_t c = 0; c < chunks.size(); ++c)
     TORCH_CHECK(chunks.length(c) > 0 && chunks.cached(c) >= 0 &&
                     chunks.start(c) == (c ? chunks.start(c - 1) + chunks.length(c - 1) : T - chunks.tokens()),
                 "DecodeStep: chunks follow the decodes and each other to the step's end");
-  TORCH_CHECK(other_groups.size() % 3 == 0, "DecodeStep: (slots, block tables, context lens) for each other group");
+  TORCH_CHECK(other_groups.size() % 3 == 0 && other_chunk_tables.size() == other_groups.size() / 3 * chunks.size(),
+              "DecodeStep: (slots, block tables, context lens) and a block table a chunk for each other group");
+  std::vector<decode_step::Group> groups{{slots, block_tables, context_lens, std::move(chunk_tables)}};
+  for (size_t k = 0; k < other_groups.size(); k += 3) {
+    const auto first = other_chunk_tables.begin() + static_cast<int64_t>(k / 3 * chunks.size());
+    groups.push_back({other_groups[k], other_groups[k + 1], other_groups[k + 2],
+                      std::vector<torch::Tensor>(first, first + static_cast<int64_t>(chunks.size()))});
+  }
+  std::vector<torch::Tensor> rope_tables{cos_sin};
+  rope_tables.insert(rope_tables.end(), other_tables.begin(), other_tables.end());
   for (const auto& k : kinds_)
-    TORCH_CHECK(k.group <= static_cast<int64_t>(other_groups.size() / 3) &&
-                    k.rope <= static_cast<int64_t>(other_tables.size()),
+    TORCH_CHECK(k.group < static_cast<int64_t>(groups.size()) && k.rope < static_cast<int64_t>(rope_tables.size()),
                 "DecodeStep: a layer's KV cache group or rotary table was not passed");
   if (one_region_ && !adapters)
-    return decode_step::layers_in_one_region(hidden, residual, positions, slots, block_tables, context_lens, cos_sin,
-                                             linears, tensors_, H, KVH, D, eps_, scale_, chunks);
+    return decode_step::layers_in_one_region(hidden, residual, positions, groups, rope_tables, linears, kinds_,
+                                             tensors_, H, KVH, D, eps_, scale_, chunks);
   TORCH_CHECK(!chunks.size(), "DecodeStep: prompt chunks run only with every product on int8 panels, no adapter");
   torch::Tensor res = residual ? *residual : torch::Tensor();
   for (size_t i = 0; i < linears.size() / 4; ++i) {
@@ -347,10 +377,7 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
                               &gate_up_proj = linears[4 * i + 2], &down_proj = linears[4 * i + 3];
 
     const decode_step::LayerKind& kind = kinds_[i];
-    const torch::Tensor* group = kind.group ? other_groups.data() + 3 * (kind.group - 1) : nullptr;
-    const torch::Tensor &layer_slots = group ? group[0] : slots, &layer_tables = group ? group[1] : block_tables,
-                        &layer_lens = group ? group[2] : context_lens,
-                        &table = kind.rope ? other_tables[kind.rope - 1] : cos_sin;
+    const decode_step::Group& group = groups[kind.group];
     const torch::Tensor &q_norm = t[kTensors - 4], &k_norm = t[kTensors - 3], &attn_out_norm = t[kTensors - 2],
                         &mlp_out_norm = t[kTensors - 1];
     // a norm with no residual, as RMSNorm(x) alone runs it (the fused kernel)
@@ -369,16 +396,16 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
       qk = at::cat({at::rms_norm(qkv.narrow(1, 0, H), {D}, q_norm, eps_),
                     at::rms_norm(qkv.narrow(1, H, KVH), {D}, k_norm, eps_)},
                    1);
-    rotary_inplace(qk, positions, table);
+    rotary_inplace(qk, positions, rope_tables[kind.rope]);
     const auto keys = qk.narrow(1, H, KVH), values = qkv.narrow(1, H + KVH, KVH);
     const bool quantized = t[4].numel() > 0;
     if (quantized)
-      write_kv_quantized(keys, values, t[2], t[3], t[4], t[5], layer_slots);
+      write_kv_quantized(keys, values, t[2], t[3], t[4], t[5], group.slots);
     else
-      write_kv(keys, values, t[2], t[3], layer_slots);
+      write_kv(keys, values, t[2], t[3], group.slots);
     auto attn = torch::empty({T, H, D}, hidden.options());
-    paged_decode_attention(qk.narrow(1, 0, H).contiguous(), t[2], t[3], layer_tables, layer_lens, scale_, kind.window,
-                           kind.soft_cap, attn, decode_step::present(t[4]), decode_step::present(t[5]));
+    paged_decode_attention(qk.narrow(1, 0, H).contiguous(), t[2], t[3], group.block_tables, group.context_lens, scale_,
+                           kind.window, kind.soft_cap, attn, decode_step::present(t[4]), decode_step::present(t[5]));
     auto o = decode_step::linear(o_proj, attn.view({T, H * D}), segments);
     if (attn_out_norm.numel()) o = norm_alone(o, attn_out_norm);
 
@@ -386,14 +413,8 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
     add_rms_norm(o, res, t[1], eps_, normed);
     res = o;
     auto gate_up = decode_step::linear(gate_up_proj, normed, segments);
-    const int64_t I = gate_up.size(1) / 2;
-    torch::Tensor act;
-    if (kind.activation == 0) {
-      act = torch::empty({T, I}, hidden.options());
-      silu_and_mul(gate_up, act);
-    } else {  // as gelu_tanh_and_mul: torch's gelu (tanh) of the gate, times up
-      act = at::gelu(gate_up.narrow(1, 0, I), "tanh").mul(gate_up.narrow(1, I, I));
-    }
+    auto act = torch::empty({T, gate_up.size(1) / 2}, hidden.options());
+    (kind.activation ? gelu_tanh_and_mul : silu_and_mul)(gate_up, act);
     hidden = decode_step::linear(down_proj, act, segments);
     if (mlp_out_norm.numel()) hidden = norm_alone(hidden, mlp_out_norm);
   }

@@ -19,11 +19,10 @@ struct Linear {
 };
 
 // A mixed step's prompt chunks, after its decodes: chunk c's tokens [start, end) of the step, the first at
-// position `cached` of its sequence (spans: start, end, cached a chunk), and its block table.
+// position `cached` of its sequence (spans: start, end, cached a chunk).
 struct Chunks {
   std::vector<int64_t> spans;
-  std::vector<torch::Tensor> tables;
-  size_t size() const { return tables.size(); }
+  size_t size() const { return spans.size() / 3; }
   int64_t start(size_t c) const { return spans[3 * c]; }
   int64_t length(size_t c) const { return spans[3 * c + 1] - spans[3 * c]; }
   int64_t cached(size_t c) const { return spans[3 * c + 2]; }
@@ -34,6 +33,13 @@ struct Chunks {
   }
 };
 
+// A KV cache group's part of a step: the slots its tokens' K/V go to, its decodes' block tables and context
+// lengths (empty without decodes), and each prompt chunk's block table.
+struct Group {
+  torch::Tensor slots, block_tables, context_lens;
+  std::vector<torch::Tensor> chunk_tables;
+};
+
 // What a layer has beyond the plain pre-norm one (Gemma's): its activation (0: SiLU, 1: GELU-tanh), its
 // attention's sliding window (0: none), the KV cache group its cache and metadata come from, the rotary
 // table it turns q and k with (an index into the step's tables), and its attention scores' soft cap
@@ -41,7 +47,6 @@ struct Chunks {
 struct LayerKind {
   int64_t activation, window, group, rope;
   double soft_cap;
-  bool plain() const { return activation == 0 && window == 0 && group == 0 && rope == 0 && soft_cap == 0.0; }
 };
 
 }  // namespace decode_step
@@ -63,6 +68,7 @@ class DecodeStep {
                                  const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& lora_segments,
                                  std::vector<int64_t> chunk_spans, std::vector<torch::Tensor> chunk_tables,
                                  const std::vector<torch::Tensor>& other_groups,
+                                 const std::vector<torch::Tensor>& other_chunk_tables,
                                  const std::vector<torch::Tensor>& other_tables) const;
   // whether mixed steps (prompt chunks after the decodes) can run: every product on panels, no adapter
   bool runs_chunks() const { return one_region_ && lora_.empty(); }

@@ -126,15 +126,19 @@ def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
         ("llama-mqa-tied", "gguf", "fp8_e5m2"),
         ("gemma3", "none", "auto"),  # q/k norms, sandwich norms, GELU-tanh, sliding and global groups
         ("gemma3", "int8", "float16"),
+        ("gemma3", "int8-q8", "auto"),  # int8 activations on panels: the one parallel region
         ("gemma2", "none", "auto"),  # soft-capped attention scores
+        ("gemma2", "int8-q8", "float16"),
         ("qwen3", "none", "bfloat16"),  # q/k norms
+        ("qwen3", "int8-q8", "int8"),
         ("mistral-window", "none", "auto"),  # one sliding window
+        ("mistral-window", "int8-q8", "auto"),
     ],
 )
 def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypatch, name, quantization, cache_dtype):
-    """A decode-only step of plain layers runs as one C++ loop (`kernels.decode_step`) that must give
-    exactly the module-by-module forward's hidden states (dense, GGUF blocks exact and int8, int4
-    quantized on load; float32, 16-bit, int8 and fp8 KV caches)."""
+    """A decode-only step runs as one C++ loop (`kernels.decode_step`) that must give exactly the
+    module-by-module forward's hidden states (dense, GGUF blocks exact and int8, int4 and int8 quantized on
+    load, the latter with int8 activations too ("int8-q8"); float32, 16-bit, int8 and fp8 KV caches)."""
     from tokenmill.kernels import decode_step
 
     if decode_step.load() is None:
@@ -158,16 +162,20 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
             },
         )
         path = str(tmp_path / "m.gguf")
+    # int8-q8: int8 quantized on load, the default dtype: int8 activations, on panels
+    load = dict(quantization="int8") if quantization == "int8-q8" else dict(quantization=quantization, dtype="float32")
+    one_region = quantization in ("gguf-q8", "int8-q8")
     rng = random.Random(5)
     batch = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 3, 17, 40, 90)]
-    compiled = make_runner(load_model(path, quantization=quantization, dtype="float32"), cache_dtype=cache_dtype)
+    compiled = make_runner(load_model(path, **load), cache_dtype=cache_dtype)
     fast = decode_step_hidden(compiled, batch)
     assert compiled.model.model.compiled_decode[1] is not None  # the step ran compiled
     # gguf-q8's step runs in one OpenMP region that splits products and attention over the threads, a
     # thread taking over what a late one has not started (the tests' process runs one): at two, and at
     # three on this 2-core host (threads preempted mid-step, their shares taken by the others), the same bits
+    assert compiled.model.model.compiled_decode[1].step.runs_chunks == one_region
     threads = torch.get_num_threads()
-    if quantization == "gguf-q8":
+    if one_region:
         try:
             for n in (2, 3):
                 torch.set_num_threads(n)
@@ -176,26 +184,39 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
             torch.set_num_threads(threads)
         assert compiled.model.model.compiled_decode[1] is not None
     monkeypatch.setattr(decode_step.CompiledDecode, "build", classmethod(lambda cls, parts: None))
-    layers = make_runner(load_model(path, quantization=quantization, dtype="float32"), cache_dtype=cache_dtype)
+    layers = make_runner(load_model(path, **load), cache_dtype=cache_dtype)
     assert torch.equal(fast, decode_step_hidden(layers, batch))
     assert layers.model.model.compiled_decode[1] is None
 
 
-@pytest.mark.parametrize("cache_dtype", ["auto", "float16", "int8"])
-def test_compiled_step_runs_prompt_chunks_beside_the_decodes(tmp_path, monkeypatch, cache_dtype):
+@pytest.mark.parametrize(
+    "name,cache_dtype",
+    [
+        ("qwen2-bias", "auto"),
+        ("qwen2-bias", "float16"),
+        ("qwen2-bias", "int8"),
+        ("gemma3", "auto"),  # q/k norms, sandwich norms, GELU-tanh, sliding and global groups
+        ("gemma2", "float16"),  # and soft-capped scores
+    ],
+)
+def test_compiled_step_runs_prompt_chunks_beside_the_decodes(tmp_path, monkeypatch, name, cache_dtype):
     """A mixed step (decodes, then prompt chunks: one after cached tokens, one a prompt's start, one of
     3 tokens) runs in the compiled step's one parallel region, the chunks' attention as the backend's
     prefill kernel computes it: the layer-by-layer forward's bits, at one, two and three threads. A
     quantized cache's first chunk (which attends its own K/V as computed) and a short chunk after cached
-    tokens (per-token decodes) leave the step to the layers."""
+    tokens (per-token decodes) leave the step to the layers. Qwen2 from a GGUF file (gguf-q8), Gemma
+    quantized to int8 on load (int8 activations)."""
     from tokenmill.kernels import decode_step
 
     if decode_step.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
-    hf = make_tiny_model("qwen2-bias", tmp_path)
-    types = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q5_0"}
-    write_tiny_gguf(hf, tmp_path / "m.gguf", {**types, "ffn_up": "Q5_0", "ffn_down": "Q4_1", "token_embd": "Q8_0"})
-    path = str(tmp_path / "m.gguf")
+    hf = make_tiny_model(name, tmp_path)
+    if name == "qwen2-bias":
+        types = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q5_0"}
+        write_tiny_gguf(hf, tmp_path / "m.gguf", {**types, "ffn_up": "Q5_0", "ffn_down": "Q4_1", "token_embd": "Q8_0"})
+        load = dict(model=str(tmp_path / "m.gguf"), quantization="gguf-q8", dtype="float32")
+    else:
+        load = dict(model=str(tmp_path), quantization="int8")
     rng = random.Random(7)
     batch = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (40, 17, 90, 40, 3, 30)]
     layouts = {
@@ -208,24 +229,24 @@ def test_compiled_step_runs_prompt_chunks_beside_the_decodes(tmp_path, monkeypat
     monkeypatch.setattr(
         decode_step.CompiledDecode, "__call__", lambda self, *a, **k: calls.append(1) or run(self, *a, **k)
     )
-    compiled = make_runner(load_model(path, quantization="gguf-q8", dtype="float32"), cache_dtype=cache_dtype)
+    compiled = make_runner(load_model(**load), cache_dtype=cache_dtype)
     threads = torch.get_num_threads()
     fast = {}
     try:
-        for name, cached in layouts.items():
+        for layout, cached in layouts.items():
             for n in (1, 2, 3):
                 torch.set_num_threads(n)
                 hidden = mixed_step_hidden(compiled, batch, cached, calls.clear)
-                fast.setdefault(name, hidden)
-                assert torch.equal(hidden, fast[name])
-                compiled_step = name == "after cached" or (name == "first chunks" and cache_dtype != "int8")
-                assert len(calls) == compiled_step, (name, n)
+                fast.setdefault(layout, hidden)
+                assert torch.equal(hidden, fast[layout])
+                compiled_step = layout == "after cached" or (layout == "first chunks" and cache_dtype != "int8")
+                assert len(calls) == compiled_step, (layout, n)
     finally:
         torch.set_num_threads(threads)
     monkeypatch.setattr(decode_step.CompiledDecode, "build", classmethod(lambda cls, parts: None))
-    layers = make_runner(load_model(path, quantization="gguf-q8", dtype="float32"), cache_dtype=cache_dtype)
-    for name, cached in layouts.items():
-        assert torch.equal(fast[name], mixed_step_hidden(layers, batch, cached)), name
+    layers = make_runner(load_model(**load), cache_dtype=cache_dtype)
+    for layout, cached in layouts.items():
+        assert torch.equal(fast[layout], mixed_step_hidden(layers, batch, cached)), layout
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt-oss", "phi3-window-partial"])

@@ -23,10 +23,9 @@ activations, attention sinks, tensor parallelism) keeps the model's own forward.
 may be float32, float16, bfloat16, or int8 / fp8 with their scales (written by `write_kv_quantized`,
 bit for bit the torch path's quantizer, and read by the same decode kernel).
 
-When every linear layer runs int8 activations on panels and no adapter, and the layers are plain (no
-Gemma part: those run kernel by kernel, still without Python between them), the layers run inside one
-OpenMP parallel region instead of one per kernel:
-about 150 fork/joins a token fewer for SmolLM2. Each layer is nine phases (csrc/step_phases.h): the
+When every linear layer runs int8 activations on panels and no adapter (Gemma's parts included), the
+layers run inside one OpenMP parallel region instead of one per kernel: about 150 fork/joins a token
+fewer for SmolLM2. Each layer is nine phases (csrc/step_phases.h): the
 products split by panels, the attention by its tasks, the small ops one unit each; a thread takes its
 share a piece at a time and then what a late partner has not started, so a thread preempted on a busy
 host holds up no op. Each output element is still computed by the same code on the same inputs, so the
@@ -181,8 +180,8 @@ class CompiledDecode:
     def applies(self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, metas: list) -> bool:
         """Whether this step can run compiled (`metas`: the step's attention metadata of each of `groups`):
         its decodes, and the prompt chunks after them where the step runs in one parallel region (every
-        product on panels, no adapter, plain layers) and the backend would run each chunk with its prefill
-        kernel alone; few enough tokens for every kernel."""
+        product on panels, no adapter) and the backend would run each chunk, in every group, with its
+        prefill kernel alone; few enough tokens for every kernel."""
         if not (
             kv_cache is self.kv_cache
             and hidden.dtype == torch.float32
@@ -195,7 +194,11 @@ class CompiledDecode:
         if not meta.prefills:
             return all(m.num_decodes == hidden.shape[0] for m in metas)
         quantized = self.kv_scales is not None
-        return self.step.runs_chunks and all(self.backend.runs_prefill_kernel(p, quantized) for p in meta.prefills)
+        return self.step.runs_chunks and all(
+            len(m.prefills) == len(meta.prefills)
+            and all(self.backend.runs_prefill_kernel(p, quantized) for p in m.prefills)
+            for m in metas
+        )
 
     def __call__(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, metas: list, lora=None
@@ -204,18 +207,23 @@ class CompiledDecode:
         segments = [] if lora is None else [lora.segments.starts, lora.segments.slots, lora.segments.scales]
         meta = metas[0]
         decodes = meta.num_decodes > 0
+
+        def decode_inputs(m):  # a group's slots, and its decodes' block tables and context lengths
+            if not decodes:
+                return m.slot_mapping, _NONE, _NONE
+            return m.slot_mapping, m.decode_block_tables, m.decode_context_lens
+
         hidden, residual = self.step.run(
             hidden,
             residual,
             positions,
-            meta.slot_mapping,
-            meta.decode_block_tables if decodes else _NONE,
-            meta.decode_context_lens if decodes else _NONE,
+            *decode_inputs(meta),
             self.rotaries[0].table(hidden),
             segments,
             [v for p in meta.prefills for v in (p.start, p.end, p.cached)],
             [p.block_table for p in meta.prefills],
-            [t for m in metas[1:] for t in (m.slot_mapping, m.decode_block_tables, m.decode_context_lens)],
+            [t for m in metas[1:] for t in decode_inputs(m)],
+            [p.block_table for m in metas[1:] for p in m.prefills],
             [r.table(hidden) for r in self.rotaries[1:]],
         )
         return hidden, residual

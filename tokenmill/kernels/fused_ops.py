@@ -1,5 +1,5 @@
-"""Fused elementwise kernels for CPU float32: add + RMSNorm, rotary embedding in place, SiLU * mul, and
-each row's argmax (the greedy sampler's step over the vocabulary).
+"""Fused elementwise kernels for CPU float32: add + RMSNorm, rotary embedding in place, SiLU * mul and
+GELU-tanh * mul, and each row's argmax (the greedy sampler's step over the vocabulary).
 
 At decode time a layer's elementwise work is a few thousand floats; as separate torch ops each
 costs more in dispatch and temporaries than in arithmetic (RMSNorm alone is six ops). One C++ call
@@ -40,6 +40,13 @@ def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tens
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     load().silu_and_mul(gate_up, out)
+    return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up as gate / (1 + e^(-2u)) * up (0.5 (1 + tanh(u)) is the logistic of 2u)."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    load().gelu_tanh_and_mul(gate_up, out)
     return out
 
 

@@ -20,7 +20,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2 I] -> gelu_tanh(gate) * up, [..., I] (GeGLU with the tanh approximation, as Gemma; one
-    Triton kernel on CUDA)."""
+    C++ call on CPU float32, one Triton kernel on CUDA)."""
+    if fused_ops.applies(gate_up) and gate_up.dim() == 2:
+        return fused_ops.gelu_tanh_and_mul(gate_up)
     if triton_fused.applies(gate_up):
         return triton_fused.gelu_and_mul(gate_up, "tanh")
     gate, up = gate_up.chunk(2, dim=-1)
