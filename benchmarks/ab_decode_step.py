@@ -1,12 +1,12 @@
 """The compiled decode step of two builds of the CPU kernels in one process, taking turns call by call
 on one real step's inputs (SmolLM2 by default, after a 512-token prompt and 63 decode steps): the
-median time of each and their ratio, the two results asserted bit-identical. On a shared machine this
+median time of each and their ratio, and how far the two results differ (0: the same bits). On a shared machine this
 is steadier than two processes in turn; at one thread it times the engine thread's CPU, not the wall.
 
     PYTHONPATH=TREE .venv/bin/python benchmarks/ab_decode_step.py BASE_SO [--threads 1] [--seconds 20]
 
 BASE_SO: the other build's extension module file (e.g. a checkout's tokenmill/kernels/_cpu_*.so, built
-from its sources; one with this tree's `DecodeStep` interface, or one from before `DecodeStep`);
+from its sources, or another -march's build of these; one with this tree's `DecodeStep` interface);
 TREE's own build is the one `tokenmill.kernels.cpu_kernels()` loads.
 """
 
@@ -55,33 +55,26 @@ def main() -> None:
     llm.generate({"prompt_token_ids": list(range(1000, 1512))}, params, use_tqdm=False)
     decode_step.CompiledDecode.__call__ = call
     step, (positions, hidden, residual, metas, _) = captured["step"]
-    meta = metas[0]
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
 
-    def runner(module):  # a build's step: built once (`DecodeStep`), or the weights passed each call (before it)
-        if hasattr(module, "DecodeStep"):
-            built = module.DecodeStep(
-                step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
-                step.soft_caps, step.lora,
-            )  # fmt: skip
-
-            return lambda *args: built.run(*args, [], [], [], [], [])  # no adapters, chunks, other KV groups
-        return lambda *args: module.decode_layers(
-            *args, step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
-            step.lora, [],
+    def runner(module):  # a build's step, built once with the step's weights
+        return module.DecodeStep(
+            step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
+            step.soft_caps, step.lora,
         )  # fmt: skip
 
     steps = {base: runner(base), new: runner(new)}
 
     def run(module):  # a fresh copy of the stream each call: the step adds to it in place
-        return steps[module](
-            hidden.clone(), None if residual is None else residual.clone(), positions, meta.slot_mapping,
-            meta.decode_block_tables, meta.decode_context_lens, step.rotaries[0].table(hidden),
-        )  # fmt: skip
+        fresh = None if residual is None else residual.clone()
+        args = step.run_args(positions, hidden.clone(), fresh, metas)
+        if "arg12" not in module.DecodeStep.run.__doc__:  # a build from before chunk tables per group (one list fewer)
+            args = args[:11] + args[12:]
+        return steps[module].run(*args)
 
     a, b = run(base), run(new)
-    assert all(torch.equal(x, y) for x, y in zip(a, b)), "the two builds' results differ"
+    differ = max(((x - y).abs().max() / x.abs().max()).item() for x, y in zip(a, b))  # 0: the same bits
     times = {base: [], new: []}
     end = time.perf_counter() + args.seconds
     while time.perf_counter() < end:
@@ -91,7 +84,7 @@ def main() -> None:
             times[module].append(clock() - start)
     old, now = (statistics.median(times[m]) * 1e3 for m in (base, new))
     print(f"STEP threads {args.threads}: base {old:.3f} ms, this tree {now:.3f} ms, base/this {old / now:.3f} "
-          f"({len(times[new])} calls each, identical results)")  # fmt: skip
+          f"({len(times[new])} calls each, results differ by at most {differ:.3g} of the largest)")  # fmt: skip
 
 
 if __name__ == "__main__":

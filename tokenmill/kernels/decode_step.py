@@ -204,6 +204,10 @@ class CompiledDecode:
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, metas: list, lora=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`metas`: as `applies`'; `lora`: the step's `LoRABatch` when some of its tokens run an adapter."""
+        return tuple(self.step.run(*self.run_args(positions, hidden, residual, metas, lora)))
+
+    def run_args(self, positions, hidden, residual, metas, lora=None) -> tuple:
+        """The C++ step's arguments for this step (`DecodeStep.run`'s, in order)."""
         segments = [] if lora is None else [lora.segments.starts, lora.segments.slots, lora.segments.scales]
         meta = metas[0]
         decodes = meta.num_decodes > 0
@@ -213,7 +217,7 @@ class CompiledDecode:
                 return m.slot_mapping, _NONE, _NONE
             return m.slot_mapping, m.decode_block_tables, m.decode_context_lens
 
-        hidden, residual = self.step.run(
+        return (
             hidden,
             residual,
             positions,
@@ -226,4 +230,3 @@ class CompiledDecode:
             [p.block_table for m in metas[1:] for p in m.prefills],
             [r.table(hidden) for r in self.rotaries[1:]],
         )
-        return hidden, residual
