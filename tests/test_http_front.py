@@ -1,6 +1,6 @@
 """The HTTP fronts' shared error handling (`tokenmill/http_front.py`) and server (`tokenmill/http_server.py`)
 on a real uvicorn server: an error no handler takes is a JSON 500, and the client's connection serves its
-next request; a connection that does not send a request's head in time is closed."""
+next request; a connection that does not send a request's head, or then its body, in time is closed."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from test_server_utils import free_port
 
 from tokenmill.http_front import APIError, install_error_handlers
@@ -40,6 +40,10 @@ def url():
     @app.get("/ok")
     async def ok():
         return {"ok": True}
+
+    @app.post("/echo")
+    async def echo(request: Request):
+        return {"bytes": len(await request.body())}
 
     @app.get("/slow")
     async def slow():
@@ -104,6 +108,39 @@ def test_a_connection_that_does_not_send_a_request_head_in_time_is_closed(url):
         time.sleep(0.2)
         kept.sendall(b"GET /ok HTTP/1.1\r\n")
         assert _closed_by_the_server(kept)
+
+
+def test_a_connection_that_does_not_send_a_request_body_in_time_is_closed(url, caplog):
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
+    caplog.set_level(logging.INFO, logger="test_http_front")
+    with socket.create_connection(url) as stalled:
+        stalled.sendall(head + b"x" * 10)  # 90 bytes never come
+        assert _closed_by_the_server(stalled)
+    with socket.create_connection(url) as trickling:  # a byte every 0.2 s: the deadline bounds the whole body
+        trickling.sendall(head.replace(b"100", b"100000"))
+        trickling.settimeout(0.2)
+        end, closed = time.monotonic() + 60, False
+        while not closed and time.monotonic() < end:
+            try:
+                trickling.sendall(b"x")
+                closed = trickling.recv(4096) == b""
+            except TimeoutError:
+                pass  # nothing to read: still open
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        assert closed
+    end = time.monotonic() + 60  # the handlers of both heard that their clients went: a line at info, no error
+    while sum("went before its request body" in r.getMessage() for r in caplog.records) < 2:
+        assert time.monotonic() < end, [r.getMessage() for r in caplog.records]
+        time.sleep(0.05)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    conn = http.client.HTTPConnection(*url, timeout=60)  # a body sent at once is read
+    try:
+        conn.request("POST", "/echo", body=b"y" * 100_000)
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read())) == (200, {"bytes": 100_000})
+    finally:
+        conn.close()
 
 
 def test_a_request_whose_head_came_in_time_may_take_longer(url):

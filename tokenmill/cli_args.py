@@ -35,9 +35,9 @@ def add_http_args(group) -> None:
         default=30.0,
         metavar="SECONDS",
         help="seconds a client may take to send a request's head (request line and headers), from "
-        "connecting or from the end of the previous response on the connection; a slower one is "
-        "disconnected, so idle or trickling connections cannot pile up; 0 turns the deadline off "
-        "(default: %(default)s)",
+        "connecting or from the end of the previous response on the connection, and then as long again "
+        "for its body; a slower one is disconnected, so idle or trickling connections cannot pile up; "
+        "0 turns the deadlines off (default: %(default)s)",
     )
 
 

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 # How deeply a body's arrays and objects may nest: pydantic's JSON parser (the server's) stops at this
@@ -143,7 +143,8 @@ class _InternalErrors:
     reaches the client). Starlette's own catch-all (`exception_handler(Exception)`) answers, then raises
     the error on to the server, which drops the connection: the client's next request on it was lost.
     Here the error ends with the answer; one raised after the answer started (a stream) is raised on,
-    as nothing can be said then."""
+    as nothing can be said then. A client that went while its request's body was read gets no answer
+    and no stack trace in the log (a line at info)."""
 
     def __init__(self, app, logger: logging.Logger) -> None:
         self.app, self.logger = app, logger
@@ -160,6 +161,10 @@ class _InternalErrors:
 
         try:
             await self.app(scope, receive, watched)
+        except ClientDisconnect:  # the client went while its body was read (or was cut off: too slow)
+            self.logger.info(
+                "%s %s: the client went before its request body was in", scope.get("method"), scope.get("path")
+            )
         except Exception as e:
             self.logger.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=e)
             if started:

@@ -1,12 +1,14 @@
 """The uvicorn server every HTTP front (`serve`, `router`, `disagg-proxy`) runs, configured once here:
-no access log, the app's lifespan on, a request head that must arrive in time, and room for many
-connections.
+no access log, the app's lifespan on, a request head and body that must arrive in time, and room for
+many connections.
 
 A client that connects and then sends its request's head slowly, or never (a "slowloris"), would hold a
 connection and its file descriptor for as long as it likes: uvicorn's keep-alive timeout only starts
 once a response is done. Here a connection whose request head (the request line and the headers) has
 not fully arrived `header_timeout` seconds after the connection opened, or after the previous response
-on it ended, is closed, as nginx's `client_header_timeout` does. The open-files limit is raised to its
+on it ended, is closed, as nginx's `client_header_timeout` does; and so is one whose request body has not
+fully arrived `header_timeout` seconds after its head (a body sent slowly holds the request's handler
+and its buffer too; nginx's `client_body_timeout` bounds the gaps only, so a byte a minute passes it). The open-files limit is raised to its
 hard limit (at most 65,536, as vLLM's server does) so that many clients at once do not run out of
 descriptors first.
 
@@ -33,11 +35,13 @@ def raise_open_files_limit(want: int = OPEN_FILES) -> None:
 
 
 def header_deadline_protocol(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose next request head takes longer than `seconds`."""
+    """uvicorn's h11 protocol, closing a connection whose next request head, or whose request's body after
+    its head, takes longer than `seconds`."""
 
     class HeaderDeadline(H11Protocol):
         _timer = None
         _waiting_after = None  # the request cycle whose successor's head is awaited (None: the first)
+        _body_of = None  # the request cycle whose body is awaited
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -45,8 +49,15 @@ def header_deadline_protocol(seconds: float) -> type[H11Protocol]:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.cycle is not self._waiting_after:  # a new request's head is in
+            cycle = self.cycle
+            if cycle is self._waiting_after:  # still the head
+                return
+            if not cycle.more_body:  # the whole request is in
                 self._disarm()
+            elif cycle is not self._body_of:  # its head is in: the body's deadline starts
+                self._disarm()
+                self._body_of = cycle
+                self._timer = self.loop.call_later(seconds, self._body_too_slow, cycle)
 
         def on_response_complete(self) -> None:
             self._arm()  # before: a pipelined request's head may be parsed in there (then the timer is moot)
@@ -71,11 +82,16 @@ def header_deadline_protocol(seconds: float) -> type[H11Protocol]:
             if self.cycle is self._waiting_after and not self.transport.is_closing():
                 self.transport.close()
 
+        def _body_too_slow(self, cycle) -> None:
+            self._timer = None
+            if self.cycle is cycle and cycle.more_body and not self.transport.is_closing():
+                self.transport.close()  # the handler reading the body gets http.disconnect
+
     return HeaderDeadline
 
 
 def uvicorn_config(app, log_level: str, graceful_shutdown: float, header_timeout: float) -> uvicorn.Config:
-    """The server's config for `app` (`header_timeout` 0: no deadline for a request's head)."""
+    """The server's config for `app` (`header_timeout` 0: no deadline for a request's head and body)."""
     raise_open_files_limit()
     protocol = header_deadline_protocol(header_timeout) if header_timeout > 0 else "h11"
     return uvicorn.Config(
