@@ -33,11 +33,15 @@ void add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch:
   });
 }
 
-// x: [T, heads, D] with a contiguous last dim (any token/head strides); rotated in place with the
-// rotate-half layout. cos_sin: [2, max_positions, D] contiguous; positions: [T] int64.
+// x: [T, heads, D] with a contiguous last dim (any token/head strides); its first R features a head rotated
+// in place with the rotate-half layout (R < D: partial rotary, the rest kept). cos_sin: [2, max_positions,
+// R] contiguous; positions: [T] int64.
 void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
-  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), NH = x.size(1), D = cos_sin.size(2), half = D / 2;  // D: R, the table's width
   const int64_t st = x.stride(0), sh = x.stride(1), P = cos_sin.size(1);
+  TORCH_CHECK(cos_sin.dim() == 3 && cos_sin.size(0) == 2 && cos_sin.is_contiguous() && D % 2 == 0 &&
+                  D <= x.size(2) && x.stride(2) == 1,
+              "rotary_inplace: a [2, positions, D] table, D even and at most the head's size");
   float* xp = x.data_ptr<float>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cp = cos_sin.data_ptr<float>();

@@ -224,6 +224,18 @@ def test_fused_elementwise_ops_match_torch(tokens):
     torch.testing.assert_close(qkv[:, :3], ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(qkv[:, 3:], untouched, rtol=0, atol=0)
 
+    # partial rotary (a table narrower than the head): the first 8 features turned, the torch path's bits
+    # (rotate-half's products and sums, none fused), the other 8 kept
+    part = table[:, :, :4].repeat(1, 1, 2).contiguous()  # 4 angles, each twice: a [2, 50, 8] table
+    x = torch.randn(tokens, 3, head_dim)
+    rot = x[..., :8]
+    want = (
+        rot * part[0][positions][:, None] + torch.cat((-rot[..., 4:], rot[..., :4]), -1) * part[1][positions][:, None]
+    )
+    kept = x[..., 8:].clone()
+    fused_ops.rotary_inplace(x, positions, part)
+    assert torch.equal(x[..., :8], want) and torch.equal(x[..., 8:], kept)
+
 
 # A module with no function, so that the build from source takes a second, not the kernels' minute (CI
 # compiles them once, at install); torch's `load` names the module through TORCH_EXTENSION_NAME.

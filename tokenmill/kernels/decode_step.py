@@ -13,7 +13,8 @@ so its results are bit-identical to the module-by-module forward:
 and Gemma 2's and 3's layers (`LayerParts`' optional parts): each head's q and k normed before the
 rotation, the attention's and the MLP's outputs normed before they join the stream, GELU-tanh for SiLU,
 sliding-window layers beside global ones, each with its own KV cache group (block tables, slots) and
-rotary table, soft-capped attention scores.
+rotary table, soft-capped attention scores; and a rotation of each head's first `rotary_dim` features
+only (partial rotary: Phi-4-mini's, GLM's).
 
 Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
 blocks with float or int8 activations), and with LoRA adapters by its `LoRAWeights` factors: a step
@@ -152,7 +153,6 @@ class CompiledDecode:
                 or a.sinks is not None
                 or a.latent_rope_dim is not None
                 or p.rotary.interleaved
-                or p.rotary.rotary_dim != a.head_dim
             ):
                 return None
             modules = (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj)

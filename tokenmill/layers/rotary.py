@@ -125,9 +125,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x: [T, heads, D] (queries and keys stacked along heads) at `positions`: [T].
-        On CPU float32 the (whole-head) rotation is done in place by a fused kernel."""
+        On CPU float32 the rotation (of the first `rotary_dim` features) is done in place by a fused kernel."""
         table = self.table(x)
-        if fused_ops.applies(x) and x.stride(-1) == 1 and self.rotary_dim == x.shape[-1] and not self.interleaved:
+        if fused_ops.applies(x) and x.stride(-1) == 1 and not self.interleaved:
             return fused_ops.rotary_inplace(x, positions, table)
         cos = table[0].index_select(0, positions).unsqueeze(1)
         sin = table[1].index_select(0, positions).unsqueeze(1)
