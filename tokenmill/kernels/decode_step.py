@@ -14,7 +14,7 @@ and Gemma 2's and 3's layers (`LayerParts`' optional parts): each head's q and k
 rotation, the attention's and the MLP's outputs normed before they join the stream, GELU-tanh for SiLU,
 sliding-window layers beside global ones, each with its own KV cache group (block tables, slots) and
 rotary table, soft-capped attention scores; and a rotation of each head's first `rotary_dim` features
-only (partial rotary: Phi-4-mini's, GLM's).
+only (partial rotary, as Phi-4-mini's).
 
 Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
 blocks with float or int8 activations), and with LoRA adapters by its `LoRAWeights` factors: a step
