@@ -54,14 +54,16 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate({"prompt_token_ids": list(range(1000, 1512))}, params, use_tqdm=False)
     decode_step.CompiledDecode.__call__ = call
-    step, (positions, hidden, residual, metas, _) = captured["step"]
+    step, (positions, hidden, residual, metas, *_) = captured["step"]
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
 
     def runner(module):  # a build's step, built once with the step's weights
+        experts = step.experts if "arg9" in module.DecodeStep.__init__.__doc__ else ()  # builds before MoE: none
+        ints = step.ints if experts else [i for n, i in enumerate(step.ints) if n % 17 != 16]  # nor its index
         return module.DecodeStep(
-            step.tensors, step.ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
-            step.soft_caps, step.lora,
+            step.tensors, ints, step.num_heads, step.num_kv_heads, step.head_dim, step.eps, step.scale,
+            step.soft_caps, step.lora, *experts,
         )  # fmt: skip
 
     steps = {base: runner(base), new: runner(new)}
@@ -69,7 +71,10 @@ def main() -> None:
     def run(module):  # a fresh copy of the stream each call: the step adds to it in place
         fresh = None if residual is None else residual.clone()
         args = step.run_args(positions, hidden.clone(), fresh, metas)
-        if "arg12" not in module.DecodeStep.run.__doc__:  # a build from before chunk tables per group (one list fewer)
+        doc = module.DecodeStep.run.__doc__
+        if "arg13" not in doc:  # a build from before MoE layers: no expert counting
+            args = args[:13]
+        if "arg12" not in doc:  # a build from before chunk tables per group (one list fewer)
             args = args[:11] + args[12:]
         return steps[module].run(*args)
 

@@ -42,9 +42,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init(torch::wrap_pybind_function(
           [](std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
              int64_t head_dim, double eps, double scale, std::vector<double> soft_caps,
-             std::vector<torch::Tensor> lora) {
+             std::vector<torch::Tensor> lora, std::vector<torch::Tensor> expert_tensors,
+             std::vector<int64_t> expert_ints) {
             return std::make_shared<DecodeStep>(std::move(tensors), std::move(ints), num_heads, num_kv_heads, head_dim,
-                                                eps, scale, std::move(soft_caps), std::move(lora));
+                                                eps, scale, std::move(soft_caps), std::move(lora),
+                                                std::move(expert_tensors), std::move(expert_ints));
           })))
       .def("run", torch::wrap_pybind_function(&DecodeStep::run))
       .def_property_readonly("runs_chunks", &DecodeStep::runs_chunks);

@@ -18,6 +18,7 @@
 #include "lora.h"
 #include "paged_attention.h"
 #include "prefill_attention.h"
+#include "step_experts.h"
 #include "step_phases.h"
 
 namespace decode_step {
@@ -26,13 +27,8 @@ inline c10::optional<torch::Tensor> present(const torch::Tensor& t) {
   return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-inline int64_t activation_span(const Linear& l) {  // block_quant.cpp's activation_span
-  return l.scales.scalar_type() == at::kChar && l.supers.numel() ? 256 : 32;
-}
-
 // As the Python path: F.linear for dense weights; the block kernel, then `out += bias`; then the
 // adapters' deltas (LoRAWeights.add_to).
-// `segments`: the step's (seg_starts, seg_slots, seg_scales), or null.
 torch::Tensor linear(const Linear& l, const torch::Tensor& x, const torch::Tensor* segments) {
   torch::Tensor out;
   if (l.kind == 0) {
@@ -52,13 +48,15 @@ torch::Tensor linear(const Linear& l, const torch::Tensor& x, const torch::Tenso
   return out;
 }
 
+inline Linear make_linear(const torch::Tensor* t, const int64_t* k) {  // 8 tensors, (kind, bits, center)
+  return Linear{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], k[0], k[1], k[2], nullptr};
+}
+
 // Whether the parallel region below runs this layer: int8 activations on panels, no adapter.
 inline bool splits_by_panels(const Linear& l) {
   return l.kind == 2 && l.panel_codes.numel() && !l.lora && (!l.bias.numel() || l.bias.scalar_type() == at::kFloat);
 }
 
-// The output columns of panels [first, last) of `l` on its rounded input `a`, and the bias added to them as
-// `out += bias` adds it.
 void linear_panels(const Linear& l, const PanelActivations& a, torch::Tensor& out, int64_t first, int64_t last) {
   block_quant_matmul_q8_panels_range(a, l.panel_codes, l.panel_scales, out, first, last);
   if (!l.bias.numel()) return;
@@ -96,14 +94,16 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
                                                 const std::vector<torch::Tensor>& rope_tables,
                                                 const std::vector<Linear>& linears, const std::vector<LayerKind>& kinds,
                                                 const std::vector<torch::Tensor>& tensors, int64_t H, int64_t KVH,
-                                                int64_t D, double eps, double scale, const Chunks& chunks) {
+                                                int64_t D, double eps, double scale, const Chunks& chunks,
+                                                const std::vector<Experts>& experts_of, bool count_experts) {
   constexpr size_t kTensors = DecodeStep::kTensors;
   constexpr int64_t kPhases = 9, kChunk = 4;  // phases a layer; panels a product's shares are whole multiples of
   const size_t layers = linears.size() / 4;
-  const int64_t T = hidden.size(0), I = linears[2].w.size(0) / 2, G = I / 8;  // gate_up: 2I outputs, G panels each
+  const int64_t T = hidden.size(0);
   auto make = [&](int64_t width) { return torch::empty({T, width}, hidden.options()); };
   torch::Tensor normed = make(hidden.size(1)), qkv = make(linears[0].w.size(0)), q = make(H * D), attn = make(H * D),
-                o = make(hidden.size(1)), gate_up = make(2 * I), act = make(I), down = make(hidden.size(1));
+                o = make(hidden.size(1)), down = make(hidden.size(1));
+  torch::Tensor gate_up, act;  // a dense MLP's, made for its width (gate_up: 2I outputs, G = I / 8 panels each)
   // the attention's and the MLP's outputs normed before they join the stream (Gemma's), where layers have them
   auto any_has = [&](size_t j) {
     for (size_t i = 0; i < layers; ++i)
@@ -129,6 +129,7 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
   torch::Tensor res = residual ? *residual : torch::Tensor(), x = hidden;
   std::unique_ptr<DecodeAttention> attention;
   PanelActivations rounded;  // the next product's input, rounded to int8
+  RegionExperts experts;      // a MoE layer's MLP
   const int threads = at::get_num_threads();
   // An exception must not leave the parallel region (that ends the process): the first one is kept, every
   // thread skips the work after it but still counts its units done, and it is rethrown once the region ends.
@@ -184,7 +185,8 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
       const Linear* l = linears.data() + 4 * i;
       const LayerKind& kind = kinds[i];
       const Group& g = groups[kind.group];
-      const int64_t p = kPhases * static_cast<int64_t>(i);
+      const int64_t p = kPhases * static_cast<int64_t>(i), G = l[2].kind < 0 ? 0 : l[2].w.size(0) / 16;
+      const bool routed = kind.experts >= 0;
       step.run(p, t, [&](int64_t, int64_t) {
         guard([&] {
           add_rms_norm(x, res.defined() ? c10::optional<torch::Tensor>(res) : c10::nullopt, w[0], eps, normed);
@@ -244,8 +246,10 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
                  open_product(p + 5, panels(l[1]));
                }, &ahead);
       ahead = LinesAhead();
-      next_share(l[2], G);
-      next_share(l[2], G, G);
+      if (!routed) {  // a MoE layer's experts are known once routed
+        next_share(l[2], G);
+        next_share(l[2], G, G);
+      }
       step.run(p + 5, t, [&](int64_t a, int64_t b) { guard([&] { linear_panels(l[1], rounded, o, a, b); }); },
                [&] { step.open_one_op(p + 6); }, &ahead);
       step.run(p + 6, t, [&](int64_t, int64_t) {
@@ -254,28 +258,40 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
           const torch::Tensor& joined = attn_out_norm.numel() ? o_normed : o;
           add_rms_norm(joined, res, w[1], eps, normed);
           res = joined;
+          if (routed) {
+            experts.start(experts_of[kind.experts], l[2], l[3], normed, count_experts);
+            return;
+          }
+          if (!act.defined() || act.size(1) != 8 * G) {
+            gate_up = make(16 * G);
+            act = make(8 * G);
+          }
           round_input(normed, l[2]);
         });
-      }, [&] { open_product(p + 7, G); }, &ahead);
+      }, [&] { open_product(p + 7, failed.load() ? 0 : routed ? experts.gate_up_panels() : G); }, &ahead);
       ahead = LinesAhead();
-      next_share(l[3], panels(l[3]));
-      step.run(p + 7, t, [&](int64_t a, int64_t b) {  // gate and up over the same columns of act, then act * up on those
+      if (!routed) next_share(l[3], panels(l[3]));
+      // gate and up over the same columns of act, then act * up on those
+      step.run(p + 7, t, [&](int64_t a, int64_t b) {
         guard([&] {
+          if (routed) return experts.gate_up(a, b);
           linear_panels(l[2], rounded, gate_up, a, b);
           linear_panels(l[2], rounded, gate_up, G + a, G + b);
           (kind.activation ? gelu_tanh_and_mul_columns : silu_and_mul_columns)(gate_up, act, 8 * a, 8 * b);
         });
       }, [&] {
-        guard([&] { round_input(act, l[3]); });
-        open_product(p + 8, panels(l[3]));
+        guard([&] { routed ? experts.round_act() : round_input(act, l[3]); });
+        open_product(p + 8, failed.load() ? 0 : routed ? experts.down_panels() : panels(l[3]));
       }, &ahead);
       ahead = LinesAhead();
       if (i + 1 < layers) next_share(l[4], panels(l[4]));
-      step.run(p + 8, t, [&](int64_t a, int64_t b) { guard([&] { linear_panels(l[3], rounded, down, a, b); }); },
-               [&] {
+      step.run(p + 8, t, [&](int64_t a, int64_t b) {
+        guard([&] { routed ? experts.down(a, b) : linear_panels(l[3], rounded, down, a, b); });
+      }, [&] {
                  guard([&] {
-                   if (mlp_out_norm.numel()) add_rms_norm(down, c10::nullopt, mlp_out_norm, eps, down_normed);
-                   x = mlp_out_norm.numel() ? down_normed : down;
+                   const torch::Tensor out = routed ? experts.finish(normed) : down;
+                   if (mlp_out_norm.numel()) add_rms_norm(out, c10::nullopt, mlp_out_norm, eps, down_normed);
+                   x = mlp_out_norm.numel() ? down_normed : out;
                  });
                  if (i + 1 < layers) step.open_one_op(p + kPhases);
                }, &ahead);
@@ -292,25 +308,36 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
 // of qkv, o, gate_up, down, then the norms of each head's q and of each head's k, and the norms of the
 // attention's and of the MLP's output before they join the stream (Gemma 3's; all four empty where the
 // layer has none); `ints` holds (kind, bits, center) of those four linears, then the layer's
-// `LayerKind` (activation, window, group, rope); `soft_caps` the layers' `LayerKind::soft_cap`. `lora`:
-// empty, or per layer the LoRA factors (a, b, shard_offsets) of qkv, o, gate_up, down.
+// `LayerKind` (activation, window, group, rope, experts); `soft_caps` the layers' `LayerKind::soft_cap`.
+// `lora`: empty, or per layer the LoRA factors (a, b, shard_offsets) of qkv, o, gate_up, down. A layer with
+// routed experts has its shared expert (or none: kind -1, empty tensors) as gate_up and down, and its
+// `Experts` in `expert_ints`: (E, top_k, renormalize), then (kind, bits, center) of the router, the shared
+// expert's gate and each expert's gate_up and down in turn; in `expert_tensors` the 8 tensors of each of
+// those linears, in the same order, then the expert counters.
 DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                       std::vector<double> soft_caps, std::vector<torch::Tensor> lora)
-    : tensors_(std::move(tensors)), lora_(std::move(lora)), H_(num_heads), KVH_(num_kv_heads), D_(head_dim),
-      eps_(eps), scale_(scale) {
+                       std::vector<double> soft_caps, std::vector<torch::Tensor> lora,
+                       std::vector<torch::Tensor> expert_tensors, std::vector<int64_t> expert_ints)
+    : tensors_(std::move(tensors)),
+      lora_(std::move(lora)),
+      expert_tensors_(std::move(expert_tensors)),
+      H_(num_heads),
+      KVH_(num_kv_heads),
+      D_(head_dim),
+      eps_(eps),
+      scale_(scale) {
   using decode_step::Linear;
-  constexpr size_t kInts = 4 * 3 + 4, kLoRA = 4 * 3;
+  constexpr size_t kInts = 4 * 3 + 5, kLoRA = 4 * 3;
   TORCH_CHECK(tensors_.size() % kTensors == 0, "DecodeStep: ", kTensors, " tensors per layer");
   const size_t layers = tensors_.size() / kTensors;
-  TORCH_CHECK(ints.size() == kInts * layers, "DecodeStep: 16 ints per layer");
+  TORCH_CHECK(ints.size() == kInts * layers, "DecodeStep: 17 ints per layer");
   TORCH_CHECK(lora_.empty() || lora_.size() == kLoRA * layers, "DecodeStep: 12 LoRA tensors per layer, or none");
   TORCH_CHECK(soft_caps.size() == layers, "DecodeStep: a soft cap per layer");
   for (size_t i = 0; i < layers; ++i)
     for (int j = 0; j < 4; ++j) {
       const torch::Tensor* l = tensors_.data() + kTensors * i + 6 + 8 * j;
       const int64_t* k = ints.data() + kInts * i + 3 * j;
-      plain_.push_back(Linear{l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], k[0], k[1], k[2], nullptr});
+      plain_.push_back(decode_step::make_linear(l, k));
       if (!lora_.empty()) {
         adapted_.push_back(plain_.back());
         adapted_.back().lora = lora_.data() + kLoRA * i + 3 * j;
@@ -318,10 +345,50 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
     }
   for (size_t i = 0; i < layers; ++i) {
     const int64_t* k = ints.data() + kInts * i + 12;
-    kinds_.push_back(decode_step::LayerKind{k[0], k[1], k[2], k[3], soft_caps[i]});
+    kinds_.push_back(decode_step::LayerKind{k[0], k[1], k[2], k[3], soft_caps[i], k[4]});
   }
-  one_region_ = std::all_of(plain_.begin(), plain_.end(), decode_step::splits_by_panels);
-  for (size_t i = 0; i < layers; ++i) one_region_ = one_region_ && plain_[4 * i + 2].w.size(0) % 16 == 0;  // 8 | I
+  // the layers' experts, in layer order (each layer's `LayerKind::experts` names its own)
+  const torch::Tensor* et = expert_tensors_.data();
+  const int64_t* ei = expert_ints.data();
+  const int64_t* ints_end = ei + expert_ints.size();
+  for (const auto& kind : kinds_) {
+    if (kind.experts < 0) continue;
+    TORCH_CHECK(kind.experts == static_cast<int64_t>(experts_.size()) && ints_end - ei >= 3,
+                "DecodeStep: a layer's experts out of order");
+    const int64_t E = ei[0], linears = 2 + 2 * E;
+    const int64_t tensors_left = expert_tensors_.data() + expert_tensors_.size() - et;
+    TORCH_CHECK(ints_end - ei >= 3 + 3 * linears && tensors_left >= 8 * linears + 1,
+                "DecodeStep: (E, top_k, renormalize), then 3 ints and 8 tensors for each of 2 + 2E linears");
+    decode_step::Experts m{decode_step::make_linear(et, ei + 3), decode_step::make_linear(et + 8, ei + 6), {}, {},
+                           ei[1], ei[2] != 0, et[8 * linears]};
+    for (int64_t e = 0; e < E; ++e) {
+      m.gate_up.push_back(decode_step::make_linear(et + 8 * (2 + e), ei + 3 + 3 * (2 + e)));
+      m.down.push_back(decode_step::make_linear(et + 8 * (2 + E + e), ei + 3 + 3 * (2 + E + e)));
+    }
+    TORCH_CHECK(m.counts.numel() == E && m.counts.scalar_type() == at::kLong, "DecodeStep: a counter an expert");
+    experts_.push_back(std::move(m));
+    et += 8 * linears + 1;
+    ei += 3 + 3 * linears;
+  }
+  TORCH_CHECK(ei == ints_end && et == expert_tensors_.data() + expert_tensors_.size(),
+              "DecodeStep: experts left over");
+  // every product on panels (a MoE layer's router and shared expert gate excepted: one unit each, on any
+  // weights), 8 | I
+  auto gate_up_on_panels = [](const decode_step::Linear& l) {
+    return decode_step::splits_by_panels(l) && (l.w.size(0) / 2) % 8 == 0;
+  };
+  one_region_ = true;
+  for (size_t i = 0; i < layers; ++i) {
+    const decode_step::Linear* l = plain_.data() + 4 * i;
+    const bool routed = kinds_[i].experts >= 0;
+    one_region_ = one_region_ && decode_step::splits_by_panels(l[0]) && decode_step::splits_by_panels(l[1]) &&
+                  (routed && l[2].kind < 0 ? true : gate_up_on_panels(l[2]) && decode_step::splits_by_panels(l[3]));
+    if (routed) {
+      const decode_step::Experts& m = experts_[kinds_[i].experts];
+      one_region_ = one_region_ && std::all_of(m.gate_up.begin(), m.gate_up.end(), gate_up_on_panels) &&
+                    std::all_of(m.down.begin(), m.down.end(), decode_step::splits_by_panels);
+    }
+  }
 }
 
 // hidden: [T, hidden], its decodes first, then (chunk_spans: decode_step::Chunks) the prompt chunks of a mixed
@@ -329,8 +396,9 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
 // `lora_segments`: empty, or the step's (seg_starts, seg_slots, seg_scales) (tokenmill/kernels/lora.py), which
 // run the adapters. slots, block_tables, context_lens, chunk_tables (a block table a chunk): KV cache group
 // 0's (the layers' of `LayerKind::group` 0); other_groups: the first three of group 1, 2, ... in turn, and
-// other_chunk_tables their chunk tables. cos_sin: rotary table 0; other_tables: tables 1, 2, ... Returns
-// {hidden, residual} after the last layer (the final norm is the caller's).
+// other_chunk_tables their chunk tables. cos_sin: rotary table 0; other_tables: tables 1, 2, ...
+// count_experts: add the step's tokens to the expert counters. Returns {hidden, residual} after the last
+// layer (the final norm is the caller's).
 std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                            const torch::Tensor& positions, const torch::Tensor& slots,
                                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
@@ -339,7 +407,7 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
                                            std::vector<int64_t> chunk_spans, std::vector<torch::Tensor> chunk_tables,
                                            const std::vector<torch::Tensor>& other_groups,
                                            const std::vector<torch::Tensor>& other_chunk_tables,
-                                           const std::vector<torch::Tensor>& other_tables) const {
+                                           const std::vector<torch::Tensor>& other_tables, bool count_experts) const {
   TORCH_CHECK(lora_segments.empty() || lora_segments.size() == 3, "DecodeStep: 3 LoRA segment tensors, or none");
   const bool adapters = !lora_.empty() && !lora_segments.empty();
   const torch::Tensor* segments = adapters ? lora_segments.data() : nullptr;
@@ -368,7 +436,7 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
                 "DecodeStep: a layer's KV cache group or rotary table was not passed");
   if (one_region_ && !adapters)
     return decode_step::layers_in_one_region(hidden, residual, positions, groups, rope_tables, linears, kinds_,
-                                             tensors_, H, KVH, D, eps_, scale_, chunks);
+                                             tensors_, H, KVH, D, eps_, scale_, chunks, experts_, count_experts);
   TORCH_CHECK(!chunks.size(), "DecodeStep: prompt chunks run only with every product on int8 panels, no adapter");
   torch::Tensor res = residual ? *residual : torch::Tensor();
   for (size_t i = 0; i < linears.size() / 4; ++i) {
@@ -412,6 +480,10 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
     normed = torch::empty_like(o);
     add_rms_norm(o, res, t[1], eps_, normed);
     res = o;
+    if (kind.experts >= 0) {
+      hidden = decode_step::experts_mlp(experts_[kind.experts], gate_up_proj, down_proj, normed, count_experts);
+      continue;
+    }
     auto gate_up = decode_step::linear(gate_up_proj, normed, segments);
     auto act = torch::empty({T, gate_up.size(1) / 2}, hidden.options());
     (kind.activation ? gelu_tanh_and_mul : silu_and_mul)(gate_up, act);

@@ -135,6 +135,11 @@ def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
         ("mistral-window", "int8-q8", "auto"),
         ("phi3-window-partial", "none", "auto"),  # partial rotary: half of each head rotated
         ("phi3-window-partial", "int8-q8", "float16"),
+        ("mixtral", "none", "auto"),  # routed experts (dense), renormalised
+        ("qwen2-moe", "none", "auto"),  # and a gated shared expert, a dense layer
+        ("qwen2-moe", "none", "int8"),
+        ("mixtral", "gguf", "float16"),  # experts in GGUF blocks
+        ("qwen3-moe", "gguf-q8", "auto"),  # on int8 panels
     ],
 )
 def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypatch, name, quantization, cache_dtype):
@@ -161,6 +166,11 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
                 "ffn_down": "Q4_0",
                 "output": "Q8_0",
                 "token_embd": "Q8_0",
+                "ffn_gate_exps": "Q4_1",
+                "ffn_up_exps": "Q5_0",
+                "ffn_down_exps": "Q8_0",
+                "ffn_gate_shexp": "Q4_0",
+                "ffn_up_shexp": "Q4_0",
             },
         )
         path = str(tmp_path / "m.gguf")
@@ -172,6 +182,7 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
     compiled = make_runner(load_model(path, **load), cache_dtype=cache_dtype)
     fast = decode_step_hidden(compiled, batch)
     assert compiled.model.model.compiled_decode[1] is not None  # the step ran compiled
+    counted = [m.expert_tokens.clone() for m in compiled.moe_layers]  # the routing statistics (/metrics)
     # gguf-q8's step runs in one OpenMP region that splits products and attention over the threads, a
     # thread taking over what a late one has not started (the tests' process runs one): at two, and at
     # three on this 2-core host (threads preempted mid-step, their shares taken by the others), the same bits
@@ -189,6 +200,7 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
     layers = make_runner(load_model(path, **load), cache_dtype=cache_dtype)
     assert torch.equal(fast, decode_step_hidden(layers, batch))
     assert layers.model.model.compiled_decode[1] is None
+    assert all(torch.equal(a, m.expert_tokens) for a, m in zip(counted, layers.moe_layers, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -199,6 +211,7 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
         ("qwen2-bias", "int8"),
         ("gemma3", "auto"),  # q/k norms, sandwich norms, GELU-tanh, sliding and global groups
         ("gemma2", "float16"),  # and soft-capped scores
+        ("qwen3-moe", "auto"),  # routed experts
     ],
 )
 def test_compiled_step_runs_prompt_chunks_beside_the_decodes(tmp_path, monkeypatch, name, cache_dtype):
@@ -206,16 +219,18 @@ def test_compiled_step_runs_prompt_chunks_beside_the_decodes(tmp_path, monkeypat
     3 tokens) runs in the compiled step's one parallel region, the chunks' attention as the backend's
     prefill kernel computes it: the layer-by-layer forward's bits, at one, two and three threads. A
     quantized cache's first chunk (which attends its own K/V as computed) and a short chunk after cached
-    tokens (per-token decodes) leave the step to the layers. Qwen2 from a GGUF file (gguf-q8), Gemma
-    quantized to int8 on load (int8 activations)."""
+    tokens (per-token decodes) leave the step to the layers. Qwen2 and Qwen3-MoE (its experts in the
+    file's blocks) from a GGUF file (gguf-q8), Gemma quantized to int8 on load (int8 activations)."""
     from tokenmill.kernels import decode_step
 
     if decode_step.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
     hf = make_tiny_model(name, tmp_path)
-    if name == "qwen2-bias":
+    if name in ("qwen2-bias", "qwen3-moe"):
         types = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q5_0"}
-        write_tiny_gguf(hf, tmp_path / "m.gguf", {**types, "ffn_up": "Q5_0", "ffn_down": "Q4_1", "token_embd": "Q8_0"})
+        experts = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q5_0", "ffn_down_exps": "Q4_1"}
+        types |= {"ffn_up": "Q5_0", "ffn_down": "Q4_1", "token_embd": "Q8_0", **experts}
+        write_tiny_gguf(hf, tmp_path / "m.gguf", types)
         load = dict(model=str(tmp_path / "m.gguf"), quantization="gguf-q8", dtype="float32")
     else:
         load = dict(model=str(tmp_path), quantization="int8")
@@ -251,9 +266,9 @@ def test_compiled_step_runs_prompt_chunks_beside_the_decodes(tmp_path, monkeypat
         assert torch.equal(fast[layout], mixed_step_hidden(layers, batch, cached)), layout
 
 
-@pytest.mark.parametrize("name", ["mixtral", "gpt-oss"])
+@pytest.mark.parametrize("name", ["gpt-oss", "deepseek-v2"])
 def test_compiled_decode_step_leaves_layers_it_lacks_to_the_model(tmp_path, name):
-    """Experts, attention sinks: the model's own forward."""
+    """Attention sinks and biased experts (GPT-OSS), latent attention (DeepSeek): the model's own forward."""
     make_tiny_model(name, tmp_path)
     runner = make_runner(load_model(str(tmp_path), dtype="float32"))
     decode_step_hidden(runner, [[1, 2, 3], [4, 5]])

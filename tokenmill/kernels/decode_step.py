@@ -13,20 +13,25 @@ so its results are bit-identical to the module-by-module forward:
 and Gemma 2's and 3's layers (`LayerParts`' optional parts): each head's q and k normed before the
 rotation, the attention's and the MLP's outputs normed before they join the stream, GELU-tanh for SiLU,
 sliding-window layers beside global ones, each with its own KV cache group (block tables, slots) and
-rotary table, soft-capped attention scores; and a rotation of each head's first `rotary_dim` features
-only (partial rotary, as Phi-4-mini's).
+rotary table, soft-capped attention scores; a rotation of each head's first `rotary_dim` features
+only (partial rotary, as Phi-4-mini's); and mixture-of-experts MLPs (Mixtral's, Qwen2/3-MoE's: a softmax
+router's top-k, renormalised or not, each token's experts run grouped by expert, their outputs weighed
+and summed, plus a shared expert scaled by its sigmoid gate; csrc/step_experts.cpp), op for op as
+`FusedMoE.forward` computes them, the expert counters of /metrics included.
 
 Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
 blocks with float or int8 activations), and with LoRA adapters by its `LoRAWeights` factors: a step
 whose tokens run adapters adds their deltas after each matmul with the LoRA kernel the Python path
-calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything else (experts, other
-activations, attention sinks, tensor parallelism) keeps the model's own forward. KV caches
+calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything else (other activations,
+attention sinks, latent attention, grouped or sigmoid routing, biased experts, tensor or expert
+parallelism, adapters on a MoE layer) keeps the model's own forward. KV caches
 may be float32, float16, bfloat16, or int8 / fp8 with their scales (written by `write_kv_quantized`,
 bit for bit the torch path's quantizer, and read by the same decode kernel).
 
 When every linear layer runs int8 activations on panels and no adapter (Gemma's parts included), the
 layers run inside one OpenMP parallel region instead of one per kernel: about 150 fork/joins a token
-fewer for SmolLM2. Each layer is nine phases (csrc/step_phases.h): the
+fewer for SmolLM2 (a MoE layer's experts on panels too: its routing is one unit, its experts' gate_up and
+down two products over the active experts' panels). Each layer is nine phases (csrc/step_phases.h): the
 products split by panels, the attention by its tasks, the small ops one unit each; a thread takes its
 share a piece at a time and then what a late partner has not started, so a thread preempted on a busy
 host holds up no op. Each output element is still computed by the same code on the same inputs, so the
@@ -64,8 +69,8 @@ class LayerParts:
     attn: nn.Module  # Attention
     o_proj: nn.Module
     post_norm: nn.Module  # RMSNorm
-    gate_up_proj: nn.Module
-    down_proj: nn.Module
+    gate_up_proj: nn.Module | None  # the MLP's (a MoE layer's shared expert's: None where it has none)
+    down_proj: nn.Module | None
     # Gemma 3's: RMSNorms of each head's q and k, and of the attention's and the MLP's output before the
     # stream takes them; its activation
     q_norm: nn.Module | None = None
@@ -73,22 +78,65 @@ class LayerParts:
     attn_out_norm: nn.Module | None = None
     mlp_out_norm: nn.Module | None = None
     activation: str = "silu"  # or "gelu_tanh"
+    # a mixture-of-experts layer's: its `FusedMoE`, router, and the gate of its shared expert (Qwen2-MoE's)
+    experts: nn.Module | None = None
+    router: nn.Module | None = None
+    shared_gate: nn.Module | None = None
 
 
 _NONE = torch.empty(0)
 _ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def _linear_operands(linear: nn.Module) -> tuple[list[torch.Tensor], list[int], int | None] | None:
-    """(tensors, ints, the most tokens its kernel takes) of one linear layer, or None if unsupported."""
+def _linear_operands(linear: nn.Module | None) -> tuple[list[torch.Tensor], list[int], int | None] | None:
+    """(tensors, ints, the most tokens its kernel takes) of one linear layer (or of none: kind -1), or None
+    if unsupported."""
+    if linear is None:
+        return [_NONE] * 8, [-1, 0, 0], None
     if getattr(linear, "tp_size", 1) != 1:
         return None
     operands = linear.quant_method.decode_operands(linear)
     if operands is None:
         return None
     kind, bits, center, tensors, max_tokens = operands
-    bias = linear.bias if linear.bias is not None else _NONE
-    return [t if t is not None else _NONE for t in tensors] + [bias], [kind, bits, center], max_tokens
+    bias = getattr(linear, "bias", None)
+    return (
+        [t if t is not None else _NONE for t in tensors] + [bias if bias is not None else _NONE],
+        [kind, bits, center],
+        max_tokens,
+    )
+
+
+def _dense_operands(weight: torch.Tensor) -> tuple[list[torch.Tensor], list[int], None] | None:
+    """`_linear_operands` of a dense float32 weight [N, K] on the CPU (an expert's projection)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return [weight] + [_NONE] * 7, [0, 0, 0], None
+
+
+def _expert_operands(p: LayerParts) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
+    """(tensors, ints, token limits) of a MoE layer's `Experts` (csrc/decode_step.cpp's constructor), or None
+    where the step lacks its routing or experts: sigmoid or grouped scores, scaled weights, expert biases,
+    experts split over ranks. (The model gives experts with SiLU only.)"""
+    moe, routing = p.experts, p.experts.routing
+    if (
+        (routing.scoring, routing.num_groups, routing.scale) != ("softmax", 1, 1.0)
+        or moe.w13_bias is not None
+        or moe.expert_parallel
+        or moe.share != moe.intermediate_size
+        or len(moe.experts) != moe.num_experts
+    ):
+        return None
+    if isinstance(moe.w13, nn.ModuleList):
+        projections = [_linear_operands(m) for m in (*moe.w13, *moe.w2)]
+    else:
+        projections = [_dense_operands(w) for w in (*moe.w13, *moe.w2)]
+    linears = [_linear_operands(p.router), _linear_operands(p.shared_gate), *projections]
+    if any(op is None for op in linears):
+        return None
+    tensors = [t for lt, _, _ in linears for t in lt] + [moe.expert_tokens]
+    ints = [moe.num_experts, routing.top_k, int(routing.renormalize)] + [i for _, li, _ in linears for i in li]
+    return tensors, ints, [limit for _, _, limit in linears if limit]
 
 
 class CompiledDecode:
@@ -101,6 +149,7 @@ class CompiledDecode:
         ints: list[int],
         max_tokens: int | None,
         lora: list[torch.Tensor],
+        experts: tuple[list[torch.Tensor], list[int]] = ([], []),
     ) -> None:
         first = parts[0]
         self.kv_cache = first.attn.kv_cache  # the first layer's cache when this was built
@@ -108,7 +157,7 @@ class CompiledDecode:
         # the KV cache groups and rotary tables of the layers, the first layer's first
         self.groups = list(dict.fromkeys(p.attn.kv_group for p in parts))
         self.rotaries = list({id(p.rotary): p.rotary for p in parts}.values())
-        self.tensors, self.ints, self.max_tokens = tensors, ints, max_tokens
+        self.tensors, self.ints, self.max_tokens, self.experts = tensors, ints, max_tokens, experts
         self.lora = lora  # per linear layer (a, b, shard_offsets) of its LoRAWeights; empty without LoRA
         self.num_heads, self.num_kv_heads, self.head_dim = (
             first.attn.num_heads,
@@ -119,7 +168,16 @@ class CompiledDecode:
         self.soft_caps = [float(p.attn.logits_soft_cap or 0.0) for p in parts]  # Gemma 2's
         # the C++ step holding the weights (and this cache: a cache bound anew builds a new step, `applies`)
         self.step = load().DecodeStep(
-            tensors, ints, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, self.soft_caps, lora
+            tensors,
+            ints,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.eps,
+            self.scale,
+            self.soft_caps,
+            lora,
+            *experts,
         )
 
     @classmethod
@@ -131,7 +189,8 @@ class CompiledDecode:
         first = parts[0].attn
         groups = list(dict.fromkeys(p.attn.kv_group for p in parts))
         rotaries = list({id(p.rotary): p.rotary for p in parts}.values())
-        tensors, ints, limits, lora = [], [], [], []
+        tensors, ints, limits, lora, expert_tensors, expert_ints = [], [], [], [], [], []
+        moe_layers = 0
         for p in parts:
             a = p.attn
             same = (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) == (
@@ -159,7 +218,21 @@ class CompiledDecode:
             linears = [_linear_operands(m) for m in modules]
             if any(op is None for op in linears):
                 return None
-            lora += [t for m in modules if m.lora is not None for t in (m.lora.a, m.lora.b, m.lora.shard_offsets)]
+            lora += [
+                t
+                for m in modules
+                if m is not None and m.lora is not None
+                for t in (m.lora.a, m.lora.b, m.lora.shard_offsets)
+            ]
+            moe = -1  # this layer's experts: an index into the MoE layers'
+            if p.experts is not None:
+                operands = _expert_operands(p)
+                if operands is None:
+                    return None
+                moe, moe_layers = moe_layers, moe_layers + 1
+                expert_tensors += operands[0]
+                expert_ints += operands[1]
+                limits += operands[2]
             scales = (_NONE, _NONE) if a.kv_scales is None else (a.kv_scales[0], a.kv_scales[1])
             tensors += [p.input_norm.weight, p.post_norm.weight, a.kv_cache[0], a.kv_cache[1], *scales]
             for lt, li, limit in linears:
@@ -172,10 +245,11 @@ class CompiledDecode:
                 a.sliding_window or 0,
                 groups.index(a.kv_group),
                 next(i for i, r in enumerate(rotaries) if r is p.rotary),
+                moe,
             ]
-        if len(lora) not in (0, 12 * len(parts)):  # adapters on some of these layers only
+        if len(lora) not in (0, 12 * len(parts)):  # adapters on some of these layers only (or on experts)
             return None
-        return cls(parts, tensors, ints, min(limits) if limits else None, lora)
+        return cls(parts, tensors, ints, min(limits) if limits else None, lora, (expert_tensors, expert_ints))
 
     def applies(self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, metas: list) -> bool:
         """Whether this step can run compiled (`metas`: the step's attention metadata of each of `groups`):
@@ -201,12 +275,19 @@ class CompiledDecode:
         )
 
     def __call__(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, metas: list, lora=None
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metas: list,
+        lora=None,
+        count_experts: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`metas`: as `applies`'; `lora`: the step's `LoRABatch` when some of its tokens run an adapter."""
-        return tuple(self.step.run(*self.run_args(positions, hidden, residual, metas, lora)))
+        """`metas`: as `applies`'; `lora`: the step's `LoRABatch` when some of its tokens run an adapter;
+        `count_experts`: add the step's tokens to the MoE layers' expert counters (`counts_experts()`)."""
+        return tuple(self.step.run(*self.run_args(positions, hidden, residual, metas, lora, count_experts)))
 
-    def run_args(self, positions, hidden, residual, metas, lora=None) -> tuple:
+    def run_args(self, positions, hidden, residual, metas, lora=None, count_experts=True) -> tuple:
         """The C++ step's arguments for this step (`DecodeStep.run`'s, in order)."""
         segments = [] if lora is None else [lora.segments.starts, lora.segments.slots, lora.segments.scales]
         meta = metas[0]
@@ -229,4 +310,5 @@ class CompiledDecode:
             [t for m in metas[1:] for t in decode_inputs(m)],
             [p.block_table for m in metas[1:] for p in m.prefills],
             [r.table(hidden) for r in self.rotaries[1:]],
+            count_experts,
         )

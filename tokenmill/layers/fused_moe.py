@@ -8,7 +8,7 @@ is its best expert, or the sum of its best two for V3), and a scale on the route
 `FusedMoE` stacks every expert's gate+up projection into one [E, 2I, H] tensor and the down
 projections into [E, H, I] (with biases [E, 2I] and [E, H] where the model has them: GPT-OSS). A
 weight format that quantizes experts (`QuantizationConfig.expert_method`: MXFP4, as GPT-OSS ships
-them) keeps each expert's two projections as block-quantized modules of that format instead
+them; a GGUF file's own blocks on CPU) keeps each expert's two projections as block-quantized modules of that format instead
 (`ExpertProjection`), dequantized inside the block kernels' matmul. A forward pass sorts the
 (token, expert) pairs by expert and runs, for each expert that received tokens, one matmul pair over
 all of them: the Python loop is over active experts, never over tokens; on a GPU every expert runs in

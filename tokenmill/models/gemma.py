@@ -19,7 +19,7 @@ from tokenmill.config import rope_type
 from tokenmill.kernels.decode_step import LayerParts
 from tokenmill.layers.activation import gelu_tanh_and_mul
 from tokenmill.layers.embedding import VocabEmbedding
-from tokenmill.layers.forward_context import current_lora_batch
+from tokenmill.layers.forward_context import counts_experts, current_lora_batch
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaMLP, compiled_decode, layer_parts
@@ -151,7 +151,7 @@ class GemmaModel(nn.Module):
         hidden, residual = embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype), None
         step, metas = compiled_decode(self, self.layers, hidden)
         if step is not None:
-            hidden, residual = step(positions, hidden, residual, metas, current_lora_batch())
+            hidden, residual = step(positions, hidden, residual, metas, current_lora_batch(), counts_experts())
         else:
             for layer in self.layers:
                 hidden, residual = layer(positions, hidden, residual)

@@ -26,7 +26,7 @@ from tokenmill.kernels.decode_step import CompiledDecode, LayerParts
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.forward_context import current_lora_batch, get_forward_context
+from tokenmill.layers.forward_context import counts_experts, current_lora_batch, get_forward_context
 from tokenmill.layers.fused_moe import FusedMoE, Routing, check_expert_counts
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -252,16 +252,24 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
     def decode_parts(self) -> LayerParts | None:
         """This layer for the compiled decode step, or None when it has parts the step lacks."""
-        if type(self.mlp) is not LlamaMLP or self.mlp.act_and_mul is not silu_and_mul:
+        mlp, norms = self.mlp, (self.input_layernorm, self.self_attn, self.post_attention_layernorm)
+        if type(mlp) is LlamaSparseMoeBlock:  # routed experts, and a shared one where it has one
+            shared = getattr(mlp, "shared_expert", None)
+            if mlp.experts.activation is not silu_and_mul or (shared and shared.act_and_mul is not silu_and_mul):
+                return None
+            gate = getattr(mlp, "shared_expert_gate", None)
+            return layer_parts(*norms, shared, experts=mlp.experts, router=mlp.gate, shared_gate=gate)
+        if type(mlp) is not LlamaMLP or mlp.act_and_mul is not silu_and_mul:
             return None
-        return layer_parts(self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
+        return layer_parts(*norms, mlp)
 
 
 def layer_parts(
-    input_norm: nn.Module, attn: LlamaAttention, post_norm: nn.Module, mlp: LlamaMLP, **extra
+    input_norm: nn.Module, attn: LlamaAttention, post_norm: nn.Module, mlp: LlamaMLP | None, **extra
 ) -> LayerParts:
     """A layer of these modules for the compiled decode step (with its q/k norms where it has them: Qwen3's,
-    Gemma 3's); `extra`: `LayerParts`' other optional parts."""
+    Gemma 3's; `mlp` None: a MoE layer without a shared expert); `extra`: `LayerParts`' other optional
+    parts."""
     return LayerParts(
         input_norm,
         attn.qkv_proj,
@@ -269,8 +277,8 @@ def layer_parts(
         attn.attn,
         attn.o_proj,
         post_norm,
-        mlp.gate_up_proj,
-        mlp.down_proj,
+        mlp and mlp.gate_up_proj,
+        mlp and mlp.down_proj,
         getattr(attn, "q_norm", None),
         getattr(attn, "k_norm", None),
         **extra,
@@ -321,7 +329,7 @@ class LlamaModel(nn.Module):
             return self.norm(*self._forward_keeping_aux(positions, hidden))[0]
         step, metas = self._compiled_decode(hidden)
         if step is not None:
-            hidden, residual = step(positions, hidden, residual, metas, current_lora_batch())
+            hidden, residual = step(positions, hidden, residual, metas, current_lora_batch(), counts_experts())
         else:
             for layer in self.stage_layers:
                 hidden, residual = layer(positions, hidden, residual)
@@ -340,7 +348,7 @@ class LlamaModel(nn.Module):
             if start in self.aux_layers:
                 aux.append(hidden if residual is None else hidden + residual)
             if steps is not None:
-                hidden, residual = steps[i](positions, hidden, residual, metas, current_lora_batch())
+                hidden, residual = steps[i](positions, hidden, residual, metas, current_lora_batch(), counts_experts())
                 continue
             for layer in self.layers[start:end]:
                 hidden, residual = layer(positions, hidden, residual)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill.distributed import expert_parallel, parallel_state
 from tokenmill.kernels import block_quant, cpu_flags, triton_block
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 from tokenmill.quantization.gguf_codes import SUPER, Codes
@@ -367,6 +368,13 @@ class GGUFConfig(QuantizationConfig):
         types = [self.tensor_types.get(name) for name in self.checkpoint_names(prefix)]
         return block_method(types, self.int8_activations) or UnquantizedLinearMethod()
 
+    def expert_method(self, prefix: str) -> LinearMethod | None:
+        """The file's blocks for the routed experts too; dense experts where a layer's hold an unpacked type,
+        or under tensor parallelism (a rank's share of an expert's features need not be whole blocks)."""
+        if parallel_state.tp_size() > 1 and not expert_parallel.enabled():
+            return None
+        return expert_block_method(self.tensor_types, prefix, self.int8_activations)
+
 
 def block_method(types: list[str | None], int8_activations: bool) -> BlockQuantLinearMethod | None:
     """The method holding tensors of these GGUF types in one layout (the widest of theirs); None when
@@ -377,6 +385,16 @@ def block_method(types: list[str | None], int8_activations: bool) -> BlockQuantL
     for t in types[1:]:
         layout = layout.widest(LAYOUTS[t])
     return BlockQuantLinearMethod(layout, int8_activations, int_scales=len(set(types)) == 1)
+
+
+def expert_block_method(
+    tensor_types: dict[str, str], prefix: str, int8_activations: bool
+) -> BlockQuantLinearMethod | None:
+    """The block method holding the routed experts of the MoE layer `prefix` (`model.layers.N.….experts`) in
+    the widest layout of their GGUF types; None when one of them is not a packed type."""
+    mine = f"model.layers.{next((int(p) for p in prefix.split('.') if p.isdigit()), -1)}."
+    types = [t for name, t in tensor_types.items() if name.startswith(mine) and ".experts." in name]
+    return block_method(types, int8_activations)
 
 
 class HostExpertsConfig(QuantizationConfig):
@@ -409,6 +427,4 @@ class HostExpertsConfig(QuantizationConfig):
         layer = next((int(p) for p in prefix.split(".") if p.isdigit()), -1)  # model.layers.N.…
         if layer not in self.experts:
             return self.inner.expert_method(prefix)
-        mine = f"model.layers.{layer}."
-        types = [t for name, t in self.tensor_types.items() if name.startswith(mine) and ".experts." in name]
-        return block_method(types, self.int8_activations) or self.inner.expert_method(prefix)
+        return expert_block_method(self.tensor_types, prefix, self.int8_activations) or self.inner.expert_method(prefix)

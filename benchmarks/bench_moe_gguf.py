@@ -1,0 +1,148 @@
+"""A mixture-of-experts GGUF model on CPU three ways, taking turns round by round in one process (this
+host's speed drifts): its experts dequantized to float32 and every layer run from Python (the tree
+before session 16), its experts in the file's blocks with the layers from Python, and its experts in
+blocks with the compiled step (every layer, the experts included, in one C++ call; with int8 activations,
+one OpenMP parallel region). Single-stream and batched decode, and the experts' bytes.
+
+    .venv/bin/python benchmarks/bench_moe_gguf.py [--rounds 3] [--tokens 32] [--prompt-len 128]
+        [--batch 8] [--workdir /tmp/tokenmill-bench-moe-gguf]
+
+The model is random-weight and Qwen3-MoE-shaped, scaled down: hidden 1024, 12 layers, 16 heads of 64
+(4 KV heads), 32 experts (top 4) of intermediate 512, vocabulary 32000 (~0.67B parameters, 0.60B of
+them in experts); written as a GGUF file (the tests' writer, `tests/helpers.py`) with Q4_0 experts,
+Q8_0 attention, embedding and output, so gguf-q8 (the default mode) runs every product on int8 panels.
+Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=512,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+TYPES = {
+    **{name: "Q8_0" for name in ("attn_q", "attn_k", "attn_v", "attn_output", "output", "token_embd")},
+    **{name: "Q4_0" for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")},
+}
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the GGUF writer; the engine core helpers
+
+
+def checkpoint(workdir: Path) -> Path:
+    """The GGUF file, written once."""
+    path = workdir / "moe.gguf"
+    if not path.exists():
+        import transformers
+        from helpers import write_tiny_gguf
+
+        workdir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**SHAPE), dtype=torch.float32)
+        write_tiny_gguf(hf, path, TYPES)
+    return path
+
+
+@contextmanager
+def patched(owner, name: str, value):
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="rounds of turns; medians are reported (default: %(default)s)"
+    )
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default: %(default)s)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
+    ap.add_argument(
+        "--batch", type=int, default=8, help="concurrent requests of the batched measurement (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--workdir",
+        default="/tmp/tokenmill-bench-moe-gguf",
+        help="where the GGUF file is written, once: reused when present (default: %(default)s)",
+    )
+    args = ap.parse_args()
+
+    from bench_gpt_oss_mxfp4 import decode_rate, expert_bytes  # this directory's
+    from helpers import make_core
+
+    from tokenmill.kernels.decode_step import CompiledDecode
+    from tokenmill.loader import load_model
+    from tokenmill.quantization.gguf import GGUFConfig
+
+    path = str(checkpoint(Path(args.workdir)))
+    budget = args.batch * args.prompt_len
+    prompts = [[(97 * i + 13 * j) % 32000 for j in range(args.prompt_len)] for i in range(args.batch)]
+    no_step = classmethod(lambda cls, parts: None)
+
+    def engine(dense_experts: bool, layers: bool):
+        with patched(GGUFConfig, "expert_method", lambda self, prefix: None) if dense_experts else _nothing():
+            core = make_core(path, num_blocks=256, max_num_batched_tokens=budget, loaded=load_model(path))
+        with (
+            patched(CompiledDecode, "build", no_step) if layers else _nothing()
+        ):  # the step is built (or not) on the first decode, and kept
+            decode_rate(core, prompts[:1], 4)
+        return core
+
+    engines = {
+        "float32 experts, layers from Python": engine(True, True),
+        "experts in blocks, layers from Python": engine(False, True),
+        "experts in blocks, compiled step": engine(False, False),
+    }
+    rates: dict[str, dict[str, list[float]]] = {name: {"1": [], "batch": []} for name in engines}
+    for _ in range(args.rounds):
+        for name, core in engines.items():
+            rates[name]["1"].append(decode_rate(core, prompts[:1], args.tokens))
+            rates[name]["batch"].append(decode_rate(core, prompts, args.tokens))
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}; decode {args.tokens} tokens after {args.prompt_len}, medians of {args.rounds}"
+    )
+    print(f"| model | expert bytes | 1 stream tok/s | {args.batch} streams tok/s |")
+    print("|---|---|---|---|")
+    medians = {n: (statistics.median(r["1"]), statistics.median(r["batch"])) for n, r in rates.items()}
+    for name, core in engines.items():
+        one, many = medians[name]
+        print(f"| {name} | {expert_bytes(core) / 2**20:.0f} MiB | {one:.1f} | {many:.1f} |")
+    first = medians["float32 experts, layers from Python"]
+    for name, (one, many) in list(medians.items())[1:]:
+        print(
+            f"\n{name} / float32 experts: 1 stream {one / first[0]:.2f}x, {args.batch} streams {many / first[1]:.2f}x"
+        )
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+if __name__ == "__main__":
+    main()
