@@ -104,12 +104,14 @@ def main() -> None:
     no_step = classmethod(lambda cls, parts: None)
 
     def engine(dense_experts: bool, layers: bool):
-        with patched(GGUFConfig, "expert_method", lambda self, prefix: None) if dense_experts else _nothing():
-            core = make_core(path, num_blocks=256, max_num_batched_tokens=budget, loaded=load_model(path))
         with (
-            patched(CompiledDecode, "build", no_step) if layers else _nothing()
-        ):  # the step is built (or not) on the first decode, and kept
+            patched(GGUFConfig, "expert_method", lambda self, prefix: None) if dense_experts else _nothing(),
+            patched(CompiledDecode, "build", no_step) if layers else _nothing(),  # built (or not) once, and kept
+        ):
+            core = make_core(path, num_blocks=256, max_num_batched_tokens=budget, loaded=load_model(path))
             decode_rate(core, prompts[:1], 4)
+        compiled = core.executor.runner.model.model.compiled_decode[1] is not None
+        assert compiled != layers, "the step was not built as asked"
         return core
 
     engines = {
