@@ -1,6 +1,7 @@
 """GPT-OSS with its experts in MXFP4 (as the released checkpoints ship them) against the same model
-with dense float32 experts: expert bytes, single-stream decode and batched decode, the two engines
-taking turns round by round in one process (this host's bandwidth drifts).
+with dense float32 experts, and against itself with every layer run from Python (without the compiled
+decode step): expert bytes, single-stream decode and batched decode, the engines taking turns round by
+round in one process (this host's bandwidth drifts).
 
     .venv/bin/python benchmarks/bench_gpt_oss_mxfp4.py [--rounds 3] [--tokens 32] [--prompt-len 128]
         [--batch 8] [--workdir /tmp/tokenmill-bench-gpt-oss]
@@ -22,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -112,12 +114,17 @@ def main() -> None:
 
     from helpers import make_core
 
+    from tokenmill.kernels.decode_step import CompiledDecode
     from tokenmill.loader import load_model
 
     mx, dense = checkpoints(Path(args.workdir))
     budget = args.batch * args.prompt_len
+    with mock.patch.object(CompiledDecode, "build", classmethod(lambda cls, parts: None)):  # built once, kept
+        layers = make_core(str(mx), num_blocks=256, max_num_batched_tokens=budget)
+    assert layers.executor.runner.model.model.compiled_decode[1] is None
     engines = {
         "MXFP4 experts": make_core(str(mx), num_blocks=256, max_num_batched_tokens=budget),
+        "MXFP4 experts, layers from Python": layers,
         "dense float32 experts": make_core(
             str(dense),
             num_blocks=256,
@@ -147,6 +154,11 @@ def main() -> None:
     dense_one = statistics.median(rates["dense float32 experts"]["1"])
     dense_many = statistics.median(rates["dense float32 experts"]["batch"])
     print(f"\nMXFP4 / dense: 1 stream {base[0] / dense_one:.2f}x, {args.batch} streams {base[1] / dense_many:.2f}x")
+    layers_one, layers_many = (statistics.median(rates["MXFP4 experts, layers from Python"][k]) for k in ("1", "batch"))
+    print(
+        f"MXFP4, compiled step / layers from Python: 1 stream {base[0] / layers_one:.2f}x, "
+        f"{args.batch} streams {base[1] / layers_many:.2f}x"
+    )
 
 
 if __name__ == "__main__":

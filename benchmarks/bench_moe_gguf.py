@@ -22,8 +22,9 @@ import platform
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -64,16 +65,6 @@ def checkpoint(workdir: Path) -> Path:
     return path
 
 
-@contextmanager
-def patched(owner, name: str, value):
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -105,8 +96,10 @@ def main() -> None:
 
     def engine(dense_experts: bool, layers: bool):
         with (
-            patched(GGUFConfig, "expert_method", lambda self, prefix: None) if dense_experts else _nothing(),
-            patched(CompiledDecode, "build", no_step) if layers else _nothing(),  # built (or not) once, and kept
+            mock.patch.object(GGUFConfig, "expert_method", lambda self, prefix: None)
+            if dense_experts
+            else nullcontext(),
+            mock.patch.object(CompiledDecode, "build", no_step) if layers else nullcontext(),  # built once, and kept
         ):
             core = make_core(path, num_blocks=256, max_num_batched_tokens=budget, loaded=load_model(path))
             decode_rate(core, prompts[:1], 4)
@@ -139,11 +132,6 @@ def main() -> None:
         print(
             f"\n{name} / float32 experts: 1 stream {one / first[0]:.2f}x, {args.batch} streams {many / first[1]:.2f}x"
         )
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 if __name__ == "__main__":

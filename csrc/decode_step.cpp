@@ -181,7 +181,7 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
     for (size_t i = 0; i < layers; ++i) {
       const torch::Tensor* w = tensors.data() + kTensors * i;
       const torch::Tensor &q_norm = w[kTensors - 4], &k_norm = w[kTensors - 3], &attn_out_norm = w[kTensors - 2],
-                          &mlp_out_norm = w[kTensors - 1];
+                          &mlp_out_norm = w[kTensors - 1], &sinks = w[DecodeStep::kSinks];
       const Linear* l = linears.data() + 4 * i;
       const LayerKind& kind = kinds[i];
       const Group& g = groups[kind.group];
@@ -214,13 +214,13 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
             if (!queries_in_place) decode_queries.copy_(queries.narrow(0, 0, decodes));
             attention = std::make_unique<DecodeAttention>(decode_queries, w[2], w[3], g.block_tables, g.context_lens,
                                                           scale, kind.window, kind.soft_cap, decode_out, present(w[4]),
-                                                          present(w[5]), c10::nullopt, n);
+                                                          present(w[5]), present(sinks), n);
           }
           decode_tasks = attention ? attention->tasks() : 0;
           for (size_t c = 0; c < chunks.size(); ++c)
             prompt_attention[c] = std::make_unique<PrefillAttention>(
                 queries.narrow(0, chunks.start(c), chunks.length(c)), w[2], w[3], g.chunk_tables[c], chunks.cached(c),
-                scale, kind.window, kind.soft_cap, prompt_out[c], present(w[4]), present(w[5]), c10::nullopt,
+                scale, kind.window, kind.soft_cap, prompt_out[c], present(w[4]), present(w[5]), present(sinks),
                 c10::nullopt, c10::nullopt);
         });
       }, [&] {
@@ -305,7 +305,8 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
 
 // Per layer, `tensors` holds input norm, post-attention norm, k cache, v cache, k scales, v scales (empty
 // unless the cache is int8 / fp8), then (w, high, scales, offsets, supers, panel codes, panel scales, bias)
-// of qkv, o, gate_up, down, then the norms of each head's q and of each head's k, and the norms of the
+// of qkv, o, gate_up, down, then the attention's sinks (empty: none), the norms of each head's q and of each
+// head's k, and the norms of the
 // attention's and of the MLP's output before they join the stream (Gemma 3's; all four empty where the
 // layer has none); `ints` holds (kind, bits, center) of those four linears, then the layer's
 // `LayerKind` (activation, window, group, rope, experts); `soft_caps` the layers' `LayerKind::soft_cap`.
@@ -313,7 +314,8 @@ std::vector<torch::Tensor> layers_in_one_region(torch::Tensor hidden, c10::optio
 // routed experts has its shared expert (or none: kind -1, empty tensors) as gate_up and down, and its
 // `Experts` in `expert_ints`: (E, top_k, renormalize), then (kind, bits, center) of the router, the shared
 // expert's gate and each expert's gate_up and down in turn; in `expert_tensors` the 8 tensors of each of
-// those linears, in the same order, then the expert counters.
+// those linears, in the same order, then the expert counters, the experts' gate_up and down biases (empty:
+// none) and their clamped SwiGLU's (alpha, limit) in float64 (empty: SiLU).
 DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                        std::vector<double> soft_caps, std::vector<torch::Tensor> lora,
@@ -357,23 +359,36 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
                 "DecodeStep: a layer's experts out of order");
     const int64_t E = ei[0], linears = 2 + 2 * E;
     const int64_t tensors_left = expert_tensors_.data() + expert_tensors_.size() - et;
-    TORCH_CHECK(ints_end - ei >= 3 + 3 * linears && tensors_left >= 8 * linears + 1,
+    TORCH_CHECK(ints_end - ei >= 3 + 3 * linears && tensors_left >= 8 * linears + 4,
                 "DecodeStep: (E, top_k, renormalize), then 3 ints and 8 tensors for each of 2 + 2E linears");
-    decode_step::Experts m{decode_step::make_linear(et, ei + 3), decode_step::make_linear(et + 8, ei + 6), {}, {},
-                           ei[1], ei[2] != 0, et[8 * linears]};
+    const torch::Tensor* extra = et + 8 * linears;  // counters, gate_up and down biases, SwiGLU's (alpha, limit)
+    auto bias = [](const torch::Tensor& b) { return b.numel() ? b : torch::Tensor(); };
+    TORCH_CHECK(!extra[3].numel() || (extra[3].numel() == 2 && extra[3].scalar_type() == at::kDouble),
+                "DecodeStep: SwiGLU's (alpha, limit) as float64, or none");
+    const double* swiglu = extra[3].numel() ? extra[3].data_ptr<double>() : nullptr;
+    decode_step::Experts m{decode_step::make_linear(et, ei + 3),
+                           decode_step::make_linear(et + 8, ei + 6),
+                           {},
+                           {},
+                           ei[1],
+                           ei[2] != 0,
+                           extra[0],
+                           bias(extra[1]),
+                           bias(extra[2]),
+                           swiglu ? std::vector<double>{swiglu[0], swiglu[1]} : std::vector<double>{}};
     for (int64_t e = 0; e < E; ++e) {
       m.gate_up.push_back(decode_step::make_linear(et + 8 * (2 + e), ei + 3 + 3 * (2 + e)));
       m.down.push_back(decode_step::make_linear(et + 8 * (2 + E + e), ei + 3 + 3 * (2 + E + e)));
     }
     TORCH_CHECK(m.counts.numel() == E && m.counts.scalar_type() == at::kLong, "DecodeStep: a counter an expert");
     experts_.push_back(std::move(m));
-    et += 8 * linears + 1;
+    et += 8 * linears + 4;
     ei += 3 + 3 * linears;
   }
   TORCH_CHECK(ei == ints_end && et == expert_tensors_.data() + expert_tensors_.size(),
               "DecodeStep: experts left over");
   // every product on panels (a MoE layer's router and shared expert gate excepted: one unit each, on any
-  // weights), 8 | I
+  // weights), 8 | I; SiLU experts without biases
   auto gate_up_on_panels = [](const decode_step::Linear& l) {
     return decode_step::splits_by_panels(l) && (l.w.size(0) / 2) % 8 == 0;
   };
@@ -385,7 +400,8 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
                   (routed && l[2].kind < 0 ? true : gate_up_on_panels(l[2]) && decode_step::splits_by_panels(l[3]));
     if (routed) {
       const decode_step::Experts& m = experts_[kinds_[i].experts];
-      one_region_ = one_region_ && std::all_of(m.gate_up.begin(), m.gate_up.end(), gate_up_on_panels) &&
+      one_region_ = one_region_ && m.swiglu.empty() && !m.gate_up_bias.defined() && !m.down_bias.defined() &&
+                    std::all_of(m.gate_up.begin(), m.gate_up.end(), gate_up_on_panels) &&
                     std::all_of(m.down.begin(), m.down.end(), decode_step::splits_by_panels);
     }
   }
@@ -473,7 +489,8 @@ std::vector<torch::Tensor> DecodeStep::run(torch::Tensor hidden, c10::optional<t
       write_kv(keys, values, t[2], t[3], group.slots);
     auto attn = torch::empty({T, H, D}, hidden.options());
     paged_decode_attention(qk.narrow(1, 0, H).contiguous(), t[2], t[3], group.block_tables, group.context_lens, scale_,
-                           kind.window, kind.soft_cap, attn, decode_step::present(t[4]), decode_step::present(t[5]));
+                           kind.window, kind.soft_cap, attn, decode_step::present(t[4]), decode_step::present(t[5]),
+                           decode_step::present(t[kSinks]));
     auto o = decode_step::linear(o_proj, attn.view({T, H * D}), segments);
     if (attn_out_norm.numel()) o = norm_alone(o, attn_out_norm);
 

@@ -60,15 +60,17 @@ struct Group {
 
 // A mixture-of-experts MLP (tokenmill/layers/fused_moe.py): a softmax router choosing each token's top_k
 // experts (their weights renormalised to sum to 1 where `renormalize`), each expert's gate_up and down
-// projections (SiLU * up between them), a shared expert's output scaled by sigmoid(shared_gate(x)) where
-// the layer has one (its gate_up and down are the layer's own, kind -1 where it has none), and the
-// expert's token counters (`FusedMoE.expert_tokens`).
+// projections, with their biases where the layer has them ([E, 2I], [E, hidden]; GPT-OSS's), and SiLU * up
+// between them, or GPT-OSS's clamped SwiGLU where `swiglu` holds its (alpha, limit); a shared expert's
+// output scaled by sigmoid(shared_gate(x)) where the layer has one (its gate_up and down are the layer's
+// own, kind -1 where it has none); and the expert's token counters (`FusedMoE.expert_tokens`).
 struct Experts {
   Linear router, shared_gate;
   std::vector<Linear> gate_up, down;
   int64_t top_k;
   bool renormalize;
-  torch::Tensor counts;
+  torch::Tensor counts, gate_up_bias, down_bias;
+  std::vector<double> swiglu;
 };
 
 // What a layer has beyond the plain pre-norm one (Gemma's): its activation (0: SiLU, 1: GELU-tanh), its
@@ -88,7 +90,8 @@ struct LayerKind {
 // (about 1,100 tensor arguments a token for SmolLM2's 30 layers).
 class DecodeStep {
  public:
-  static constexpr size_t kTensors = 6 + 4 * 8 + 4;  // per layer (see the constructor)
+  static constexpr size_t kTensors = 6 + 4 * 8 + 1 + 4;  // per layer (see the constructor)
+  static constexpr size_t kSinks = 6 + 4 * 8;          // the attention's sinks among them
   DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> ints, int64_t num_heads, int64_t num_kv_heads,
              int64_t head_dim, double eps, double scale, std::vector<double> soft_caps,
              std::vector<torch::Tensor> lora, std::vector<torch::Tensor> expert_tensors,

@@ -1,7 +1,8 @@
 #include "step_experts.h"
 
-#include <ATen/ops/argsort.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/argsort.h>
+#include <ATen/ops/clamp.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -39,6 +40,17 @@ torch::Tensor combine(const Routing& r, torch::Tensor rows_out, const torch::Ten
   return at::zeros_like(x).index_add_(0, r.token_of, rows_out);
 }
 
+void expert_activation(const Experts& m, size_t e, torch::Tensor& g, torch::Tensor& act) {
+  if (m.gate_up_bias.defined()) g.add_(m.gate_up_bias[static_cast<int64_t>(e)]);
+  if (m.swiglu.empty()) return silu_and_mul(g, act);
+  // clamped_swiglu: gate clamped above at the limit, up to [-limit, limit], gate * sigmoid(alpha gate) * (up + 1)
+  const double alpha = m.swiglu[0], limit = m.swiglu[1];
+  const int64_t I = act.size(1);
+  const torch::Tensor gate = at::clamp(g.narrow(1, 0, I), c10::nullopt, limit),
+                      up = at::clamp(g.narrow(1, I, I), -limit, limit);
+  act.copy_(at::mul(at::mul(gate, at::sigmoid(at::mul(gate, alpha))), at::add(up, 1)));
+}
+
 namespace {
 
 torch::Tensor silu_mlp(const Linear& gate_up, const Linear& down, const torch::Tensor& x) {
@@ -56,9 +68,15 @@ torch::Tensor experts_mlp(const Experts& m, const Linear& shared_gate_up, const 
   const torch::Tensor rows = x.index_select(0, r.token_of);
   torch::Tensor out = at::empty_like(rows);
   int64_t start = 0;
-  for (size_t e = 0; e < r.rows.size(); start += r.rows[e++])
-    if (r.rows[e])
-      out.narrow(0, start, r.rows[e]).copy_(silu_mlp(m.gate_up[e], m.down[e], rows.narrow(0, start, r.rows[e])));
+  for (size_t e = 0; e < r.rows.size(); start += r.rows[e++]) {
+    if (!r.rows[e]) continue;
+    torch::Tensor g = linear(m.gate_up[e], rows.narrow(0, start, r.rows[e]), nullptr);
+    torch::Tensor act = torch::empty({r.rows[e], g.size(1) / 2}, x.options());
+    expert_activation(m, e, g, act);
+    torch::Tensor part = out.narrow(0, start, r.rows[e]);
+    part.copy_(linear(m.down[e], act, nullptr));
+    if (m.down_bias.defined()) part.add_(m.down_bias[static_cast<int64_t>(e)]);
+  }
   torch::Tensor routed = combine(r, out, x);
   if (shared_gate_up.kind < 0) return routed;
   const torch::Tensor always = silu_mlp(shared_gate_up, shared_down, x);

@@ -16,12 +16,6 @@ namespace decode_step {
 struct Routing {
   torch::Tensor token_of, weights;
   std::vector<int64_t> rows;
-
-  int64_t start(size_t e) const {  // an expert's first row
-    int64_t s = 0;
-    for (size_t j = 0; j < e; ++j) s += rows[j];
-    return s;
-  }
 };
 
 // Routes the normed hidden states `x` [T, hidden]; `count`: adds each expert's rows to its counters.
@@ -30,12 +24,17 @@ Routing route(const Experts& m, const torch::Tensor& x, bool count);
 // The routed experts' output: every row's expert output `rows_out` times its weight, summed per token.
 torch::Tensor combine(const Routing& r, torch::Tensor rows_out, const torch::Tensor& x);
 
+// Expert e's activation of its gate_up output `g` [n, 2I] into `act` [n, I] (its gate_up bias added to `g`
+// first, where it has one), as `FusedMoE.run_experts` applies it.
+void expert_activation(const Experts& m, size_t e, torch::Tensor& g, torch::Tensor& act);
+
 // The whole MLP op by op: the routed experts' output, plus the shared expert's (gate_up, down: kind -1 where
 // the layer has none) scaled by sigmoid(m.shared_gate(x)).
 torch::Tensor experts_mlp(const Experts& m, const Linear& shared_gate_up, const Linear& shared_down,
                           const torch::Tensor& x, bool count);
 
-// A MoE layer's MLP in the compiled step's one parallel region (its phases after the post-attention norm):
+// A MoE layer's MLP in the compiled step's one parallel region (its phases after the post-attention norm;
+// SiLU experts without biases):
 // `start` (one unit) routes the tokens and rounds each active expert's rows; the experts' gate_up panels,
 // then their down panels, are two products whose panels run the active experts' in turn (the shared
 // expert's last); `finish` (one unit) weighs and sums the experts' outputs. The same kernels on the same

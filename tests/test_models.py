@@ -140,6 +140,8 @@ def decode_step_hidden(runner, batch: list[list[int]]) -> torch.Tensor:
         ("qwen2-moe", "none", "int8"),
         ("mixtral", "gguf", "float16"),  # experts in GGUF blocks
         ("qwen3-moe", "gguf-q8", "auto"),  # on int8 panels
+        ("gpt-oss", "none", "auto"),  # attention sinks, biased experts with the clamped SwiGLU
+        ("gpt-oss", "mxfp4-checkpoint", "float16"),  # its released form: MXFP4 experts, int8 activations
     ],
 )
 def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypatch, name, quantization, cache_dtype):
@@ -174,8 +176,15 @@ def test_compiled_decode_step_is_bit_identical_to_the_layers(tmp_path, monkeypat
             },
         )
         path = str(tmp_path / "m.gguf")
+    if quantization == "mxfp4-checkpoint":  # the default dtype: the experts' int8 activations
+        from test_fp8_fp4 import write_gpt_oss_mxfp4
+
+        write_gpt_oss_mxfp4(hf, tmp_path / "mx")
+        path = str(tmp_path / "mx")
     # int8-q8: int8 quantized on load, the default dtype: int8 activations, on panels
     load = dict(quantization="int8") if quantization == "int8-q8" else dict(quantization=quantization, dtype="float32")
+    if quantization == "mxfp4-checkpoint":
+        load = {}
     one_region = quantization in ("gguf-q8", "int8-q8")
     rng = random.Random(5)
     batch = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 3, 17, 40, 90)]
@@ -266,9 +275,9 @@ def test_compiled_step_runs_prompt_chunks_beside_the_decodes(tmp_path, monkeypat
         assert torch.equal(fast[layout], mixed_step_hidden(layers, batch, cached)), layout
 
 
-@pytest.mark.parametrize("name", ["gpt-oss", "deepseek-v2"])
+@pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v3"])
 def test_compiled_decode_step_leaves_layers_it_lacks_to_the_model(tmp_path, name):
-    """Attention sinks and biased experts (GPT-OSS), latent attention (DeepSeek): the model's own forward."""
+    """Latent attention, grouped and sigmoid routing (DeepSeek): the model's own forward."""
     make_tiny_model(name, tmp_path)
     runner = make_runner(load_model(str(tmp_path), dtype="float32"))
     decode_step_hidden(runner, [[1, 2, 3], [4, 5]])

@@ -17,14 +17,15 @@ rotary table, soft-capped attention scores; a rotation of each head's first `rot
 only (partial rotary, as Phi-4-mini's); and mixture-of-experts MLPs (Mixtral's, Qwen2/3-MoE's: a softmax
 router's top-k, renormalised or not, each token's experts run grouped by expert, their outputs weighed
 and summed, plus a shared expert scaled by its sigmoid gate; csrc/step_experts.cpp), op for op as
-`FusedMoE.forward` computes them, the expert counters of /metrics included.
+`FusedMoE.forward` computes them, the expert counters of /metrics included; and GPT-OSS's layers:
+attention sinks, biased experts with a clamped SwiGLU.
 
 Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 weights, or GGUF
 blocks with float or int8 activations), and with LoRA adapters by its `LoRAWeights` factors: a step
 whose tokens run adapters adds their deltas after each matmul with the LoRA kernel the Python path
 calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything else (other activations,
-attention sinks, latent attention, grouped or sigmoid routing, biased experts, tensor or expert
-parallelism, adapters on a MoE layer) keeps the model's own forward. KV caches
+latent attention, grouped or sigmoid routing, tensor or expert parallelism, adapters on a MoE layer)
+keeps the model's own forward. KV caches
 may be float32, float16, bfloat16, or int8 / fp8 with their scales (written by `write_kv_quantized`,
 bit for bit the torch path's quantizer, and read by the same decode kernel).
 
@@ -78,10 +79,12 @@ class LayerParts:
     attn_out_norm: nn.Module | None = None
     mlp_out_norm: nn.Module | None = None
     activation: str = "silu"  # or "gelu_tanh"
-    # a mixture-of-experts layer's: its `FusedMoE`, router, and the gate of its shared expert (Qwen2-MoE's)
+    # a mixture-of-experts layer's: its `FusedMoE`, router, and the gate of its shared expert (Qwen2-MoE's);
+    # its experts' activation: SiLU * up, or GPT-OSS's clamped SwiGLU with these (alpha, limit)
     experts: nn.Module | None = None
     router: nn.Module | None = None
     shared_gate: nn.Module | None = None
+    swiglu: tuple[float, float] | None = None
 
 
 _NONE = torch.empty(0)
@@ -116,12 +119,12 @@ def _dense_operands(weight: torch.Tensor) -> tuple[list[torch.Tensor], list[int]
 
 def _expert_operands(p: LayerParts) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
     """(tensors, ints, token limits) of a MoE layer's `Experts` (csrc/decode_step.cpp's constructor), or None
-    where the step lacks its routing or experts: sigmoid or grouped scores, scaled weights, expert biases,
-    experts split over ranks. (The model gives experts with SiLU only.)"""
+    where the step lacks its routing or experts: sigmoid or grouped scores, scaled weights, experts split
+    over ranks, SwiGLU experts beside a shared one."""
     moe, routing = p.experts, p.experts.routing
     if (
         (routing.scoring, routing.num_groups, routing.scale) != ("softmax", 1, 1.0)
-        or moe.w13_bias is not None
+        or (p.swiglu is not None and p.gate_up_proj is not None)
         or moe.expert_parallel
         or moe.share != moe.intermediate_size
         or len(moe.experts) != moe.num_experts
@@ -134,7 +137,9 @@ def _expert_operands(p: LayerParts) -> tuple[list[torch.Tensor], list[int], list
     linears = [_linear_operands(p.router), _linear_operands(p.shared_gate), *projections]
     if any(op is None for op in linears):
         return None
-    tensors = [t for lt, _, _ in linears for t in lt] + [moe.expert_tokens]
+    swiglu = _NONE if p.swiglu is None else torch.tensor(p.swiglu, dtype=torch.float64)
+    biases = [b if b is not None else _NONE for b in (moe.w13_bias, moe.w2_bias)]
+    tensors = [t for lt, _, _ in linears for t in lt] + [moe.expert_tokens, *biases, swiglu]
     ints = [moe.num_experts, routing.top_k, int(routing.renormalize)] + [i for _, li, _ in linears for i in li]
     return tensors, ints, [limit for _, _, limit in linears if limit]
 
@@ -209,7 +214,6 @@ class CompiledDecode:
                 or a.kv_cache.dtype not in paged_attention.CACHE_DTYPES
                 or a.kv_cache.device.type != "cpu"
                 or getattr(a.backend, "name", None) != "cpu-paged"
-                or a.sinks is not None
                 or a.latent_rope_dim is not None
                 or p.rotary.interleaved
             ):
@@ -239,6 +243,7 @@ class CompiledDecode:
                 tensors += lt
                 ints += li
                 limits += [limit] if limit else []
+            tensors.append(a.sinks if a.sinks is not None else _NONE)
             tensors += [n.weight if n is not None else _NONE for n in norms[2:]]
             ints += [
                 _ACTIVATIONS.index(p.activation),

@@ -24,12 +24,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.kernels.decode_step import LayerParts
 from tokenmill.layers.activation import clamped_swiglu
 from tokenmill.layers.fused_moe import FusedMoE, Routing
 from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaModel, PreNormDecoderLayer
+from tokenmill.models.llama import (
+    LlamaAttention,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaModel,
+    PreNormDecoderLayer,
+    layer_parts,
+)
 from tokenmill.models.utils import decoder_layers
 from tokenmill.quantization.base import QuantizationConfig
 from tokenmill.quantization.fp4 import e8m0_codes
@@ -91,6 +99,15 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GptOssMoE(config, quant_config, f"{prefix}.mlp")
+
+    def decode_parts(self) -> LayerParts | None:
+        """This layer for the compiled decode step: sinks, routed experts with biases and the clamped SwiGLU."""
+        act = self.mlp.experts.activation
+        if not (isinstance(act, functools.partial) and act.func is clamped_swiglu):
+            return None
+        swiglu = (float(act.keywords["alpha"]), float(act.keywords["limit"]))
+        parts = (self.input_layernorm, self.self_attn, self.post_attention_layernorm, None)
+        return layer_parts(*parts, experts=self.mlp.experts, router=self.mlp.router, swiglu=swiglu)
 
 
 class GptOssModel(LlamaModel):
