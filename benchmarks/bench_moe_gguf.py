@@ -8,9 +8,11 @@ one OpenMP parallel region). Single-stream and batched decode, and the experts' 
         [--batch 8] [--workdir /tmp/tokenmill-bench-moe-gguf]
 
 The model is random-weight and Qwen3-MoE-shaped, scaled down: hidden 1024, 12 layers, 16 heads of 64
-(4 KV heads), 32 experts (top 4) of intermediate 512, vocabulary 32000 (~0.67B parameters, 0.60B of
-them in experts); written as a GGUF file (the tests' writer, `tests/helpers.py`) with Q4_0 experts,
-Q8_0 attention, embedding and output, so gguf-q8 (the default mode) runs every product on int8 panels.
+(4 KV heads), 32 experts (top 4) of intermediate 512, SmolLM2's vocabulary of 49152 (~0.72B parameters,
+0.60B of them in experts); written as a GGUF file (the tests' writer, `tests/helpers.py`, with SmolLM2's
+tokenizer: llama.cpp runs it too, `benchmarks/peers/single_stream.py --models <the file>`) with Q4_0
+experts, Q8_0 attention, embedding and output, so gguf-q8 (the default mode) runs every product on int8
+panels.
 Prints a markdown table.
 """
 
@@ -29,7 +31,7 @@ from unittest import mock
 import torch
 
 SHAPE = dict(
-    vocab_size=32000,
+    vocab_size=49152,
     hidden_size=1024,
     intermediate_size=2048,
     num_hidden_layers=12,
@@ -51,9 +53,14 @@ TYPES = {
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the GGUF writer; the engine core helpers
 
 
+def smollm2_file() -> Path:
+    """The default model's GGUF file (its tokenizer, and vocabulary size, are the bench model's)."""
+    return next((Path(__file__).resolve().parents[1] / ".venv").rglob("SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
 def checkpoint(workdir: Path) -> Path:
     """The GGUF file, written once."""
-    path = workdir / "moe.gguf"
+    path = workdir / "qwen3-moe-shaped.gguf"
     if not path.exists():
         import transformers
         from helpers import write_tiny_gguf
@@ -61,7 +68,7 @@ def checkpoint(workdir: Path) -> Path:
         workdir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
         hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**SHAPE), dtype=torch.float32)
-        write_tiny_gguf(hf, path, TYPES)
+        write_tiny_gguf(hf, path, TYPES, tokenizer_from=smollm2_file())
     return path
 
 

@@ -1,7 +1,6 @@
 #include "step_experts.h"
 
 #include <ATen/ops/add.h>
-#include <ATen/ops/argsort.h>
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
@@ -19,25 +18,54 @@ namespace decode_step {
 Routing route(const Experts& m, const torch::Tensor& x, bool count) {
   // select_experts: softmax scores (float32 logits), the top_k, their scores as weights (renormalised)
   const torch::Tensor scores = at::softmax(linear(m.router, x, nullptr), -1);
-  const torch::Tensor ids = std::get<1>(at::topk(scores, m.top_k, -1));
+  const torch::Tensor ids = std::get<1>(at::topk(scores, m.top_k, -1)).contiguous();
   torch::Tensor weights = scores.gather(1, ids);
   if (m.renormalize) weights = at::div(weights, weights.sum(-1, true));
-  // grouped_experts: the (token, expert) pairs in expert order, stable
-  const torch::Tensor flat = ids.flatten(), order = at::argsort(flat, /*stable=*/true, 0, false);
-  Routing r{at::div(order, m.top_k, "floor"), weights.flatten().index_select(0, order),
-            std::vector<int64_t>(m.gate_up.size(), 0)};
-  const int64_t* id = flat.data_ptr<int64_t>();
-  for (int64_t i = 0; i < flat.numel(); ++i) ++r.rows[id[i]];
+  weights = weights.contiguous();
+  // grouped_experts: the (token, expert) pairs in expert order, stable (a counting sort: its argsort's order)
+  const int64_t pairs = ids.numel(), E = static_cast<int64_t>(m.gate_up.size());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* w = weights.data_ptr<float>();
+  Routing r{std::vector<int64_t>(pairs), std::vector<int64_t>(E, 0), std::vector<float>(pairs)};
+  for (int64_t i = 0; i < pairs; ++i) ++r.rows[id[i]];
+  std::vector<int64_t> next(E, 0);
+  for (int64_t e = 1; e < E; ++e) next[e] = next[e - 1] + r.rows[e - 1];
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t row = next[id[i]]++;
+    r.token_of[row] = i / m.top_k;
+    r.weights[row] = w[i];
+  }
   if (count) {
     int64_t* counts = m.counts.data_ptr<int64_t>();
-    for (size_t e = 0; e < r.rows.size(); ++e) counts[e] += r.rows[e];
+    for (int64_t e = 0; e < E; ++e) counts[e] += r.rows[e];
   }
   return r;
 }
 
-torch::Tensor combine(const Routing& r, torch::Tensor rows_out, const torch::Tensor& x) {
-  rows_out.mul_(r.weights.unsqueeze(1));
-  return at::zeros_like(x).index_add_(0, r.token_of, rows_out);
+torch::Tensor Routing::gather(const torch::Tensor& x) const {
+  const int64_t n = static_cast<int64_t>(token_of.size()), H = x.size(1);
+  torch::Tensor rows = torch::empty({n, H}, x.options());
+  const float* src = x.data_ptr<float>();
+  float* dst = rows.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) std::copy_n(src + token_of[i] * x.stride(0), H, dst + i * H);
+  return rows;
+}
+
+torch::Tensor combine(const Routing& r, const torch::Tensor& rows_out, const torch::Tensor& x) {
+  const int64_t H = x.size(1);
+  torch::Tensor out = at::zeros_like(x);
+  float* o = out.data_ptr<float>();
+  const float* rows = rows_out.data_ptr<float>();
+  for (size_t i = 0; i < r.token_of.size(); ++i) {
+    float* dst = o + r.token_of[i] * H;
+    const float* src = rows + static_cast<int64_t>(i) * H;
+    const float weight = r.weights[i];
+    for (int64_t c = 0; c < H; ++c) {
+      const float weighed = src[c] * weight;  // rounded, then added (the build does not contract to an FMA)
+      dst[c] += weighed;
+    }
+  }
+  return out;
 }
 
 void expert_activation(const Experts& m, size_t e, torch::Tensor& g, torch::Tensor& act) {
@@ -65,7 +93,7 @@ torch::Tensor silu_mlp(const Linear& gate_up, const Linear& down, const torch::T
 torch::Tensor experts_mlp(const Experts& m, const Linear& shared_gate_up, const Linear& shared_down,
                           const torch::Tensor& x, bool count) {
   const Routing r = route(m, x, count);
-  const torch::Tensor rows = x.index_select(0, r.token_of);
+  const torch::Tensor rows = r.gather(x);
   torch::Tensor out = at::empty_like(rows);
   int64_t start = 0;
   for (size_t e = 0; e < r.rows.size(); start += r.rows[e++]) {
@@ -86,16 +114,22 @@ torch::Tensor experts_mlp(const Experts& m, const Linear& shared_gate_up, const 
 void RegionExperts::start(const Experts& m, const Linear& shared_gate_up, const Linear& shared_down,
                           const torch::Tensor& x, bool count) {
   routing_ = route(m, x, count);
-  const torch::Tensor rows = x.index_select(0, routing_.token_of);
+  const torch::Tensor rows = routing_.gather(x);
   rows_out_ = at::empty_like(rows);
   shared_ = shared_gate_up.kind >= 0;
-  segments_.clear();
+  used_ = 0;  // the segments' buffers are kept from layer to layer (their rounded inputs' capacity)
   auto add = [&](const Linear& gate_up, const Linear& down, const torch::Tensor& in, torch::Tensor out) {
+    if (used_ == segments_.size()) segments_.emplace_back();
+    Segment& s = segments_[used_++];
     const int64_t I = gate_up.w.size(0) / 2;
-    segments_.push_back({&gate_up, &down, {}, {}, torch::empty({in.size(0), 2 * I}, in.options()),
-                         torch::empty({in.size(0), I}, in.options()), std::move(out), I / 8,
-                         down.panel_codes.size(0)});
-    round_for(gate_up, in, segments_.back().in);
+    s.gate_up = &gate_up;
+    s.down = &down;
+    s.gate_up_out = torch::empty({in.size(0), 2 * I}, in.options());
+    s.act = torch::empty({in.size(0), I}, in.options());
+    s.out = std::move(out);
+    s.G = I / 8;
+    s.panels = down.panel_codes.size(0);
+    round_for(gate_up, in, s.in);
   };
   int64_t start = 0;
   for (size_t e = 0; e < routing_.rows.size(); start += routing_.rows[e++])
@@ -117,7 +151,7 @@ void RegionExperts::gate_up(int64_t a, int64_t b) {
 }
 
 void RegionExperts::round_act() {
-  for (Segment& s : segments_) round_for(*s.down, s.act, s.mid);
+  for (size_t i = 0; i < used_; ++i) round_for(*segments_[i].down, segments_[i].act, segments_[i].mid);
 }
 
 void RegionExperts::down(int64_t a, int64_t b) {
@@ -127,7 +161,7 @@ void RegionExperts::down(int64_t a, int64_t b) {
 
 torch::Tensor RegionExperts::finish(const torch::Tensor& x) {
   torch::Tensor routed = combine(routing_, rows_out_, x);
-  return shared_ ? at::add(routed, at::mul(shared_scale_, segments_.back().out)) : routed;
+  return shared_ ? at::add(routed, at::mul(shared_scale_, segments_[used_ - 1].out)) : routed;
 }
 
 }  // namespace decode_step

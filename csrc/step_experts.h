@@ -11,18 +11,21 @@
 namespace decode_step {
 
 // A step's tokens routed to their experts: each token's top_k (token, expert) pairs as rows grouped by
-// expert (stable: by token within an expert), the token of each row, the routing weight of each row, and
-// how many rows each expert has.
+// expert (stable: by token within an expert, as `grouped_experts`' stable argsort orders them), the token of
+// each row, the routing weight of each row, and how many rows each expert has.
 struct Routing {
-  torch::Tensor token_of, weights;
-  std::vector<int64_t> rows;
+  std::vector<int64_t> token_of, rows;
+  std::vector<float> weights;
+
+  torch::Tensor gather(const torch::Tensor& x) const;  // x's row of each row's token: x.index_select
 };
 
 // Routes the normed hidden states `x` [T, hidden]; `count`: adds each expert's rows to its counters.
 Routing route(const Experts& m, const torch::Tensor& x, bool count);
 
-// The routed experts' output: every row's expert output `rows_out` times its weight, summed per token.
-torch::Tensor combine(const Routing& r, torch::Tensor rows_out, const torch::Tensor& x);
+// The routed experts' output: every row's expert output `rows_out` times its weight, summed per token in
+// row order (as `rows_out.mul_(weights)` and `zeros.index_add_(0, token_of, rows_out)`: one rounding each).
+torch::Tensor combine(const Routing& r, const torch::Tensor& rows_out, const torch::Tensor& x);
 
 // Expert e's activation of its gate_up output `g` [n, 2I] into `act` [n, I] (its gate_up bias added to `g`
 // first, where it has one), as `FusedMoE.run_experts` applies it.
@@ -53,15 +56,16 @@ class RegionExperts {
 
  private:
   struct Segment {  // an active expert (rows: its tokens' rows), or the shared expert (every token)
-    const Linear *gate_up, *down;
+    const Linear *gate_up = nullptr, *down = nullptr;
     PanelActivations in, mid;
     torch::Tensor gate_up_out, act, out;
-    int64_t G, panels;  // gate panels, down panels
+    int64_t G = 0, panels = 0;  // gate panels, down panels
   };
   template <typename F>
   void over(int64_t a, int64_t b, int64_t Segment::*count, const F& f) {
     int64_t first = 0;
-    for (Segment& s : segments_) {
+    for (size_t i = 0; i < used_; ++i) {
+      Segment& s = segments_[i];
       const int64_t lo = std::max(a, first), hi = std::min(b, first + s.*count);
       if (lo < hi) f(s, lo - first, hi - first);
       first += s.*count;
@@ -69,11 +73,12 @@ class RegionExperts {
   }
   int64_t total(int64_t Segment::*count) const {
     int64_t n = 0;
-    for (const Segment& s : segments_) n += s.*count;
+    for (size_t i = 0; i < used_; ++i) n += segments_[i].*count;
     return n;
   }
 
-  std::vector<Segment> segments_;
+  std::vector<Segment> segments_;  // the first used_ are this layer's
+  size_t used_ = 0;
   Routing routing_;
   torch::Tensor rows_out_, shared_scale_;
   bool shared_ = false;

@@ -452,12 +452,13 @@ def _add_deepseek_metadata(w, c) -> None:
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
-def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, str]) -> None:
+def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, str], tokenizer_from=None) -> None:
     """Write a tiny HF model (Llama, Mixtral, Qwen2/3, Qwen2/3-MoE, Phi-3, DeepSeek-V2/V3) as a GGUF file
     the way llama.cpp's converter does (q/k rows permuted for Llama; experts stacked per layer; DeepSeek's
     kv_b split into k_b and v_b). `qtypes` maps a GGUF
     tensor-name suffix (e.g. "attn_q", "output", "ffn_up_exps") to a quantization type name (Q4_0,
-    Q4_1, Q8_0); everything else is stored as F32."""
+    Q4_1, Q8_0); everything else is stored as F32. `tokenizer_from`: a GGUF file whose tokenizer fields
+    are copied (llama.cpp loads no file without one; its vocabulary must be the model's)."""
     import gguf
     from gguf.quants import quantize
 
@@ -542,6 +543,11 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path, qtypes: dict[str, st
                     t = t.reshape(-1)  # llama.cpp stores the shared expert's gate as a vector
                 yield f"blk.{layer}.{part}.{kind}", t
 
+    if tokenizer_from is not None:
+        for field in gguf.GGUFReader(tokenizer_from).fields.values():
+            if field.name.startswith("tokenizer."):
+                sub = field.types[1] if len(field.types) > 1 else None
+                w.add_key_value(field.name, field.contents(), field.types[0], sub)
     for out, t in tensors():
         qtype = qtypes.get(out.split(".")[-2]) if out.endswith(".weight") and t.ndim >= 2 else None
         if qtype:
