@@ -42,13 +42,16 @@ Routing route(const Experts& m, const torch::Tensor& x, bool count) {
   return r;
 }
 
-torch::Tensor Routing::gather(const torch::Tensor& x) const {
+void sized(torch::Tensor& t, int64_t rows, int64_t columns, const torch::Tensor& like) {
+  if (!t.defined() || t.size(0) != rows || t.size(1) != columns) t = torch::empty({rows, columns}, like.options());
+}
+
+void Routing::gather(const torch::Tensor& x, torch::Tensor& rows) const {
   const int64_t n = static_cast<int64_t>(token_of.size()), H = x.size(1);
-  torch::Tensor rows = torch::empty({n, H}, x.options());
+  sized(rows, n, H, x);
   const float* src = x.data_ptr<float>();
   float* dst = rows.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) std::copy_n(src + token_of[i] * x.stride(0), H, dst + i * H);
-  return rows;
 }
 
 torch::Tensor combine(const Routing& r, const torch::Tensor& rows_out, const torch::Tensor& x) {
@@ -93,7 +96,8 @@ torch::Tensor silu_mlp(const Linear& gate_up, const Linear& down, const torch::T
 torch::Tensor experts_mlp(const Experts& m, const Linear& shared_gate_up, const Linear& shared_down,
                           const torch::Tensor& x, bool count) {
   const Routing r = route(m, x, count);
-  const torch::Tensor rows = r.gather(x);
+  torch::Tensor rows;
+  r.gather(x, rows);
   torch::Tensor out = at::empty_like(rows);
   int64_t start = 0;
   for (size_t e = 0; e < r.rows.size(); start += r.rows[e++]) {
@@ -114,18 +118,18 @@ torch::Tensor experts_mlp(const Experts& m, const Linear& shared_gate_up, const 
 void RegionExperts::start(const Experts& m, const Linear& shared_gate_up, const Linear& shared_down,
                           const torch::Tensor& x, bool count) {
   routing_ = route(m, x, count);
-  const torch::Tensor rows = routing_.gather(x);
-  rows_out_ = at::empty_like(rows);
+  routing_.gather(x, rows_);
+  sized(rows_out_, rows_.size(0), rows_.size(1), x);
   shared_ = shared_gate_up.kind >= 0;
-  used_ = 0;  // the segments' buffers are kept from layer to layer (their rounded inputs' capacity)
+  used_ = 0;  // the segments and their buffers are kept from layer to layer (made anew where a size changes)
   auto add = [&](const Linear& gate_up, const Linear& down, const torch::Tensor& in, torch::Tensor out) {
     if (used_ == segments_.size()) segments_.emplace_back();
     Segment& s = segments_[used_++];
     const int64_t I = gate_up.w.size(0) / 2;
     s.gate_up = &gate_up;
     s.down = &down;
-    s.gate_up_out = torch::empty({in.size(0), 2 * I}, in.options());
-    s.act = torch::empty({in.size(0), I}, in.options());
+    sized(s.gate_up_out, in.size(0), 2 * I, in);
+    sized(s.act, in.size(0), I, in);
     s.out = std::move(out);
     s.G = I / 8;
     s.panels = down.panel_codes.size(0);
@@ -134,7 +138,7 @@ void RegionExperts::start(const Experts& m, const Linear& shared_gate_up, const 
   int64_t start = 0;
   for (size_t e = 0; e < routing_.rows.size(); start += routing_.rows[e++])
     if (routing_.rows[e])
-      add(m.gate_up[e], m.down[e], rows.narrow(0, start, routing_.rows[e]),
+      add(m.gate_up[e], m.down[e], rows_.narrow(0, start, routing_.rows[e]),
           rows_out_.narrow(0, start, routing_.rows[e]));
   if (shared_) {
     add(shared_gate_up, shared_down, x, at::empty_like(x));

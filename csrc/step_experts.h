@@ -17,8 +17,11 @@ struct Routing {
   std::vector<int64_t> token_of, rows;
   std::vector<float> weights;
 
-  torch::Tensor gather(const torch::Tensor& x) const;  // x's row of each row's token: x.index_select
+  void gather(const torch::Tensor& x, torch::Tensor& rows) const;  // x's row of each row's token (index_select)
 };
+
+// `t` as a [rows, columns] tensor of `like`'s type: made anew only where its shape differs.
+void sized(torch::Tensor& t, int64_t rows, int64_t columns, const torch::Tensor& like);
 
 // Routes the normed hidden states `x` [T, hidden]; `count`: adds each expert's rows to its counters.
 Routing route(const Experts& m, const torch::Tensor& x, bool count);
@@ -80,7 +83,7 @@ class RegionExperts {
   std::vector<Segment> segments_;  // the first used_ are this layer's
   size_t used_ = 0;
   Routing routing_;
-  torch::Tensor rows_out_, shared_scale_;
+  torch::Tensor rows_, rows_out_, shared_scale_;
   bool shared_ = false;
 };
 
