@@ -387,6 +387,7 @@ DecodeStep::DecodeStep(std::vector<torch::Tensor> tensors, std::vector<int64_t> 
   }
   TORCH_CHECK(ei == ints_end && et == expert_tensors_.data() + expert_tensors_.size(),
               "DecodeStep: experts left over");
+  TORCH_CHECK(lora_.empty() || experts_.empty(), "DecodeStep: adapters beside MoE layers run on the layers");
   // every product on panels (a MoE layer's router and shared expert gate excepted: one unit each, on any
   // weights), 8 | I; SiLU experts without biases
   auto gate_up_on_panels = [](const decode_step::Linear& l) {

@@ -207,6 +207,21 @@ def test_compiled_decode_step_runs_the_adapters(tiny, monkeypatch):
     assert run_core(lora_core(root, a=root / "a", b=root / "b"), prompts, params) == fast
 
 
+def test_adapters_beside_moe_layers_leave_the_step_to_the_layers(tmp_path):
+    """A MoE model whose adapter reaches its shared expert's projections: the compiled step (which runs
+    no adapter in a MoE layer) is not built, and the layers serve the adapter and the base model."""
+    base = make_tiny_model("qwen2-moe", tmp_path / "base")
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    make_lora_adapter(base, tmp_path / "a", 1, r=4, lora_alpha=8, target_modules=targets)
+    core = lora_core(tmp_path, a=tmp_path / "a")
+    got = run_core(
+        core, [PROMPTS["a"], PROMPTS["a"]], [SamplingParams(**GREEDY, lora_name="a"), SamplingParams(**GREEDY)]
+    )
+    assert core.executor.runner.model.model.compiled_decode[1] is None
+    assert got["0"] != got["1"]  # the adapter changed its request's tokens
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
 def test_adapter_on_gguf_blocks_matches_peft_on_the_dequantized_weights(tiny, tmp_path):
     """Quantized base weights (GGUF blocks, exact mode): greedy tokens of PEFT's adapter over
     transformers' model holding the same dequantized weights, in a batch with a base-model request."""

@@ -24,7 +24,7 @@ Each linear layer is given by its `LinearMethod.decode_operands` (dense float32 
 blocks with float or int8 activations), and with LoRA adapters by its `LoRAWeights` factors: a step
 whose tokens run adapters adds their deltas after each matmul with the LoRA kernel the Python path
 calls (`tokenmill.kernels.lora`), on the step's segments; a layer with anything else (other activations,
-latent attention, grouped or sigmoid routing, tensor or expert parallelism, adapters on a MoE layer)
+latent attention, grouped or sigmoid routing, tensor or expert parallelism, adapters beside MoE layers)
 keeps the model's own forward. KV caches
 may be float32, float16, bfloat16, or int8 / fp8 with their scales (written by `write_kv_quantized`,
 bit for bit the torch path's quantizer, and read by the same decode kernel).
@@ -252,7 +252,7 @@ class CompiledDecode:
                 next(i for i, r in enumerate(rotaries) if r is p.rotary),
                 moe,
             ]
-        if len(lora) not in (0, 12 * len(parts)):  # adapters on some of these layers only (or on experts)
+        if len(lora) not in (0, 12 * len(parts)) or (lora and moe_layers):  # adapters on some layers, or beside MoE
             return None
         return cls(parts, tensors, ints, min(limits) if limits else None, lora, (expert_tensors, expert_ints))
 
