@@ -211,7 +211,10 @@ def test_adapters_beside_moe_layers_leave_the_step_to_the_layers(tmp_path):
     """A MoE model whose adapter reaches its shared expert's projections: the compiled step (which runs
     no adapter in a MoE layer) is not built, and the layers serve the adapter and the base model."""
     base = make_tiny_model("qwen2-moe", tmp_path / "base")
-    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # the shared expert's and the dense layer's MLP by their paths: a bare "down_proj" also names the routed
+    # experts' stacked parameter, which PEFT 0.22 adapts with a rank pattern (not plain LoRA)
+    mlp = [f"{m}.{p}" for m in ("mlp", "shared_expert") for p in ("gate_proj", "up_proj", "down_proj")]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", *mlp]
     make_lora_adapter(base, tmp_path / "a", 1, r=4, lora_alpha=8, target_modules=targets)
     core = lora_core(tmp_path, a=tmp_path / "a")
     got = run_core(
