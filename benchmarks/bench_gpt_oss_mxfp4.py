@@ -92,13 +92,32 @@ def decode_rate(core, prompts: list[list[int]], tokens: int) -> float:
     return generated / (time.perf_counter() - start)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def decode_table(engines: dict, prompts: list[list[int]], args, first_column: str) -> dict[str, tuple[float, float]]:
+    """The engines taking turns for `args.rounds` rounds, one stream and the batch each: prints the markdown
+    table (expert bytes, medians) and returns each engine's (1-stream, batch) medians."""
+    rates: dict[str, dict[str, list[float]]] = {name: {"1": [], "batch": []} for name in engines}
+    for _ in range(args.rounds):
+        for name, core in engines.items():
+            rates[name]["1"].append(decode_rate(core, prompts[:1], args.tokens))
+            rates[name]["batch"].append(decode_rate(core, prompts, args.tokens))
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}; decode {args.tokens} tokens after {args.prompt_len}, medians of {args.rounds}"
+    )
+    print(f"| {first_column} | expert bytes | 1 stream tok/s | {args.batch} streams tok/s |")
+    print("|---|---|---|---|")
+    medians = {n: (statistics.median(r["1"]), statistics.median(r["batch"])) for n, r in rates.items()}
+    for name, core in engines.items():
+        print(f"| {name} | {expert_bytes(core) / 2**20:.0f} MiB | {medians[name][0]:.1f} | {medians[name][1]:.1f} |")
+    return medians
+
+
+def decode_args(doc: str, workdir: str, written: str) -> argparse.ArgumentParser:
+    """The decode benchmarks' flags (this script's and bench_moe_gguf.py's): rounds, tokens, prompt length,
+    batch, and where the model files are written once (`written`: what is written there)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="rounds of (packed, dense) turns; medians are reported (default: %(default)s)",
+        "--rounds", type=int, default=3, help="rounds of turns; medians are reported (default: %(default)s)"
     )
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default: %(default)s)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
@@ -106,11 +125,13 @@ def main() -> None:
         "--batch", type=int, default=8, help="concurrent requests of the batched measurement (default: %(default)s)"
     )
     ap.add_argument(
-        "--workdir",
-        default="/tmp/tokenmill-bench-gpt-oss",
-        help="where the checkpoints are written, once: reused when present (default: %(default)s)",
+        "--workdir", default=workdir, help=f"where {written} written, once: reused when present (default: %(default)s)"
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = decode_args(__doc__, "/tmp/tokenmill-bench-gpt-oss", "the checkpoints are").parse_args()
 
     from helpers import make_core
 
@@ -133,28 +154,13 @@ def main() -> None:
         ),
     }
     prompts = [[(97 * i + 13 * j) % 32000 for j in range(args.prompt_len)] for i in range(args.batch)]
-    rates: dict[str, dict[str, list[float]]] = {name: {"1": [], "batch": []} for name in engines}
     for core in engines.values():
         decode_rate(core, prompts[:1], 4)  # warm-up
-    for _ in range(args.rounds):
-        for name, core in engines.items():
-            rates[name]["1"].append(decode_rate(core, prompts[:1], args.tokens))
-            rates[name]["batch"].append(decode_rate(core, prompts, args.tokens))
-    print(
-        f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}; decode {args.tokens} tokens after {args.prompt_len}, medians of {args.rounds}"
-    )
-    print(f"| experts | expert bytes | 1 stream tok/s | {args.batch} streams tok/s |")
-    print("|---|---|---|---|")
-    base = None
-    for name, core in engines.items():
-        one, many = statistics.median(rates[name]["1"]), statistics.median(rates[name]["batch"])
-        base = base or (one, many)
-        print(f"| {name} | {expert_bytes(core) / 2**20:.0f} MiB | {one:.1f} | {many:.1f} |")
-    dense_one = statistics.median(rates["dense float32 experts"]["1"])
-    dense_many = statistics.median(rates["dense float32 experts"]["batch"])
+    medians = decode_table(engines, prompts, args, "experts")
+    base = medians["MXFP4 experts"]
+    dense_one, dense_many = medians["dense float32 experts"]
     print(f"\nMXFP4 / dense: 1 stream {base[0] / dense_one:.2f}x, {args.batch} streams {base[1] / dense_many:.2f}x")
-    layers_one, layers_many = (statistics.median(rates["MXFP4 experts, layers from Python"][k]) for k in ("1", "batch"))
+    layers_one, layers_many = medians["MXFP4 experts, layers from Python"]
     print(
         f"MXFP4, compiled step / layers from Python: 1 stream {base[0] / layers_one:.2f}x, "
         f"{args.batch} streams {base[1] / layers_many:.2f}x"

@@ -18,12 +18,7 @@ Prints a markdown table.
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import statistics
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -73,23 +68,9 @@ def checkpoint(workdir: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--rounds", type=int, default=3, help="rounds of turns; medians are reported (default: %(default)s)"
-    )
-    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default: %(default)s)")
-    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
-    ap.add_argument(
-        "--batch", type=int, default=8, help="concurrent requests of the batched measurement (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--workdir",
-        default="/tmp/tokenmill-bench-moe-gguf",
-        help="where the GGUF file is written, once: reused when present (default: %(default)s)",
-    )
-    args = ap.parse_args()
+    from bench_gpt_oss_mxfp4 import decode_args, decode_rate, decode_table  # this directory's
 
-    from bench_gpt_oss_mxfp4 import decode_rate, expert_bytes  # this directory's
+    args = decode_args(__doc__, "/tmp/tokenmill-bench-moe-gguf", "the GGUF file is").parse_args()
     from helpers import make_core
 
     from tokenmill.kernels.decode_step import CompiledDecode
@@ -119,21 +100,7 @@ def main() -> None:
         "experts in blocks, layers from Python": engine(False, True),
         "experts in blocks, compiled step": engine(False, False),
     }
-    rates: dict[str, dict[str, list[float]]] = {name: {"1": [], "batch": []} for name in engines}
-    for _ in range(args.rounds):
-        for name, core in engines.items():
-            rates[name]["1"].append(decode_rate(core, prompts[:1], args.tokens))
-            rates[name]["batch"].append(decode_rate(core, prompts, args.tokens))
-    print(
-        f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}; decode {args.tokens} tokens after {args.prompt_len}, medians of {args.rounds}"
-    )
-    print(f"| model | expert bytes | 1 stream tok/s | {args.batch} streams tok/s |")
-    print("|---|---|---|---|")
-    medians = {n: (statistics.median(r["1"]), statistics.median(r["batch"])) for n, r in rates.items()}
-    for name, core in engines.items():
-        one, many = medians[name]
-        print(f"| {name} | {expert_bytes(core) / 2**20:.0f} MiB | {one:.1f} | {many:.1f} |")
+    medians = decode_table(engines, prompts, args, "model")
     first = medians["float32 experts, layers from Python"]
     for name, (one, many) in list(medians.items())[1:]:
         print(
