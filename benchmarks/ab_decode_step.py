@@ -1,6 +1,7 @@
 """The compiled decode step of two builds of the CPU kernels in one process, taking turns call by call
 on one real step's inputs (SmolLM2 by default, after a 512-token prompt and 63 decode steps): the
-median time of each and their ratio, and how far the two results differ (0: the same bits). On a shared machine this
+median time of each and their ratio, and how far the two results differ (0: the same bits); --batch N
+times a step of N decodes (as a server's batch) instead of one. On a shared machine this
 is steadier than two processes in turn; at one thread it times the engine thread's CPU, not the wall.
 
     PYTHONPATH=TREE .venv/bin/python benchmarks/ab_decode_step.py BASE_SO [--threads 1] [--seconds 20]
@@ -40,19 +41,25 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model alias or path (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the timed calls (default: %(default)s)")
     ap.add_argument("--seconds", type=float, default=20.0, help="how long the two take turns (default: %(default)s)")
+    ap.add_argument(
+        "--batch", type=int, default=1, help="requests decoding together: the step's rows (default: %(default)s)"
+    )
     args = ap.parse_args()
     base, new = load_module(args.base), cpu_kernels()
     llm = LLM(args.model)
     captured = {}
     call = decode_step.CompiledDecode.__call__
 
-    def capture(step, *a, **k):
-        captured["step"] = (step, a)
+    def capture(step, *a, **k):  # the step with the most decodes (and no prompt chunk)
+        rows, decodes_only = a[1].shape[0], not a[3][0].prefills
+        if decodes_only and rows >= captured.get("rows", 0):
+            captured.update(step=(step, a), rows=rows)
         return call(step, *a, **k)
 
     decode_step.CompiledDecode.__call__ = capture
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm.generate({"prompt_token_ids": list(range(1000, 1512))}, params, use_tqdm=False)
+    prompts = [{"prompt_token_ids": list(range(1000 + r, 1512 + r))} for r in range(args.batch)]
+    llm.generate(prompts, params, use_tqdm=False)  # the last step: a decode of each
     decode_step.CompiledDecode.__call__ = call
     step, (positions, hidden, residual, metas, *_) = captured["step"]
     torch.set_num_threads(args.threads)
@@ -88,7 +95,7 @@ def main() -> None:
             run(module)
             times[module].append(clock() - start)
     old, now = (statistics.median(times[m]) * 1e3 for m in (base, new))
-    print(f"STEP threads {args.threads}: base {old:.3f} ms, this tree {now:.3f} ms, base/this {old / now:.3f} "
+    print(f"STEP threads {args.threads}, {hidden.shape[0]} rows: base {old:.3f} ms, this tree {now:.3f} ms, base/this {old / now:.3f} "
           f"({len(times[new])} calls each, results differ by at most {differ:.3g} of the largest)")  # fmt: skip
 
 

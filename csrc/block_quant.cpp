@@ -1490,14 +1490,18 @@ void matmul_q8_panels_impl(const PanelActivations& a, const torch::Tensor& codes
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const S* sp = scales.data_ptr<S>();
   float* outp = out.data_ptr<float>();
-  // 5 bits: a row block of several tiles meets each block's codes once a tile, so its chunk's codes are
-  // expanded to a byte each once first (this thread's `expanded`, from panel `expanded_from`; -1: none)
+  // 5 bits: a row block of many tiles meets each block's codes once a tile, so its chunk's codes are
+  // expanded to a byte each once first (this thread's `expanded`, from panel `expanded_from`; -1: none).
+  // Up to kPackedTiles tiles read the packed codes, each putting the fifth bits back itself: the expand's
+  // extra pass over the codes cost more than it saved there (a 16-row decode batch: Qwen2.5-0.5B's Q5_0
+  // products 1.08-1.21x, its compiled step 1.07x, two threads), and from about 8 tiles it saves more.
+  constexpr int64_t kPackedTiles = 4;
   static thread_local std::vector<uint8_t> expanded;
   static thread_local int64_t expanded_from = -1;
   auto prepare = [&](int64_t p0, int64_t p1, int64_t rows) {
     expanded_from = -1;
 #ifdef TM_SIMD
-    if (BITS != 5 || rows <= kPanelRows) return;
+    if (BITS != 5 || rows <= kPackedTiles * kPanelRows) return;
     expanded.resize((p1 - p0) * nb * panel_block_bytes(8));
     expand_panels5(cp + p0 * nb * bytes, (p1 - p0) * nb, expanded.data());
     expanded_from = p0;
