@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from test_server_utils import free_port
 
+from tokenmill.cli_args import listening_socket
 from tokenmill.http_front import APIError, install_error_handlers
 from tokenmill.http_server import OPEN_FILES, uvicorn_config
 
@@ -157,3 +158,34 @@ def test_the_open_files_limit_is_raised(url):
     assert soft == resource.RLIM_INFINITY or soft >= (
         OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard)
     )
+
+
+def test_connections_to_a_fronts_listening_socket_send_without_waiting_for_acks():
+    """`serve`, `router`, `disagg-proxy` and the KV transfer server hand uvicorn the socket that
+    `listening_socket` bound; the connections asyncio accepts on it (as uvicorn's `serve(sockets=...)` does)
+    have Nagle's algorithm off. With it on, a response written as head, then body waited for the client's
+    delayed ACK of the head: 40 ms on every request after a connection's first."""
+    sock = listening_socket("127.0.0.1", 0)
+
+    async def accepted_nodelay() -> int:
+        loop = asyncio.get_running_loop()
+        seen = loop.create_future()
+
+        class Accept(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                seen.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await loop.create_server(Accept, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            try:
+                return await asyncio.wait_for(seen, 60)
+            finally:
+                writer.close()
+        finally:
+            server.close()
+
+    assert sock.proto == socket.IPPROTO_TCP
+    assert asyncio.run(accepted_nodelay()) != 0
