@@ -359,6 +359,7 @@ def test_parse_prometheus_text():
         "spec": dict.fromkeys(stats["spec"]),
         "spec_per_position": {},
         "kv_tiers": {},
+        "steps": {kind: dict.fromkeys(("steps", "tokens", "seconds")) for kind in ("decode", "prompt")},
     }
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",)) == 30
     assert prometheus.metric_value(samples, ("vllm:prefix_cache_queries_total",), model="b") == 20
@@ -724,3 +725,38 @@ def test_kv_tier_hit_rates_over_a_run():
     console = Console(record=True, width=160)  # what `tokenmill bench` prints of it
     report.print_run({**_result([_record()]), "server_metrics": prometheus.cache_delta(before, after)}, console)
     assert re.search(r"KV disk tier hit rate \(/metrics\) +│ +75\.0% of 200 tokens", console.export_text())
+
+
+def test_engine_steps_by_kind_over_a_run():
+    """tokenmill's step counters become the run's steps per kind, their mean time and share of the run."""
+
+    def exposition(decode: tuple, prompt: tuple) -> list:
+        return prometheus.parse_prometheus(
+            "".join(
+                f'tokenmill:engine_{kind}_{name}_total{{model_name="m"}} {value}\n'
+                for kind, values in (("decode", decode), ("prompt", prompt))
+                for name, value in zip(("steps", "step_tokens", "step_seconds"), values)
+            )
+        )
+
+    before = prometheus.cache_stats(exposition((10, 160, 0.2), (2, 800, 0.6)), "m")
+    after = prometheus.cache_stats(exposition((110, 1760, 2.2), (6, 2400, 1.8)), "m")
+    steps = prometheus.cache_delta(before, after)["steps"]
+    assert steps["decode"] == {
+        "steps": 100,
+        "tokens": 1600,
+        "seconds": pytest.approx(2.0),
+        "mean_ms": pytest.approx(20),
+    }
+    assert steps["prompt"]["steps"] == 4 and steps["prompt"]["mean_ms"] == pytest.approx(300)
+    assert prometheus.cache_delta(before, before)["steps"]["decode"]["mean_ms"] is None  # no step during the run
+    vllm = prometheus.cache_stats(prometheus.parse_prometheus('vllm:prefix_cache_queries_total{model_name="m"} 5\n'))
+    assert prometheus.cache_delta(vllm, vllm)["steps"] is None  # a server without the counters
+    result = {**_result([_record()]), "server_metrics": {"steps": steps}}
+    console = Console(record=True, width=160)
+    report.print_run(result, console)
+    share = 2.0 / result["summary"]["duration_s"]
+    assert re.search(
+        rf"decode steps \(newest tokens only\) +│ +100 x 20\.0 ms, 16\.0 tokens each: {100 * share:.1f}% of the run",
+        console.export_text(),
+    )

@@ -177,6 +177,14 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
     assert after["tokenmill:prefix_cache_queries_total"] - before["tokenmill:prefix_cache_queries_total"] == 3 * n
     assert after["tokenmill:prefix_cache_hits_total"] - before["tokenmill:prefix_cache_hits_total"] == cached
 
+    def delta(name):
+        return after[f"tokenmill:engine_{name}_total"] - before[f"tokenmill:engine_{name}_total"]
+
+    # each request: its prompt (less what was cached) in prompt steps, then one decode step for its second token
+    assert delta("prompt_step_tokens") == 3 * n - cached and delta("prompt_steps") >= 3
+    assert delta("decode_steps") == 3 and delta("decode_step_tokens") == 3
+    assert delta("decode_step_seconds") > 0 and delta("prompt_step_seconds") > 0
+
     reset = httpx.post(f"{server.url}/reset_prefix_cache", timeout=60)
     assert reset.status_code == 200 and reset.json()["blocks_dropped"] > 0
     third = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)

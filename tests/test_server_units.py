@@ -315,7 +315,8 @@ def test_metrics_observe_engine_timestamps():
             "prefix_cache_hits": 1,
         }
     )
-    m.on_stats({"num_preemptions": 3, "prefix_cache_queries": 6, "prefix_cache_hits": 2})
+    m.on_stats({"num_preemptions": 3, "prefix_cache_queries": 6, "prefix_cache_hits": 2, "decode_steps": 4})
+    m.on_stats({"num_preemptions": 3, "prefix_cache_queries": 6, "prefix_cache_hits": 2, "decode_steps": 9})
 
     def value(name, **labels):
         return m.registry.get_sample_value(name, {"model_name": "m", **labels})
@@ -331,6 +332,7 @@ def test_metrics_observe_engine_timestamps():
     assert value("tokenmill:generation_tokens_total") == 3
     assert value("tokenmill:num_preemptions_total") == 3
     assert value("tokenmill:prefix_cache_queries_total") == 6 and value("tokenmill:prefix_cache_hits_total") == 2
+    assert value("tokenmill:engine_decode_steps_total") == 9 and value("tokenmill:engine_prompt_steps_total") == 0
     assert value("tokenmill:request_success_total", finished_reason="length") == 1
     assert value("tokenmill:kv_cache_usage_perc") == 0  # the last snapshot had no usage
     other = ServerMetrics("m")  # a private registry per app: no duplicate-metric errors

@@ -1,5 +1,5 @@
-"""A step's token budget bounded in time (`--max-step-ms`), and an abort in the middle of a long
-prompt's prefill returning its blocks at the next step boundary."""
+"""A step's token budget bounded in time (`--max-step-ms`), the steps counted by kind, and an abort in
+the middle of a long prompt's prefill returning its blocks at the next step boundary."""
 
 from __future__ import annotations
 
@@ -73,3 +73,38 @@ def test_an_abort_mid_prefill_returns_the_blocks_at_the_next_step_boundary(core)
     while core.has_unfinished():
         out += [t for o in core.step() for t in o.new_token_ids]
     assert len(out) == 4 and core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_the_steps_are_counted_by_kind(core):
+    """Prompt steps carry the prompt's tokens (and the decodes beside them), decode steps one token a request."""
+
+    def counts():
+        s = core.stats().steps
+        return {k: getattr(s, k) for k in ("decode_steps", "decode_step_tokens", "prompt_steps", "prompt_step_tokens")}
+
+    before = counts()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.add_request(EngineCoreRequest("alone", [i * 7 % 249 + 1 for i in range(600)], params))  # not cached
+    prompt_steps = 0
+    while core.has_unfinished():
+        core.step()
+        prompt_steps += core.last_schedule.num_scheduled_tokens["alone"] > 1
+    mid = counts()
+    # the first token comes from the prompt's last chunk; three decode steps give the other three
+    assert mid["prompt_steps"] - before["prompt_steps"] == prompt_steps >= 3  # chunks of at most 256
+    assert mid["prompt_step_tokens"] - before["prompt_step_tokens"] == 600
+    assert (mid["decode_steps"] - before["decode_steps"], mid["decode_step_tokens"] - before["decode_step_tokens"]) == (
+        3,
+        3,
+    )
+    # a prompt arriving while another request decodes: their shared step is a prompt step with its decode
+    core.add_request(EngineCoreRequest("first", [5, 6, 7], params))
+    core.step()  # its prompt
+    core.add_request(EngineCoreRequest("second", [8, 9, 10, 11], params))
+    while core.has_unfinished():
+        core.step()
+    end = counts()
+    assert end["prompt_steps"] - mid["prompt_steps"] == 2
+    assert end["prompt_step_tokens"] - mid["prompt_step_tokens"] == 3 + 4 + 1
+    assert end["decode_step_tokens"] - mid["decode_step_tokens"] == 2 * 3 - 1
+    assert core.scheduler.step_times.decode_step_seconds > 0 and core.scheduler.step_times.prompt_step_seconds > 0

@@ -1,5 +1,5 @@
 """Read a server's `/metrics` (Prometheus text format): prefix-cache counters, KV-cache usage,
-mixture-of-experts routing counts and speculative-decoding counters.
+mixture-of-experts routing counts, speculative-decoding counters and the engine's steps by kind.
 
 tokenmill's names are tried first, then vLLM's (current, then older spellings).
 """
@@ -34,6 +34,14 @@ SPEC_COUNTERS = {
     ),
     "draft_seconds": ("tokenmill:spec_decode_draft_seconds_total",),
     "verify_seconds": ("tokenmill:spec_decode_verify_seconds_total",),
+}
+# the engine's steps by kind (tokenmill only): {kind: {count: metric}}
+STEP_COUNTERS = {
+    kind: {
+        what: f"tokenmill:engine_{kind}_{name}_total"
+        for what, name in (("steps", "steps"), ("tokens", "step_tokens"), ("seconds", "step_seconds"))
+    }
+    for kind in ("decode", "prompt")
 }
 SPEC_PER_POSITION = (
     "tokenmill:spec_decode_num_accepted_tokens_per_pos_total",
@@ -109,6 +117,10 @@ def cache_stats(samples: list[Sample], model: str | None = None) -> dict:
         "kv_tiers": kv_tiers(samples, model),
         "spec": {key: metric_value(samples, names, model) for key, names in SPEC_COUNTERS.items()},
         "spec_per_position": accepted_per_position(samples, model),
+        "steps": {
+            kind: {what: metric_value(samples, (name,), model) for what, name in names.items()}
+            for kind, names in STEP_COUNTERS.items()
+        },
     }
 
 
@@ -206,7 +218,23 @@ def cache_delta(before: dict | None, after: dict | None, kv_samples: list[float]
         "moe": expert_load_summary(routed, per_rank),
         "spec": spec_summary(before, after),
         "kv_tiers": tier_summary(before.get("kv_tiers") or {}, after.get("kv_tiers") or {}),
+        "steps": step_summary(before.get("steps") or {}, after.get("steps") or {}),
     }
+
+
+def step_summary(before: dict, after: dict) -> dict[str, dict] | None:
+    """The engine's steps during the run, per kind ("decode": only each request's newest token; "prompt":
+    with prompt tokens): steps, tokens, seconds and the mean step in ms; None where the server does not
+    count them."""
+    out = {}
+    for kind, counts in after.items():
+        delta = {k: v - (before.get(kind) or {}).get(k, 0.0) for k, v in counts.items() if v is not None}
+        if len(delta) < 3:
+            return None
+        delta["steps"], delta["tokens"] = int(round(delta["steps"])), int(round(delta["tokens"]))
+        delta["mean_ms"] = 1000 * delta["seconds"] / delta["steps"] if delta["steps"] else None
+        out[kind] = delta
+    return out or None
 
 
 def tier_summary(before: dict, after: dict) -> dict[str, dict]:

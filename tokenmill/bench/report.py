@@ -135,6 +135,17 @@ def run_table(result: dict) -> Table:
             "prompt tokens cached (usage)",
             f"{fmt(s['client_cached_tokens'])} ({pct(s['client_cached_tokens'] / s['total_input_tokens'])})",
         )
+    steps = server.get("steps")
+    if steps and s["duration_s"]:
+        section("engine steps (/metrics)")
+        for kind, label in (("decode", "decode steps (newest tokens only)"), ("prompt", "steps with prompt tokens")):
+            k = steps.get(kind)
+            if k and k["steps"]:
+                table.add_row(
+                    label,
+                    f"{fmt(k['steps'])} x {fmt(k['mean_ms'], 1)} ms, {fmt(k['tokens'] / k['steps'], 1)} tokens each: "
+                    f"{pct(k['seconds'] / s['duration_s'])} of the run",
+                )
     spec = server.get("spec")
     if spec:
         section("speculative decoding (/metrics)")

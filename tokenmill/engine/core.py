@@ -25,7 +25,7 @@ from tokenmill.engine.kv_cache_coordinator import KVCacheCoordinator
 from tokenmill.engine.kv_cache_manager import HASH_FUNCTIONS, KVCacheManager
 from tokenmill.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.engine.request import SPEC_PRIOR, EngineCoreRequest, Request, RequestStatus
-from tokenmill.engine.scheduler import RequestUpdate, Scheduler
+from tokenmill.engine.scheduler import RequestUpdate, Scheduler, StepTimes
 from tokenmill.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from tokenmill.executor import Executor
 from tokenmill.kv_transfer.base import KVConnectorOutput, check_supported, scheduler_connector
@@ -61,6 +61,7 @@ class EngineStats:
     kv_tiers: dict[str, dict] = field(default_factory=dict)  # KV-cache tier name -> its counters (disk_tier.TierStats)
     step_failures: int = 0  # steps that raised (each is retried in halves to find the requests at fault)
     requests_failed_isolated: int = 0  # requests found at fault that way and finished with an error
+    steps: StepTimes = field(default_factory=StepTimes)  # the steps by kind: decodes only, with prompt tokens
 
 
 class RequestRejected(ValueError):
@@ -352,6 +353,7 @@ class EngineCore:
             list(spec.accepted_per_position),
         )
         stats.spec_draft_seconds, stats.spec_verify_seconds = spec.draft_seconds, spec.verify_seconds
+        stats.steps = dataclasses.replace(self.scheduler.step_times)
         if self.kv_connector is not None:
             t = self.kv_connector.stats
             stats.kv_transfers, stats.kv_transfer_bytes, stats.kv_transfer_seconds = (
@@ -407,7 +409,7 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - find the requests at fault, keep serving the rest
             return outputs + self._fail_step(sched)
         self._cleared(sched)
-        self.scheduler.step_budget.observe(sched.num_scheduled_tokens, time.perf_counter() - start)
+        self.scheduler.step_ran(sched, time.perf_counter() - start)
         if sched.spec_token_ids:  # a step that verified drafts (and ran whatever else was scheduled)
             self.scheduler.spec_stats.verify_seconds += time.perf_counter() - start - output.draft_seconds
         outputs += self._connector_output(output.kv_connector_output)

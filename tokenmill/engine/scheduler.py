@@ -49,6 +49,32 @@ class RequestUpdate:
 
 
 @dataclass
+class StepTimes:
+    """The engine's steps so far, in two kinds, with the tokens they computed and their time (submit to
+    result): decode steps compute only each request's newest token (with its drafts to verify, when
+    speculating); prompt steps also compute prompt tokens (prefill chunks, alone or beside decodes, and a
+    preempted request's recompute). Their shares of a run's time say whether it is prefill- or decode-bound,
+    and their time per token how fast each kind runs (`tokenmill bench serve` reports both)."""
+
+    decode_steps: int = 0
+    decode_step_tokens: int = 0
+    decode_step_seconds: float = 0.0
+    prompt_steps: int = 0
+    prompt_step_tokens: int = 0
+    prompt_step_seconds: float = 0.0
+
+    def record(self, prompt: bool, tokens: int, seconds: float) -> None:
+        if prompt:
+            self.prompt_steps += 1
+            self.prompt_step_tokens += tokens
+            self.prompt_step_seconds += seconds
+        else:
+            self.decode_steps += 1
+            self.decode_step_tokens += tokens
+            self.decode_step_seconds += seconds
+
+
+@dataclass
 class SpecDecodingStats:
     """Speculative decoding so far: verify steps, drafted and accepted tokens, acceptances by position."""
 
@@ -92,6 +118,7 @@ class Scheduler:
         self.only: set[str] | None = None
         self._stale: set[str] = set()  # in a failed step: the runner's state of them is rebuilt (`step_failed`)
         self.spec_stats = SpecDecodingStats()
+        self.step_times = StepTimes()
         # the token budget of a step: max_num_batched_tokens, lower where a step would take longer than
         # max_step_ms (the core reports each step's time)
         self.step_budget = StepBudget(config.max_step_ms, config.max_num_batched_tokens)
@@ -240,6 +267,18 @@ class Scheduler:
         blocks up to `num_computed_tokens` was written by committed steps and stays valid, the slots
         after are written again. The blocks allocated for the failed step stay theirs."""
         self._stale.update(rid for rid in request_ids if rid in self._in_runner)
+
+    def step_ran(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A step's result came back `seconds` after it was submitted (before `update_from_output`: each
+        request's computed tokens are still those before the step)."""
+        self.step_budget.observe(sched.num_scheduled_tokens, seconds)
+        prompt = False
+        for rid in sched.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is not None and request.num_computed_tokens < request.num_tokens - 1:
+                prompt = True  # some of its tokens before its newest: a prompt chunk or a recompute
+                break
+        self.step_times.record(prompt, sched.total_num_scheduled_tokens, seconds)
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance every scheduled request by its tokens; append what the sampling ones drew, checking

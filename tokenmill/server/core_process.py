@@ -44,6 +44,7 @@ def stats_snapshot(core, num_received: int, fresh: bool = True) -> dict:
     numeric field of `EngineStats` (running, waiting, KV usage, preemptions, prefix-cache counters)
     plus the pool's block counts."""
     snap = dataclasses.asdict(core.stats(fresh))
+    snap.update(snap.pop("steps"))  # its counters by name, as /metrics counts them
     snap["num_free_blocks"] = core.kv.num_free_blocks
     snap["num_blocks"] = core.kv.num_blocks
     snap["num_received"] = num_received  # add messages handled so far (lets the front end size the queue)

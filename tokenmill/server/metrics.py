@@ -72,6 +72,12 @@ _CORE_COUNTERS = {
     "kv_transfer_seconds": "Disaggregated prefill/decode: producer, time copying KV out; consumer, from asking for it until it is in.",
     "step_failures": "Engine steps that raised (their requests are retried in halves to find the one at fault).",
     "requests_failed_isolated": "Requests found to make a step fail and finished with an error (the others in the step went on).",
+    "decode_steps": "Engine steps that computed only each request's newest token (decodes; speculative verify steps).",
+    "decode_step_tokens": "Tokens computed by decode steps.",
+    "decode_step_seconds": "Time of decode steps (submit to result).",
+    "prompt_steps": "Engine steps that computed prompt tokens (prefill chunks, alone or beside decodes; recomputes).",
+    "prompt_step_tokens": "Tokens computed by prompt steps (their decodes included).",
+    "prompt_step_seconds": "Time of prompt steps (submit to result).",
 }
 _CORE_COUNTER_NAMES = {
     "grammar_compiles": "structured_output_compiles",
@@ -81,6 +87,11 @@ _CORE_COUNTER_NAMES = {
     "spec_accepted_tokens": "spec_decode_num_accepted_tokens",
     "spec_draft_seconds": "spec_decode_draft_seconds",
     "spec_verify_seconds": "spec_decode_verify_seconds",
+    **{
+        f"{kind}_{what}": f"engine_{kind}_{what}"
+        for kind in ("decode", "prompt")
+        for what in ("steps", "step_tokens", "step_seconds")
+    },
 }
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
