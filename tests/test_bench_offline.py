@@ -47,6 +47,10 @@ def test_offline_random(tmp_path):
     assert 0 < s["achieved_concurrency"] <= 2 + 1e-6
     assert s["goodput"] <= s["request_throughput"]
     assert result["server_metrics"]["prefix_cache_hit_rate"] < 0.05
+    # each request's 16 prompt tokens in prompt steps, its 2nd and 3rd tokens' inputs in decode or mixed steps
+    steps = result["server_metrics"]["steps"]
+    assert steps["prompt"]["tokens"] >= 48 and steps["prompt"]["tokens"] + steps["decode"]["tokens"] == 3 * 18
+    assert steps["prompt"]["steps"] >= 2 and steps["decode"]["steps"] >= 1
     assert result["utilization"]["server_cpu_percent"] is not None
     assert (tmp_path / "random_latency_cdf.png").is_file()
 

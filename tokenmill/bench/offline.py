@@ -20,6 +20,7 @@ from tokenmill.bench.client import ABORTED, SKIPPED, LoadConfig, arrival_gaps
 from tokenmill.bench.datasets import Session
 from tokenmill.bench.metrics import RequestRecord, expert_load_summary, itl_from_times
 from tokenmill.bench.monitor import ResourceMonitor
+from tokenmill.bench.prometheus import step_summary
 from tokenmill.bench.runner import RunOptions, make_result, num_requests, split_warmups
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,18 @@ class OfflineRunner:
         in_flight.clear()
 
 
+def step_counts(times) -> dict[str, dict[str, float]]:
+    """The engine's `StepTimes` as the counts /metrics gives of them ({kind: {steps, tokens, seconds}})."""
+    return {
+        kind: {
+            "steps": getattr(times, f"{kind}_steps"),
+            "tokens": getattr(times, f"{kind}_step_tokens"),
+            "seconds": getattr(times, f"{kind}_step_seconds"),
+        }
+        for kind in ("decode", "prompt")
+    }
+
+
 def load_engine(args):
     """An LLMEngine sized by the engine flags (`tokenmill.engine_args.add_engine_args`)."""
     try:
@@ -181,9 +194,11 @@ def run_offline(
     warmups, sessions = split_warmups(opts, chat)
     if warmups:
         runner.run(warmups, LoadConfig(max_concurrency=opts.load.max_concurrency), opts.progress, "warm-up")
-    kv_before, experts_before = kv_usage(engine), engine.core.stats().expert_tokens
+    stats = engine.core.stats()
+    kv_before, experts_before, steps_before = kv_usage(engine), stats.expert_tokens, stats.steps
     with ResourceMonitor(os.getpid()) as monitor:  # this process is the engine
         records, duration = runner.run(sessions, opts.load, opts.progress, opts.label or "offline")
+    stats = engine.core.stats()
     ok = [r for r in records if r.success]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
@@ -198,9 +213,10 @@ def run_offline(
         "moe": expert_load_summary(
             [
                 [n - b for n, b in zip(c, experts_before.get(layer, [0] * len(c)))]
-                for layer, c in sorted(engine.core.stats().expert_tokens.items())
+                for layer, c in sorted(stats.expert_tokens.items())
             ]
         ),
+        "steps": step_summary(step_counts(steps_before), step_counts(stats.steps)),
     }
     return make_result("offline", opts, records, duration, num_requests(sessions), server_metrics, monitor.summary())
 
