@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,7 @@ def test_stats_window_rates_percentiles_cost_and_any_tier_series():
     engine = {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "num_blocks": 8, "num_free_blocks": 6}
     engine |= {"prefix_cache_queries": 40, "prefix_cache_hits": 30, "spec_draft_tokens": 10, "spec_accepted_tokens": 4}
     engine["kv_tiers"] = {"disk": {"hits": 3, "queries": 4}}  # a tier's counters, as the engine reports them
+    engine |= {"decode_steps": 40, "decode_step_seconds": 0.8, "prompt_steps": 2, "prompt_step_seconds": 0.5}
     metrics.on_stats(engine)
     s = ui.stats(window=60)
 
@@ -70,6 +72,8 @@ def test_stats_window_rates_percentiles_cost_and_any_tier_series():
     assert s["cost"]["per_million_output"] == pytest.approx(0.001 * span * 1e6 / 250)
     assert s["prefix_cache"]["tiers"]["disk"]["hit_rate"] == 0.75
     assert s["prefix_cache"]["tiers"]["disk"]["metrics"]["kv_tier_hits_total"]["value"] == 3
+    assert s["engine_steps"]["decode"] == {"share": pytest.approx(0.8 / span), "step_s": pytest.approx(0.02)}
+    assert s["engine_steps"]["prompt"]["step_s"] == pytest.approx(0.25)
     assert s["moe"] is None and UIStats(metrics.registry, "m").stats()["cost"] is None
 
 
@@ -239,6 +243,7 @@ def test_a_chat_streams_and_the_dashboard_charts_it(server, browser):
     assert float(shown["Output tokens / s"][0]) > 0 and float(shown["Input tokens / s"][0]) > 0, shown
     assert shown["TTFT p50 / p99"][0] != "– / –" and shown["MoE load imbalance"][0].endswith("×"), shown
     assert shown["$ per M output tokens"][0].startswith("$") and shown["CPU utilization"][0].endswith("%"), shown
+    assert re.fullmatch(r"[\d.]+% / [\d.]+%", shown["Engine time: decode / prompt steps"][0]), shown
 
     # traffic from another client: the tiles and charts follow it
     before = page.evaluate("samples.length")

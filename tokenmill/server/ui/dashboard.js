@@ -31,6 +31,7 @@ const TILES = [
   ["Preemptions", (s) => [String(s.preemptions.window), `${s.preemptions.total} since start`]],
   ["Speculative acceptance", (s) => (s.spec_decode.drafted_tokens_total ? [percent(s.spec_decode.acceptance), `${percent(s.spec_decode.acceptance_total)} since start`] : ["off", "no drafted tokens"])],
   ["MoE load imbalance", (s) => (s.moe ? [`${fixed(s.moe.max, 2)}×`, `busiest layer; mean ${fixed(s.moe.mean, 2)}× over ${Object.keys(s.moe.layers).length} layers`] : ["–", "not a mixture of experts"])],
+  ["Engine time: decode / prompt steps", (s) => [`${percent(s.engine_steps.decode.share)} / ${percent(s.engine_steps.prompt.share)}`, `steps of ${duration(s.engine_steps.decode.step_s)} / ${duration(s.engine_steps.prompt.step_s)}`]],
   ["CPU utilization", (s) => [percent(s.cpu.utilization), `${fixed(s.cpu.cores_busy)} of ${s.cpu.cores} cores busy (server + engine)`]],
   ["$ per M input tokens", (s) => (s.cost ? [money(s.cost.per_million_input), `at $${s.cost.price_per_hour}/hour`] : ["–", "serve --price-per-hour"])],
   ["$ per M output tokens", (s) => (s.cost ? [money(s.cost.per_million_output), `at $${s.cost.price_per_hour}/hour`] : ["–", "serve --price-per-hour"])],
@@ -58,6 +59,11 @@ const CHARTS = [
     extra: tierSeries,
   },
   { title: "CPU utilization (%)", max: 100, series: [["server + engine", (s) => share(s.cpu.utilization)]] },
+  {
+    title: "Engine time (%)",
+    max: 100,
+    series: [["decode steps", (s) => share(s.engine_steps.decode.share)], ["prompt steps", (s) => share(s.engine_steps.prompt.share)]],
+  },
 ];
 
 let samples = []; // the last HISTORY answers of /ui/stats

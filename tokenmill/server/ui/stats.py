@@ -162,6 +162,7 @@ class UIStats:
                 "drafted_tokens_total": d.value("spec_decode_num_draft_tokens_total"),
             },
             "moe": _moe(d.by_label("moe_load_imbalance", "layer")),
+            "engine_steps": _engine_steps(d, rate),
             "cpu": {
                 "cores": self.cores,
                 "cores_busy": busy,
@@ -191,6 +192,17 @@ class UIStats:
 
 def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole else None
+
+
+def _engine_steps(d: _Delta, rate) -> dict[str, dict]:
+    """The engine's time in the window by kind of step (decode steps: each request's newest token; prompt
+    steps: with prompt tokens): each kind's share of the window and its mean step in seconds (None
+    without a step of that kind)."""
+    out = {}
+    for kind in ("decode", "prompt"):
+        seconds, steps = d.delta(f"engine_{kind}_step_seconds_total"), d.delta(f"engine_{kind}_steps_total")
+        out[kind] = {"share": rate(seconds), "step_s": seconds / steps if steps else None}
+    return out
 
 
 def _moe(layers: dict[str, float]) -> dict | None:
