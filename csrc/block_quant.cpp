@@ -1327,6 +1327,15 @@ constexpr int kPairMinRows = 4;
 // From this many rows a tile's rows give vpdpbusd's latency enough independent chains with one integer
 // sum a row (no add of two chains a block); fewer take two.
 constexpr int kOneChainRows = 6;
+// A wide tile: 2 x kPanelRows rows against a pair, its rows' integer sums kPanelRows at a time (16 float
+// + 8 integer sums of the 32 registers), so that a decode batch's 8-bit codes come from memory once a
+// block for 16 rows. With one tile after another, the second read them from L1 but the first waited on
+// memory for its whole pass: 8-bit codes are twice the bytes of 4-bit ones per product, and their tiles
+// wait the longest. From memory (a step's weights), against two 8-row tiles: Q8_0 16-32 rows 1.07-1.23x
+// (an LM head, Qwen's qkv); 4-5-bit codes, which a wide tile unpacks again per group, 0.95-1.04x, so they
+// keep 8-row tiles. Batches of up to kWideBatch rows (a decode batch); at 64 rows 0.95x.
+constexpr int kWideRows = 2 * kPanelRows;
+constexpr int64_t kWideBatch = 32;
 
 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
@@ -1355,7 +1364,8 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
   constexpr bool kNibbles = BITS == 4 || (BITS == 5 && PACKED);
   constexpr int64_t per_block = panel_scales_per_block(OFFSETS);
   constexpr bool repay = BITS == 8 || !OFFSETS;  // as panel_tile's
-  constexpr int kChains = RM >= kOneChainRows ? 1 : 2;  // a row's independent integer sums
+  constexpr int kGroup = RM > kPanelRows ? kPanelRows : RM;  // rows whose integer sums are live at once
+  constexpr int kChains = kGroup >= kOneChainRows ? 1 : 2;  // a row's independent integer sums
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[RM];
   for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
@@ -1368,38 +1378,41 @@ inline void panel_pair_tile(const int8_t* xq, const float* dx, const float* xs, 
       prefetch_panel_ahead(c + ahead, bytes), prefetch_panel_ahead(c + next_codes + ahead, bytes);
       prefetch_panel_ahead(scales + b * per_block, 1), prefetch_panel_ahead(scales + b * per_block + next_scales, 1);
     }
-    __m512i sums[RM][kChains];  // repaying: from less the codes' center times x's sum (xc)
-    for (int r = 0; r < RM; ++r)
-      for (int h = 0; h < kChains; ++h)
-        sums[r][h] = repay && h == 0 ? _mm512_set1_epi32(-xc[r * nb + b]) : _mm512_setzero_si512();
-    // weight vector w (values 4j.. of the sixteen rows) against each row's broadcast x[4j..4j+3], on chain h
-    auto dot = [&](__m512i w, int j, int h) {
-      const __m512i u = BITS == 8 ? _mm512_xor_si512(w, _mm512_set1_epi8(-128)) : w;  // 8 bits: w + 128
-      for (int r = 0; r < RM; ++r) {
-        int32_t word;
-        std::memcpy(&word, xq + r * K + b * 32 + 4 * j, 4);
-        sums[r][h % kChains] = _mm512_dpbusd_epi32(sums[r][h % kChains], u, _mm512_set1_epi32(word));
-      }
-    };
-    auto load = [&](int j) { return load_pair(c + 32 * j, c + next_codes + 32 * j); };
-    const __m512i plane = BITS == 5 && kNibbles ? load(kNibbleBytes / 32) : _mm512_setzero_si512();
-    for (int j = 0; j < (kNibbles ? 4 : 8); j += kNibbles ? 1 : 2) {
-      if (kNibbles) {
-        const __m512i raw = load(j);
-        __m512i low = _mm512_and_si512(raw, m4), high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-        if (BITS == 5) low = with_fifth_bits(low, plane, j), high = with_fifth_bits(high, plane, j + 4);
-        dot(low, j, 0);
-        dot(high, j + 4, 1);
-      } else {
-        dot(load(j), j, 0);
-        dot(load(j + 1), j + 1, 1);
-      }
-    }
     const S* sb = scales + b * per_block;
     const __m512 s = scale_pair(sb, sb + next_scales);
-    for (int r = 0; r < RM; ++r) {
-      const __m512i total = kChains == 2 ? _mm512_add_epi32(sums[r][0], sums[r][kChains - 1]) : sums[r][0];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
+    for (int g = 0; g < RM; g += kGroup) {  // a wide tile's groups read the block's codes again, from L1
+      __m512i sums[kGroup][kChains];  // repaying: from less the codes' center times x's sum (xc)
+      for (int r = 0; r < kGroup; ++r)
+        for (int h = 0; h < kChains; ++h)
+          sums[r][h] = repay && h == 0 ? _mm512_set1_epi32(-xc[(g + r) * nb + b]) : _mm512_setzero_si512();
+      // weight vector w (values 4j.. of the sixteen rows) against each row's broadcast x[4j..4j+3], on chain h
+      auto dot = [&](__m512i w, int j, int h) {
+        const __m512i u = BITS == 8 ? _mm512_xor_si512(w, _mm512_set1_epi8(-128)) : w;  // 8 bits: w + 128
+        for (int r = 0; r < kGroup; ++r) {
+          int32_t word;
+          std::memcpy(&word, xq + (g + r) * K + b * 32 + 4 * j, 4);
+          sums[r][h % kChains] = _mm512_dpbusd_epi32(sums[r][h % kChains], u, _mm512_set1_epi32(word));
+        }
+      };
+      auto load = [&](int j) { return load_pair(c + 32 * j, c + next_codes + 32 * j); };
+      const __m512i plane = BITS == 5 && kNibbles ? load(kNibbleBytes / 32) : _mm512_setzero_si512();
+      for (int j = 0; j < (kNibbles ? 4 : 8); j += kNibbles ? 1 : 2) {
+        if (kNibbles) {
+          const __m512i raw = load(j);
+          __m512i low = _mm512_and_si512(raw, m4), high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+          if (BITS == 5) low = with_fifth_bits(low, plane, j), high = with_fifth_bits(high, plane, j + 4);
+          dot(low, j, 0);
+          dot(high, j + 4, 1);
+        } else {
+          dot(load(j), j, 0);
+          dot(load(j + 1), j + 1, 1);
+        }
+      }
+      for (int r = 0; r < kGroup; ++r) {
+        const __m512i total = kChains == 2 ? _mm512_add_epi32(sums[r][0], sums[r][kChains - 1]) : sums[r][0];
+        acc[g + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, _mm512_set1_ps(dx[(g + r) * nb + b])),
+                                     acc[g + r]);
+      }
     }
   }
   // the offsets' terms as panel_tile's
@@ -1419,6 +1432,10 @@ template <int BITS, bool PACKED, bool OFFSETS, int RM = kPanelRows, typename S>
 inline void panel_pair_tile_rows(int rows, const int8_t* xq, const float* dx, const float* xs, const int32_t* xc,
                                  int64_t K, const uint8_t* codes, int64_t next_codes, const S* scales,
                                  int64_t next_scales, float* out, int64_t ldo, int64_t cols) {
+  if constexpr (RM == kPanelRows)
+    if (rows == kWideRows)
+      return panel_pair_tile<BITS, kWideRows, PACKED, OFFSETS>(xq, dx, xs, xc, K, codes, next_codes, scales,
+                                                              next_scales, out, ldo, cols);
   if constexpr (RM > kPairMinRows)
     if (rows < RM)
       return panel_pair_tile_rows<BITS, PACKED, OFFSETS, RM - 1>(rows, xq, dx, xs, xc, K, codes, next_codes, scales,
@@ -1451,8 +1468,11 @@ void by_pieces(int64_t first, int64_t last, int64_t piece, const F& f) {
     f(first + k * piece, std::min(last, first + (k + 1) * piece));
 }
 
+// wide: the rows a pair's tile takes where the row block has that many left (kWideRows where the tile
+// takes them; single panels take kPanelRows at a time whatever it is).
 template <typename Tile, typename Prepare = NoPrepare>
-void for_each_panel_tile(int64_t M, int64_t first, int64_t last, const Tile& tile, const Prepare& prepare = {}) {
+void for_each_panel_tile(int64_t M, int64_t first, int64_t last, const Tile& tile, const Prepare& prepare = {},
+                         int64_t wide = kPanelRows) {
   constexpr int64_t kChunk = 4, kRowBlock = 64;
   // pieces of at least 16 panels, about 8 a thread: long enough runs of codes for the prefetchers (a
   // one-row LM head streams 28 MB), enough of them to even out a preempted thread
@@ -1462,13 +1482,15 @@ void for_each_panel_tile(int64_t M, int64_t first, int64_t last, const Tile& til
       for (int64_t p0 = begin; p0 < end; p0 += kChunk) {
         const int64_t p1 = std::min(end, p0 + kChunk), m1 = std::min(M, block + kRowBlock);
         prepare(p0, p1, m1 - block);
-        for (int64_t m0 = block; m0 < m1; m0 += kPanelRows) {
-          const auto rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - m0));
+        for (int64_t m0 = block, rows; m0 < m1; m0 += rows) {
+          rows = m1 - m0 >= wide ? wide : std::min<int64_t>(kPanelRows, m1 - m0);
           int64_t p = p0;
 #ifdef TM_PANEL_PAIRS
-          for (; p + 1 < p1 && rows >= kPairMinRows; p += 2) tile(m0, rows, p, true);
+          for (; p + 1 < p1 && rows >= kPairMinRows; p += 2) tile(m0, static_cast<int>(rows), p, true);
 #endif
-          for (; p < p1; ++p) tile(m0, rows, p, false);
+          for (; p < p1; ++p)
+            for (int64_t r0 = 0; r0 < rows; r0 += kPanelRows)
+              tile(m0 + r0, static_cast<int>(std::min<int64_t>(kPanelRows, rows - r0)), p, false);
         }
       }
   });
@@ -1537,7 +1559,11 @@ void matmul_q8_panels_impl(const PanelActivations& a, const torch::Tensor& codes
                          nb * panel_block_bytes(8));
           run(std::true_type(), offsets, m0, rows, p, pair, cp + p * nb * bytes, nb * bytes);
         },
+#ifdef TM_PANEL_PAIRS
+        prepare, BITS == 8 && M <= kWideBatch ? kWideRows : kPanelRows);
+#else
         prepare);
+#endif
   };
   // a block's scales, and its offsets where there are some (the codes' center otherwise, as integers)
   if (scales.size(2) == 2)

@@ -215,7 +215,8 @@ def test_int8_panels_same_bits_whichever_tile_runs_a_panel(qtype):
     """Threads split the panels anywhere, and a panel runs in a tile of two neighbouring panels or on its
     own (an odd one at a thread's end, or the last, partial one): one thread and two split 6 panels
     differently (AVX-512: pairs 0-1, 2-3, 4-5 against 0-1, 2 | 3-4, 5), and every output is the
-    same bits either way, 4-, 5-, 6- (Q6_K) and 8-bit codes, float16, float32 and integer scales alike."""
+    same bits either way, 4-, 5-, 6- (Q6_K) and 8-bit codes, float16, float32 and integer scales alike; and
+    a batch of up to 32 rows (a decode batch: wide tiles where the machine has them) as the 70-row one."""
     if block_quant.load() is None:
         pytest.skip("no compiled kernels")
     weight, _ = random_gguf_tensor(qtype, 43, 256, np.random.default_rng(5))
@@ -233,6 +234,8 @@ def test_int8_panels_same_bits_whichever_tile_runs_a_panel(qtype):
             split = block_quant.matmul_q8_panels(x, panels)
             assert torch.equal(alone, split)
             assert torch.equal(alone[9:10], block_quant.matmul_q8_panels(x[9:10], panels))
+            for rows in (16, 21, 24, 32):  # a decode batch's wide tiles (AVX-512: 16 rows a pair), and the rest
+                assert torch.equal(alone[:rows], block_quant.matmul_q8_panels(x[:rows], panels))
     finally:
         torch.set_num_threads(threads)
 
