@@ -51,9 +51,9 @@ class RequestUpdate:
 @dataclass
 class StepTimes:
     """The engine's steps so far, in two kinds, with the tokens they computed and their time (submit to
-    result): decode steps compute only each request's newest token (with its drafts to verify, when
-    speculating); prompt steps also compute prompt tokens (prefill chunks, alone or beside decodes, and a
-    preempted request's recompute). Their shares of a run's time say whether it is prefill- or decode-bound,
+    result): decode steps compute only each request's newest generated token (with its drafts to verify,
+    when speculating); prompt steps also compute prompt tokens (prefill chunks, a one-token last chunk
+    too, alone or beside decodes, and a preempted request's recompute). Their shares of a run's time say whether it is prefill- or decode-bound,
     and their time per token how fast each kind runs (`tokenmill bench serve` reports both)."""
 
     decode_steps: int = 0
@@ -275,8 +275,11 @@ class Scheduler:
         prompt = False
         for rid in sched.num_scheduled_tokens:
             request = self.requests.get(rid)
-            if request is not None and request.num_computed_tokens < request.num_tokens - 1:
-                prompt = True  # some of its tokens before its newest: a prompt chunk or a recompute
+            # a prompt's chunk (its last one too, however short) or a recompute's: anything before its newest token
+            if request is not None and request.num_computed_tokens < max(
+                request.num_prompt_tokens, request.num_tokens - 1
+            ):
+                prompt = True
                 break
         self.step_times.record(prompt, sched.total_num_scheduled_tokens, seconds)
 
